@@ -1,0 +1,327 @@
+"""Every setting of the tool in one dataclass: its flag, default, help text, group and check.
+
+All four entry points (pipeline.py, train.py, export.py, inference.py) build their argument
+parsers from these fields, so a flag means the same thing everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from utils import ConfigError
+
+MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
+AVAILABLE_MODEL_TYPES = ("image_classifier",)
+QUANTIZE_MODES = ("none", "dynamic", "static")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+BUILTIN_DATASETS = {"builtin:digits": "image_classifier"}
+
+# Short names for ONNX Runtime execution providers; full names are accepted too.
+EP_ALIASES = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "trt": "TensorrtExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "rocm": "ROCMExecutionProvider",
+}
+
+GROUPS = {
+    "data": "data",
+    "training": "training",
+    "export": "export and validation",
+    "quantization": "quantization",
+    "ttc": "test-time compute",
+    "runtime": "runtime",
+    "output": "output",
+}
+
+_TRUE = {"true", "1", "yes", "y", "on"}
+_FALSE = {"false", "0", "no", "n", "off"}
+
+
+def parse_bool(text: str | bool) -> bool:
+    """'true/false', '1/0', 'yes/no', 'on/off' in any case."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false (also 1/0, yes/no), got {text!r}")
+
+
+def parse_providers(text: str) -> list[str]:
+    """'cuda,cpu' -> full ONNX Runtime provider names, in priority order, CPU always last."""
+    names: list[str] = []
+    for raw in str(text).split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        full = EP_ALIASES.get(item.lower())
+        if full is None and item in EP_ALIASES.values():
+            full = item
+        if full is None:
+            valid = ", ".join(sorted(set(EP_ALIASES)))
+            raise ConfigError(f"unknown execution provider {item!r} in --ep",
+                              f"use one or more of: {valid} (comma-separated, highest priority first)")
+        if full not in names:
+            names.append(full)
+    if not names:
+        raise ConfigError("--ep is empty", "use e.g. --ep cpu or --ep cuda,cpu")
+    if "CPUExecutionProvider" in names:
+        names.remove("CPUExecutionProvider")
+    return names + ["CPUExecutionProvider"]
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """'32' -> (32, 32); '24,32' or '24x32' -> (height 24, width 32)."""
+    parts = [p for p in str(text).lower().replace("x", ",").split(",") if p.strip()]
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) == 1:
+        numbers *= 2
+    if len(numbers) != 2 or min(numbers) < 1 or max(numbers) > 4096:
+        raise argparse.ArgumentTypeError(
+            f"expected a size like 32 or 24,32 (height,width, 1..4096), got {text!r}")
+    return numbers[0], numbers[1]
+
+
+def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Sequence | None = None,
+        metavar: str | None = None, flags: Sequence[str] = ()) -> Any:
+    """A Config field with everything argparse needs in its metadata."""
+    meta = {"help": help, "group": group, "type": type, "choices": choices, "metavar": metavar,
+            "flags": tuple(flags)}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # data
+    model_type: str = opt("image_classifier", "what to train", "data", choices=MODEL_TYPES)
+    dataset_path: str | None = opt(
+        None, "builtin:digits, an image folder ROOT/<class>/*.png (optionally with train/ val/ "
+        "test/ subfolders), or a CSV/TSV/JSON/JSONL file with an image-path column and a label "
+        "column (paths relative to the file)", "data", metavar="PATH")
+    image_column: str | None = opt(None, "image-path column of a CSV/JSON dataset "
+                                   "(name or 0-based position; default: detected)", "data",
+                                   metavar="COL")
+    label_column: str | None = opt(None, "label column of a CSV/JSON dataset (name or 0-based "
+                                   "position; default: detected)", "data", metavar="COL")
+    image_size: tuple[int, int] | None = opt(
+        None, "resize images to this size, e.g. 32 or 24,32 (height,width); default: the most "
+        "common size in the data, capped at 64 pixels per side", "data", type=parse_image_size,
+        metavar="SIZE")
+    channels: int | None = opt(None, "1 (grayscale) or 3 (RGB); default: 1 if every image is "
+                               "grayscale, else 3", "data", type=int, choices=(1, 3))
+    val_fraction: float = opt(0.15, "fraction of the data held out for validation (best-epoch "
+                              "selection) when the dataset has no val split", "data", type=float)
+    test_fraction: float = opt(0.15, "fraction of the data held out for the final test when the "
+                               "dataset has no test split", "data", type=float)
+    seed: int = opt(0, "seed for the split, initialisation, augmentation and shuffling", "data",
+                    type=int)
+    # training
+    epochs: int = opt(20, "training epochs (the best epoch on the validation split is kept)",
+                      "training", type=int)
+    batch_size: int = opt(64, "batch size for training, validation and inference", "training",
+                          type=int)
+    learning_rate: float = opt(3e-3, "AdamW peak learning rate (cosine decay)", "training",
+                               type=float, metavar="LR")
+    weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float)
+    train_augment: bool = opt(True, "light random shifts of training images (true/false)",
+                              "training", type=parse_bool, metavar="BOOL")
+    # export
+    opset: int = opt(18, "ONNX opset version", "export", type=int)
+    validate_atol: float = opt(1e-4, "largest allowed |ONNX Runtime - PyTorch| difference on "
+                               "held-out samples; above it the export fails (exit 4)", "export",
+                               type=float, metavar="ATOL")
+    # quantization
+    quantize: str = opt("none", "int8 quantization of the exported graph (not available yet)",
+                        "quantization", choices=QUANTIZE_MODES)
+    # test-time compute
+    tta: bool = opt(False, "test-time augmentation (not available yet)", "ttc", type=parse_bool,
+                    metavar="BOOL")
+    tta_transforms: str = opt("", "comma-separated TTA transforms (with --tta true)", "ttc",
+                              metavar="LIST")
+    ttt: bool = opt(False, "test-time training (not available yet)", "ttc", type=parse_bool,
+                    metavar="BOOL")
+    ttt_iterations: int = opt(1, "adaptation steps per test batch (with --ttt true)", "ttc",
+                              type=int, metavar="N")
+    # runtime
+    ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
+                  "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
+                  "openvino, coreml, rocm", "runtime", metavar="LIST")
+    num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
+                           "(1 is fastest for small models on busy machines)", "runtime",
+                           type=int, metavar="N")
+    # output
+    output_model: str | None = opt(None, "where to write the model bundle: PATH.onnx plus "
+                                   "PATH.json (manifest) and PATH.pt (weights)", "output",
+                                   metavar="PATH.onnx")
+    report_json: str | None = opt(None, "write the final report as JSON to PATH ('-' prints it "
+                                  "on stdout instead of the summary)", "output", metavar="PATH")
+    log_level: str = opt("INFO", "log verbosity on stderr; DEBUG also shows library logs and "
+                         "tracebacks", "output", type=str.upper, choices=LOG_LEVELS)
+    no_progress: bool = opt(False, "hide progress bars (they only show when stderr is a "
+                            "terminal anyway)", "output", type=parse_bool, metavar="BOOL")
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> "Config":
+        """Check every value; raise ConfigError (exit 2) naming the flag and the fix."""
+        _positive("epochs", self.epochs)
+        _positive("batch_size", self.batch_size)
+        _positive("learning_rate", self.learning_rate)
+        if self.weight_decay < 0:
+            _bad("weight_decay", self.weight_decay, "use 0 or a small positive number like 1e-4")
+        if not 0 < self.val_fraction < 1:
+            _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.15")
+        if not 0 < self.test_fraction < 1:
+            _bad("test_fraction", self.test_fraction, "use a fraction between 0 and 1, e.g. 0.15")
+        if self.val_fraction + self.test_fraction > 0.8:
+            raise ConfigError(f"--val_fraction + --test_fraction = "
+                              f"{self.val_fraction + self.test_fraction:g} leaves too little to train on",
+                              "keep their sum at 0.8 or less")
+        if not 7 <= self.opset <= 23:
+            _bad("opset", self.opset, "use an opset between 7 and 23 (18 is the default)")
+        _positive("validate_atol", self.validate_atol)
+        _positive("ttt_iterations", self.ttt_iterations)
+        if self.num_threads < 0:
+            _bad("num_threads", self.num_threads, "use 0 (library default) or a positive count")
+        parse_providers(self.ep)
+        self._validate_paths()
+        return self
+
+    def _validate_paths(self) -> None:
+        if self.dataset_path and self.dataset_path.startswith("builtin:"):
+            if self.dataset_path not in BUILTIN_DATASETS:
+                raise ConfigError(f"unknown built-in dataset {self.dataset_path!r}",
+                                  f"use one of: {', '.join(BUILTIN_DATASETS)}")
+            if BUILTIN_DATASETS[self.dataset_path] != self.model_type:
+                raise ConfigError(f"{self.dataset_path} is data for "
+                                  f"{BUILTIN_DATASETS[self.dataset_path]}, not {self.model_type}",
+                                  f"use --model_type {BUILTIN_DATASETS[self.dataset_path]}")
+        if self.output_model is not None:
+            out = Path(self.output_model)
+            if out.suffix != ".onnx":
+                _bad("output_model", self.output_model, "give a path ending in .onnx, e.g. "
+                     "runs/digits/model.onnx")
+            if out.exists() and out.is_dir():
+                _bad("output_model", self.output_model, "it is a folder; give a file path "
+                     "ending in .onnx")
+        if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
+            _bad("report_json", self.report_json, "it is a folder; give a file path")
+
+    def check_stages_available(self) -> None:
+        """Stages of later issues exist as flags but refuse to run rather than pretend."""
+        if self.model_type not in AVAILABLE_MODEL_TYPES:
+            raise ConfigError(f"--model_type {self.model_type} is not available yet",
+                              "only image_classifier runs in this version")
+        later = [("tta", self.tta, "--tta true", "test-time augmentation"),
+                 ("ttt", self.ttt, "--ttt true", "test-time training"),
+                 ("quantize", self.quantize != "none", f"--quantize {self.quantize}", "quantization")]
+        for _, enabled, flag, what in later:
+            if enabled:
+                raise ConfigError(f"{flag}: {what} is not available yet in this version",
+                                  f"run without {flag.split()[0]}")
+
+    def providers(self) -> list[str]:
+        return parse_providers(self.ep)
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        if self.image_size is not None:
+            data["image_size"] = list(self.image_size)
+        return data
+
+    def summary_lines(self, names: Sequence[str]) -> list[str]:
+        data = self.as_dict()
+        width = max(len(n) for n in names)
+        return [f"  {name:<{width}} = {data[name]!r}" for name in names]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        _bad(name, value, "it must be greater than 0")
+
+
+def _bad(name: str, value: Any, hint: str) -> None:
+    raise ConfigError(f"invalid --{name} {value!r}", hint)
+
+
+# ----------------------------------------------------------------------------- argument parsing
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def build_parser(prog: str, description: str, names: Sequence[str], *, required: Sequence[str] = (),
+                 epilog: str = "", aliases: dict[str, Sequence[str]] | None = None
+                 ) -> OneLineParser:
+    """An argparse parser exposing the Config fields `names`, grouped as in GROUPS."""
+    parser = OneLineParser(prog=prog, description=description, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key, title in GROUPS.items():
+        if any(FIELDS[n].metadata["group"] == key for n in names):
+            groups[key] = parser.add_argument_group(title)
+    for name in names:
+        meta = FIELDS[name].metadata
+        default = FIELDS[name].default
+        flags = [f"--{name}", *((aliases or {}).get(name, ()))]
+        kwargs: dict[str, Any] = {"dest": name, "help": _help_with_default(meta["help"], default),
+                                  "required": name in required}
+        if meta["type"] is not None:
+            kwargs["type"] = meta["type"]
+        if meta["choices"] is not None:
+            kwargs["choices"] = meta["choices"]
+        if meta["metavar"] is not None:
+            kwargs["metavar"] = meta["metavar"]
+        if not kwargs["required"]:
+            kwargs["default"] = argparse.SUPPRESS
+        groups[meta["group"]].add_argument(*flags, **kwargs)
+    return parser
+
+
+def _help_with_default(text: str, default: Any) -> str:
+    if default is None or default == "":
+        return text
+    shown = str(default).lower() if isinstance(default, bool) else default
+    return f"{text} (default: {shown})"
+
+
+def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Config:
+    """Parse argv into a Config; flags not given keep the dataclass defaults."""
+    namespace = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return Config(**vars(namespace))
+
+
+PIPELINE_FLAGS = [f.name for f in fields(Config)]
+
+
+def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+              names: Sequence[str]) -> Config:
+    """Parse, set up logging, validate, and log the configuration summary (stderr)."""
+    from utils import LOG, setup_logging
+
+    config = parse_config(parser, argv)
+    setup_logging(config.log_level)
+    config.validate()
+    config.check_stages_available()
+    LOG.info("configuration:\n%s", "\n".join(config.summary_lines(names)))
+    return config

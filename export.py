@@ -1,0 +1,214 @@
+"""Export a trained network to ONNX, slim it, check it, validate it numerically against PyTorch,
+and write the model bundle (model.onnx, model.json, model.pt) atomically.
+
+    python export.py --output_model runs/digits/model.onnx
+
+reads the weights and manifest that train.py wrote beside that path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import onnx
+import torch
+
+from config import Config, build_parser, start_cli
+from data import DataOptions, load_image_dataset
+from inference import create_session
+from models import WithProbabilities, load_weights, save_weights
+from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json, debug_enabled,
+                   quiet_library_loggers, read_manifest, run_cli, run_with_report, sha256_of,
+                   stdout_to_stderr)
+
+MIN_CHECK_SAMPLES = 32
+MAX_CHECK_SAMPLES = 64
+
+
+@dataclass
+class NumericCheck:
+    max_abs_diff: float
+    top1_agreement: float
+    samples: int
+    batch_sizes: list[int]
+
+
+@dataclass
+class ExportResult:
+    paths: BundlePaths
+    manifest: dict
+    opset: int
+    nodes_before_slim: int
+    nodes_after_slim: int
+    check: NumericCheck
+    atol: float
+    size_bytes: int
+    seconds: float
+
+    def report_section(self) -> dict:
+        return {"path": str(self.paths.onnx), "opset": self.opset,
+                "nodes_before_slim": self.nodes_before_slim,
+                "nodes_after_slim": self.nodes_after_slim,
+                "max_abs_diff": self.check.max_abs_diff, "checker": "passed",
+                "top1_agreement": self.check.top1_agreement,
+                "samples_checked": self.check.samples, "size_bytes": self.size_bytes,
+                "seconds": self.seconds}
+
+
+def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_name: str,
+                 output_names: Sequence[str]) -> onnx.ModelProto:
+    """torch.onnx.export (dynamo) with a dynamic batch axis; the exporter's prints go to stderr."""
+    wrapper = WithProbabilities(net).eval()
+    sample = torch.from_numpy(np.ascontiguousarray(example))
+    try:
+        with stdout_to_stderr():
+            program = torch.onnx.export(
+                wrapper, (sample,), input_names=[input_name], output_names=list(output_names),
+                dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=opset,
+                external_data=False, dynamo=True, verbose=debug_enabled())
+        return program.model_proto
+    except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",
+                          "try the default --opset 18, or --log_level DEBUG for details") from None
+
+
+def slim_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    import onnxslim
+
+    with stdout_to_stderr():
+        return onnxslim.slim(model)
+
+
+def check_graph(model: onnx.ModelProto) -> None:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as err:  # noqa: BLE001 - ValidationError and shape-inference errors
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ExportError(f"onnx.checker rejected the exported graph: {first}",
+                          "rerun with --log_level DEBUG and report it") from None
+
+
+def check_samples(held_out: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """32-64 real samples, held-out first; topped up from training data for tiny datasets."""
+    samples = held_out[:MAX_CHECK_SAMPLES]
+    if len(samples) < MIN_CHECK_SAMPLES:
+        samples = np.concatenate([samples, fallback[: MIN_CHECK_SAMPLES - len(samples)]])
+    while len(samples) < MIN_CHECK_SAMPLES:
+        samples = np.concatenate([samples, samples])[:MIN_CHECK_SAMPLES]
+    return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
+                       atol: float, batch_size: int, num_threads: int) -> NumericCheck:
+    """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
+    session = create_session(model.SerializeToString(), ["CPUExecutionProvider"], num_threads)
+    input_name = session.get_inputs()[0].name
+    wrapper = WithProbabilities(net).eval()
+    with torch.no_grad():
+        expected = [t.numpy() for t in wrapper(torch.from_numpy(samples))]
+    large = max(2, min(len(samples), batch_size))
+    batch_sizes = sorted({1, 7, large})
+    max_diff, agreement = 0.0, 1.0
+    for size in batch_sizes:
+        got = [np.concatenate(parts) for parts in zip(*(
+            session.run(None, {input_name: samples[i:i + size]})
+            for i in range(0, len(samples), size)))]
+        max_diff = max(max_diff, *(float(np.abs(g - e).max()) for g, e in zip(got, expected)))
+        agreement = min(agreement, float((got[0].argmax(1) == expected[0].argmax(1)).mean()))
+    check = NumericCheck(max_diff, agreement, len(samples), batch_sizes)
+    if not max_diff <= atol:
+        raise ExportError(f"numeric check failed: max |onnx - torch| = {max_diff:.3g} > "
+                          f"--validate_atol {atol:g} (top-1 agreement {agreement:.1%} on "
+                          f"{len(samples)} held-out samples, batch sizes {batch_sizes}); "
+                          "the bundle was not written",
+                          "raise --validate_atol if this difference is acceptable")
+    return check
+
+
+def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out: np.ndarray,
+                  train_samples: np.ndarray, paths: BundlePaths) -> ExportResult:
+    """Export → slim → check → validate; only a model that passes every step is written."""
+    started = time.perf_counter()
+    net = net.eval()
+    input_name = manifest["input"]["name"]
+    output_names = [o["name"] for o in manifest["outputs"]]
+    samples = check_samples(held_out, train_samples)
+    exported = export_graph(net, samples[:2], config.opset, input_name, output_names)
+    slimmed = slim_graph(exported)
+    check_graph(slimmed)
+    check = compare_with_torch(slimmed, net, samples, config.validate_atol, config.batch_size,
+                               config.num_threads)
+    LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, top-1 agreement "
+             "%.1f%%", len(exported.graph.node), len(slimmed.graph.node), check.max_abs_diff,
+             100 * check.top1_agreement)
+    result = ExportResult(paths=paths, manifest=manifest, opset=config.opset,
+                          nodes_before_slim=len(exported.graph.node),
+                          nodes_after_slim=len(slimmed.graph.node), check=check,
+                          atol=config.validate_atol, size_bytes=slimmed.ByteSize(),
+                          seconds=round(time.perf_counter() - started, 3))
+    write_bundle(slimmed, net, result)
+    return result
+
+
+def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportResult) -> None:
+    """Weights, then graph, then the manifest that names both by hash, each moved into place
+    atomically: a run killed between two moves leaves a manifest whose hashes expose the mix."""
+    paths, manifest = result.paths, result.manifest
+    weights_sha = save_weights(net, paths.weights)
+    atomic_write(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
+    result.size_bytes = paths.onnx.stat().st_size
+    manifest["export"] = {
+        "exporter": f"torch.onnx.export (dynamo) torch {torch.__version__}",
+        "slimmer": "onnxslim", "opset": result.opset, "checker": "passed (full_check)",
+        "nodes_before_slim": result.nodes_before_slim, "nodes_after_slim": result.nodes_after_slim,
+        "max_abs_diff": result.check.max_abs_diff, "top1_agreement": result.check.top1_agreement,
+        "samples_checked": result.check.samples, "batch_sizes_checked": result.check.batch_sizes,
+        "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds}
+    manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
+                         "sha256": {"onnx": sha256_of(paths.onnx), "weights": weights_sha}}
+    atomic_write_json(paths.manifest, manifest)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+EXPORT_FLAGS = ["output_model", "dataset_path", "opset", "validate_atol", "batch_size",
+                "num_threads", "report_json", "log_level", "no_progress"]
+
+
+def load_held_out(config: Config, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Validation samples for a bundle on disk: its test split, decoded as at training time."""
+    options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
+                                        not config.no_progress)
+    data = load_image_dataset(options, preprocessing=manifest["preprocessing"],
+                              labels=manifest["labels"], splits=("val", "test"))
+    return data.test.x, data.val.x
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(
+        "export.py", "Export the weights train.py wrote to ONNX, slim, check and validate them "
+        "against PyTorch on held-out data, and complete the bundle.", EXPORT_FLAGS,
+        required=["output_model"],
+        epilog="example:\n  python train.py --dataset_path builtin:digits --output_model "
+               "runs/digits/model.onnx\n  python export.py --output_model runs/digits/model.onnx")
+    config = start_cli(parser, argv, EXPORT_FLAGS)
+    quiet_library_loggers()
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+
+    def stages(report: dict) -> None:
+        paths = BundlePaths.from_model_path(config.output_model)
+        manifest = read_manifest(paths)
+        net = load_weights(manifest, paths.weights)
+        held_out, fallback = load_held_out(config, manifest)
+        result = export_bundle(config, net, manifest, held_out, fallback, paths)
+        report["export"] = result.report_section()
+
+    return run_with_report(config, stages)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))

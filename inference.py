@@ -1,0 +1,186 @@
+"""Run a model bundle with ONNX Runtime: accuracy, latency and throughput on held-out data.
+
+    python inference.py --model runs/digits/model.onnx
+
+evaluates the test split of the dataset recorded in the bundle (or --dataset_path, split the same
+way). This path imports neither torch nor dspy.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from config import Config, build_parser, parse_providers, start_cli
+from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, debug_enabled, progress,
+                   read_manifest, require_onnx_in_bundle, run_cli, run_with_report)
+
+WARMUP_RUNS = 3
+MIN_TIMED_BATCHES = 30
+MAX_TIMING_SECONDS = 2.0
+
+
+def create_session(model: str | bytes, providers: Sequence[str], num_threads: int
+                   ) -> ort.InferenceSession:
+    """An ORT session with all graph optimisations, on the first usable provider of `providers`.
+
+    onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU and then silently
+    runs on CPU; we compare what is active with what was asked and say so.
+    """
+    available = ort.get_available_providers()
+    usable = [p for p in providers if p in available]
+    for missing in (p for p in providers if p not in available):
+        LOG.warning("execution provider %s is not in this onnxruntime build (available: %s); "
+                    "skipping it", missing, ", ".join(available))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    # Provider load failures are ours to report in one line; ORT's own are shown at DEBUG.
+    options.log_severity_level = 0 if debug_enabled() else 4
+    try:
+        session = ort.InferenceSession(model, options, providers=usable or ["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
+        name = model if isinstance(model, str) else "the exported graph"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ExportError(f"ONNX Runtime cannot load {name}: {first}",
+                          "the file may be truncated or not an ONNX model; re-run export.py "
+                          "or pipeline.py") from None
+    inactive = [p for p in usable if p not in session.get_providers()]
+    if inactive:
+        LOG.warning("requested %s but it could not start here (missing drivers or libraries); "
+                    "running on %s", ", ".join(inactive), ", ".join(session.get_providers()))
+    return session
+
+
+def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
+                  output: str = "probabilities") -> np.ndarray:
+    name = session.get_inputs()[0].name
+    parts = [session.run([output], {name: x[i:i + batch_size]})[0]
+             for i in range(0, len(x), batch_size)]
+    return np.concatenate(parts)
+
+
+def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
+                 show_progress: bool) -> list[float]:
+    """Seconds per session.run over whole passes of `x`, after a warm-up.
+
+    Enough passes for at least MIN_TIMED_BATCHES batches (so p95 means something), stopping
+    early once MAX_TIMING_SECONDS are spent (always at least one full pass).
+    """
+    name = session.get_inputs()[0].name
+    batches = [np.ascontiguousarray(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    for _ in range(WARMUP_RUNS):
+        session.run(None, {name: batches[0]})
+    passes = max(1, math.ceil(MIN_TIMED_BATCHES / len(batches)))
+    seconds: list[float] = []
+    budget_end = time.perf_counter() + MAX_TIMING_SECONDS
+    for pass_index in progress(range(passes), desc="timing", enabled=show_progress):
+        for batch in batches:
+            start = time.perf_counter()
+            session.run(None, {name: batch})
+            seconds.append(time.perf_counter() - start)
+        if time.perf_counter() > budget_end:
+            break
+    return seconds
+
+
+@dataclass
+class InferenceResult:
+    providers_requested: list[str]
+    providers_active: list[str]
+    model_path: str
+    accuracy: float
+    latency_ms_p50: float
+    latency_ms_p95: float
+    throughput_per_s: float
+    batch_size: int
+    samples: int
+    timed_batches: int
+
+    def report_section(self) -> dict:
+        return dict(vars(self))
+
+
+def load_bundle_session(paths: BundlePaths, providers: Sequence[str], num_threads: int
+                        ) -> tuple[dict, ort.InferenceSession]:
+    """Manifest + verified graph + session whose input matches what the manifest promises."""
+    manifest = read_manifest(paths)
+    require_onnx_in_bundle(paths, manifest)
+    session = create_session(str(paths.onnx), providers, num_threads)
+    graph_input = session.get_inputs()[0]
+    if graph_input.name != manifest["input"]["name"]:
+        raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
+                          f"{manifest['input']['name']!r}", "re-run export.py or pipeline.py")
+    return manifest, session
+
+
+def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
+             model_path: Path) -> InferenceResult:
+    """Test accuracy, then per-batch latency and throughput at --batch_size."""
+    if len(x) == 0:
+        raise RuntimeFailure("no test samples to run", "check the dataset's test split")
+    accuracy = float((predict_proba(session, x, config.batch_size).argmax(1) == y).mean())
+    seconds = time_batches(session, x, config.batch_size, not config.no_progress)
+    batches_per_pass = math.ceil(len(x) / config.batch_size)
+    samples_timed = len(x) * (len(seconds) // batches_per_pass) + sum(
+        len(x[i * config.batch_size:(i + 1) * config.batch_size])
+        for i in range(len(seconds) % batches_per_pass))
+    latencies_ms = np.array(seconds) * 1e3
+    return InferenceResult(
+        providers_requested=config.providers(), providers_active=session.get_providers(),
+        model_path=str(model_path), accuracy=accuracy,
+        latency_ms_p50=round(float(np.percentile(latencies_ms, 50)), 4),
+        latency_ms_p95=round(float(np.percentile(latencies_ms, 95)), 4),
+        throughput_per_s=round(samples_timed / float(np.sum(seconds)), 1),
+        batch_size=config.batch_size, samples=len(x), timed_batches=len(seconds))
+
+
+def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np.ndarray
+                        ) -> InferenceResult:
+    _, session = load_bundle_session(paths, config.providers(), config.num_threads)
+    result = evaluate(session, x, y, config, paths.onnx)
+    LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
+             ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
+             config.batch_size, result.throughput_per_s)
+    return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+INFERENCE_FLAGS = ["output_model", "dataset_path", "batch_size", "ep", "num_threads",
+                   "report_json", "log_level", "no_progress"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(
+        "inference.py", "Evaluate a model bundle with ONNX Runtime on the test split of its "
+        "dataset (or of --dataset_path): accuracy, latency p50/p95 and throughput.",
+        INFERENCE_FLAGS, required=["output_model"], aliases={"output_model": ["--model"]},
+        epilog="example:\n  python inference.py --model runs/digits/model.onnx --batch_size 64 "
+               "--ep cpu --report_json runs/digits/inference.json")
+    config = start_cli(parser, argv, INFERENCE_FLAGS)
+
+    def stages(report: dict) -> None:
+        from data import DataOptions, load_image_dataset
+
+        paths = BundlePaths.from_model_path(config.output_model)
+        manifest = read_manifest(paths)
+        options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
+                                            not config.no_progress)
+        data = load_image_dataset(options, preprocessing=manifest["preprocessing"],
+                                  labels=manifest["labels"], splits=("test",))
+        report["dataset"] = data.report_section()
+        result = run_inference_stage(config, paths, data.test.x, data.test.y)
+        report["inference"] = result.report_section()
+
+    return run_with_report(config, stages)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))

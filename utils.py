@@ -1,0 +1,378 @@
+"""Shared plumbing: errors with exit codes, logging to stderr, progress bars, atomic writes,
+keeping noisy libraries off stdout, the bundle manifest, and the human summary of a report.
+
+Nothing here imports torch or dspy: the inference path must start lean.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+# Set before any heavy import anywhere in the process: stop ORT telemetry files and litellm's
+# network fetch of its cost map (dspy imports litellm lazily).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+LOG = logging.getLogger("ttc")
+
+# Exit codes (README "Exit codes"; ../shared/DESIGN.md §5).
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_DATA = 3
+EXIT_EXPORT = 4
+EXIT_RUNTIME = 5
+EXIT_INTERRUPTED = 130
+
+BUNDLE_FORMAT = "ttc-model-bundle"
+BUNDLE_FORMAT_VERSION = 1
+
+
+class PipelineError(Exception):
+    """An error the user can act on: one line of what is wrong, one hint of how to fix it."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = self.message.rstrip(".")
+        return f"{text}; {self.hint}" if self.hint else text
+
+
+class ConfigError(PipelineError):
+    exit_code = EXIT_USAGE
+
+
+class DataError(PipelineError):
+    exit_code = EXIT_DATA
+
+
+class ExportError(PipelineError):
+    exit_code = EXIT_EXPORT
+
+
+class RuntimeFailure(PipelineError):
+    exit_code = EXIT_RUNTIME
+
+
+# ----------------------------------------------------------------------------- logging / output
+
+_DEBUG = False
+
+
+def setup_logging(level: str) -> None:
+    """Our logs and every library's go to stderr; library chatter only shows at DEBUG."""
+    global _DEBUG
+    _DEBUG = level.upper() == "DEBUG"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING if not _DEBUG else logging.DEBUG)
+    LOG.setLevel(level.upper())
+    quiet_library_loggers()
+    if not _DEBUG:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+
+
+def quiet_library_loggers() -> None:
+    """Library INFO/WARNING chatter only at DEBUG. Call again after importing torch or dspy:
+    both reset their loggers when imported."""
+    level = logging.DEBUG if _DEBUG else logging.ERROR
+    for name in ("dspy", "torch", "torch.onnx", "torch.export", "torch._dynamo", "onnxscript",
+                 "onnxslim", "LiteLLM", "httpx"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not _DEBUG:
+            logger.propagate = False
+            logger.handlers[:] = []
+
+
+def debug_enabled() -> bool:
+    return _DEBUG
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout (Python prints and C-level writes) to stderr.
+
+    The torch exporter, onnxslim and DSPy print progress to stdout; our stdout is reserved for
+    the final summary or JSON, which scripts parse.
+    """
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+
+
+def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "",
+             enabled: bool = True, leave: bool = False):
+    """A tqdm bar on stderr, shown only when stderr is a terminal and progress is enabled."""
+    from tqdm import tqdm
+
+    show = enabled and sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=not show, leave=leave,
+                dynamic_ncols=True)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Run a CLI entry point: map our errors to one stderr line and an exit code.
+
+    A traceback is printed only at --log_level DEBUG.
+    """
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    prog = Path(sys.argv[0]).name
+    try:
+        return main(argv)
+    except PipelineError as err:
+        _print_traceback_if_debug()
+        print(f"{prog}: error: {err.one_line()}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except MemoryError:
+        _print_traceback_if_debug()
+        print(f"{prog}: error: out of memory; lower --batch_size or use smaller images",
+              file=sys.stderr)
+        return EXIT_RUNTIME
+    except Exception as err:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+        _print_traceback_if_debug()
+        first = (str(err).strip().splitlines() or [""])[0]
+        print(f"{prog}: error: unexpected {type(err).__name__}: {first}; "
+              "rerun with --log_level DEBUG for the traceback and report it", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def _print_traceback_if_debug() -> None:
+    if _DEBUG:
+        traceback.print_exc(file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- atomic files
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp) on a temporary file beside `path`, fsync it, then move it into place.
+
+    A run killed at any moment leaves either the old file or the new one, never a partial one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; keep the usual mode
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the model bundle
+
+
+@dataclass(frozen=True)
+class BundlePaths:
+    """The files of one model bundle, all sharing the stem of `--output_model`."""
+
+    onnx: Path
+    manifest: Path
+    weights: Path
+
+    @classmethod
+    def from_model_path(cls, model_path: str | Path) -> "BundlePaths":
+        onnx_path = Path(model_path)
+        if onnx_path.suffix != ".onnx":
+            onnx_path = onnx_path.with_suffix(".onnx")
+        return cls(onnx=onnx_path, manifest=onnx_path.with_suffix(".json"),
+                   weights=onnx_path.with_suffix(".pt"))
+
+
+def read_manifest(paths: BundlePaths) -> dict:
+    """Load and sanity-check a bundle manifest; any problem is an ExportError (exit 4)."""
+    if not paths.manifest.is_file():
+        raise ExportError(f"bundle manifest {paths.manifest} not found",
+                          "train first (pipeline.py or train.py) with --output_model "
+                          f"{paths.onnx}")
+    try:
+        manifest = json.loads(paths.manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"bundle manifest {paths.manifest} is not valid JSON ({err})",
+                          "re-create the bundle with pipeline.py") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise ExportError(f"{paths.manifest} is not a model bundle manifest",
+                          "pass the .onnx written by pipeline.py or export.py")
+    if manifest.get("format_version") != BUNDLE_FORMAT_VERSION:
+        raise ExportError(f"{paths.manifest} has format version {manifest.get('format_version')!r}, "
+                          f"this tool reads version {BUNDLE_FORMAT_VERSION}",
+                          "re-create the bundle with this version of the tool")
+    for key in ("model_type", "labels", "input", "preprocessing", "architecture"):
+        if key not in manifest:
+            raise ExportError(f"{paths.manifest} lacks the key {key!r}",
+                              "re-create the bundle with pipeline.py")
+    return manifest
+
+
+def require_onnx_in_bundle(paths: BundlePaths, manifest: dict) -> None:
+    """Refuse an .onnx that is missing or belongs to another run than its manifest."""
+    files = manifest.get("files") or {}
+    expected = (files.get("sha256") or {}).get("onnx")
+    if not files.get("onnx") or not expected:
+        raise ExportError(f"bundle {paths.manifest} has no exported ONNX graph yet",
+                          f"run: python export.py --output_model {paths.onnx}")
+    if not paths.onnx.is_file():
+        raise ExportError(f"model file {paths.onnx} not found",
+                          "re-run export.py or pipeline.py to write it")
+    if sha256_of(paths.onnx) != expected:
+        raise ExportError(f"{paths.onnx} does not match its manifest {paths.manifest.name} "
+                          "(sha256 differs: the files come from different runs or were modified)",
+                          f"re-run: python export.py --output_model {paths.onnx}")
+
+
+# ----------------------------------------------------------------------------- report summary
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value)
+    return str(value)
+
+
+_SUMMARY_KEYS: dict[str, list[tuple[str, str]]] = {
+    "dataset": [("path", "path"), ("model_type", "model type"), ("num_classes", "classes"),
+                ("train", "train samples"), ("val", "val samples"), ("test", "test samples"),
+                ("skipped_images", "skipped images")],
+    "train": [("epochs_run", "epochs run"), ("best_epoch", "best epoch"),
+              ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"),
+              ("seconds", "seconds")],
+    "export": [("path", "model"), ("opset", "opset"), ("nodes_before_slim", "nodes before slim"),
+               ("nodes_after_slim", "nodes after slim"), ("size_bytes", "size (bytes)"),
+               ("checker", "onnx.checker"), ("max_abs_diff", "max |onnx - torch|"),
+               ("top1_agreement", "top-1 agreement"), ("seconds", "seconds")],
+    "inference": [("model_path", "model"), ("providers_active", "providers"),
+                  ("accuracy", "test accuracy"), ("batch_size", "batch size"),
+                  ("latency_ms_p50", "latency p50 (ms/batch)"),
+                  ("latency_ms_p95", "latency p95 (ms/batch)"),
+                  ("throughput_per_s", "throughput (samples/s)")],
+}
+
+
+def format_summary(report: dict) -> str:
+    """The human-readable final summary: one block per stage that ran."""
+    lines = [f"status: {report.get('status')}"]
+    if report.get("error"):
+        lines.append(f"error: {report['error']['message']} (exit {report['error']['code']})")
+    for section, keys in _SUMMARY_KEYS.items():
+        data = report.get(section)
+        if not data:
+            continue
+        lines.append(f"{section}:")
+        for key, label in keys:
+            if data.get(key) is not None:
+                lines.append(f"  {label:<26} {_fmt(data[key])}")
+    if report.get("seconds_total") is not None:
+        lines.append(f"total seconds: {report['seconds_total']:.1f}")
+    return "\n".join(lines)
+
+
+def emit_report(report: dict, report_json: str | None) -> None:
+    """Write the report JSON (atomically, or to stdout with '-') and the human summary."""
+    if report_json == "-":
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        if report_json:
+            atomic_write_json(report_json, report)
+        sys.stdout.write(format_summary(report) + "\n")
+    sys.stdout.flush()
+
+
+def error_section(err: BaseException) -> dict:
+    if isinstance(err, PipelineError):
+        return {"code": err.exit_code, "message": err.one_line()}
+    if isinstance(err, KeyboardInterrupt):
+        return {"code": EXIT_INTERRUPTED, "message": "interrupted"}
+    return {"code": EXIT_RUNTIME, "message": f"unexpected {type(err).__name__}: {err}"}
+
+
+REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "inference", "tta", "ttt", "iterative")
+
+
+def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
+    """Run `stages(report)`, which fills report sections; then write the report and summary.
+
+    On failure the report (status "error", the sections that finished) is still written where
+    --report_json asked, and the error propagates to run_cli for its one line and exit code.
+    """
+    import time
+
+    started = time.perf_counter()
+    report: dict[str, Any] = {"version": 1, "status": "running", "error": None,
+                              "config": config.as_dict(), **{s: None for s in REPORT_SECTIONS}}
+    try:
+        stages(report)
+    except BaseException as err:
+        report.update(status="error", error=error_section(err),
+                      seconds_total=round(time.perf_counter() - started, 3))
+        if config.report_json == "-":
+            sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        elif config.report_json:
+            atomic_write_json(config.report_json, report)
+        raise
+    report.update(status="ok", seconds_total=round(time.perf_counter() - started, 3))
+    emit_report(report, config.report_json)
+    return EXIT_OK
