@@ -321,7 +321,7 @@ def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 
     config = parse_config(parser, argv)
     setup_logging(config.log_level)
-    config.validate()
     config.check_stages_available()
+    config.validate()
     LOG.info("configuration:\n%s", "\n".join(config.summary_lines(names)))
     return config

@@ -78,6 +78,31 @@ def random_shift(pixels: torch.Tensor, max_shift: int, generator: torch.Generato
     return F.grid_sample(pixels, grid, mode="nearest", padding_mode="border", align_corners=False)
 
 
+def recalibrate_batchnorm(net: nn.Module, x: torch.Tensor, batch_size: int,
+                          max_samples: int = 4096) -> None:
+    """Re-estimate BatchNorm running statistics for the current weights on clean training data.
+
+    The running averages lag the weights (momentum 0.1): on small datasets with few steps they
+    are far off, and eval-mode accuracy collapses although training accuracy is perfect.
+    """
+    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    saved = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the batches below
+    net.train()
+    with torch.no_grad():
+        for start in range(0, min(len(x), max_samples), batch_size):
+            batch = x[start:start + batch_size]
+            if len(batch) > 1:
+                net(batch)
+    for m, momentum in zip(norms, saved):
+        m.momentum = momentum
+    net.eval()
+
+
 @dataclass
 class EpochRecord:
     epoch: int
@@ -122,6 +147,8 @@ class WeightTrainer(Teleprompter):
             started = time.perf_counter()
             loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule, generator,
                                                max_shift, epoch)
+            recalibrate_batchnorm(program.net, x[torch.randperm(len(x), generator=generator)],
+                                  self.batch_size)
             with stdout_to_stderr():
                 score = evaluate(program).score / 100.0
             record = EpochRecord(epoch, loss, accuracy, score, round(time.perf_counter() - started, 3))

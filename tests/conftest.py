@@ -1,0 +1,93 @@
+"""Helpers shared by the tests: run the CLIs as subprocesses and write small real datasets."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FAST_TRAINING = ["--epochs", "4", "--no_progress", "true"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if "error:" in line]
+
+
+def run_cli(script: str, *args: str, timeout: int = 600) -> Run:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def assert_clean_failure(run: Run, code: int, *phrases: str) -> None:
+    """Exit `code`, exactly one 'error:' line on stderr mentioning `phrases`, no traceback."""
+    assert run.returncode == code, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    lines = run.error_lines()
+    assert len(lines) == 1, run.stderr[-2000:]
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
+def digits_images(classes: tuple[int, ...], per_class: int, size: int = 16):
+    """Real handwritten digits (scikit-learn's bundled set) as 8-bit grayscale PIL images."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for label in classes:
+        rows = np.flatnonzero(digits.target == label)[:per_class]
+        for row in rows:
+            pixels = (digits.images[row] * 255 / 16).astype(np.uint8)
+            yield str(label), int(row), Image.fromarray(pixels).resize((size, size), Image.NEAREST)
+
+
+def write_image_folder(root: Path, classes=(0, 1, 2), per_class: int = 40, rgb: bool = False,
+                       splits: bool = False) -> Path:
+    """ROOT/<class>/*.png, or ROOT/{train,test}/<class>/*.png with splits=True (1 in 4 to test)."""
+    for label, row, img in digits_images(classes, per_class):
+        folder = root / ("test" if row % 4 == 0 else "train") / label if splits else root / label
+        folder.mkdir(parents=True, exist_ok=True)
+        (img.convert("RGB") if rgb else img).save(folder / f"{row}.png")
+    return root
+
+
+def write_image_table(root: Path, fmt: str, classes=(0, 1, 2), per_class: int = 40) -> Path:
+    """A CSV or JSONL table of relative image paths and labels, the images beside it."""
+    records = []
+    for label, row, img in digits_images(classes, per_class):
+        (root / "imgs").mkdir(parents=True, exist_ok=True)
+        img.save(root / "imgs" / f"{row}.png")
+        records.append({"file": f"imgs/{row}.png", "digit": f"d{label}"})
+    path = root / f"table.{fmt}"
+    if fmt == "csv":
+        path.write_text("file,digit\n" + "".join(f"{r['file']},{r['digit']}\n" for r in records))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="session")
+def digits_bundle(tmp_path_factory) -> dict:
+    """One full pipeline run on builtin:digits, shared by the tests that inspect its artifacts."""
+    out = tmp_path_factory.mktemp("digits")
+    model = out / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "image_classifier", "--dataset_path",
+                  "builtin:digits", "--output_model", model, "--report_json", out / "report.json",
+                  *FAST_TRAINING)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"dir": out, "model": model, "run": run,
+            "report": json.loads((out / "report.json").read_text())}

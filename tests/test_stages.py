@@ -1,0 +1,74 @@
+"""train.py → export.py → inference.py on their own, and what happens to a bundle on failure."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnxruntime as ort
+
+from conftest import assert_clean_failure, run_cli, write_image_folder
+
+
+def test_stage_clis_chain_into_a_working_bundle(tmp_path):
+    root = write_image_folder(tmp_path / "data", per_class=30)
+    model = tmp_path / "bundle" / "model.onnx"
+    train = run_cli("train.py", "--dataset_path", root, "--output_model", model, "--epochs", "6",
+                    "--batch_size", "16", "--no_progress", "true")
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert model.with_suffix(".pt").is_file() and model.with_suffix(".json").is_file()
+    assert not model.exists()
+
+    early = run_cli("inference.py", "--model", model)
+    assert_clean_failure(early, 4, "no exported ONNX graph", "export.py")
+
+    export = run_cli("export.py", "--output_model", model, "--report_json", tmp_path / "e.json")
+    assert export.returncode == 0, export.stderr[-2000:]
+    figures = json.loads((tmp_path / "e.json").read_text())["export"]
+    assert figures["max_abs_diff"] <= 1e-4 and figures["checker"] == "passed"
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[1].name == "probabilities"
+
+    infer = run_cli("inference.py", "--model", model, "--report_json", "-")
+    assert infer.returncode == 0, infer.stderr[-2000:]
+    report = json.loads(infer.stdout)
+    assert report["inference"]["accuracy"] >= 0.7 and report["dataset"]["test"] > 0
+
+
+def test_failed_validation_keeps_the_previous_bundle(digits_bundle, tmp_path):
+    bundle = tmp_path / "keep"
+    shutil.copytree(digits_bundle["dir"], bundle)
+    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--output_model",
+                  bundle / "model.onnx", "--epochs", "1", "--validate_atol", "1e-12",
+                  "--report_json", bundle / "failed.json", "--no_progress", "true")
+    assert_clean_failure(run, 4, "numeric check failed", "--validate_atol")
+    report = json.loads((bundle / "failed.json").read_text())
+    assert report["status"] == "error" and report["error"]["code"] == 4
+    assert report["train"]["epochs_run"] == 1 and report["export"] is None
+    after = {p.name: p.read_bytes() for p in bundle.iterdir() if p.name != "failed.json"}
+    assert after == before  # nothing overwritten, no temporary files left behind
+
+
+def test_truncated_model_is_refused(digits_bundle, tmp_path):
+    bundle = tmp_path / "cut"
+    shutil.copytree(digits_bundle["dir"], bundle)
+    data = (bundle / "model.onnx").read_bytes()
+    (bundle / "model.onnx").write_bytes(data[: len(data) // 3])
+    run = run_cli("inference.py", "--model", bundle / "model.onnx")
+    assert_clean_failure(run, 4, "does not match its manifest")
+
+
+def test_foreign_onnx_without_manifest_is_refused(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"not an onnx file")
+    run = run_cli("inference.py", "--model", tmp_path / "model.onnx")
+    assert_clean_failure(run, 4, "manifest", "not found")
+
+
+def test_export_without_weights_fails_cleanly(tmp_path):
+    run = run_cli("export.py", "--output_model", tmp_path / "none.onnx")
+    assert_clean_failure(run, 4, "manifest")
+
+
+def test_debug_log_level_shows_the_traceback(tmp_path):
+    run = run_cli("inference.py", "--model", tmp_path / "none.onnx", "--log_level", "DEBUG")
+    assert run.returncode == 4 and "Traceback" in run.stderr
