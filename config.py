@@ -106,7 +106,8 @@ def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Seque
 @dataclass
 class Config:
     # data
-    model_type: str = opt("image_classifier", "what to train", "data", choices=MODEL_TYPES)
+    model_type: str = opt("image_classifier", "what to train (text_classifier and tabular_classifier are not "
+                                  "available yet)", "data", choices=MODEL_TYPES)
     dataset_path: str | None = opt(
         None, "builtin:digits, an image folder ROOT/<class>/*.png (optionally with train/ val/ "
         "test/ subfolders), or a CSV/TSV/JSON/JSONL file with an image-path column and a label "
@@ -133,14 +134,14 @@ class Config:
                       "training", type=int)
     batch_size: int = opt(64, "batch size for training, validation and inference", "training",
                           type=int)
-    learning_rate: float = opt(3e-3, "AdamW peak learning rate (cosine decay)", "training",
+    learning_rate: float = opt(3e-3, "AdamW peak learning rate of the one-cycle schedule (warm-up, then cosine decay)", "training",
                                type=float, metavar="LR")
     weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float)
     train_augment: bool = opt(True, "light random shifts of training images (true/false)",
                               "training", type=parse_bool, metavar="BOOL")
     # export
     opset: int = opt(18, "ONNX opset version", "export", type=int)
-    validate_atol: float = opt(1e-4, "largest allowed |ONNX Runtime - PyTorch| difference on "
+    validate_atol: float = opt(1e-4, "largest allowed absolute difference between ONNX Runtime and PyTorch outputs on "
                                "held-out samples; above it the export fails (exit 4)", "export",
                                type=float, metavar="ATOL")
     # quantization
