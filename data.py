@@ -125,8 +125,9 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
     training split.
     """
     items, given, builtin_pixels = _list_items(options)
-    labels = list(labels) if labels is not None else _sorted_labels(i.label for i in items)
-    _check_labels(items, labels, options.path)
+    trained = labels is not None
+    labels = list(labels) if trained else _sorted_labels(i.label for i in items if i.split == "train")
+    _check_labels(items, labels, options.path, trained)
     if preprocessing is None:
         preprocessing = _derive_preprocessing(items, builtin_pixels, options)
     decoded: dict[str, Split] = {}
@@ -218,7 +219,7 @@ def _class_folder_items(root: Path, split: str) -> list[_Item]:
 def _list_folder(root: Path, options: DataOptions) -> tuple[list[_Item], bool]:
     if (root / "train").is_dir():
         items = _class_folder_items(root / "train", "train")
-        missing = {s: options.__dict__[f"{s}_fraction"] for s in ("val", "test")
+        missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test")
                    if not (root / s).is_dir()}
         for split in ("val", "test"):
             if split not in missing:
@@ -315,16 +316,17 @@ def _sorted_labels(values) -> list[str]:
     return sorted(unique)
 
 
-def _check_labels(items: list[_Item], labels: list[str], source: str) -> None:
-    train_labels = {i.label for i in items if i.split == "train"} or {i.label for i in items}
-    if len(set(labels)) < 2 or len(train_labels) < 2:
-        found = sorted(train_labels)
-        raise DataError(f"{source} has {len(found)} class(es) {found}; a classifier needs at "
-                        "least 2", "add a folder (or label) per class")
+def _check_labels(items: list[_Item], labels: list[str], source: str, trained: bool) -> None:
+    if len(labels) < 2:
+        raise DataError(f"{source} has {len(labels)} class(es) {labels} for training; a "
+                        "classifier needs at least 2", "add a folder (or label) per class")
     unknown = sorted({i.label for i in items} - set(labels))
-    if unknown:
+    if unknown and trained:
         raise DataError(f"{source} has labels the model was not trained on: {unknown[:5]}",
                         f"the model knows {labels}")
+    if unknown:
+        raise DataError(f"{source} has classes in its val/test split that the training split "
+                        f"lacks: {unknown[:5]}", "add training images for them or remove them")
 
 
 def _assign_splits(items: list[_Item], val_fraction: float, test_fraction: float,

@@ -67,8 +67,8 @@ def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
 
 
 def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
-                 show_progress: bool) -> list[float]:
-    """Seconds per session.run over whole passes of `x`, after a warm-up.
+                 show_progress: bool) -> list[tuple[float, int]]:
+    """(seconds, samples) per session.run over whole passes of `x`, after a warm-up.
 
     Enough passes for at least MIN_TIMED_BATCHES batches (so p95 means something), stopping
     early once MAX_TIMING_SECONDS are spent (always at least one full pass).
@@ -78,16 +78,16 @@ def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
     for _ in range(WARMUP_RUNS):
         session.run(None, {name: batches[0]})
     passes = max(1, math.ceil(MIN_TIMED_BATCHES / len(batches)))
-    seconds: list[float] = []
+    timings: list[tuple[float, int]] = []
     budget_end = time.perf_counter() + MAX_TIMING_SECONDS
-    for pass_index in progress(range(passes), desc="timing", enabled=show_progress):
+    for _ in progress(range(passes), desc="timing", enabled=show_progress):
         for batch in batches:
             start = time.perf_counter()
             session.run(None, {name: batch})
-            seconds.append(time.perf_counter() - start)
+            timings.append((time.perf_counter() - start, len(batch)))
         if time.perf_counter() > budget_end:
             break
-    return seconds
+    return timings
 
 
 @dataclass
@@ -126,19 +126,16 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
     if len(x) == 0:
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
     accuracy = float((predict_proba(session, x, config.batch_size).argmax(1) == y).mean())
-    seconds = time_batches(session, x, config.batch_size, not config.no_progress)
-    batches_per_pass = math.ceil(len(x) / config.batch_size)
-    samples_timed = len(x) * (len(seconds) // batches_per_pass) + sum(
-        len(x[i * config.batch_size:(i + 1) * config.batch_size])
-        for i in range(len(seconds) % batches_per_pass))
-    latencies_ms = np.array(seconds) * 1e3
+    timings = time_batches(session, x, config.batch_size, not config.no_progress)
+    seconds = np.array([s for s, _ in timings])
+    latencies_ms = seconds * 1e3
     return InferenceResult(
         providers_requested=config.providers(), providers_active=session.get_providers(),
         model_path=str(model_path), accuracy=accuracy,
         latency_ms_p50=round(float(np.percentile(latencies_ms, 50)), 4),
         latency_ms_p95=round(float(np.percentile(latencies_ms, 95)), 4),
-        throughput_per_s=round(samples_timed / float(np.sum(seconds)), 1),
-        batch_size=config.batch_size, samples=len(x), timed_batches=len(seconds))
+        throughput_per_s=round(sum(n for _, n in timings) / float(seconds.sum()), 1),
+        batch_size=config.batch_size, samples=len(x), timed_batches=len(timings))
 
 
 def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np.ndarray

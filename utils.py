@@ -368,10 +368,13 @@ def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
     except BaseException as err:
         report.update(status="error", error=error_section(err),
                       seconds_total=round(time.perf_counter() - started, 3))
-        if config.report_json == "-":
-            sys.stdout.write(json.dumps(report, indent=2) + "\n")
-        elif config.report_json:
-            atomic_write_json(config.report_json, report)
+        try:
+            if config.report_json == "-":
+                sys.stdout.write(json.dumps(report, indent=2) + "\n")
+            elif config.report_json:
+                atomic_write_json(config.report_json, report)
+        except OSError as write_err:  # never let the report hide the real error
+            LOG.warning("could not write the report to %s: %s", config.report_json, write_err)
         raise
     report.update(status="ok", seconds_total=round(time.perf_counter() - started, 3))
     emit_report(report, config.report_json)

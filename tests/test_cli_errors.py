@@ -136,3 +136,12 @@ def test_unsupported_file_type_exits_3(tmp_path):
 def test_empty_table_exits_3(tmp_path):
     (tmp_path / "t.csv").write_text("")
     data_error(tmp_path, tmp_path / "t.csv", "t.csv")
+
+
+def test_class_missing_from_the_training_split_exits_3(tmp_path):
+    root = write_image_folder(tmp_path / "data", splits=True)
+    extra = root / "test" / "9"
+    extra.mkdir()
+    (root / "test" / "0" / next(iter(sorted(p.name for p in (root / "test" / "0").iterdir())))
+     ).rename(extra / "moved.png")
+    data_error(tmp_path, root, "training split lacks", "['9']")
