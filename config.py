@@ -14,10 +14,12 @@ from typing import Any, Sequence
 from utils import ConfigError
 
 MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
-AVAILABLE_MODEL_TYPES = ("image_classifier",)
 QUANTIZE_MODES = ("none", "dynamic", "static")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-BUILTIN_DATASETS = {"builtin:digits": "image_classifier"}
+BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabular_classifier",
+                    "builtin:wine": "tabular_classifier",
+                    "builtin:breast_cancer": "tabular_classifier"}
+TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
 
 # Short names for ONNX Runtime execution providers; full names are accepted too.
 EP_ALIASES = {
@@ -106,23 +108,41 @@ def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Seque
 @dataclass
 class Config:
     # data
-    model_type: str = opt("image_classifier", "what to train (text_classifier and tabular_classifier are not "
-                                  "available yet)", "data", choices=MODEL_TYPES)
+    model_type: str = opt("image_classifier", "what to train", "data", choices=MODEL_TYPES)
     dataset_path: str | None = opt(
-        None, "builtin:digits, an image folder ROOT/<class>/*.png (optionally with train/ val/ "
-        "test/ subfolders), or a CSV/TSV/JSON/JSONL file with an image-path column and a label "
-        "column (paths relative to the file)", "data", metavar="PATH")
-    image_column: str | None = opt(None, "image-path column of a CSV/JSON dataset "
-                                   "(name or 0-based position; default: detected)", "data",
+        None, "images: builtin:digits, a folder ROOT/<class>/*.png (optionally with train/ val/ "
+        "test/ subfolders), or a table of image paths and labels; text and tabular: a "
+        "CSV/TSV/JSON/JSONL file, or builtin:iris, builtin:wine, builtin:breast_cancer",
+        "data", metavar="PATH")
+    dataset_format: str | None = opt(None, "table format, overriding the file extension",
+                                     "data", choices=TABLE_FORMAT_NAMES)
+    has_header: str = opt("auto", "whether a CSV/TSV file's first row is a header; auto "
+                          "detects it", "data", type=str.lower, choices=("auto", "true", "false"))
+    label_column: str | None = opt(None, "label column (name or 0-based position; default: "
+                                   "detected)", "data", metavar="COL")
+    text_column: str | None = opt(None, "text column(s) for text_classifier, joined with a space "
+                                  "when several, e.g. 1,2 or title,description (default: "
+                                  "detected)", "data", metavar="COLS")
+    feature_columns: str | None = opt(None, "feature columns for tabular_classifier, e.g. "
+                                      "0,1,2 or age,income (default: all but the label)",
+                                      "data", metavar="COLS")
+    image_column: str | None = opt(None, "image-path column of a table of images (name or "
+                                   "0-based position; default: detected)", "data",
                                    metavar="COL")
-    label_column: str | None = opt(None, "label column of a CSV/JSON dataset (name or 0-based "
-                                   "position; default: detected)", "data", metavar="COL")
+    val_path: str | None = opt(None, "a separate validation file (same columns); default: "
+                               "split from the data", "data", metavar="PATH")
+    test_path: str | None = opt(None, "a separate test file (same columns); default: split "
+                                "from the data", "data", metavar="PATH")
     image_size: tuple[int, int] | None = opt(
         None, "resize images to this size, e.g. 32 or 24,32 (height,width); default: the most "
         "common size in the data, capped at 64 pixels per side", "data", type=parse_image_size,
         metavar="SIZE")
     channels: int | None = opt(None, "1 (grayscale) or 3 (RGB); default: 1 if every image is "
                                "grayscale, else 3", "data", type=int, choices=(1, 3))
+    max_vocab: int = opt(20000, "text: vocabulary size (word unigrams and bigrams seen at least "
+                         "twice in training, most frequent first)", "data", type=int, metavar="N")
+    max_length: int = opt(256, "text: most token ids per text (unigrams, then bigrams)", "data",
+                          type=int, metavar="N")
     val_fraction: float = opt(0.15, "fraction of the data held out for validation (best-epoch "
                               "selection) when the dataset has no val split", "data", type=float)
     test_fraction: float = opt(0.15, "fraction of the data held out for the final test when the "
@@ -137,7 +157,7 @@ class Config:
     learning_rate: float = opt(3e-3, "AdamW peak learning rate of the one-cycle schedule (warm-up, then cosine decay)", "training",
                                type=float, metavar="LR")
     weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float)
-    train_augment: bool = opt(True, "light random shifts of training images (true/false)",
+    train_augment: bool = opt(True, "light random shifts of training images (images only)",
                               "training", type=parse_bool, metavar="BOOL")
     # export
     opset: int = opt(18, "ONNX opset version", "export", type=int)
@@ -195,6 +215,9 @@ class Config:
             _bad("opset", self.opset, "use an opset between 7 and 23 (18 is the default)")
         _positive("validate_atol", self.validate_atol)
         _positive("ttt_iterations", self.ttt_iterations)
+        if self.max_vocab < 3:
+            _bad("max_vocab", self.max_vocab, "use at least 3 (padding, unknown and one word)")
+        _positive("max_length", self.max_length)
         if self.num_threads < 0:
             _bad("num_threads", self.num_threads, "use 0 (library default) or a positive count")
         parse_providers(self.ep)
@@ -223,9 +246,6 @@ class Config:
 
     def check_stages_available(self) -> None:
         """Stages of later issues exist as flags but refuse to run rather than pretend."""
-        if self.model_type not in AVAILABLE_MODEL_TYPES:
-            raise ConfigError(f"--model_type {self.model_type} is not available yet",
-                              "only image_classifier runs in this version")
         later = [("tta", self.tta, "--tta true", "test-time augmentation"),
                  ("ttt", self.ttt, "--ttt true", "test-time training"),
                  ("quantize", self.quantize != "none", f"--quantize {self.quantize}", "quantization")]

@@ -1,8 +1,13 @@
-"""Datasets for the image classifier: built-in digits, image folders and CSV/JSON image tables.
+"""Datasets for every model type, split deterministically and encoded for the model.
 
-Everything becomes float32 NCHW pixels in [0, 1] at one size and channel count; the per-channel
-normalisation (mean/std of the training split) lives inside the model graph, so a deployed
-.onnx needs only decode → resize → /255. No torch here: inference.py imports this module.
+- image_classifier: builtin:digits, image folders, tables of image paths. Everything becomes
+  float32 NCHW pixels in [0, 1] at one size and channel count; the per-channel normalisation
+  lives inside the model graph, so a deployed .onnx needs only decode → resize → /255.
+- text_classifier: a table with text column(s) and a label; texts become int64 token ids.
+- tabular_classifier: builtin:iris/wine/breast_cancer or a table of features and a label;
+  rows become float32 features (NaN where missing; imputed and standardised inside the graph).
+
+No torch here: inference.py imports this module.
 """
 from __future__ import annotations
 
@@ -14,13 +19,14 @@ from typing import Sequence
 
 import numpy as np
 
+from preprocess import TabularEncoder, Tokenizer
+from tables import (IMAGE_NAMES, LABEL_NAMES, TABLE_FORMATS, TEXT_NAMES, find_by_name,
+                    read_table, resolve, split_spec, undetectable)
 from utils import LOG, DataError, progress
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
-TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".json": "json", ".jsonl": "jsonl",
-                 ".ndjson": "jsonl"}
-IMAGE_COLUMN_NAMES = ("image", "image_path", "path", "file", "filename", "filepath", "img")
-LABEL_COLUMN_NAMES = ("label", "class", "target", "category", "y")
+BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
+                  "builtin:breast_cancer": "load_breast_cancer"}
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L"}
 DEFAULT_MAX_SIDE = 64
 SPLITS = ("train", "val", "test")
@@ -31,37 +37,51 @@ class DataOptions:
     """What the loader needs from the Config (or from a bundle manifest)."""
 
     path: str
+    model_type: str = "image_classifier"
     image_column: str | None = None
+    text_column: str | None = None
+    feature_columns: str | None = None
     label_column: str | None = None
+    dataset_format: str | None = None
+    has_header: str = "auto"
+    val_path: str | None = None
+    test_path: str | None = None
     image_size: tuple[int, int] | None = None
     channels: int | None = None
+    max_vocab: int = 20000
+    max_length: int = 256
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     seed: int = 0
     show_progress: bool = True
 
+    # What a bundle records so that export.py and inference.py find and split the data again.
+    RECORDED = ("model_type", "image_column", "text_column", "feature_columns", "label_column",
+                "dataset_format", "has_header", "val_path", "test_path", "val_fraction",
+                "test_fraction", "seed")
+
     @classmethod
     def from_config(cls, config) -> "DataOptions":
-        return cls(path=config.dataset_path, image_column=config.image_column,
-                   label_column=config.label_column, image_size=config.image_size,
-                   channels=config.channels, val_fraction=config.val_fraction,
-                   test_fraction=config.test_fraction, seed=config.seed,
-                   show_progress=not config.no_progress)
+        names = [f for f in cls.__dataclass_fields__ if f not in ("path", "show_progress")]
+        return cls(path=config.dataset_path, show_progress=not config.no_progress,
+                   **{name: getattr(config, name) for name in names})
 
     @classmethod
     def from_manifest(cls, recorded: dict, path: str | None = None,
                       show_progress: bool = True) -> "DataOptions":
         """The bundle's dataset (or `path`), split exactly as at training time."""
-        return cls(path=path or recorded["path"], image_column=recorded.get("image_column"),
-                   label_column=recorded.get("label_column"),
-                   val_fraction=recorded["val_fraction"], test_fraction=recorded["test_fraction"],
-                   seed=recorded["seed"], show_progress=show_progress)
+        kept = {k: recorded[k] for k in cls.RECORDED if recorded.get(k) is not None}
+        return cls(path=path or recorded["path"], show_progress=show_progress, **kept)
 
     def to_manifest(self) -> dict:
-        source = self.path if self.path.startswith("builtin:") else str(Path(self.path).resolve())
-        return {"path": source, "image_column": self.image_column,
-                "label_column": self.label_column, "val_fraction": self.val_fraction,
-                "test_fraction": self.test_fraction, "seed": self.seed}
+        return {"path": _absolute(self.path), **{k: getattr(self, k) for k in self.RECORDED},
+                "val_path": _absolute(self.val_path), "test_path": _absolute(self.test_path)}
+
+
+def _absolute(path: str | None) -> str | None:
+    if path is None or path.startswith("builtin:"):
+        return path
+    return str(Path(path).resolve())
 
 
 @dataclass
@@ -69,13 +89,15 @@ class Split:
     x: np.ndarray  # float32 (N, C, H, W) in [0, 1]
     y: np.ndarray  # int64 (N,) class indices
     ids: list[str]
+    raw: list[str] | None = None  # the texts, for text models (the DSPy program's input)
 
     def __len__(self) -> int:
         return len(self.y)
 
 
 @dataclass
-class ImageDataset:
+class Dataset:
+    model_type: str
     labels: list[str]
     preprocessing: dict
     splits: dict[str, Split]
@@ -83,6 +105,7 @@ class ImageDataset:
     given_splits: bool
     options: DataOptions
     skipped: list[str] = field(default_factory=list)
+    dropped_rows: int = 0
 
     @property
     def train(self) -> Split:
@@ -97,12 +120,20 @@ class ImageDataset:
         return self.splits["test"]
 
     def report_section(self) -> dict:
-        return {"path": self.options.to_manifest()["path"], "model_type": "image_classifier",
-                "num_classes": len(self.labels), "train": self.counts["train"],
-                "val": self.counts["val"], "test": self.counts["test"],
-                "given_splits": self.given_splits, "skipped_images": len(self.skipped),
-                "image_size": self.preprocessing["image_size"],
-                "channels": self.preprocessing["channels"]}
+        section = {"path": _absolute(self.options.path), "model_type": self.model_type,
+                   "num_classes": len(self.labels), "train": self.counts["train"],
+                   "val": self.counts["val"], "test": self.counts["test"],
+                   "given_splits": self.given_splits,
+                   "skipped_images": len(self.skipped) if self.model_type == "image_classifier"
+                   else None, "dropped_rows": self.dropped_rows}
+        pre = self.preprocessing
+        if pre["kind"] == "image":
+            section.update(image_size=pre["image_size"], channels=pre["channels"])
+        elif pre["kind"] == "text":
+            section.update(vocab_size=pre["vocab_size"], max_length=pre["max_length"])
+        else:
+            section.update(num_features=len(pre["feature_names"]))
+        return section
 
 
 @dataclass
@@ -115,20 +146,29 @@ class _Item:
 # ----------------------------------------------------------------------------- public entry
 
 
-def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,
-                       labels: Sequence[str] | None = None,
-                       splits: Sequence[str] = SPLITS) -> ImageDataset:
-    """Find, split and decode a dataset.
+def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
+                 labels: Sequence[str] | None = None, splits: Sequence[str] = SPLITS) -> Dataset:
+    """Find, split and encode a dataset for `options.model_type`.
 
-    With `preprocessing` and `labels` from a bundle manifest the data is decoded exactly as at
+    With `preprocessing` and `labels` from a bundle manifest the data is encoded exactly as at
     training time (used by export.py and inference.py); otherwise both are derived from the
     training split.
     """
+    if options.model_type == "image_classifier":
+        return load_image_dataset(options, preprocessing=preprocessing, labels=labels,
+                                  splits=splits)
+    return load_table_dataset(options, preprocessing=preprocessing, labels=labels, splits=splits)
+
+
+def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,
+                       labels: Sequence[str] | None = None,
+                       splits: Sequence[str] = SPLITS) -> Dataset:
     items, given, builtin_pixels = _list_items(options)
     trained = labels is not None
     labels = list(labels) if trained else _sorted_labels(i.label for i in items if i.split == "train")
-    _check_labels(items, labels, options.path, trained)
-    if preprocessing is None:
+    _check_labels({i.label for i in items}, labels, options.path, trained)
+    derived = preprocessing is None
+    if derived:
         preprocessing = _derive_preprocessing(items, builtin_pixels, options)
     decoded: dict[str, Split] = {}
     skipped: list[str] = []
@@ -136,10 +176,10 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
         chosen = [i for i in items if i.split == split]
         decoded[split] = _decode_split(chosen, labels, preprocessing, builtin_pixels, skipped,
                                        options, split)
-    if "train" in decoded:
-        if len(decoded["train"]) == 0:
-            raise DataError(f"no usable training images in {options.path}",
-                            "check that the files are readable images")
+    if "train" in decoded and len(decoded["train"]) == 0:
+        raise DataError(f"no usable training images in {options.path}",
+                        "check that the files are readable images")
+    if derived:
         preprocessing = dict(preprocessing, **_channel_stats(decoded["train"].x))
     if "test" in decoded and len(decoded["test"]) == 0:
         raise DataError(f"the test split of {options.path} is empty",
@@ -147,9 +187,10 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
     counts = Counter(i.split for i in items)
     for split, data in decoded.items():
         counts[split] = len(data)
-    return ImageDataset(labels=labels, preprocessing=preprocessing, splits=decoded,
-                        counts={s: counts.get(s, 0) for s in SPLITS}, given_splits=given,
-                        options=options, skipped=skipped)
+    return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
+                   splits=decoded,
+                   counts={s: counts.get(s, 0) for s in SPLITS}, given_splits=given,
+                   options=options, skipped=skipped)
 
 
 def decode_image_file(path: Path, preprocessing: dict) -> np.ndarray:
@@ -183,7 +224,7 @@ def _list_items(options: DataOptions) -> tuple[list[_Item], bool, np.ndarray | N
                         "check the path, or use --dataset_path builtin:digits")
     if root.is_dir():
         items, given = _list_folder(root, options)
-    elif root.suffix.lower() in TABLE_FORMATS:
+    elif options.dataset_format or root.suffix.lower() in TABLE_FORMATS:
         items, given = _list_table(root, options), False
         _assign_splits(items, options.val_fraction, options.test_fraction, options.seed)
     else:
@@ -240,58 +281,18 @@ def _list_folder(root: Path, options: DataOptions) -> tuple[list[_Item], bool]:
     return items, given
 
 
-def _read_table(path: Path):
-    import pandas as pd
-
-    kind = TABLE_FORMATS[path.suffix.lower()]
-    try:
-        if kind in ("csv", "tsv"):
-            frame = pd.read_csv(path, sep="," if kind == "csv" else "\t", encoding="utf-8-sig",
-                                dtype=str, keep_default_na=True)
-        else:
-            frame = pd.read_json(path, lines=kind == "jsonl", dtype=False, encoding="utf-8-sig")
-    except (ValueError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise DataError(f"cannot parse {path} as {kind.upper()}: {first}",
-                        "check the file's format and encoding (UTF-8)") from None
-    if frame.empty:
-        raise DataError(f"{path} has no rows", "add rows of image path and label")
-    return frame
-
-
-def _resolve_column(frame, spec: str | None, names: Sequence[str], role: str, path: Path,
-                    exclude: str | None = None) -> str:
-    columns = [str(c) for c in frame.columns]
-    if spec is not None:
-        if spec in columns:
-            return spec
-        if spec.isdigit() and int(spec) < len(columns):
-            return columns[int(spec)]
-        raise DataError(f"{path} has no column {spec!r} for the {role}; its columns are "
-                        f"{columns}", f"pass --{role}_column with one of them")
-    by_lower = {c.lower(): c for c in columns if c != exclude}
-    for name in names:
-        if name in by_lower:
-            return by_lower[name]
-    if role == "image":
-        for column in columns:
-            values = frame[column].dropna().astype(str).str.lower()
-            if len(values) and values.str.endswith(IMAGE_EXTENSIONS).mean() >= 0.8:
-                return column
-    else:
-        others = [c for c in columns if c != exclude]
-        if len(others) == 1:
-            return others[0]
-    raise DataError(f"cannot tell which column of {path} holds the {role}; its columns are "
-                    f"{columns}", f"pass --{role}_column NAME")
-
-
 def _list_table(path: Path, options: DataOptions) -> list[_Item]:
-    frame = _read_table(path)
-    image_col = _resolve_column(frame, options.image_column, IMAGE_COLUMN_NAMES, "image", path)
-    label_col = _resolve_column(frame, options.label_column, LABEL_COLUMN_NAMES, "label", path,
-                                exclude=image_col)
-    frame = frame[[image_col, label_col]]
+    named = [s for s in (options.image_column, options.label_column) if s]
+    frame = read_table(path, options.dataset_format, options.has_header, named)
+    image_col = (resolve(frame, options.image_column, "image", path) if options.image_column
+                 else find_by_name(frame, IMAGE_NAMES) or _image_like_column(frame))
+    if image_col is None:
+        raise undetectable(path, "image", frame)
+    label_col = (resolve(frame, options.label_column, "label", path) if options.label_column
+                 else find_by_name(frame, LABEL_NAMES, exclude=[image_col])
+                 or _only_other_column(frame, [image_col]))
+    if label_col is None:
+        raise undetectable(path, "label", frame)
     missing = frame[label_col].isna() | frame[image_col].isna()
     if missing.any():
         LOG.warning("dropped %d rows of %s with a missing image path or label", int(missing.sum()),
@@ -301,6 +302,19 @@ def _list_table(path: Path, options: DataOptions) -> list[_Item]:
     return [_Item(source=(base / str(img)).resolve() if not Path(str(img)).is_absolute()
                   else Path(str(img)), label=_label_text(lab))
             for img, lab in zip(frame[image_col], frame[label_col])]
+
+
+def _image_like_column(frame) -> str | None:
+    for column in frame.columns:
+        values = frame[column].dropna().astype(str).str.lower()
+        if len(values) and values.str.endswith(IMAGE_EXTENSIONS).mean() >= 0.8:
+            return column
+    return None
+
+
+def _only_other_column(frame, used: Sequence[str]) -> str | None:
+    others = [c for c in frame.columns if c not in used]
+    return others[0] if len(others) == 1 else None
 
 
 def _label_text(value) -> str:
@@ -316,11 +330,11 @@ def _sorted_labels(values) -> list[str]:
     return sorted(unique)
 
 
-def _check_labels(items: list[_Item], labels: list[str], source: str, trained: bool) -> None:
+def _check_labels(present: set[str], labels: list[str], source: str, trained: bool) -> None:
     if len(labels) < 2:
         raise DataError(f"{source} has {len(labels)} class(es) {labels} for training; a "
                         "classifier needs at least 2", "add a folder (or label) per class")
-    unknown = sorted({i.label for i in items} - set(labels))
+    unknown = sorted(present - set(labels))
     if unknown and trained:
         raise DataError(f"{source} has labels the model was not trained on: {unknown[:5]}",
                         f"the model knows {labels}")
@@ -329,20 +343,30 @@ def _check_labels(items: list[_Item], labels: list[str], source: str, trained: b
                         f"lacks: {unknown[:5]}", "add training images for them or remove them")
 
 
-def _assign_splits(items: list[_Item], val_fraction: float, test_fraction: float,
-                   seed: int) -> None:
+def assign_splits(labels: Sequence[str], val_fraction: float, test_fraction: float,
+                  seed: int) -> list[str]:
     """Deterministic stratified split: within each class, shuffle with `seed` and cut."""
     rng = np.random.default_rng(seed)
-    by_class: dict[str, list[_Item]] = {}
-    for item in items:
-        by_class.setdefault(item.label, []).append(item)
+    by_class: dict[str, list[int]] = {}
+    for index, label in enumerate(labels):
+        by_class.setdefault(label, []).append(index)
+    splits = ["train"] * len(labels)
     for label in sorted(by_class):
         group = by_class[label]
         order = rng.permutation(len(group))
         n_test = _share(len(group), test_fraction)
         n_val = _share(len(group) - n_test, val_fraction / max(1e-9, 1 - test_fraction))
-        for rank, index in enumerate(order):
-            group[index].split = "test" if rank < n_test else "val" if rank < n_test + n_val else "train"
+        for rank, position in enumerate(order):
+            splits[group[position]] = ("test" if rank < n_test else
+                                       "val" if rank < n_test + n_val else "train")
+    return splits
+
+
+def _assign_splits(items: list[_Item], val_fraction: float, test_fraction: float,
+                   seed: int) -> None:
+    for item, split in zip(items, assign_splits([i.label for i in items], val_fraction,
+                                                test_fraction, seed)):
+        item.split = split
 
 
 def _share(n: int, fraction: float) -> int:
@@ -443,3 +467,192 @@ def _channel_stats(x: np.ndarray) -> dict:
     std = x.std(axis=(0, 2, 3))
     std = np.where(std < 1e-6, 1.0, std)
     return {"mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+
+
+# ----------------------------------------------------------------------------- text and tabular
+
+
+@dataclass
+class _TableSplits:
+    """Per split: labels and either texts (text models) or a frame of feature columns."""
+
+    labels: dict[str, list[str]]
+    inputs: dict[str, object]  # list[str] of texts, or a DataFrame of features
+    ids: dict[str, list[str]]
+    given: bool
+    dropped: int
+
+
+def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = None,
+                       labels: Sequence[str] | None = None,
+                       splits: Sequence[str] = SPLITS) -> Dataset:
+    table = _read_table_splits(options)
+    trained = labels is not None
+    labels = list(labels) if trained else _sorted_labels(table.labels["train"])
+    present = {label for split in table.labels.values() for label in split}
+    _check_labels(present, labels, options.path, trained)
+    text = options.model_type == "text_classifier"
+    if preprocessing is None:
+        preprocessing = _fit_table_preprocessing(table.inputs["train"], text, options)
+    index = {label: i for i, label in enumerate(labels)}
+    encoded: dict[str, Split] = {}
+    for split in splits:
+        x = _encode_table(table.inputs[split], preprocessing, text, split)
+        y = np.array([index[label] for label in table.labels[split]], dtype=np.int64)
+        encoded[split] = Split(x=x, y=y, ids=table.ids[split],
+                               raw=list(table.inputs[split]) if text else None)
+    if "test" in encoded and len(encoded["test"]) == 0:
+        raise DataError(f"the test split of {options.path} is empty",
+                        "add rows, pass --test_path, or raise --test_fraction")
+    return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
+                   splits=encoded, counts={s: len(table.labels[s]) for s in SPLITS},
+                   given_splits=table.given, options=options, dropped_rows=table.dropped)
+
+
+def _read_table_splits(options: DataOptions) -> _TableSplits:
+    text = options.model_type == "text_classifier"
+    main, path = _read_main_table(options)
+    label_col, input_cols = _table_columns(main, options, path, text)
+    parts = {"main": _clean_rows(main, label_col, input_cols, text, path)}
+    for split in ("val", "test"):
+        extra = getattr(options, f"{split}_path")
+        if extra:
+            frame = read_table(Path(extra), options.dataset_format, options.has_header,
+                               [label_col, *input_cols])
+            label_x, inputs_x = _same_columns(frame, main, label_col, input_cols, Path(extra))
+            parts[split] = _clean_rows(frame, label_x, inputs_x, text, Path(extra))
+    main_frame = parts["main"]
+    missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in parts}
+    assigned = assign_splits(list(main_frame["__label__"]), missing.get("val", 0.0),
+                             missing.get("test", 0.0), options.seed)
+    frames = {s: main_frame[[a == s for a in assigned]] for s in SPLITS}
+    for split in ("val", "test"):
+        if split in parts:
+            frames[split] = parts[split]
+    dropped = sum(int(f.attrs.get("dropped", 0)) for f in parts.values())
+    return _TableSplits(
+        labels={s: list(f["__label__"]) for s, f in frames.items()},
+        inputs={s: list(f["__text__"]) if text else f.drop(columns="__label__")
+                for s, f in frames.items()},
+        ids={s: [f"{f.attrs.get('source', path)}:{i}" for i in f.index] for s, f in frames.items()},
+        given=len(parts) > 1, dropped=dropped)
+
+
+def _read_main_table(options: DataOptions):
+    if options.path in BUILTIN_TABLES:
+        import pandas as pd
+        import sklearn.datasets
+
+        bunch = getattr(sklearn.datasets, BUILTIN_TABLES[options.path])()
+        frame = pd.DataFrame(bunch.data, columns=[str(c) for c in bunch.feature_names])
+        frame = frame.map(repr)
+        frame["label"] = [str(bunch.target_names[t]) for t in bunch.target]
+        return frame, options.path
+    path = Path(options.path)
+    if not path.exists():
+        raise DataError(f"dataset path {path} does not exist", "check the path")
+    if path.is_dir():
+        raise DataError(f"{path} is a folder; {options.model_type} reads a CSV/TSV/JSON/JSONL file",
+                        "pass the data file itself")
+    named = [*split_spec(options.text_column), *split_spec(options.feature_columns),
+             *([options.label_column] if options.label_column else [])]
+    return read_table(path, options.dataset_format, options.has_header, named), path
+
+
+def _table_columns(frame, options: DataOptions, path, text: bool) -> tuple[str, list[str]]:
+    """The label column and the input columns (texts to join, or features)."""
+    label = resolve(frame, options.label_column, "label", path) if options.label_column else (
+        find_by_name(frame, LABEL_NAMES))
+    role = "text" if text else "feature"
+    spec = options.text_column if text else options.feature_columns
+    inputs = [resolve(frame, s, role, path) for s in split_spec(spec)]
+    if text and not inputs:
+        named = find_by_name(frame, TEXT_NAMES, exclude=[label] if label else [])
+        inputs = [named or _longest_text_column(frame, exclude=[label] if label else [])]
+    if label is None:
+        label = (_fewest_values_column(frame, exclude=inputs) if text
+                 else [c for c in frame.columns if c not in inputs][-1:] or [None])[0]
+        if label is None:
+            raise undetectable(path, "label", frame)
+    if not text and not inputs:
+        inputs = [c for c in frame.columns if c != label]
+    if label in inputs or not inputs or inputs == [None]:
+        raise DataError(f"{path}: the label column {label!r} is also an input, or there are no "
+                        f"input columns; its columns are {list(frame.columns)}",
+                        f"pass --label_column and --{role}_column{'s' if not text else ''}")
+    return label, inputs
+
+
+def _longest_text_column(frame, exclude: Sequence[str]) -> str | None:
+    lengths = {c: frame[c].dropna().astype(str).str.len().mean() for c in frame.columns
+               if c not in exclude}
+    return max(lengths, key=lengths.get) if lengths else None
+
+
+def _fewest_values_column(frame, exclude: Sequence[str]) -> str | None:
+    counts = {c: frame[c].nunique() for c in frame.columns if c not in exclude}
+    return min(counts, key=counts.get) if counts else None
+
+
+def _same_columns(frame, main, label: str, inputs: list[str], path: Path):
+    """The columns of a --val_path/--test_path file: same names, else same positions."""
+    def find(name: str) -> str:
+        if name in frame.columns:
+            return name
+        position = list(main.columns).index(name) if name in main.columns else -1
+        if 0 <= position < frame.shape[1]:
+            return frame.columns[position]
+        raise DataError(f"{path} has no column {name!r}; its columns are {list(frame.columns)}",
+                        "give it the same columns as the training file")
+    return find(label), [find(c) for c in inputs]
+
+
+def _clean_rows(frame, label: str, inputs: list[str], text: bool, path):
+    """Rows with a missing label (or an empty text) are dropped with one WARNING."""
+    import pandas as pd
+
+    labels = frame[label].map(lambda v: None if v is None or v != v else _label_text(v))
+    out = pd.DataFrame({"__label__": labels}, index=frame.index)
+    keep = labels.notna() & (labels != "")
+    if text:
+        joined = frame[inputs].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+        out["__text__"] = joined
+        keep &= joined != ""
+    else:
+        for column in inputs:
+            out[column] = frame[column]
+    dropped = int((~keep).sum())
+    if dropped:
+        what = "a missing label or an empty text" if text else "a missing label"
+        LOG.warning("dropped %d rows of %s with %s", dropped, path, what)
+    out = out[keep]
+    out.attrs.update(dropped=dropped, source=str(path))
+    return out
+
+
+def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> dict:
+    if len(train_inputs) == 0:
+        raise DataError(f"no training rows in {options.path}", "add rows of data")
+    if text:
+        tokenizer = Tokenizer.fit(train_inputs, options.max_vocab, options.max_length)
+        LOG.info("vocabulary: %d unigrams and bigrams seen at least twice in %d training texts",
+                 tokenizer.vocab_size - 2, len(train_inputs))
+        return tokenizer.to_manifest()
+    encoder = TabularEncoder.fit(train_inputs)
+    x, _ = encoder.transform(train_inputs)
+    return encoder.to_manifest(x)
+
+
+def _encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.ndarray:
+    if text:
+        return Tokenizer.from_manifest(preprocessing).encode_batch(list(inputs))
+    encoder = TabularEncoder.from_manifest(preprocessing)
+    missing = [c["name"] for c in encoder.columns if c["name"] not in inputs.columns]
+    if missing:
+        raise DataError(f"the data lacks the feature columns {missing[:5]} the model was trained on",
+                        f"its columns are {list(inputs.columns)}")
+    x, bad = encoder.transform(inputs)
+    if bad:
+        LOG.warning("%d non-numeric values in numeric columns of the %s split were treated as "
+                    "missing", bad, split)
+    return x

@@ -16,9 +16,10 @@ import onnx
 import torch
 
 from config import Config, build_parser, start_cli
-from data import DataOptions, load_image_dataset
+from data import DataOptions, load_dataset
 from inference import create_session
 from models import WithProbabilities, load_weights, save_weights
+from preprocess import PAD_ID, trim_padding
 from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json, debug_enabled,
                    quiet_library_loggers, read_manifest, run_cli, run_with_report, sha256_of,
                    stdout_to_stderr)
@@ -33,6 +34,8 @@ class NumericCheck:
     top1_agreement: float
     samples: int
     batch_sizes: list[int]
+    probes: list[str]
+    padding_max_diff: float | None = None
 
 
 @dataclass
@@ -53,20 +56,25 @@ class ExportResult:
                 "nodes_after_slim": self.nodes_after_slim,
                 "max_abs_diff": self.check.max_abs_diff, "checker": "passed",
                 "top1_agreement": self.check.top1_agreement,
-                "samples_checked": self.check.samples, "size_bytes": self.size_bytes,
+                "samples_checked": self.check.samples, "probes": self.check.probes,
+                "padding_max_diff": self.check.padding_max_diff, "size_bytes": self.size_bytes,
                 "seconds": self.seconds}
 
 
-def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_name: str,
+def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: dict,
                  output_names: Sequence[str]) -> onnx.ModelProto:
-    """torch.onnx.export (dynamo) with a dynamic batch axis; the exporter's prints go to stderr."""
+    """torch.onnx.export (dynamo) with the input's named axes dynamic (batch; length for text).
+
+    The exporter's progress prints go to stderr."""
     wrapper = WithProbabilities(net).eval()
     sample = torch.from_numpy(np.ascontiguousarray(example))
+    dynamic = {axis: torch.export.Dim(name) for axis, name in enumerate(input_spec["shape"])
+               if isinstance(name, str)}
     try:
         with stdout_to_stderr():
             program = torch.onnx.export(
-                wrapper, (sample,), input_names=[input_name], output_names=list(output_names),
-                dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=opset,
+                wrapper, (sample,), input_names=[input_spec["name"]],
+                output_names=list(output_names), dynamic_shapes=(dynamic,), opset_version=opset,
                 external_data=False, dynamo=True, verbose=debug_enabled())
         return program.model_proto
     except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
@@ -95,30 +103,59 @@ def check_samples(held_out: np.ndarray, fallback: np.ndarray) -> np.ndarray:
     """32-64 real samples, held-out first; topped up from training data for tiny datasets."""
     samples = held_out[:MAX_CHECK_SAMPLES]
     if len(samples) < MIN_CHECK_SAMPLES:
-        samples = np.concatenate([samples, fallback[: MIN_CHECK_SAMPLES - len(samples)]])
+        samples = _concat_padded(samples, fallback[: MIN_CHECK_SAMPLES - len(samples)])
     while len(samples) < MIN_CHECK_SAMPLES:
-        samples = np.concatenate([samples, samples])[:MIN_CHECK_SAMPLES]
-    return np.ascontiguousarray(samples, dtype=np.float32)
+        samples = _concat_padded(samples, samples)[:MIN_CHECK_SAMPLES]
+    return np.ascontiguousarray(samples)
+
+
+def _concat_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Concatenate along the batch axis; token-id arrays of different lengths are right-padded."""
+    if a.ndim == 2 and a.dtype == np.int64 and a.shape[1] != b.shape[1]:
+        width = max(a.shape[1], b.shape[1])
+        a, b = (np.pad(t, ((0, 0), (0, width - t.shape[1])), constant_values=PAD_ID) for t in (a, b))
+    return np.concatenate([a, b])
+
+
+def validation_probes(samples: np.ndarray, kind: str) -> dict[str, np.ndarray]:
+    """Inputs to compare PyTorch and ONNX Runtime on. For text: the real lengths, every text cut
+    to its first token (length 1), and extra padding (it must not change a prediction)."""
+    if kind != "text":
+        return {"held_out": samples}
+    trimmed = trim_padding(samples)
+    return {"held_out": trimmed, "length_1": np.ascontiguousarray(trimmed[:, :1]),
+            "padded": np.pad(trimmed, ((0, 0), (0, 7)), constant_values=PAD_ID)}
 
 
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
-                       atol: float, batch_size: int, num_threads: int) -> NumericCheck:
+                       kind: str, atol: float, batch_size: int, num_threads: int) -> NumericCheck:
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
     session = create_session(model.SerializeToString(), ["CPUExecutionProvider"], num_threads)
     input_name = session.get_inputs()[0].name
     wrapper = WithProbabilities(net).eval()
-    with torch.no_grad():
-        expected = [t.numpy() for t in wrapper(torch.from_numpy(samples))]
     large = max(2, min(len(samples), batch_size))
     batch_sizes = sorted({1, 7, large})
+    probes = validation_probes(samples, kind)
     max_diff, agreement = 0.0, 1.0
-    for size in batch_sizes:
-        got = [np.concatenate(parts) for parts in zip(*(
-            session.run(None, {input_name: samples[i:i + size]})
-            for i in range(0, len(samples), size)))]
-        max_diff = max(max_diff, *(float(np.abs(g - e).max()) for g, e in zip(got, expected)))
-        agreement = min(agreement, float((got[0].argmax(1) == expected[0].argmax(1)).mean()))
-    check = NumericCheck(max_diff, agreement, len(samples), batch_sizes)
+    outputs: dict[str, list[np.ndarray]] = {}
+    for name, probe in probes.items():
+        with torch.no_grad():
+            expected = [t.numpy() for t in wrapper(torch.from_numpy(probe))]
+        for size in batch_sizes:
+            got = [np.concatenate(parts) for parts in zip(*(
+                session.run(None, {input_name: probe[i:i + size]})
+                for i in range(0, len(probe), size)))]
+            max_diff = max(max_diff, *(float(np.abs(g - e).max()) for g, e in zip(got, expected)))
+            agreement = min(agreement, float((got[0].argmax(1) == expected[0].argmax(1)).mean()))
+        outputs[name] = got
+    padding_diff = None
+    if "padded" in outputs:
+        padding_diff = float(np.abs(outputs["padded"][1] - outputs["held_out"][1]).max())
+        if not padding_diff <= atol:
+            raise ExportError(f"padding changes predictions: max probability difference "
+                              f"{padding_diff:.3g} > --validate_atol {atol:g}; the bundle was not "
+                              "written", "report this: pooling must ignore padding")
+    check = NumericCheck(max_diff, agreement, len(samples), batch_sizes, list(probes), padding_diff)
     if not max_diff <= atol:
         raise ExportError(f"numeric check failed: max |onnx - torch| = {max_diff:.3g} > "
                           f"--validate_atol {atol:g} (top-1 agreement {agreement:.1%} on "
@@ -128,19 +165,30 @@ def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np
     return check
 
 
+def export_example(samples: np.ndarray, kind: str) -> np.ndarray:
+    """Two real samples: with a batch (or length) of 1 the exporter would fix that axis."""
+    example = samples[:2]
+    if kind == "text":
+        example = trim_padding(example)
+        if example.shape[1] < 2:
+            example = np.pad(example, ((0, 0), (0, 1)), constant_values=PAD_ID)
+    return example
+
+
 def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out: np.ndarray,
                   train_samples: np.ndarray, paths: BundlePaths) -> ExportResult:
     """Export → slim → check → validate; only a model that passes every step is written."""
     started = time.perf_counter()
     net = net.eval()
-    input_name = manifest["input"]["name"]
     output_names = [o["name"] for o in manifest["outputs"]]
+    kind = manifest["preprocessing"]["kind"]
     samples = check_samples(held_out, train_samples)
-    exported = export_graph(net, samples[:2], config.opset, input_name, output_names)
+    exported = export_graph(net, export_example(samples, kind), config.opset, manifest["input"],
+                            output_names)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
-    check = compare_with_torch(slimmed, net, samples, config.validate_atol, config.batch_size,
-                               config.num_threads)
+    check = compare_with_torch(slimmed, net, samples, kind, config.validate_atol,
+                               config.batch_size, config.num_threads)
     LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, top-1 agreement "
              "%.1f%%", len(exported.graph.node), len(slimmed.graph.node), check.max_abs_diff,
              100 * check.top1_agreement)
@@ -166,6 +214,7 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
         "nodes_before_slim": result.nodes_before_slim, "nodes_after_slim": result.nodes_after_slim,
         "max_abs_diff": result.check.max_abs_diff, "top1_agreement": result.check.top1_agreement,
         "samples_checked": result.check.samples, "batch_sizes_checked": result.check.batch_sizes,
+        "probes": result.check.probes, "padding_max_diff": result.check.padding_max_diff,
         "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds}
     manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
                          "sha256": {"onnx": sha256_of(paths.onnx), "weights": weights_sha}}
@@ -182,8 +231,8 @@ def load_held_out(config: Config, manifest: dict) -> tuple[np.ndarray, np.ndarra
     """Validation samples for a bundle on disk: its test split, decoded as at training time."""
     options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
                                         not config.no_progress)
-    data = load_image_dataset(options, preprocessing=manifest["preprocessing"],
-                              labels=manifest["labels"], splits=("val", "test"))
+    data = load_dataset(options, preprocessing=manifest["preprocessing"],
+                        labels=manifest["labels"], splits=("val", "test"))
     return data.test.x, data.val.x
 
 

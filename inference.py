@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from config import Config, build_parser, parse_providers, start_cli
+from config import Config, build_parser, start_cli
+from preprocess import trim_padding
 from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, debug_enabled, progress,
                    read_manifest, require_onnx_in_bundle, run_cli, run_with_report)
 
@@ -58,12 +59,19 @@ def create_session(model: str | bytes, providers: Sequence[str], num_threads: in
     return session
 
 
+def batches_of(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Contiguous batches; token ids lose the padding columns no text in the batch needs."""
+    out = [np.ascontiguousarray(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    if x.ndim == 2 and x.dtype == np.int64:
+        out = [np.ascontiguousarray(trim_padding(b)) for b in out]
+    return out
+
+
 def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
                   output: str = "probabilities") -> np.ndarray:
     name = session.get_inputs()[0].name
-    parts = [session.run([output], {name: x[i:i + batch_size]})[0]
-             for i in range(0, len(x), batch_size)]
-    return np.concatenate(parts)
+    return np.concatenate([session.run([output], {name: batch})[0]
+                           for batch in batches_of(x, batch_size)])
 
 
 def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
@@ -74,7 +82,7 @@ def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
     early once MAX_TIMING_SECONDS are spent (always at least one full pass).
     """
     name = session.get_inputs()[0].name
-    batches = [np.ascontiguousarray(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    batches = batches_of(x, batch_size)
     for _ in range(WARMUP_RUNS):
         session.run(None, {name: batches[0]})
     passes = max(1, math.ceil(MIN_TIMED_BATCHES / len(batches)))
@@ -164,14 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv, INFERENCE_FLAGS)
 
     def stages(report: dict) -> None:
-        from data import DataOptions, load_image_dataset
+        from data import DataOptions, load_dataset
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
         options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
                                             not config.no_progress)
-        data = load_image_dataset(options, preprocessing=manifest["preprocessing"],
-                                  labels=manifest["labels"], splits=("test",))
+        data = load_dataset(options, preprocessing=manifest["preprocessing"],
+                            labels=manifest["labels"], splits=("test",))
         report["dataset"] = data.report_section()
         result = run_inference_stage(config, paths, data.test.x, data.test.y)
         report["inference"] = result.report_section()

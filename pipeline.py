@@ -23,22 +23,30 @@ example (trains on scikit-learn's bundled 8x8 digits, no download):
   python pipeline.py --dataset_path photos --image_size 32 --epochs 30 \\
       --output_model runs/photos/model.onnx --report_json -
 
+  texts in a headerless TSV with the label in column 0 and the text in column 1:
+  python pipeline.py --model_type text_classifier --dataset_path sms.tsv \\
+      --label_column 0 --text_column 1 --output_model runs/sms/model.onnx
+
+  a CSV of features with a "label" column, or scikit-learn's bundled tables:
+  python pipeline.py --model_type tabular_classifier --dataset_path builtin:wine \\
+      --output_model runs/wine/model.onnx
+
 exit codes: 0 ok, 2 usage or config error, 3 data error, 4 export or validation failure,
 5 runtime or execution-provider failure, 130 interrupted"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "pipeline.py", "Train an image classifier, export it to a validated ONNX model bundle, "
-        "and measure it with ONNX Runtime.", PIPELINE_FLAGS,
+        "pipeline.py", "Train an image, text or tabular classifier, export it to a validated ONNX "
+        "model bundle, and measure it with ONNX Runtime.", PIPELINE_FLAGS,
         required=["dataset_path", "output_model"], epilog=EXAMPLE)
     config = start_cli(parser, argv, PIPELINE_FLAGS)
 
     # Heavy imports only once the flags are known to be good: a typo fails in a fraction of a second.
-    from data import DataOptions, load_image_dataset
+    from data import DataOptions, load_dataset
     from export import export_bundle
     from inference import run_inference_stage
-    from train import build_manifest, set_torch_threads, train_image_classifier
+    from train import build_manifest, set_torch_threads, train_classifier
     from utils import quiet_library_loggers
 
     quiet_library_loggers()
@@ -47,9 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = BundlePaths.from_model_path(config.output_model)
 
     def stages(report: dict) -> None:
-        dataset = load_image_dataset(DataOptions.from_config(config))
+        dataset = load_dataset(DataOptions.from_config(config))
         report["dataset"] = dataset.report_section()
-        trained = train_image_classifier(config, dataset)
+        trained = train_classifier(config, dataset)
         report["train"] = trained.report_section()
         manifest = build_manifest(config, trained, dataset)
         exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,

@@ -1,4 +1,4 @@
-"""Train an image classifier: a torch CNN inside a DSPy program, trained by a DSPy Teleprompter.
+"""Train a classifier: a torch network inside a DSPy program, trained by a DSPy Teleprompter.
 
     python train.py --dataset_path builtin:digits --output_model runs/digits/model.onnx
 
@@ -21,28 +21,40 @@ from dspy.teleprompt import Teleprompter
 from torch import nn
 
 from config import Config, build_parser, start_cli
-from data import DataOptions, ImageDataset, Split, load_image_dataset
-from models import build_model, count_parameters, image_architecture, save_weights
+from data import Dataset, DataOptions, Split, load_dataset
+from models import architecture_for, build_model, count_parameters, input_spec, save_weights
+from preprocess import Tokenizer
 from utils import (BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, LOG, BundlePaths, atomic_write_json,
                    progress, quiet_library_loggers, run_cli, run_with_report, stdout_to_stderr)
 
-INPUT_NAME = "image"
 OUTPUT_NAMES = ("logits", "probabilities")
+# The DSPy program's input field per preprocessing kind: text programs take the raw text.
+PROGRAM_INPUT = {"image": "image", "text": "text", "tabular": "features"}
 
 
 # ----------------------------------------------------------------------------- the DSPy program
 
 
-class ImageClassifierProgram(dspy.Module):
-    """A DSPy program whose 'model' is a torch network: image in, label and confidence out."""
+class ClassifierProgram(dspy.Module):
+    """A DSPy program whose 'model' is a torch network: an image, a text or a feature row in,
+    label and confidence out. Text programs tokenize inside, so the program is text -> label."""
 
-    def __init__(self, net: nn.Module, labels: Sequence[str]) -> None:
+    def __init__(self, net: nn.Module, labels: Sequence[str], input_field: str,
+                 tokenizer: Tokenizer | None = None) -> None:
         super().__init__()
         self.net = net
         self.labels = list(labels)
+        self.input_field = input_field
+        self.tokenizer = tokenizer
 
-    def forward(self, image: np.ndarray) -> dspy.Prediction:
-        probabilities = self.predict_proba(image[None])[0]
+    def encode(self, values: Sequence) -> np.ndarray:
+        """Program inputs → the network's input array."""
+        if self.tokenizer is not None:
+            return self.tokenizer.encode_batch(values)
+        return np.stack(values)
+
+    def forward(self, **inputs) -> dspy.Prediction:
+        probabilities = self.predict_proba(self.encode([inputs[self.input_field]]))[0]
         best = int(probabilities.argmax())
         return dspy.Prediction(label=self.labels[best], confidence=float(probabilities[best]))
 
@@ -54,9 +66,10 @@ class ImageClassifierProgram(dspy.Module):
         return torch.cat(chunks).numpy()
 
 
-def to_examples(split: Split, labels: Sequence[str]) -> list[dspy.Example]:
-    return [dspy.Example(image=x, label=labels[y]).with_inputs("image")
-            for x, y in zip(split.x, split.y)]
+def to_examples(split: Split, labels: Sequence[str], field: str) -> list[dspy.Example]:
+    values = split.raw if split.raw is not None else split.x
+    return [dspy.Example(**{field: v, "label": labels[y]}).with_inputs(field)
+            for v, y in zip(values, split.y)]
 
 
 def label_match(example: dspy.Example, prediction: dspy.Prediction, trace=None) -> bool:
@@ -128,11 +141,11 @@ class WeightTrainer(Teleprompter):
         self.history: list[EpochRecord] = []
         self.best_epoch = 0
 
-    def compile(self, student: ImageClassifierProgram, *, trainset: list[dspy.Example],
+    def compile(self, student: ClassifierProgram, *, trainset: list[dspy.Example],
                 teacher=None, valset: list[dspy.Example] | None = None,
-                **kwargs) -> ImageClassifierProgram:
+                **kwargs) -> ClassifierProgram:
         program = copy.deepcopy(student)
-        x, y = self._stack(trainset, program.labels)
+        x, y = self._stack(program, trainset)
         evaluate = dspy.Evaluate(devset=valset or trainset, metric=self.metric, num_threads=1,
                                  display_progress=False, max_errors=1)
         generator = torch.Generator().manual_seed(self.seed)
@@ -141,7 +154,7 @@ class WeightTrainer(Teleprompter):
                                       weight_decay=self.weight_decay)
         schedule = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=self.learning_rate, total_steps=self.epochs * steps_per_epoch)
-        max_shift = max(1, round(min(x.shape[2:]) / 8))
+        max_shift = max(1, round(min(x.shape[2:]) / 8)) if self.augment else 0
         best_score, best_state = -1.0, None
         for epoch in range(1, self.epochs + 1):
             started = time.perf_counter()
@@ -163,9 +176,10 @@ class WeightTrainer(Teleprompter):
         return program
 
     @staticmethod
-    def _stack(examples: list[dspy.Example], labels: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = {label: i for i, label in enumerate(labels)}
-        x = torch.from_numpy(np.stack([ex.image for ex in examples]))
+    def _stack(program: ClassifierProgram, examples: list[dspy.Example]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = {label: i for i, label in enumerate(program.labels)}
+        x = torch.from_numpy(program.encode([ex[program.input_field] for ex in examples]))
         y = torch.tensor([index[ex.label] for ex in examples], dtype=torch.long)
         return x, y
 
@@ -224,23 +238,29 @@ def set_torch_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-def train_image_classifier(config: Config, dataset: ImageDataset) -> TrainedModel:
-    """Build the CNN for this data, wrap it in the DSPy program and compile it with WeightTrainer."""
+def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
+    """Build the network for this data, wrap it in the DSPy program, compile it with WeightTrainer."""
     started = time.perf_counter()
     torch.manual_seed(config.seed)
-    architecture = image_architecture(dataset.preprocessing, len(dataset.labels))
+    kind = dataset.preprocessing["kind"]
+    architecture = architecture_for(dataset.preprocessing, len(dataset.labels))
     net = build_model(architecture, dataset.preprocessing)
     architecture["num_parameters"] = count_parameters(net)
-    LOG.info("training %s (%d parameters) on %d images, validating on %d",
+    LOG.info("training %s (%d parameters) on %d samples, validating on %d",
              architecture["name"], architecture["num_parameters"], len(dataset.train),
              len(dataset.val))
+    if len(dataset.val) == 0:
+        LOG.warning("the validation split is empty: the best epoch is chosen on the training "
+                    "split; add data or raise --val_fraction")
     trainer = WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
                             learning_rate=config.learning_rate, weight_decay=config.weight_decay,
-                            augment=config.train_augment, seed=config.seed,
+                            augment=config.train_augment and kind == "image", seed=config.seed,
                             show_progress=not config.no_progress)
-    program = trainer.compile(ImageClassifierProgram(net, dataset.labels),
-                              trainset=to_examples(dataset.train, dataset.labels),
-                              valset=to_examples(dataset.val, dataset.labels))
+    field = PROGRAM_INPUT[kind]
+    tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
+    program = trainer.compile(ClassifierProgram(net, dataset.labels, field, tokenizer),
+                              trainset=to_examples(dataset.train, dataset.labels, field),
+                              valset=to_examples(dataset.val, dataset.labels, field))
     train_accuracy = float((program.predict_proba(dataset.train.x).argmax(1) == dataset.train.y).mean())
     best = trainer.history[trainer.best_epoch - 1]
     return TrainedModel(net=program.net, labels=dataset.labels, architecture=architecture,
@@ -250,22 +270,20 @@ def train_image_classifier(config: Config, dataset: ImageDataset) -> TrainedMode
                         seconds=round(time.perf_counter() - started, 3))
 
 
-def build_manifest(config: Config, trained: TrainedModel, dataset: ImageDataset) -> dict:
+def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset) -> dict:
     """The bundle manifest as training knows it; export fills 'export' and the ONNX file entry."""
-    channels, (height, width) = trained.preprocessing["channels"], trained.preprocessing["image_size"]
     classes = len(trained.labels)
     return {
         "format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model_type": config.model_type, "labels": trained.labels,
-        "input": {"name": INPUT_NAME, "shape": ["batch", channels, height, width],
-                  "dtype": "float32", "layout": "NCHW", "range": [0.0, 1.0]},
+        "input": input_spec(trained.preprocessing),
         "outputs": [{"name": OUTPUT_NAMES[0], "shape": ["batch", classes], "dtype": "float32"},
                     {"name": OUTPUT_NAMES[1], "shape": ["batch", classes], "dtype": "float32"}],
         "preprocessing": trained.preprocessing, "architecture": trained.architecture,
         "dataset": {**dataset.options.to_manifest(), "given_splits": dataset.given_splits,
                     "counts": dataset.counts, "skipped_images": len(dataset.skipped)},
-        "training": {"program": "ImageClassifierProgram (dspy.Module)",
+        "training": {"program": "ClassifierProgram (dspy.Module)",
                      "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, one-cycle",
                      "epochs": config.epochs, "batch_size": config.batch_size,
                      "learning_rate": config.learning_rate, "weight_decay": config.weight_decay,
@@ -277,7 +295,7 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: ImageDataset)
     }
 
 
-def save_checkpoint(config: Config, trained: TrainedModel, dataset: ImageDataset,
+def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
                     paths: BundlePaths) -> dict:
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
     manifest = build_manifest(config, trained, dataset)
@@ -289,15 +307,18 @@ def save_checkpoint(config: Config, trained: TrainedModel, dataset: ImageDataset
 
 # ----------------------------------------------------------------------------- CLI
 
-TRAIN_FLAGS = ["model_type", "dataset_path", "image_column", "label_column", "image_size",
-               "channels", "val_fraction", "test_fraction", "seed", "epochs", "batch_size",
-               "learning_rate", "weight_decay", "train_augment", "num_threads", "output_model",
-               "report_json", "log_level", "no_progress"]
+DATA_FLAGS = ["model_type", "dataset_path", "dataset_format", "has_header", "label_column",
+              "text_column", "feature_columns", "image_column", "val_path", "test_path",
+              "image_size", "channels", "max_vocab", "max_length", "val_fraction",
+              "test_fraction", "seed"]
+TRAIN_FLAGS = DATA_FLAGS + ["epochs", "batch_size", "learning_rate", "weight_decay",
+                            "train_augment", "num_threads", "output_model", "report_json",
+                            "log_level", "no_progress"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "train.py", "Train an image classifier and write its weights (PATH.pt) and manifest "
+        "train.py", "Train a classifier and write its weights (PATH.pt) and manifest "
         "(PATH.json); export.py turns them into PATH.onnx.", TRAIN_FLAGS,
         required=["dataset_path", "output_model"],
         epilog="example:\n  python train.py --dataset_path builtin:digits "
@@ -307,9 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_torch_threads(config.num_threads)
 
     def stages(report: dict) -> None:
-        dataset = load_image_dataset(DataOptions.from_config(config), splits=("train", "val"))
+        dataset = load_dataset(DataOptions.from_config(config), splits=("train", "val"))
         report["dataset"] = dataset.report_section()
-        trained = train_image_classifier(config, dataset)
+        trained = train_classifier(config, dataset)
         report["train"] = trained.report_section()
         save_checkpoint(config, trained, dataset, BundlePaths.from_model_path(config.output_model))
 

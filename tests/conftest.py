@@ -91,3 +91,39 @@ def digits_bundle(tmp_path_factory) -> dict:
     assert run.returncode == 0, run.stderr[-3000:]
     return {"dir": out, "model": model, "run": run,
             "report": json.loads((out / "report.json").read_text())}
+
+
+TOPICS = {
+    "sports": ["match", "goal", "team", "score", "player", "coach", "league", "win", "referee"],
+    "food": ["recipe", "bake", "flavor", "dinner", "spicy", "oven", "salad", "taste", "garlic"],
+    "weather": ["rain", "sunny", "forecast", "storm", "wind", "cloudy", "snow", "humid", "fog"],
+}
+FILLER = ["the", "a", "today", "really", "very", "and", "with", "some", "was", "our", "!"]
+
+
+def topic_texts(per_class: int = 50, seed: int = 0) -> list[tuple[str, str]]:
+    """Short texts whose topic words give the label away, mixed with shared filler words."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for label, words in TOPICS.items():
+        for _ in range(per_class):
+            tokens = list(rng.choice(words, rng.integers(2, 4))) + list(
+                rng.choice(FILLER, rng.integers(2, 6)))
+            rng.shuffle(tokens)
+            rows.append((" ".join(tokens).capitalize(), label))
+    order = rng.permutation(len(rows))
+    return [rows[i] for i in order]
+
+
+def feature_rows(per_class: int = 50, seed: int = 0) -> list[dict]:
+    """Tabular rows: two numeric features, one categorical, a few missing cells."""
+    rng = np.random.default_rng(seed)
+    colors = {"a": ["red", "red", "blue"], "b": ["blue", "green"], "c": ["green", "red"]}
+    centers = {"a": (0.0, 5.0), "b": (3.0, 0.0), "c": (-3.0, -4.0)}
+    rows = []
+    for label, (cx, cy) in centers.items():
+        for i in range(per_class):
+            rows.append({"height": f"{cx + rng.normal():.3f}" if i % 17 else "",
+                         "weight": f"{cy + rng.normal():.3f}",
+                         "color": str(rng.choice(colors[label])), "kind": label})
+    return [rows[i] for i in rng.permutation(len(rows))]

@@ -44,7 +44,7 @@ CONFIG_ERRORS = [
     (["--ttt", "1"], "not available yet"),
     (["--quantize", "dynamic"], "not available yet"),
     (["--quantize", "int4"], "--quantize"),
-    (["--model_type", "text_classifier"], "not available yet"),
+    (["--model_type", "text_classifier"], "use --model_type image_classifier"),
     (["--model_type", "video"], "--model_type"),
     (["--ep", "gpu"], "unknown execution provider"),
     (["--log_level", "LOUD"], "--log_level"),
