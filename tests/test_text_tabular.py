@@ -167,3 +167,18 @@ def test_tabular_errors(tmp_path):
                   "builtin:iris", "--output_model", tmp_path / "m.onnx")
     assert_clean_failure(run, 2, "tabular_classifier")
     data_error(tmp_path, "tabular_classifier", tmp_path, "is a folder")
+
+
+def test_format_override_and_forced_header(tmp_path):
+    """A .dat file read as CSV; a first row that looks like data declared a header."""
+    rows = feature_rows(seed=5)
+    first = "1.0,2.0,red,a\n"  # column names that look like a data row
+    (tmp_path / "f.dat").write_text(first + "".join(",".join(r.values()) + "\n" for r in rows))
+    _, report = pipeline("tabular_classifier", tmp_path / "f.dat", tmp_path,
+                         "--dataset_format", "csv", "--has_header", "true")
+    manifest = json.loads((tmp_path / "model.json").read_text())
+    assert [c["name"] for c in manifest["preprocessing"]["columns"]] == ["1.0", "2.0", "red"]
+    assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(rows)
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  tmp_path / "f.dat", "--output_model", tmp_path / "x.onnx")
+    assert_clean_failure(run, 3, "--dataset_format")
