@@ -520,7 +520,8 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
             frame = read_table(Path(extra), options.dataset_format, options.has_header,
                                [label_col, *input_cols])
             label_x, inputs_x = _same_columns(frame, main, label_col, input_cols, Path(extra))
-            parts[split] = _clean_rows(frame, label_x, inputs_x, text, Path(extra))
+            parts[split] = _clean_rows(frame, label_x, inputs_x, text, Path(extra),
+                                       store_as=input_cols)
     main_frame = parts["main"]
     missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in parts}
     assigned = assign_splits(list(main_frame["__label__"]), missing.get("val", 0.0),
@@ -607,8 +608,12 @@ def _same_columns(frame, main, label: str, inputs: list[str], path: Path):
     return find(label), [find(c) for c in inputs]
 
 
-def _clean_rows(frame, label: str, inputs: list[str], text: bool, path):
-    """Rows with a missing label (or an empty text) are dropped with one WARNING."""
+def _clean_rows(frame, label: str, inputs: list[str], text: bool, path,
+                store_as: list[str] | None = None):
+    """Rows with a missing label (or an empty text) are dropped with one WARNING.
+
+    Features are kept under the training file's column names (`store_as`) so that a split file
+    matched by position encodes like the training file."""
     import pandas as pd
 
     labels = frame[label].map(lambda v: None if v is None or v != v else _label_text(v))
@@ -619,8 +624,8 @@ def _clean_rows(frame, label: str, inputs: list[str], text: bool, path):
         out["__text__"] = joined
         keep &= joined != ""
     else:
-        for column in inputs:
-            out[column] = frame[column]
+        for column, name in zip(inputs, store_as or inputs):
+            out[name] = frame[column]
     dropped = int((~keep).sum())
     if dropped:
         what = "a missing label or an empty text" if text else "a missing label"

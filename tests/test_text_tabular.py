@@ -182,3 +182,14 @@ def test_format_override_and_forced_header(tmp_path):
     run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
                   tmp_path / "f.dat", "--output_model", tmp_path / "x.onnx")
     assert_clean_failure(run, 3, "--dataset_format")
+
+
+def test_tabular_test_file_without_header_matches_columns_by_position(tmp_path):
+    rows = feature_rows(seed=6)
+    line = lambda r: ",".join(r.values()) + "\n"
+    (tmp_path / "train.csv").write_text("height,weight,color,kind\n" + "".join(map(line, rows[:120])))
+    (tmp_path / "test.csv").write_text("".join(map(line, rows[120:])))
+    _, report = pipeline("tabular_classifier", tmp_path / "train.csv", tmp_path,
+                         "--test_path", tmp_path / "test.csv")
+    assert report["dataset"]["given_splits"] is True and report["dataset"]["test"] == 30
+    assert report["inference"]["accuracy"] >= 0.8
