@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from utils import ConfigError
 
 MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
-QUANTIZE_MODES = ("none", "dynamic", "static")
+QUANTIZE_MODES = ("none", "dynamic", "static", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabular_classifier",
                     "builtin:wine": "tabular_classifier",
@@ -165,8 +165,22 @@ class Config:
                                "held-out samples; above it the export fails (exit 4)", "export",
                                type=float, metavar="ATOL")
     # quantization
-    quantize: str = opt("none", "int8 quantization of the exported graph (not available yet)",
-                        "quantization", choices=QUANTIZE_MODES)
+    quantize: str = opt("none", "int8 quantization of the exported graph: dynamic (MatMul/Gemm), "
+                        "static (QDQ, per-channel, calibrated on training data), auto (static "
+                        "for convolutional models, else dynamic)", "quantization",
+                        choices=QUANTIZE_MODES)
+    calibration_size: int = opt(256, "training samples used to calibrate static quantization",
+                                "quantization", type=int, metavar="N")
+    calibration_method: str = opt("minmax", "static calibration method", "quantization",
+                                  choices=("minmax", "entropy", "percentile"))
+    max_accuracy_drop: float = opt(0.01, "largest test-accuracy loss allowed for int8; beyond "
+                                   "it (or if int8 is slower) inference uses fp32",
+                                   "quantization", type=float, metavar="FRACTION")
+    quantized: bool = opt(False, "inference.py: run the bundle's int8 graph (model.int8.onnx) "
+                          "instead of fp32", "quantization", type=parse_bool, metavar="BOOL")
+    force_quantized: bool = opt(False, "use the int8 graph for inference even when it is slower "
+                                "or less accurate", "quantization", type=parse_bool,
+                                metavar="BOOL")
     # test-time compute
     tta: bool = opt(False, "test-time augmentation (not available yet)", "ttc", type=parse_bool,
                     metavar="BOOL")
@@ -180,6 +194,9 @@ class Config:
     ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
                   "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
                   "openvino, coreml, rocm", "runtime", metavar="LIST")
+    strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
+                          "execution provider cannot run", "runtime", type=parse_bool,
+                          metavar="BOOL")
     num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
                            "(1 is fastest for small models on busy machines)", "runtime",
                            type=int, metavar="N")
@@ -215,6 +232,9 @@ class Config:
             _bad("opset", self.opset, "use an opset between 7 and 23 (18 is the default)")
         _positive("validate_atol", self.validate_atol)
         _positive("ttt_iterations", self.ttt_iterations)
+        _positive("calibration_size", self.calibration_size)
+        if not 0 <= self.max_accuracy_drop <= 1:
+            _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
         if self.max_vocab < 3:
             _bad("max_vocab", self.max_vocab, "use at least 3 (padding, unknown and one word)")
         _positive("max_length", self.max_length)
@@ -247,8 +267,7 @@ class Config:
     def check_stages_available(self) -> None:
         """Stages of later issues exist as flags but refuse to run rather than pretend."""
         later = [("tta", self.tta, "--tta true", "test-time augmentation"),
-                 ("ttt", self.ttt, "--ttt true", "test-time training"),
-                 ("quantize", self.quantize != "none", f"--quantize {self.quantize}", "quantization")]
+                 ("ttt", self.ttt, "--ttt true", "test-time training")]
         for _, enabled, flag, what in later:
             if enabled:
                 raise ConfigError(f"{flag}: {what} is not available yet in this version",
@@ -332,7 +351,7 @@ def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
     return Config(**vars(namespace))
 
 
-PIPELINE_FLAGS = [f.name for f in fields(Config)]
+PIPELINE_FLAGS = [f.name for f in fields(Config) if f.name != "quantized"]
 
 
 def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,

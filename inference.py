@@ -18,34 +18,41 @@ import onnxruntime as ort
 
 from config import Config, build_parser, start_cli
 from preprocess import trim_padding
-from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, debug_enabled, progress,
-                   read_manifest, require_onnx_in_bundle, run_cli, run_with_report)
+import re
+
+from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
+                   progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report)
 
 WARMUP_RUNS = 3
 MIN_TIMED_BATCHES = 30
 MAX_TIMING_SECONDS = 2.0
 
 
-def create_session(model: str | bytes, providers: Sequence[str], num_threads: int
-                   ) -> ort.InferenceSession:
+def create_session(model: str | bytes, providers: Sequence[str], num_threads: int,
+                   strict: bool = False) -> ort.InferenceSession:
     """An ORT session with all graph optimisations, on the first usable provider of `providers`.
 
-    onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU and then silently
-    runs on CPU; we compare what is active with what was asked and say so.
+    onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
+    and silently runs on CPU. We capture those errors, compare the active providers with the
+    request, and say in one WARNING which provider is inactive and why (exit 5 with `strict`).
     """
     available = ort.get_available_providers()
-    usable = [p for p in providers if p in available]
-    for missing in (p for p in providers if p not in available):
-        LOG.warning("execution provider %s is not in this onnxruntime build (available: %s); "
-                    "skipping it", missing, ", ".join(available))
+    missing = [p for p in providers if p not in available]
+    if missing:
+        fallback(f"{', '.join(missing)} not in this onnxruntime build (it has "
+                 f"{', '.join(available)})", strict)
+    usable = [p for p in providers if p in available] or ["CPUExecutionProvider"]
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = num_threads
     options.inter_op_num_threads = 1
-    # Provider load failures are ours to report in one line; ORT's own are shown at DEBUG.
-    options.log_severity_level = 0 if debug_enabled() else 4
+    options.log_severity_level = 0 if debug_enabled() else 3
     try:
-        session = ort.InferenceSession(model, options, providers=usable or ["CPUExecutionProvider"])
+        if debug_enabled():
+            session, ort_errors = ort.InferenceSession(model, options, providers=usable), []
+        else:
+            with captured_stderr() as ort_errors:
+                session = ort.InferenceSession(model, options, providers=usable)
     except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
         name = model if isinstance(model, str) else "the exported graph"
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -54,9 +61,26 @@ def create_session(model: str | bytes, providers: Sequence[str], num_threads: in
                           "or pipeline.py") from None
     inactive = [p for p in usable if p not in session.get_providers()]
     if inactive:
-        LOG.warning("requested %s but it could not start here (missing drivers or libraries); "
-                    "running on %s", ", ".join(inactive), ", ".join(session.get_providers()))
+        fallback(f"{', '.join(inactive)} could not start: {provider_failure_reason(ort_errors)}; "
+                 f"running on {', '.join(session.get_providers())}", strict)
     return session
+
+
+def fallback(message: str, strict: bool) -> None:
+    if strict:
+        raise RuntimeFailure(f"execution provider fallback: {message}",
+                             "fix the provider's drivers, or drop --strict_ep to allow fallback")
+    LOG.warning("execution provider fallback: %s", message)
+
+
+def provider_failure_reason(lines: Sequence[str]) -> str:
+    """The most telling line of ONNX Runtime's provider errors, without colours and prefixes."""
+    clean = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in lines]
+    for key in ("cannot open shared object", "Failed to load", "Error", "error"):
+        for line in clean:
+            if key in line:
+                return line.split("FAIL : ", 1)[-1].split("] ", 1)[-1][:400]
+    return "its libraries or drivers are missing (no details from ONNX Runtime)"
 
 
 def batches_of(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
@@ -115,17 +139,19 @@ class InferenceResult:
         return dict(vars(self))
 
 
-def load_bundle_session(paths: BundlePaths, providers: Sequence[str], num_threads: int
-                        ) -> tuple[dict, ort.InferenceSession]:
-    """Manifest + verified graph + session whose input matches what the manifest promises."""
+def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx"
+                        ) -> tuple[dict, ort.InferenceSession, Path]:
+    """Manifest + verified graph (fp32 "onnx" or "int8") + a session whose input matches what
+    the manifest promises."""
     manifest = read_manifest(paths)
-    require_onnx_in_bundle(paths, manifest)
-    session = create_session(str(paths.onnx), providers, num_threads)
+    model_path = require_onnx_in_bundle(paths, manifest, variant)
+    session = create_session(str(model_path), config.providers(), config.num_threads,
+                             config.strict_ep)
     graph_input = session.get_inputs()[0]
     if graph_input.name != manifest["input"]["name"]:
         raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
                           f"{manifest['input']['name']!r}", "re-run export.py or pipeline.py")
-    return manifest, session
+    return manifest, session, model_path
 
 
 def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
@@ -146,10 +172,10 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         batch_size=config.batch_size, samples=len(x), timed_batches=len(timings))
 
 
-def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np.ndarray
-                        ) -> InferenceResult:
-    _, session = load_bundle_session(paths, config.providers(), config.num_threads)
-    result = evaluate(session, x, y, config, paths.onnx)
+def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np.ndarray,
+                        variant: str = "onnx") -> InferenceResult:
+    _, session, model_path = load_bundle_session(paths, config, variant)
+    result = evaluate(session, x, y, config, model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
              config.batch_size, result.throughput_per_s)
@@ -158,8 +184,8 @@ def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np
 
 # ----------------------------------------------------------------------------- CLI
 
-INFERENCE_FLAGS = ["output_model", "dataset_path", "batch_size", "ep", "num_threads",
-                   "report_json", "log_level", "no_progress"]
+INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "batch_size", "ep", "strict_ep",
+                   "num_threads", "report_json", "log_level", "no_progress"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,7 +207,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = load_dataset(options, preprocessing=manifest["preprocessing"],
                             labels=manifest["labels"], splits=("test",))
         report["dataset"] = data.report_section()
-        result = run_inference_stage(config, paths, data.test.x, data.test.y)
+        variant = "onnx"
+        if config.quantized:
+            variant = "int8"
+            verdict = (manifest.get("quantization") or {})
+            if verdict and not verdict.get("used_for_inference"):
+                LOG.warning("using the int8 graph as asked, although quantization judged it: %s",
+                            verdict.get("verdict"))
+        result = run_inference_stage(config, paths, data.test.x, data.test.y, variant)
         report["inference"] = result.report_section()
 
     return run_with_report(config, stages)

@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from data import DataOptions, load_dataset
     from export import export_bundle
     from inference import run_inference_stage
+    from quantize import quantize_bundle
     from train import build_manifest, set_torch_threads, train_classifier
     from utils import quiet_library_loggers
 
@@ -63,7 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,
                                  paths)
         report["export"] = exported.report_section()
-        result = run_inference_stage(config, paths, dataset.test.x, dataset.test.y)
+        variant = "onnx"
+        if config.quantize != "none":
+            quantized = quantize_bundle(config, paths, dataset.train.x, dataset.test.x,
+                                        dataset.test.y)
+            report["quantize"] = quantized.report_section()
+            variant = "int8" if quantized.used_for_inference else "onnx"
+        result = run_inference_stage(config, paths, dataset.test.x, dataset.test.y, variant)
         report["inference"] = result.report_section()
 
     return run_with_report(config, stages)

@@ -126,6 +126,23 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved_fd)
 
 
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Collect what C++ libraries write to fd 2 (ONNX Runtime's provider errors) into a list."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            sink.seek(0)
+            lines.extend(sink.read().decode("utf-8", "replace").splitlines())
+
+
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "",
              enabled: bool = True, leave: bool = False):
     """A tqdm bar on stderr, shown only when stderr is a terminal and progress is enabled."""
@@ -240,6 +257,10 @@ class BundlePaths:
         return cls(onnx=onnx_path, manifest=onnx_path.with_suffix(".json"),
                    weights=onnx_path.with_suffix(".pt"))
 
+    @property
+    def int8(self) -> Path:
+        return self.onnx.with_suffix(".int8.onnx")
+
 
 def read_manifest(paths: BundlePaths) -> dict:
     """Load and sanity-check a bundle manifest; any problem is an ExportError (exit 4)."""
@@ -266,20 +287,24 @@ def read_manifest(paths: BundlePaths) -> dict:
     return manifest
 
 
-def require_onnx_in_bundle(paths: BundlePaths, manifest: dict) -> None:
-    """Refuse an .onnx that is missing or belongs to another run than its manifest."""
+def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "onnx") -> Path:
+    """The graph file of `variant` ("onnx" fp32, or "int8"), refused if missing or from another
+    run than its manifest."""
     files = manifest.get("files") or {}
-    expected = (files.get("sha256") or {}).get("onnx")
-    if not files.get("onnx") or not expected:
-        raise ExportError(f"bundle {paths.manifest} has no exported ONNX graph yet",
-                          f"run: python export.py --output_model {paths.onnx}")
-    if not paths.onnx.is_file():
-        raise ExportError(f"model file {paths.onnx} not found",
-                          "re-run export.py or pipeline.py to write it")
-    if sha256_of(paths.onnx) != expected:
-        raise ExportError(f"{paths.onnx} does not match its manifest {paths.manifest.name} "
+    expected = (files.get("sha256") or {}).get(variant)
+    path = paths.onnx if variant == "onnx" else paths.int8
+    fix = (f"python export.py --output_model {paths.onnx}" if variant == "onnx" else
+           f"python quantize.py --output_model {paths.onnx} --quantize auto")
+    if not files.get(variant) or not expected:
+        what = "exported ONNX graph" if variant == "onnx" else "int8 graph"
+        raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
+    if not path.is_file():
+        raise ExportError(f"model file {path} not found", f"run: {fix}")
+    if sha256_of(path) != expected:
+        raise ExportError(f"{path} does not match its manifest {paths.manifest.name} "
                           "(sha256 differs: the files come from different runs or were modified)",
-                          f"re-run: python export.py --output_model {paths.onnx}")
+                          f"re-run: {fix}")
+    return path
 
 
 # ----------------------------------------------------------------------------- report summary
@@ -306,6 +331,13 @@ _SUMMARY_KEYS: dict[str, list[tuple[str, str]]] = {
                ("checker", "onnx.checker"), ("max_abs_diff", "max |onnx - torch|"),
                ("top1_agreement", "top-1 agreement"),
                ("padding_max_diff", "padding max diff"), ("seconds", "seconds")],
+    "quantize": [("mode", "mode"), ("path", "model"), ("size_bytes_fp32", "size fp32 (bytes)"),
+                 ("size_bytes", "size int8 (bytes)"), ("accuracy_fp32", "accuracy fp32"),
+                 ("accuracy", "accuracy int8"), ("top1_agreement", "top-1 agreement"),
+                 ("latency_ms_p50_batch1_fp32", "p50 batch 1 fp32 (ms)"),
+                 ("latency_ms_p50_batch1", "p50 batch 1 int8 (ms)"),
+                 ("latency_ms_p50_fp32", "p50 fp32 (ms/batch)"),
+                 ("latency_ms_p50", "p50 int8 (ms/batch)"), ("verdict", "verdict")],
     "inference": [("model_path", "model"), ("providers_active", "providers"),
                   ("accuracy", "test accuracy"), ("batch_size", "batch size"),
                   ("latency_ms_p50", "latency p50 (ms/batch)"),
