@@ -194,6 +194,10 @@ class Config:
     ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
                   "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
                   "openvino, coreml, rocm", "runtime", metavar="LIST")
+    benchmark: bool = opt(False, "add a benchmark table: PyTorch eager fp32 (pipeline.py), ONNX "
+                          "Runtime fp32 and int8 (when quantized), with size, accuracy, latency "
+                          "at batch 1 and throughput; always on when an int8 graph exists",
+                          "runtime", type=parse_bool, metavar="BOOL")
     strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
                           "execution provider cannot run", "runtime", type=parse_bool,
                           metavar="BOOL")

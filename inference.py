@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -122,6 +122,78 @@ def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
     return timings
 
 
+def interleaved_timings(runners: Sequence[Callable[[np.ndarray], object]],
+                        batches: Sequence[np.ndarray], runs: int, warmup: int = 3
+                        ) -> list[list[float]]:
+    """Seconds per call for each runner, taking turns on the same batches so that machine noise
+    hits all of them alike."""
+    times: list[list[float]] = [[] for _ in runners]
+    for i in range(runs + warmup):
+        batch = batches[i % len(batches)]
+        for k, run in enumerate(runners):
+            start = time.perf_counter()
+            run(batch)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - start)
+    return times
+
+
+def session_runner(session: ort.InferenceSession) -> Callable[[np.ndarray], np.ndarray]:
+    name = session.get_inputs()[0].name
+    return lambda batch: session.run(["probabilities"], {name: batch})[0]
+
+
+@dataclass
+class Variant:
+    """One way of running the model, for the benchmark table."""
+
+    name: str
+    provider: str
+    size_bytes: int
+    predict: Callable[[np.ndarray], np.ndarray]  # a batch → probabilities
+
+
+BENCHMARK_RUNS = 40
+
+
+def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray,
+                       batch_size: int) -> list[dict]:
+    """One row per variant: size, accuracy, p50/p95 latency at batch 1, throughput at batch_size
+    (the yolo-benchmark table)."""
+    accuracy = [float((np.concatenate([v.predict(b) for b in batches_of(x, batch_size)])
+                       .argmax(1) == y).mean()) for v in variants]
+    single = interleaved_timings([v.predict for v in variants], batches_of(x, 1), BENCHMARK_RUNS)
+    large = batches_of(x, batch_size)
+    batched = interleaved_timings([v.predict for v in variants], large, BENCHMARK_RUNS)
+    rows = []
+    for k, variant in enumerate(variants):
+        ms = np.array(single[k]) * 1e3
+        samples = sum(len(large[i % len(large)]) for i in range(BENCHMARK_RUNS))
+        rows.append({"variant": variant.name, "provider": variant.provider,
+                     "size_mb": round(variant.size_bytes / 1e6, 3), "accuracy": accuracy[k],
+                     "latency_ms_p50_batch1": round(float(np.percentile(ms, 50)), 4),
+                     "latency_ms_p95_batch1": round(float(np.percentile(ms, 95)), 4),
+                     "throughput_per_s": round(samples / float(np.sum(batched[k])), 1),
+                     "batch_size": batch_size})
+    return rows
+
+
+def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[Variant]:
+    """ONNX Runtime fp32, and int8 when the bundle has it, on the requested providers."""
+    variants = []
+    for variant, label in (("onnx", "onnxruntime fp32"), ("int8", "onnxruntime int8")):
+        if variant == "int8" and "int8" not in (manifest.get("files") or {}):
+            continue
+        path = require_onnx_in_bundle(paths, manifest, variant)
+        session = create_session(str(path), config.providers(), config.num_threads,
+                                 config.strict_ep)
+        mode = (manifest.get("quantization") or {}).get("mode")
+        name = f"{label} ({mode})" if variant == "int8" and mode else label
+        variants.append(Variant(name, session.get_providers()[0], path.stat().st_size,
+                                session_runner(session)))
+    return variants
+
+
 @dataclass
 class InferenceResult:
     providers_requested: list[str]
@@ -184,8 +256,8 @@ def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np
 
 # ----------------------------------------------------------------------------- CLI
 
-INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "batch_size", "ep", "strict_ep",
-                   "num_threads", "report_json", "log_level", "no_progress"]
+INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "benchmark", "batch_size", "ep",
+                   "strict_ep", "num_threads", "report_json", "log_level", "no_progress"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             verdict.get("verdict"))
         result = run_inference_stage(config, paths, data.test.x, data.test.y, variant)
         report["inference"] = result.report_section()
+        if config.benchmark:
+            report["benchmark"] = benchmark_variants(bundle_variants(paths, manifest, config),
+                                                     data.test.x, data.test.y, config.batch_size)
 
     return run_with_report(config, stages)
 

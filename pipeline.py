@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import PIPELINE_FLAGS, build_parser, start_cli
-from utils import BundlePaths, run_cli, run_with_report
+from utils import BundlePaths, read_manifest, run_cli, run_with_report
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):
@@ -35,6 +35,22 @@ exit codes: 0 ok, 2 usage or config error, 3 data error, 4 export or validation 
 5 runtime or execution-provider failure, 130 interrupted"""
 
 
+def torch_variant(net, paths: BundlePaths):
+    """PyTorch eager fp32 on the CPU, the baseline row of the benchmark table."""
+    import torch
+
+    from inference import Variant
+    from models import WithProbabilities
+
+    wrapper = WithProbabilities(net).eval()
+
+    def predict(batch):
+        with torch.no_grad():
+            return wrapper(torch.from_numpy(batch))[1].numpy()
+
+    return Variant("pytorch eager fp32", "torch cpu", paths.weights.stat().st_size, predict)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
         "pipeline.py", "Train an image, text or tabular classifier, export it to a validated ONNX "
@@ -45,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Heavy imports only once the flags are known to be good: a typo fails in a fraction of a second.
     from data import DataOptions, load_dataset
     from export import export_bundle
-    from inference import run_inference_stage
+    from inference import benchmark_variants, bundle_variants, run_inference_stage
     from quantize import quantize_bundle
     from train import build_manifest, set_torch_threads, train_classifier
     from utils import quiet_library_loggers
@@ -72,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             variant = "int8" if quantized.used_for_inference else "onnx"
         result = run_inference_stage(config, paths, dataset.test.x, dataset.test.y, variant)
         report["inference"] = result.report_section()
+        if config.benchmark or config.quantize != "none":
+            variants = [torch_variant(trained.net, paths)] + bundle_variants(
+                paths, read_manifest(paths), config)
+            report["benchmark"] = benchmark_variants(variants, dataset.test.x, dataset.test.y,
+                                                     config.batch_size)
 
     return run_with_report(config, stages)
 

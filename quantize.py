@@ -10,7 +10,6 @@ not used, unless --force_quantized true.
 from __future__ import annotations
 
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -19,7 +18,7 @@ import numpy as np
 import onnx
 
 from config import Config, build_parser, start_cli
-from inference import batches_of, create_session, predict_proba
+from inference import batches_of, create_session, interleaved_timings, predict_proba, session_runner
 from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json,
                    read_manifest, require_onnx_in_bundle, run_cli, run_with_report, sha256_of,
                    stdout_to_stderr)
@@ -124,16 +123,8 @@ def quantize_graph(src: Path, dst: Path, mode: str, input_name: str, calibration
 
 def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> list[float]:
     """p50 ms per batch for each session, timed in turns on the same batches after a warm-up."""
-    batches = batches_of(x, batch_size)
-    names = [s.get_inputs()[0].name for s in sessions]
-    times: list[list[float]] = [[] for _ in sessions]
-    for i in range(TIMED_RUNS + 3):
-        batch = batches[i % len(batches)]
-        for k, (session, name) in enumerate(zip(sessions, names)):
-            start = time.perf_counter()
-            session.run(None, {name: batch})
-            if i >= 3:
-                times[k].append(time.perf_counter() - start)
+    times = interleaved_timings([session_runner(s) for s in sessions], batches_of(x, batch_size),
+                                TIMED_RUNS)
     return [round(float(np.percentile(t, 50)) * 1e3, 4) for t in times]
 
 

@@ -359,9 +359,22 @@ def format_summary(report: dict) -> str:
         for key, label in keys:
             if data.get(key) is not None:
                 lines.append(f"  {label:<26} {_fmt(data[key])}")
+    if report.get("benchmark"):
+        lines += ["benchmark:", *format_benchmark(report["benchmark"])]
     if report.get("seconds_total") is not None:
         lines.append(f"total seconds: {report['seconds_total']:.1f}")
     return "\n".join(lines)
+
+
+def format_benchmark(rows: list[dict]) -> list[str]:
+    """One line per variant, like `yolo benchmark`."""
+    batch = rows[0]["batch_size"]
+    header = (f"  {'variant':<28} {'provider':<26} {'size MB':>8} {'accuracy':>8} "
+              f"{'p50 ms@1':>9} {'p95 ms@1':>9} {f'samples/s@{batch}':>14}")
+    return [header] + [
+        f"  {r['variant']:<28} {r['provider']:<26} {r['size_mb']:>8.3f} {r['accuracy']:>8.4f} "
+        f"{r['latency_ms_p50_batch1']:>9.4f} {r['latency_ms_p95_batch1']:>9.4f} "
+        f"{r['throughput_per_s']:>14.0f}" for r in rows]
 
 
 def emit_report(report: dict, report_json: str | None) -> None:
@@ -383,7 +396,8 @@ def error_section(err: BaseException) -> dict:
     return {"code": EXIT_RUNTIME, "message": f"unexpected {type(err).__name__}: {err}"}
 
 
-REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "inference", "tta", "ttt", "iterative")
+REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "inference", "benchmark", "tta", "ttt",
+                   "iterative")
 
 
 def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:

@@ -50,6 +50,13 @@ def test_pipeline_static_int8_is_validated_and_used_only_if_it_earns_it(tmp_path
     assert manifest["files"]["sha256"]["int8"] == sha256_of(out / "model.int8.onnx")
     assert manifest["quantization"]["verdict"] == quantize["verdict"]
     check_int8_graph(out / "model.int8.onnx", out / "model.onnx")
+    rows = report["benchmark"]  # always there once an int8 variant exists
+    assert [r["variant"] for r in rows] == ["pytorch eager fp32", "onnxruntime fp32",
+                                            "onnxruntime int8 (static)"]
+    for row in rows:
+        assert row["size_mb"] > 0 and 0.8 <= row["accuracy"] <= 1 and row["throughput_per_s"] > 0
+        assert 0 < row["latency_ms_p50_batch1"] <= row["latency_ms_p95_batch1"]
+    assert "benchmark:" in run.stdout and "onnxruntime int8 (static)" in run.stdout
 
 
 def test_quantize_cli_dynamic_with_force_then_inference_quantized(digits_bundle, tmp_path):
@@ -64,9 +71,12 @@ def test_quantize_cli_dynamic_with_force_then_inference_quantized(digits_bundle,
     assert sha256_of(bundle / "model.onnx") == fp32_hash  # fp32 graph untouched
     check_int8_graph(bundle / "model.int8.onnx", bundle / "model.onnx")
     infer = run_cli("inference.py", "--model", bundle / "model.onnx", "--quantized", "true",
-                    "--report_json", "-")
+                    "--benchmark", "true", "--report_json", "-")
     assert infer.returncode == 0, infer.stderr[-2000:]
-    assert json.loads(infer.stdout)["inference"]["model_path"].endswith("model.int8.onnx")
+    report = json.loads(infer.stdout)
+    assert report["inference"]["model_path"].endswith("model.int8.onnx")
+    assert [r["variant"] for r in report["benchmark"]] == ["onnxruntime fp32",
+                                                           "onnxruntime int8 (dynamic)"]
 
 
 def test_inference_quantized_without_int8_graph_exits_4(digits_bundle):
