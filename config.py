@@ -33,6 +33,20 @@ EP_ALIASES = {
     "rocm": "ROCMExecutionProvider",
 }
 
+# Provider options we check by name (ONNX Runtime ignores or rejects misspelt ones at run time);
+# other providers' options pass through unchecked.
+EP_OPTION_KEYS = {
+    "CUDAExecutionProvider": ("device_id", "gpu_mem_limit", "arena_extend_strategy",
+                              "cudnn_conv_algo_search", "do_copy_in_default_stream",
+                              "cudnn_conv_use_max_workspace", "enable_cuda_graph"),
+    "TensorrtExecutionProvider": ("device_id", "trt_fp16_enable", "trt_int8_enable",
+                                  "trt_engine_cache_enable", "trt_engine_cache_path",
+                                  "trt_max_workspace_size", "trt_timing_cache_enable",
+                                  "trt_timing_cache_path", "trt_builder_optimization_level"),
+    "CPUExecutionProvider": ("use_arena",),
+}
+CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
 GROUPS = {
     "data": "data",
     "training": "training",
@@ -80,6 +94,67 @@ def parse_providers(text: str) -> list[str]:
     if "CPUExecutionProvider" in names:
         names.remove("CPUExecutionProvider")
     return names + ["CPUExecutionProvider"]
+
+
+def parse_ep_options(text: str | None, providers: Sequence[str]) -> dict[str, dict[str, str]]:
+    """--ep_options as JSON ({"cuda": {"device_id": 0}} or, for the first provider, {"device_id":
+    0}) or a key=value list ("cuda.device_id=0,tensorrt.trt_fp16_enable=true"; a key without a
+    provider goes to the first one). Returns {full provider name: {key: string value}}."""
+    import json
+
+    if not text:
+        return {}
+    pairs: list[tuple[str | None, str, object]] = []
+    if text.strip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--ep_options is not valid JSON ({err.msg} at column {err.colno})",
+                              'e.g. --ep_options \'{"cuda": {"device_id": 0}}\'') from None
+        for key, value in data.items():
+            if isinstance(value, dict):
+                pairs += [(key, k, v) for k, v in value.items()]
+            else:
+                pairs.append((None, key, value))
+    else:
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--ep_options item {item!r} is not key=value",
+                                  "e.g. --ep_options cuda.device_id=0,cuda.gpu_mem_limit=2000000000")
+            provider, _, name = key.strip().rpartition(".")
+            pairs.append((provider or None, name, value.strip()))
+    options: dict[str, dict[str, str]] = {}
+    for provider, key, value in pairs:
+        full = parse_providers(provider)[0] if provider else providers[0]
+        if full not in providers:
+            raise ConfigError(f"--ep_options names {full}, which --ep does not request",
+                              f"add it to --ep or drop its options")
+        allowed = EP_OPTION_KEYS.get(full)
+        if allowed is not None and key not in allowed:
+            raise ConfigError(f"--ep_options: unknown option {key!r} for {full}",
+                              f"valid: {', '.join(allowed)}")
+        text_value = str(value).lower() if isinstance(value, bool) else str(value)
+        if key == "cudnn_conv_algo_search" and text_value.upper() not in CUDNN_SEARCH:
+            raise ConfigError(f"--ep_options: cudnn_conv_algo_search {value!r}",
+                              f"use one of {', '.join(CUDNN_SEARCH)}")
+        options.setdefault(full, {})[key] = text_value
+    trt = options.get("TensorrtExecutionProvider", {})
+    if "trt_engine_cache_path" in trt:  # a cache path means: keep engines between cron runs
+        trt.setdefault("trt_engine_cache_enable", "true")
+    return options
+
+
+@dataclass
+class RuntimeOptions:
+    """How ONNX Runtime sessions are made: providers, their options, threads."""
+
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    provider_options: dict[str, dict[str, str]] = field(default_factory=dict)
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    execution_mode: str = "sequential"
+    strict: bool = False
 
 
 def parse_image_size(text: str) -> tuple[int, int]:
@@ -201,6 +276,18 @@ class Config:
     strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
                           "execution provider cannot run", "runtime", type=parse_bool,
                           metavar="BOOL")
+    ep_options: str | None = opt(None, "provider options as JSON or key=value list, e.g. "
+                                 "cuda.device_id=0,cuda.gpu_mem_limit=2000000000 or "
+                                 "tensorrt.trt_fp16_enable=true,tensorrt.trt_engine_cache_path="
+                                 "trt_cache (engines then persist between runs)", "runtime",
+                                 metavar="OPTIONS")
+    intra_op_threads: int | None = opt(None, "ONNX Runtime threads within an operator "
+                                       "(default: --num_threads)", "runtime", type=int,
+                                       metavar="N")
+    inter_op_threads: int = opt(1, "ONNX Runtime threads across operators (parallel execution "
+                                "mode only)", "runtime", type=int, metavar="N")
+    execution_mode: str = opt("sequential", "ONNX Runtime execution mode", "runtime",
+                              choices=("sequential", "parallel"))
     num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
                            "(1 is fastest for small models on busy machines)", "runtime",
                            type=int, metavar="N")
@@ -244,7 +331,11 @@ class Config:
         _positive("max_length", self.max_length)
         if self.num_threads < 0:
             _bad("num_threads", self.num_threads, "use 0 (library default) or a positive count")
-        parse_providers(self.ep)
+        parse_ep_options(self.ep_options, parse_providers(self.ep))
+        for name in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                _bad(name, value, "use 0 (library default) or a positive count")
         self._validate_paths()
         return self
 
@@ -279,6 +370,20 @@ class Config:
 
     def providers(self) -> list[str]:
         return parse_providers(self.ep)
+
+    def runtime(self) -> RuntimeOptions:
+        """The session settings for the inference stage (--ep, --ep_options, threads)."""
+        providers = self.providers()
+        return RuntimeOptions(providers=providers,
+                              provider_options=parse_ep_options(self.ep_options, providers),
+                              intra_op_threads=self.num_threads if self.intra_op_threads is None
+                              else self.intra_op_threads,
+                              inter_op_threads=self.inter_op_threads,
+                              execution_mode=self.execution_mode, strict=self.strict_ep)
+
+    def cpu_runtime(self) -> RuntimeOptions:
+        """The session settings for validation and quantization, which compare on the CPU."""
+        return RuntimeOptions(intra_op_threads=self.runtime().intra_op_threads)
 
     def as_dict(self) -> dict:
         data = asdict(self)

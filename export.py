@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import torch
 
-from config import Config, build_parser, start_cli
+from config import Config, RuntimeOptions, build_parser, start_cli
 from data import DataOptions, load_dataset
 from inference import create_session
 from models import WithProbabilities, load_weights, save_weights
@@ -130,7 +130,7 @@ def validation_probes(samples: np.ndarray, kind: str) -> dict[str, np.ndarray]:
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
                        kind: str, atol: float, batch_size: int, num_threads: int) -> NumericCheck:
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
-    session = create_session(model.SerializeToString(), ["CPUExecutionProvider"], num_threads)
+    session = create_session(model.SerializeToString(), RuntimeOptions(intra_op_threads=num_threads))
     input_name = session.get_inputs()[0].name
     wrapper = WithProbabilities(net).eval()
     large = max(2, min(len(samples), batch_size))

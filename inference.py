@@ -16,43 +16,53 @@ from typing import Callable, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from config import Config, build_parser, start_cli
+from config import Config, RuntimeOptions, build_parser, start_cli
 from preprocess import trim_padding
 import re
 
 from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
-                   progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report)
+                   progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report,
+                   stdout_to_stderr)
 
 WARMUP_RUNS = 3
 MIN_TIMED_BATCHES = 30
 MAX_TIMING_SECONDS = 2.0
 
 
-def create_session(model: str | bytes, providers: Sequence[str], num_threads: int,
-                   strict: bool = False) -> ort.InferenceSession:
+def create_session(model: str | bytes, runtime: RuntimeOptions) -> ort.InferenceSession:
     """An ORT session with all graph optimisations, on the first usable provider of `providers`.
 
     onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
     and silently runs on CPU. We capture those errors, compare the active providers with the
     request, and say in one WARNING which provider is inactive and why (exit 5 with `strict`).
     """
+    strict = runtime.strict
     available = ort.get_available_providers()
-    missing = [p for p in providers if p not in available]
+    missing = [p for p in runtime.providers if p not in available]
     if missing:
         fallback(f"{', '.join(missing)} not in this onnxruntime build (it has "
                  f"{', '.join(available)})", strict)
-    usable = [p for p in providers if p in available] or ["CPUExecutionProvider"]
+    usable = [p for p in runtime.providers if p in available] or ["CPUExecutionProvider"]
+    with_options = [(p, runtime.provider_options.get(p, {})) for p in usable]
+    cache = runtime.provider_options.get("TensorrtExecutionProvider", {}).get("trt_engine_cache_path")
+    if cache:
+        Path(cache).mkdir(parents=True, exist_ok=True)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = num_threads
-    options.inter_op_num_threads = 1
+    options.intra_op_num_threads = runtime.intra_op_threads
+    options.inter_op_num_threads = runtime.inter_op_threads
+    options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if runtime.execution_mode == "parallel"
+                              else ort.ExecutionMode.ORT_SEQUENTIAL)
     options.log_severity_level = 0 if debug_enabled() else 3
     try:
+        # ORT's Python layer print()s provider errors to stdout: keep them off our stdout.
         if debug_enabled():
-            session, ort_errors = ort.InferenceSession(model, options, providers=usable), []
+            with stdout_to_stderr():
+                session = ort.InferenceSession(model, options, providers=with_options)
+            ort_errors: list[str] = []
         else:
-            with captured_stderr() as ort_errors:
-                session = ort.InferenceSession(model, options, providers=usable)
+            with captured_stderr() as ort_errors, stdout_to_stderr():
+                session = ort.InferenceSession(model, options, providers=with_options)
     except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
         name = model if isinstance(model, str) else "the exported graph"
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -185,8 +195,7 @@ def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[
         if variant == "int8" and "int8" not in (manifest.get("files") or {}):
             continue
         path = require_onnx_in_bundle(paths, manifest, variant)
-        session = create_session(str(path), config.providers(), config.num_threads,
-                                 config.strict_ep)
+        session = create_session(str(path), config.runtime())
         mode = (manifest.get("quantization") or {}).get("mode")
         name = f"{label} ({mode})" if variant == "int8" and mode else label
         variants.append(Variant(name, session.get_providers()[0], path.stat().st_size,
@@ -198,6 +207,7 @@ def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[
 class InferenceResult:
     providers_requested: list[str]
     providers_active: list[str]
+    provider_options: dict
     model_path: str
     accuracy: float
     latency_ms_p50: float
@@ -217,8 +227,7 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     the manifest promises."""
     manifest = read_manifest(paths)
     model_path = require_onnx_in_bundle(paths, manifest, variant)
-    session = create_session(str(model_path), config.providers(), config.num_threads,
-                             config.strict_ep)
+    session = create_session(str(model_path), config.runtime())
     graph_input = session.get_inputs()[0]
     if graph_input.name != manifest["input"]["name"]:
         raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
@@ -237,6 +246,7 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
     latencies_ms = seconds * 1e3
     return InferenceResult(
         providers_requested=config.providers(), providers_active=session.get_providers(),
+        provider_options=config.runtime().provider_options,
         model_path=str(model_path), accuracy=accuracy,
         latency_ms_p50=round(float(np.percentile(latencies_ms, 50)), 4),
         latency_ms_p95=round(float(np.percentile(latencies_ms, 95)), 4),
@@ -257,7 +267,9 @@ def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np
 # ----------------------------------------------------------------------------- CLI
 
 INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "benchmark", "batch_size", "ep",
-                   "strict_ep", "num_threads", "report_json", "log_level", "no_progress"]
+                   "ep_options", "strict_ep", "num_threads", "intra_op_threads",
+                   "inter_op_threads", "execution_mode", "report_json", "log_level",
+                   "no_progress"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -216,8 +216,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, tes
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ExportError(f"{mode} quantization failed: {first}",
                               "try --quantize dynamic, or --quantize none") from None
-    sessions = [create_session(str(paths.onnx), ["CPUExecutionProvider"], config.num_threads),
-                create_session(int8_bytes, ["CPUExecutionProvider"], config.num_threads)]
+    sessions = [create_session(str(paths.onnx), config.cpu_runtime()),
+                create_session(int8_bytes, config.cpu_runtime())]
     probs_fp32, probs_int8 = (predict_proba(s, test_x, config.batch_size) for s in sessions)
     p50_batch = interleaved_p50_ms(sessions, test_x, config.batch_size)
     p50_one = interleaved_p50_ms(sessions, test_x, 1)

@@ -58,7 +58,7 @@ def main() -> None:
     exported = export_bundle(config, trained.net, build_manifest(config, trained, dataset),
                              dataset.test.x, dataset.train.x, paths)
 
-    session = create_session(str(paths.onnx), ["CPUExecutionProvider"], 1)
+    session = create_session(str(paths.onnx), config.cpu_runtime())
     wrapper = WithProbabilities(trained.net).eval()
     x, y = dataset.test.x, dataset.test.y
 

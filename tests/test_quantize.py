@@ -103,3 +103,21 @@ def test_fallback_warning_names_the_reason(digits_bundle):
         return
     assert len(warnings) == 1 and "CUDAExecutionProvider could not start" in warnings[0]
     assert "running on CPUExecutionProvider" in warnings[0]
+
+
+def test_provider_options_are_recorded_and_stdout_stays_json(digits_bundle, tmp_path):
+    """TensorRT options with an engine cache; ORT's own 'EP Error' prints must not reach stdout."""
+    cache = tmp_path / "trt_cache"
+    run = run_cli("inference.py", "--model", digits_bundle["model"], "--ep", "tensorrt,cuda",
+                  "--ep_options", f'{{"tensorrt": {{"trt_fp16_enable": true, '
+                                  f'"trt_engine_cache_path": "{cache}"}}, "cuda": {{"device_id": 0}}}}',
+                  "--execution_mode", "parallel", "--inter_op_threads", "2", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    inference = json.loads(run.stdout)["inference"]
+    assert inference["provider_options"] == {
+        "TensorrtExecutionProvider": {"trt_fp16_enable": "true", "trt_engine_cache_path": str(cache),
+                                      "trt_engine_cache_enable": "true"},
+        "CUDAExecutionProvider": {"device_id": "0"}}
+    assert cache.is_dir()
+    assert inference["providers_requested"] == ["TensorrtExecutionProvider",
+                                                "CUDAExecutionProvider", "CPUExecutionProvider"]
