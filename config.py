@@ -251,6 +251,9 @@ class Config:
     max_accuracy_drop: float = opt(0.01, "largest test-accuracy loss allowed for int8; beyond "
                                    "it (or if int8 is slower) inference uses fp32",
                                    "quantization", type=float, metavar="FRACTION")
+    fp16: bool = opt(False, "also write an fp16 graph (inputs and outputs stay fp32) for GPU "
+                     "providers, validated and timed against fp32; inference.py: run it",
+                     "quantization", type=parse_bool, metavar="BOOL")
     quantized: bool = opt(False, "inference.py: run the bundle's int8 graph (model.int8.onnx) "
                           "instead of fp32", "quantization", type=parse_bool, metavar="BOOL")
     force_quantized: bool = opt(False, "use the int8 graph for inference even when it is slower "

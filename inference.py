@@ -191,11 +191,14 @@ def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray
 def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[Variant]:
     """ONNX Runtime fp32, and int8 when the bundle has it, on the requested providers."""
     variants = []
-    for variant, label in (("onnx", "onnxruntime fp32"), ("int8", "onnxruntime int8")):
-        if variant == "int8" and "int8" not in (manifest.get("files") or {}):
+    for variant, label in (("onnx", "onnxruntime fp32"), ("int8", "onnxruntime int8"),
+                           ("fp16", "onnxruntime fp16")):
+        if variant != "onnx" and variant not in (manifest.get("files") or {}):
             continue
         path = require_onnx_in_bundle(paths, manifest, variant)
         session = create_session(str(path), config.runtime())
+        if variant == "fp16" and session.get_providers()[0] == "CPUExecutionProvider":
+            continue  # fp16 rows only where a GPU provider runs them
         mode = (manifest.get("quantization") or {}).get("mode")
         name = f"{label} ({mode})" if variant == "int8" and mode else label
         variants.append(Variant(name, session.get_providers()[0], path.stat().st_size,
@@ -266,7 +269,8 @@ def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np
 
 # ----------------------------------------------------------------------------- CLI
 
-INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "benchmark", "batch_size", "ep",
+INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "fp16", "benchmark", "batch_size",
+                   "ep",
                    "ep_options", "strict_ep", "num_threads", "intra_op_threads",
                    "inter_op_threads", "execution_mode", "report_json", "log_level",
                    "no_progress"]
@@ -291,12 +295,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = load_dataset(options, preprocessing=manifest["preprocessing"],
                             labels=manifest["labels"], splits=("test",))
         report["dataset"] = data.report_section()
-        variant = "onnx"
-        if config.quantized:
-            variant = "int8"
-            verdict = (manifest.get("quantization") or {})
+        variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
+        if variant != "onnx":
+            verdict = manifest.get("quantization" if variant == "int8" else "fp16") or {}
             if verdict and not verdict.get("used_for_inference"):
-                LOG.warning("using the int8 graph as asked, although quantization judged it: %s",
+                LOG.warning("using the %s graph as asked, although it was judged: %s", variant,
                             verdict.get("verdict"))
         result = run_inference_stage(config, paths, data.test.x, data.test.y, variant)
         report["inference"] = result.report_section()

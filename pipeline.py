@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from data import DataOptions, load_dataset
     from export import export_bundle
     from inference import benchmark_variants, bundle_variants, run_inference_stage
-    from quantize import quantize_bundle
+    from quantize import fp16_bundle, quantize_bundle
     from train import build_manifest, set_torch_threads, train_classifier
     from utils import quiet_library_loggers
 
@@ -86,9 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         dataset.test.y)
             report["quantize"] = quantized.report_section()
             variant = "int8" if quantized.used_for_inference else "onnx"
+        if config.fp16:
+            half = fp16_bundle(config, paths, dataset.test.x, dataset.test.y)
+            report["fp16"] = half.report_section()
+            variant = "fp16" if half.used_for_inference else variant
         result = run_inference_stage(config, paths, dataset.test.x, dataset.test.y, variant)
         report["inference"] = result.report_section()
-        if config.benchmark or config.quantize != "none":
+        if config.benchmark or config.quantize != "none" or config.fp16:
             variants = [torch_variant(trained.net, paths)] + bundle_variants(
                 paths, read_manifest(paths), config)
             report["benchmark"] = benchmark_variants(variants, dataset.test.x, dataset.test.y,

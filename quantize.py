@@ -1,11 +1,12 @@
-"""Quantize a bundle's fp32 graph to int8, validate and time it against fp32 in the same process,
-and decide honestly whether inference should use it.
+"""Make faster variants of a bundle's fp32 graph (int8, fp16), validate and time each against
+fp32 in the same process, and decide honestly whether inference should use it.
 
-    python quantize.py --output_model runs/digits/model.onnx --quantize static
+    python quantize.py --output_model runs/digits/model.onnx --quantize static [--fp16 true]
 
-writes model.int8.onnx beside the bundle and records the figures and the verdict in model.json.
-An int8 graph that is slower than fp32 or loses more than --max_accuracy_drop is kept on disk but
-not used, unless --force_quantized true.
+writes model.int8.onnx (and model.fp16.onnx) beside the bundle and records the figures and the
+verdict in model.json. A variant that is slower than fp32 or loses more than --max_accuracy_drop
+is kept on disk but not used (int8: unless --force_quantized true). fp16 is only used on a GPU
+provider.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from config import Config, build_parser, start_cli
+from config import Config, RuntimeOptions, build_parser, start_cli
 from inference import batches_of, create_session, interleaved_timings, predict_proba, session_runner
 from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json,
                    read_manifest, require_onnx_in_bundle, run_cli, run_with_report, sha256_of,
@@ -37,10 +38,13 @@ TIMED_RUNS = 40
 
 
 @dataclass
-class QuantizeResult:
-    mode: str
+class VariantResult:
+    """A variant graph measured against fp32 on the same data, sessions and batches."""
+
+    mode: str  # dynamic, static or fp16
     requested: str
     path: str
+    provider: str
     size_bytes_fp32: int
     size_bytes: int
     accuracy: float
@@ -166,87 +170,126 @@ def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> li
     return [round(float(np.percentile(t, 50)) * 1e3, 4) for t in times]
 
 
-def judge(result: QuantizeResult, max_drop: float, force: bool, quantized_ops: int) -> None:
-    """Fill problems, verdict and used_for_inference; say plainly what int8 did."""
-    if quantized_ops == 0:
-        result.problems.append(f"{result.mode} quantization found nothing to quantize in this "
-                               "graph")
+def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequence[str] = ()
+          ) -> None:
+    """Fill problems, verdict and used_for_inference; say plainly what the variant did."""
+    label = "fp16" if result.mode == "fp16" else f"int8 {result.mode}"
+    result.problems.extend(problems)
     drop = result.accuracy_fp32 - result.accuracy
     if drop > max_drop:
-        result.problems.append(f"int8 loses {drop:.3f} accuracy (more than --max_accuracy_drop "
-                               f"{max_drop:g})")
+        result.problems.append(f"{label} loses {drop:.3f} accuracy (more than "
+                               f"--max_accuracy_drop {max_drop:g})")
     if result.latency_ms_p50 > result.latency_ms_p50_fp32:
-        result.problems.append(f"int8 is slower than fp32 at batch {result.batch_size} "
+        result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
                                "ms)")
     speedup = result.latency_ms_p50_fp32 / max(result.latency_ms_p50, 1e-9)
     note = ""
     if result.latency_ms_p50_batch1 > result.latency_ms_p50_batch1_fp32:
-        note = (f" (at batch 1 int8 is slower: {result.latency_ms_p50_batch1:.3g} vs "
+        note = (f" (at batch 1 {label} is slower: {result.latency_ms_p50_batch1:.3g} vs "
                 f"{result.latency_ms_p50_batch1_fp32:.3g} ms)")
     if not result.problems:
         result.used_for_inference = True
-        result.verdict = (f"int8 {result.mode}: {speedup:.2f}x the speed of fp32 at batch "
+        result.verdict = (f"{label}: {speedup:.2f}x the speed of fp32 at batch "
                           f"{result.batch_size}, accuracy {result.accuracy:.4f} vs "
-                          f"{result.accuracy_fp32:.4f}; inference uses int8{note}")
+                          f"{result.accuracy_fp32:.4f}; inference uses {label}{note}")
     elif force:
         result.used_for_inference = True
-        result.verdict = f"{'; '.join(result.problems)}; inference uses int8 (--force_quantized)"
+        result.verdict = f"{'; '.join(result.problems)}; inference uses {label} (--force_quantized)"
     else:
-        result.verdict = (f"{'; '.join(result.problems)}; inference uses fp32 "
-                          "(--force_quantized true to use int8 anyway)")
+        outcome = ("inference does not use fp16" if result.mode == "fp16" else
+                   "inference uses fp32 (--force_quantized true to use int8 anyway)")
+        result.verdict = f"{'; '.join(result.problems)}; {outcome}"
+
+
+def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOptions,
+                         x: np.ndarray, y: np.ndarray, batch_size: int, **fields) -> VariantResult:
+    """Accuracy, agreement, difference, size and interleaved p50 latency vs fp32."""
+    sessions = [create_session(str(fp32_path), runtime), create_session(variant, runtime)]
+    probs_fp32, probs = (predict_proba(s, x, batch_size) for s in sessions)
+    p50_batch = interleaved_p50_ms(sessions, x, batch_size)
+    p50_one = interleaved_p50_ms(sessions, x, 1)
+    return VariantResult(
+        provider=sessions[1].get_providers()[0], size_bytes_fp32=fp32_path.stat().st_size,
+        size_bytes=len(variant), accuracy=float((probs.argmax(1) == y).mean()),
+        accuracy_fp32=float((probs_fp32.argmax(1) == y).mean()),
+        top1_agreement=float((probs.argmax(1) == probs_fp32.argmax(1)).mean()),
+        max_abs_diff=float(np.abs(probs - probs_fp32).max()), batch_size=batch_size,
+        latency_ms_p50=p50_batch[1], latency_ms_p50_fp32=p50_batch[0],
+        latency_ms_p50_batch1=p50_one[1], latency_ms_p50_batch1_fp32=p50_one[0],
+        used_for_inference=False, verdict="", **fields)
+
+
+def save_variant(paths: BundlePaths, manifest: dict, key: str, data: bytes,
+                 result: VariantResult) -> None:
+    """The variant graph, then the manifest naming it by hash (both atomic)."""
+    target = paths.variant(key)
+    atomic_write(target, lambda tmp: tmp.write_bytes(data))
+    manifest["quantization" if key == "int8" else key] = result.report_section()
+    manifest["files"][key] = target.name
+    manifest["files"]["sha256"][key] = sha256_of(target)
+    atomic_write_json(paths.manifest, manifest)
 
 
 def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, test_x: np.ndarray,
-                    test_y: np.ndarray) -> QuantizeResult:
+                    test_y: np.ndarray) -> VariantResult:
     """Quantize, validate on the test split, time against fp32, write model.int8.onnx."""
     manifest = read_manifest(paths)
     require_onnx_in_bundle(paths, manifest)
-    fp32 = onnx.load(str(paths.onnx))
-    mode = choose_mode(config.quantize, fp32)
-    input_name = manifest["input"]["name"]
+    mode = choose_mode(config.quantize, onnx.load(str(paths.onnx)))
     LOG.info("quantizing %s to int8 (%s%s)", paths.onnx.name, mode,
              ", auto" if config.quantize == "auto" else "")
     with tempfile.TemporaryDirectory(dir=paths.onnx.parent) as tmp:
         quantized = Path(tmp) / "model.int8.onnx"
         try:
-            calibration = quantize_graph(paths.onnx, quantized, mode, input_name, train_x, config)
+            calibration = quantize_graph(paths.onnx, quantized, mode, manifest["input"]["name"],
+                                         train_x, config)
             int8_bytes = quantized.read_bytes()
         except Exception as err:  # noqa: BLE001 - the quantizer fails in many ways
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ExportError(f"{mode} quantization failed: {first}",
                               "try --quantize dynamic, or --quantize none") from None
-    sessions = [create_session(str(paths.onnx), config.cpu_runtime()),
-                create_session(int8_bytes, config.cpu_runtime())]
-    probs_fp32, probs_int8 = (predict_proba(s, test_x, config.batch_size) for s in sessions)
-    p50_batch = interleaved_p50_ms(sessions, test_x, config.batch_size)
-    p50_one = interleaved_p50_ms(sessions, test_x, 1)
-    result = QuantizeResult(
-        mode=mode, requested=config.quantize, path=str(paths.int8),
-        size_bytes_fp32=paths.onnx.stat().st_size, size_bytes=len(int8_bytes),
-        accuracy=float((probs_int8.argmax(1) == test_y).mean()),
-        accuracy_fp32=float((probs_fp32.argmax(1) == test_y).mean()),
-        top1_agreement=float((probs_int8.argmax(1) == probs_fp32.argmax(1)).mean()),
-        max_abs_diff=float(np.abs(probs_int8 - probs_fp32).max()), batch_size=config.batch_size,
-        latency_ms_p50=p50_batch[1], latency_ms_p50_fp32=p50_batch[0],
-        latency_ms_p50_batch1=p50_one[1], latency_ms_p50_batch1_fp32=p50_one[0],
-        used_for_inference=False, verdict="", calibration=calibration)
-    quantized_ops = sum(n.op_type in QUANTIZED_OPS for n in onnx.load_from_string(int8_bytes).graph.node)
-    judge(result, config.max_accuracy_drop, config.force_quantized, quantized_ops)
+    result = measure_against_fp32(paths.onnx, int8_bytes, config.cpu_runtime(), test_x, test_y,
+                                  config.batch_size, mode=mode, requested=config.quantize,
+                                  path=str(paths.int8), calibration=calibration)
+    nodes = onnx.load_from_string(int8_bytes).graph.node
+    empty = [] if any(n.op_type in QUANTIZED_OPS for n in nodes) else [
+        f"{mode} quantization found nothing to quantize in this graph"]
+    judge(result, config.max_accuracy_drop, config.force_quantized, empty)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
-    atomic_write(paths.int8, lambda tmp: tmp.write_bytes(int8_bytes))
-    manifest["quantization"] = result.report_section()
-    manifest["files"]["int8"] = paths.int8.name
-    manifest["files"]["sha256"]["int8"] = sha256_of(paths.int8)
-    atomic_write_json(paths.manifest, manifest)
+    save_variant(paths, manifest, "int8", int8_bytes, result)
+    return result
+
+
+def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: np.ndarray
+                ) -> VariantResult:
+    """An fp16 graph (inputs and outputs stay fp32) for GPU providers, validated and timed
+    against fp32 on the requested providers; used only where a GPU provider runs it faster."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    manifest = read_manifest(paths)
+    require_onnx_in_bundle(paths, manifest)
+    with stdout_to_stderr():
+        half = convert_float_to_float16(onnx.load(str(paths.onnx)), keep_io_types=True)
+    data = half.SerializeToString()
+    result = measure_against_fp32(paths.onnx, data, config.runtime(), test_x, test_y,
+                                  config.batch_size, mode="fp16", requested="fp16",
+                                  path=str(paths.fp16))
+    cpu_only = [] if result.provider != "CPUExecutionProvider" else [
+        "fp16 is for GPU providers and only CPUExecutionProvider is active here (timings above "
+        "are CPU timings)"]
+    judge(result, config.max_accuracy_drop, False, cpu_only)
+    (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
+    save_variant(paths, manifest, "fp16", data, result)
     return result
 
 
 # ----------------------------------------------------------------------------- CLI
 
 QUANTIZE_FLAGS = ["output_model", "dataset_path", "quantize", "calibration_size",
-                  "calibration_method", "max_accuracy_drop", "force_quantized", "batch_size",
-                  "num_threads", "report_json", "log_level", "no_progress"]
+                  "calibration_method", "max_accuracy_drop", "force_quantized", "fp16", "ep",
+                  "ep_options", "batch_size", "num_threads", "report_json", "log_level",
+                  "no_progress"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,8 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python quantize.py --output_model runs/digits/model.onnx "
                "--quantize static --calibration_size 256")
     config = start_cli(parser, argv, QUANTIZE_FLAGS)
-    if config.quantize == "none":
-        config.quantize = "auto"
 
     def stages(report: dict) -> None:
         from data import DataOptions, load_dataset
@@ -269,8 +310,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = load_dataset(options, preprocessing=manifest["preprocessing"],
                             labels=manifest["labels"], splits=("train", "test"))
         report["dataset"] = data.report_section()
-        result = quantize_bundle(config, paths, data.train.x, data.test.x, data.test.y)
-        report["quantize"] = result.report_section()
+        if config.quantize == "none" and not config.fp16:
+            config.quantize = "auto"
+        if config.quantize != "none":
+            result = quantize_bundle(config, paths, data.train.x, data.test.x, data.test.y)
+            report["quantize"] = result.report_section()
+        if config.fp16:
+            report["fp16"] = fp16_bundle(config, paths, data.test.x, data.test.y).report_section()
 
     return run_with_report(config, stages)
 

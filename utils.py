@@ -261,6 +261,14 @@ class BundlePaths:
     def int8(self) -> Path:
         return self.onnx.with_suffix(".int8.onnx")
 
+    @property
+    def fp16(self) -> Path:
+        return self.onnx.with_suffix(".fp16.onnx")
+
+    def variant(self, key: str) -> Path:
+        """The graph file of a variant: "onnx" (fp32), "int8" or "fp16"."""
+        return {"onnx": self.onnx, "int8": self.int8, "fp16": self.fp16}[key]
+
 
 def read_manifest(paths: BundlePaths) -> dict:
     """Load and sanity-check a bundle manifest; any problem is an ExportError (exit 4)."""
@@ -292,11 +300,12 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
     run than its manifest."""
     files = manifest.get("files") or {}
     expected = (files.get("sha256") or {}).get(variant)
-    path = paths.onnx if variant == "onnx" else paths.int8
-    fix = (f"python export.py --output_model {paths.onnx}" if variant == "onnx" else
-           f"python quantize.py --output_model {paths.onnx} --quantize auto")
+    path = paths.variant(variant)
+    fix = {"onnx": f"python export.py --output_model {paths.onnx}",
+           "int8": f"python quantize.py --output_model {paths.onnx} --quantize auto",
+           "fp16": f"python quantize.py --output_model {paths.onnx} --fp16 true"}[variant]
     if not files.get(variant) or not expected:
-        what = "exported ONNX graph" if variant == "onnx" else "int8 graph"
+        what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph"}[variant]
         raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
     if not path.is_file():
         raise ExportError(f"model file {path} not found", f"run: {fix}")
@@ -338,6 +347,10 @@ _SUMMARY_KEYS: dict[str, list[tuple[str, str]]] = {
                  ("latency_ms_p50_batch1", "p50 batch 1 int8 (ms)"),
                  ("latency_ms_p50_fp32", "p50 fp32 (ms/batch)"),
                  ("latency_ms_p50", "p50 int8 (ms/batch)"), ("verdict", "verdict")],
+    "fp16": [("path", "model"), ("provider", "provider"), ("size_bytes", "size (bytes)"),
+             ("accuracy_fp32", "accuracy fp32"), ("accuracy", "accuracy fp16"),
+             ("max_abs_diff", "max |fp16 - fp32|"), ("latency_ms_p50_fp32", "p50 fp32 (ms/batch)"),
+             ("latency_ms_p50", "p50 fp16 (ms/batch)"), ("verdict", "verdict")],
     "inference": [("model_path", "model"), ("providers_active", "providers"),
                   ("accuracy", "test accuracy"), ("batch_size", "batch size"),
                   ("latency_ms_p50", "latency p50 (ms/batch)"),
@@ -396,8 +409,8 @@ def error_section(err: BaseException) -> dict:
     return {"code": EXIT_RUNTIME, "message": f"unexpected {type(err).__name__}: {err}"}
 
 
-REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "inference", "benchmark", "tta", "ttt",
-                   "iterative")
+REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "fp16", "inference", "benchmark", "tta",
+                   "ttt", "iterative")
 
 
 def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:

@@ -121,3 +121,28 @@ def test_provider_options_are_recorded_and_stdout_stays_json(digits_bundle, tmp_
     assert cache.is_dir()
     assert inference["providers_requested"] == ["TensorrtExecutionProvider",
                                                 "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_fp16_graph_is_validated_and_only_used_on_a_gpu_provider(tmp_path):
+    out = tmp_path / "h"
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  "builtin:wine", "--output_model", out / "model.onnx", "--fp16", "true",
+                  "--report_json", out / "report.json", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    half = report["fp16"]
+    assert half["mode"] == "fp16" and half["size_bytes"] < half["size_bytes_fp32"]
+    assert abs(half["accuracy"] - half["accuracy_fp32"]) <= 0.04 and half["max_abs_diff"] < 0.05
+    if half["provider"] == "CPUExecutionProvider":
+        assert half["used_for_inference"] is False and "GPU providers" in half["verdict"]
+        assert not report["inference"]["model_path"].endswith(".fp16.onnx")
+    session = ort.InferenceSession(str(out / "model.fp16.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].type == "tensor(float)"  # inputs and outputs stay fp32
+    x = np.random.default_rng(0).normal(size=(7, 13)).astype(np.float32)
+    for batch in (1, 7):
+        probs = session.run(["probabilities"], {"features": x[:batch]})[0]
+        assert probs.dtype == np.float32 and probs.shape == (batch, 3)
+    infer = run_cli("inference.py", "--model", out / "model.onnx", "--fp16", "true",
+                    "--report_json", "-")
+    assert infer.returncode == 0, infer.stderr[-2000:]
+    assert json.loads(infer.stdout)["inference"]["model_path"].endswith("model.fp16.onnx")
