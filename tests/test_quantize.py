@@ -146,3 +146,14 @@ def test_fp16_graph_is_validated_and_only_used_on_a_gpu_provider(tmp_path):
                     "--report_json", "-")
     assert infer.returncode == 0, infer.stderr[-2000:]
     assert json.loads(infer.stdout)["inference"]["model_path"].endswith("model.fp16.onnx")
+
+
+def test_iobinding_runner_matches_session_run(digits_bundle):
+    """The IOBinding path used on CUDA, exercised on the CPU device: same probabilities."""
+    from inference import iobinding_runner, session_runner
+
+    session = ort.InferenceSession(str(digits_bundle["model"]), providers=["CPUExecutionProvider"])
+    x = (load_digits().images[:7] / 16.0).astype(np.float32)[:, None]
+    bound = iobinding_runner(session, "cpu")
+    for batch in (x[:1], x):
+        np.testing.assert_array_equal(bound(batch), session_runner(session)(batch))
