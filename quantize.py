@@ -35,6 +35,8 @@ DYNAMIC_OPS = ("MatMul",)
 QUANTIZED_OPS = ("MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "QuantizeLinear",
                  "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 TIMED_RUNS = 40
+# A variant replaces fp32 only when clearly faster: a tie would flip between runs.
+MIN_SPEEDUP = 1.05
 
 
 @dataclass
@@ -183,6 +185,11 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
         result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
                                "ms)")
+    elif result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
+        result.problems.append(f"{label} is no faster than fp32 at batch {result.batch_size} "
+                               f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
+                               f"ms; within the {MIN_SPEEDUP - 1:.0%} that timing noise can "
+                               "explain)")
     speedup = result.latency_ms_p50_fp32 / max(result.latency_ms_p50, 1e-9)
     note = ""
     if result.latency_ms_p50_batch1 > result.latency_ms_p50_batch1_fp32:
