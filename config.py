@@ -129,7 +129,7 @@ def parse_ep_options(text: str | None, providers: Sequence[str]) -> dict[str, di
         full = parse_providers(provider)[0] if provider else providers[0]
         if full not in providers:
             raise ConfigError(f"--ep_options names {full}, which --ep does not request",
-                              f"add it to --ep or drop its options")
+                              "add it to --ep or drop its options")
         allowed = EP_OPTION_KEYS.get(full)
         if allowed is not None and key not in allowed:
             raise ConfigError(f"--ep_options: unknown option {key!r} for {full}",

@@ -160,6 +160,14 @@ def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
     return load_table_dataset(options, preprocessing=preprocessing, labels=labels, splits=splits)
 
 
+def load_bundle_dataset(manifest: dict, path: str | None, splits: Sequence[str],
+                        show_progress: bool = True) -> Dataset:
+    """A bundle's dataset (or `path`), split and encoded exactly as at training time."""
+    options = DataOptions.from_manifest(manifest["dataset"], path, show_progress)
+    return load_dataset(options, preprocessing=manifest["preprocessing"],
+                        labels=manifest["labels"], splits=splits)
+
+
 def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,
                        labels: Sequence[str] | None = None,
                        splits: Sequence[str] = SPLITS) -> Dataset:

@@ -16,7 +16,7 @@ import onnx
 import torch
 
 from config import Config, RuntimeOptions, build_parser, start_cli
-from data import DataOptions, load_dataset
+from data import load_bundle_dataset
 from inference import create_session
 from models import WithProbabilities, load_weights, save_weights
 from preprocess import PAD_ID, trim_padding
@@ -229,10 +229,8 @@ EXPORT_FLAGS = ["output_model", "dataset_path", "opset", "validate_atol", "batch
 
 def load_held_out(config: Config, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
     """Validation samples for a bundle on disk: its test split, decoded as at training time."""
-    options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
-                                        not config.no_progress)
-    data = load_dataset(options, preprocessing=manifest["preprocessing"],
-                        labels=manifest["labels"], splits=("val", "test"))
+    data = load_bundle_dataset(manifest, config.dataset_path, ("val", "test"),
+                               not config.no_progress)
     return data.test.x, data.val.x
 
 

@@ -319,14 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv, INFERENCE_FLAGS)
 
     def stages(report: dict) -> None:
-        from data import DataOptions, load_dataset
+        from data import load_bundle_dataset
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
-        options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
-                                            not config.no_progress)
-        data = load_dataset(options, preprocessing=manifest["preprocessing"],
-                            labels=manifest["labels"], splits=("test",))
+        data = load_bundle_dataset(manifest, config.dataset_path, ("test",),
+                                   not config.no_progress)
         report["dataset"] = data.report_section()
         variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
         if variant != "onnx":

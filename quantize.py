@@ -308,14 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv, QUANTIZE_FLAGS)
 
     def stages(report: dict) -> None:
-        from data import DataOptions, load_dataset
+        from data import load_bundle_dataset
 
         paths = BundlePaths.from_model_path(config.output_model)
-        manifest = read_manifest(paths)
-        options = DataOptions.from_manifest(manifest["dataset"], config.dataset_path,
-                                            not config.no_progress)
-        data = load_dataset(options, preprocessing=manifest["preprocessing"],
-                            labels=manifest["labels"], splits=("train", "test"))
+        data = load_bundle_dataset(read_manifest(paths), config.dataset_path, ("train", "test"),
+                                   not config.no_progress)
         report["dataset"] = data.report_section()
         if config.quantize == "none" and not config.fp16:
             config.quantize = "auto"

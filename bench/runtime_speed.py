@@ -16,8 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -39,7 +37,6 @@ def digits_table(folder: Path) -> str:
 
 
 def measure(name: str, config: Config) -> None:
-    import models
     from data import DataOptions, load_dataset
     from export import export_bundle
     from inference import benchmark_variants, bundle_variants

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import assert_clean_failure, run_cli, write_image_folder
 
-SCRIPTS = ["pipeline.py", "train.py", "export.py", "inference.py"]
+SCRIPTS = ["pipeline.py", "train.py", "export.py", "quantize.py", "inference.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
