@@ -168,19 +168,27 @@ def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
     return timings
 
 
+MIN_TIMING_SECONDS = 0.3
+
+
 def interleaved_timings(runners: Sequence[Callable[[np.ndarray], object]],
                         batches: Sequence[np.ndarray], runs: int, warmup: int = 3
                         ) -> list[list[float]]:
     """Seconds per call for each runner, taking turns on the same batches so that machine noise
-    hits all of them alike."""
+    hits all of them alike: at least `runs` turns and MIN_TIMING_SECONDS (sub-millisecond models
+    need many turns for a stable p50), at most 20 × `runs`."""
     times: list[list[float]] = [[] for _ in runners]
-    for i in range(runs + warmup):
+    started = time.perf_counter()
+    i = 0
+    while i < runs + warmup or (time.perf_counter() - started < MIN_TIMING_SECONDS
+                                and i < 20 * runs + warmup):
         batch = batches[i % len(batches)]
         for k, run in enumerate(runners):
             start = time.perf_counter()
             run(batch)
             if i >= warmup:
                 times[k].append(time.perf_counter() - start)
+        i += 1
     return times
 
 
@@ -209,7 +217,7 @@ def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray
     rows = []
     for k, variant in enumerate(variants):
         ms = np.array(single[k]) * 1e3
-        samples = sum(len(large[i % len(large)]) for i in range(BENCHMARK_RUNS))
+        samples = sum(len(large[i % len(large)]) for i in range(len(batched[k])))
         rows.append({"variant": variant.name, "provider": variant.provider,
                      "size_mb": round(variant.size_bytes / 1e6, 3), "accuracy": accuracy[k],
                      "latency_ms_p50_batch1": round(float(np.percentile(ms, 50)), 4),
