@@ -260,10 +260,20 @@ class Config:
                                 "or less accurate", "quantization", type=parse_bool,
                                 metavar="BOOL")
     # test-time compute
-    tta: bool = opt(False, "test-time augmentation (not available yet)", "ttc", type=parse_bool,
-                    metavar="BOOL")
-    tta_transforms: str = opt("", "comma-separated TTA transforms (with --tta true)", "ttc",
-                              metavar="LIST")
+    tta: bool = opt(False, "test-time augmentation on the ONNX model (and, unless "
+                    "--train_augment false, training on the same transforms)", "ttc",
+                    type=parse_bool, metavar="BOOL")
+    tta_transforms: str = opt("", "comma-separated TTA transforms, name or name:param. image: "
+                              "identity, hflip (flip), vflip, rot90, rot180, rot270, rotate:DEG, "
+                              "shift:PX, crop:FRACTION, scale:FACTOR, brightness:DELTA, "
+                              "contrast:FACTOR; text: token_dropout:P, window:N; tabular: "
+                              "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1)",
+                              "ttc", metavar="LIST")
+    tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
+                         choices=("mean", "gmean", "max", "vote", "tsharpen"))
+    tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
+                                      "plain top probability is below this", "ttc", type=float,
+                                      metavar="P")
     ttt: bool = opt(False, "test-time training (not available yet)", "ttc", type=parse_bool,
                     metavar="BOOL")
     ttt_iterations: int = opt(1, "adaptation steps per test batch (with --ttt true)", "ttc",
@@ -327,6 +337,12 @@ class Config:
         _positive("validate_atol", self.validate_atol)
         _positive("ttt_iterations", self.ttt_iterations)
         _positive("calibration_size", self.calibration_size)
+        if self.tta_threshold is not None and not 0 < self.tta_threshold <= 1:
+            _bad("tta_threshold", self.tta_threshold, "use a probability in (0, 1]")
+        if self.tta or self.tta_transforms:
+            from tta import parse_transform_specs
+
+            parse_transform_specs(self.tta_transforms, self.model_type.split("_")[0])
         if not 0 <= self.max_accuracy_drop <= 1:
             _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
         if self.max_vocab < 3:
@@ -364,8 +380,7 @@ class Config:
 
     def check_stages_available(self) -> None:
         """Stages of later issues exist as flags but refuse to run rather than pretend."""
-        later = [("tta", self.tta, "--tta true", "test-time augmentation"),
-                 ("ttt", self.ttt, "--ttt true", "test-time training")]
+        later = [("ttt", self.ttt, "--ttt true", "test-time training")]
         for _, enabled, flag, what in later:
             if enabled:
                 raise ConfigError(f"{flag}: {what} is not available yet in this version",

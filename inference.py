@@ -308,10 +308,25 @@ def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np
     return result
 
 
+def run_tta_stage(config: Config, paths: BundlePaths, test: tuple[np.ndarray, np.ndarray],
+                  val: tuple[np.ndarray, np.ndarray] | None, variant: str = "onnx"):
+    """Test-time augmentation on the bundle's graph: test and validation accuracy with and
+    without it, what it fixed and broke, and what it cost."""
+    from tta import build_transforms, evaluate_tta
+
+    manifest, session, _ = load_bundle_session(paths, config, variant)
+    transforms = build_transforms(config.tta_transforms, manifest["preprocessing"])
+    result = evaluate_tta(session_runner(session), test, val, transforms, config.tta_merge,
+                          config.batch_size, config.tta_threshold, config.seed)
+    lowers = result.verdict.startswith("TTA lowers")
+    (LOG.warning if lowers else LOG.info)("%s", result.verdict)
+    return result
+
+
 # ----------------------------------------------------------------------------- CLI
 
-INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "fp16", "benchmark", "batch_size",
-                   "ep",
+INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "fp16", "tta", "tta_transforms",
+                   "tta_merge", "tta_threshold", "seed", "benchmark", "batch_size", "ep",
                    "ep_options", "strict_ep", "num_threads", "intra_op_threads",
                    "inter_op_threads", "execution_mode", "report_json", "log_level",
                    "no_progress"]
@@ -331,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
-        data = load_bundle_dataset(manifest, config.dataset_path, ("test",),
+        data = load_bundle_dataset(manifest, config.dataset_path,
+                                   ("val", "test") if config.tta else ("test",),
                                    not config.no_progress)
         report["dataset"] = data.report_section()
         variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
@@ -342,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             verdict.get("verdict"))
         result = run_inference_stage(config, paths, data.test.x, data.test.y, variant)
         report["inference"] = result.report_section()
+        if config.tta:
+            report["tta"] = run_tta_stage(config, paths, (data.test.x, data.test.y),
+                                          (data.val.x, data.val.y), variant).report_section()
         if config.benchmark:
             report["benchmark"] = benchmark_variants(bundle_variants(paths, manifest, config),
                                                      data.test.x, data.test.y, config.batch_size)

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Heavy imports only once the flags are known to be good: a typo fails in a fraction of a second.
     from data import DataOptions, load_dataset
     from export import export_bundle
-    from inference import benchmark_variants, bundle_variants, run_inference_stage
+    from inference import benchmark_variants, bundle_variants, run_inference_stage, run_tta_stage
     from quantize import fp16_bundle, quantize_bundle
     from train import build_manifest, set_torch_threads, train_classifier
     from utils import quiet_library_loggers
@@ -92,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             variant = "fp16" if half.used_for_inference else variant
         result = run_inference_stage(config, paths, dataset.test.x, dataset.test.y, variant)
         report["inference"] = result.report_section()
+        if config.tta:
+            report["tta"] = run_tta_stage(config, paths, (dataset.test.x, dataset.test.y),
+                                          (dataset.val.x, dataset.val.y), variant).report_section()
         if config.benchmark or config.quantize != "none" or config.fp16:
             variants = [torch_variant(trained.net, paths)] + bundle_variants(
                 paths, read_manifest(paths), config)

@@ -24,6 +24,7 @@ from config import Config, build_parser, start_cli
 from data import Dataset, DataOptions, Split, load_dataset
 from models import architecture_for, build_model, count_parameters, input_spec, save_weights
 from preprocess import Tokenizer
+from tta import build_transforms, random_augment
 from utils import (BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, LOG, BundlePaths, atomic_write_json,
                    progress, quiet_library_loggers, run_cli, run_with_report, stdout_to_stderr)
 
@@ -132,8 +133,13 @@ class WeightTrainer(Teleprompter):
     """
 
     def __init__(self, metric: Callable, *, epochs: int, batch_size: int, learning_rate: float,
-                 weight_decay: float, augment: bool, seed: int, show_progress: bool = True) -> None:
+                 weight_decay: float, augment: bool, seed: int, show_progress: bool = True,
+                 view_transforms: Sequence = ()) -> None:
         super().__init__()
+        # TTA transforms to train on (their random forms), so that test-time views are in
+        # distribution.
+        self.view_transforms = list(view_transforms)
+        self.view_rng = np.random.default_rng(seed)
         self.metric = metric
         self.epochs, self.batch_size = epochs, batch_size
         self.learning_rate, self.weight_decay = learning_rate, weight_decay
@@ -196,6 +202,9 @@ class WeightTrainer(Teleprompter):
             inputs = x[batch]
             if self.augment:
                 inputs = random_shift(inputs, max_shift, generator)
+            if self.view_transforms:
+                inputs = torch.from_numpy(random_augment(inputs.numpy(), self.view_transforms,
+                                                         self.view_rng))
             logits = net(inputs)
             loss = F.cross_entropy(logits, y[batch])
             optimizer.zero_grad(set_to_none=True)
@@ -252,10 +261,14 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
+    views = (build_transforms(config.tta_transforms, dataset.preprocessing)
+             if config.tta and config.train_augment else [])
+    if views:
+        LOG.info("training on the TTA transforms too: %s", ", ".join(t.spec for t in views))
     trainer = WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
                             learning_rate=config.learning_rate, weight_decay=config.weight_decay,
                             augment=config.train_augment and kind == "image", seed=config.seed,
-                            show_progress=not config.no_progress)
+                            show_progress=not config.no_progress, view_transforms=views)
     field = PROGRAM_INPUT[kind]
     tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
     program = trainer.compile(ClassifierProgram(net, dataset.labels, field, tokenizer),
@@ -288,6 +301,8 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset) -> d
                      "epochs": config.epochs, "batch_size": config.batch_size,
                      "learning_rate": config.learning_rate, "weight_decay": config.weight_decay,
                      "train_augment": config.train_augment, "seed": config.seed,
+                     "augment_transforms": (config.tta_transforms or "default")
+                     if config.tta and config.train_augment else None,
                      **trained.report_section(),
                      "history": [vars(r) for r in trained.history]},
         "export": None, "quantization": None, "extra_graphs": {},
@@ -312,7 +327,7 @@ DATA_FLAGS = ["model_type", "dataset_path", "dataset_format", "has_header", "lab
               "image_size", "channels", "max_vocab", "max_length", "val_fraction",
               "test_fraction", "seed"]
 TRAIN_FLAGS = DATA_FLAGS + ["epochs", "batch_size", "learning_rate", "weight_decay",
-                            "train_augment", "num_threads", "output_model", "report_json",
+                            "train_augment", "tta", "tta_transforms", "num_threads", "output_model", "report_json",
                             "log_level", "no_progress"]
 
 

@@ -39,8 +39,6 @@ CONFIG_ERRORS = [
     (["--epochs", "ten"], "--epochs"),
     (["--tta", "maybe"], "--tta"),
     (["--no_progress", "2"], "--no_progress"),
-    (["--tta", "true"], "not available yet"),
-    (["--tta", "YES"], "not available yet"),
     (["--ttt", "1"], "not available yet"),
     (["--calibration_size", "0"], "--calibration_size"),
     (["--max_accuracy_drop", "2"], "--max_accuracy_drop"),
