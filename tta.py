@@ -78,6 +78,8 @@ class Transform:
     param: float | None
     views: Callable[[np.ndarray, np.random.Generator], list[np.ndarray]]
     random: Callable[[np.ndarray, np.random.Generator], np.ndarray]
+    count: int = 1  # views per sample (window: one per window of a long text, at least 0)
+    seeded: bool = False  # its views draw random numbers
 
     @property
     def spec(self) -> str:
@@ -100,12 +102,12 @@ def _image_transform(name: str, param: float | None, preprocessing: dict) -> Tra
     value = float(param)  # type: ignore[arg-type]
     if name == "rotate":
         return Transform(name, value, lambda x, rng: [_rotate(x, value), _rotate(x, -value)],
-                         lambda x, rng: _rotate(x, rng.uniform(-value, value)))
+                         lambda x, rng: _rotate(x, rng.uniform(-value, value)), count=2)
     if name == "shift":
         step = int(value)
         moves = [(step, 0), (-step, 0), (0, step), (0, -step)]
         return Transform(name, value, lambda x, rng: [_shift(x, dy, dx) for dy, dx in moves],
-                         lambda x, rng: _shift(x, *moves[rng.integers(4)]))
+                         lambda x, rng: _shift(x, *moves[rng.integers(4)]), count=4)
     if name in ("crop", "scale"):
         factor = 1 / value if name == "crop" else value
         return Transform(name, value, lambda x, rng: [_zoom(x, factor)],
@@ -113,7 +115,7 @@ def _image_transform(name: str, param: float | None, preprocessing: dict) -> Tra
     if name == "brightness":
         shifted = lambda x, d: np.clip(x + d, 0, 1).astype(x.dtype)  # noqa: E731
         return Transform(name, value, lambda x, rng: [shifted(x, value), shifted(x, -value)],
-                         lambda x, rng: shifted(x, rng.uniform(-value, value)))
+                         lambda x, rng: shifted(x, rng.uniform(-value, value)), count=2)
     # contrast: scale each image's deviation from its own mean
     def contrast(x: np.ndarray, f: float) -> np.ndarray:
         mean = x.mean(axis=(1, 2, 3), keepdims=True)
@@ -165,7 +167,7 @@ def _text_transform(name: str, param: float | None) -> Transform:
     value = float(param)  # type: ignore[arg-type]
     if name == "token_dropout":
         return Transform(name, value, lambda x, rng: [_drop_tokens(x, value, rng)],
-                         lambda x, rng: _drop_tokens(x, value, rng))
+                         lambda x, rng: _drop_tokens(x, value, rng), seeded=True)
 
     def random_window(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         size, out = int(value), np.zeros_like(x)
@@ -176,7 +178,7 @@ def _text_transform(name: str, param: float | None) -> Transform:
             out[i, : len(piece)] = piece
         return out
 
-    return Transform(name, value, lambda x, rng: [], random_window)
+    return Transform(name, value, lambda x, rng: [], random_window, count=0)
 
 
 def _tabular_transform(name: str, param: float | None, preprocessing: dict) -> Transform:
@@ -189,7 +191,7 @@ def _tabular_transform(name: str, param: float | None, preprocessing: dict) -> T
     def jitter(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         return (x + rng.standard_normal(x.shape).astype(np.float32) * scale).astype(np.float32)
 
-    return Transform(name, sigma, lambda x, rng: [jitter(x, rng)], jitter)
+    return Transform(name, sigma, lambda x, rng: [jitter(x, rng)], jitter, seeded=True)
 
 
 # name → (needs a parameter, valid range check, what the parameter means)
@@ -254,22 +256,30 @@ def build_transforms(text: str, preprocessing: dict) -> list[Transform]:
     return transforms
 
 
-def expand(x: np.ndarray, transforms: Sequence[Transform], seed: int
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """The plain view plus every transform's views of a batch: (views, owner row of each)."""
-    rng = np.random.default_rng(seed)
-    views, owners = [x], [np.arange(len(x))]
+def expand(x: np.ndarray, transforms: Sequence[Transform],
+           seed: int | np.random.Generator | None = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """The plain view plus every transform's views of a batch: (views, owner row of each), the
+    owners None when every view covers the whole batch in order (the common, fast case)."""
+    rng = seed if isinstance(seed, np.random.Generator) or seed is None else (
+        np.random.default_rng(seed) if any(t.seeded for t in transforms) else None)
+    views, owners, regular = [x], [np.arange(len(x))], True
     for transform in transforms:
         if transform.name == "window":
             windowed, rows = _windows(x, int(transform.param))
             if len(rows):
                 views.append(windowed)
                 owners.append(rows)
+                regular = False
             continue
         for view in transform.views(x, rng):
             views.append(view)
             owners.append(np.arange(len(x)))
-    return _stack(views), np.concatenate(owners)
+    return _stack(views), None if regular else np.concatenate(owners)
+
+
+def views_per_sample(transforms: Sequence[Transform]) -> int:
+    """How many views a sample gets (windows counted as one)."""
+    return 1 + sum(max(1, t.count) if t.name == "window" else t.count for t in transforms)
 
 
 def _stack(views: list[np.ndarray]) -> np.ndarray:
@@ -302,10 +312,12 @@ def _fit_width(view: np.ndarray, shape: tuple) -> np.ndarray:
 # ----------------------------------------------------------------------------- merging
 
 
-def merge(probs: np.ndarray, owners: np.ndarray, n: int, mode: str) -> np.ndarray:
-    """Per sample, combine its views' probabilities into one distribution (rows sum to 1)."""
-    if len(owners) % n == 0 and np.array_equal(owners, np.tile(np.arange(n), len(owners) // n)):
-        return _merge_blocks(probs.reshape(len(owners) // n, n, -1), mode)
+def merge(probs: np.ndarray, owners: np.ndarray | None, n: int, mode: str) -> np.ndarray:
+    """Per sample, combine its views' probabilities into one distribution (rows sum to 1).
+
+    owners[i] is the sample of row i; None means whole-batch views stacked in order."""
+    if owners is None:
+        return _merge_blocks(probs.reshape(len(probs) // n, n, -1), mode)
     out = np.zeros((n, probs.shape[1]), dtype=np.float64)
     counts = np.bincount(owners, minlength=n).astype(np.float64)[:, None]
     p = probs.astype(np.float64)
@@ -362,11 +374,26 @@ class TTAOutcome:
     views: int  # views per sample (plain included), as run
 
 
+def tta_predict(predict: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
+                transforms: Sequence[Transform], merge_mode: str, batch_size: int,
+                seed: int = 0) -> np.ndarray:
+    """Merged probabilities over all views. Views are stacked: each run takes batch_size
+    samples with all their views (at most batch_size × views rows; never one run per view)."""
+    per_run = batch_size
+    rng = np.random.default_rng(seed) if any(t.seeded for t in transforms) else None
+    merged = []
+    for start in range(0, len(x), per_run):
+        chunk = x[start:start + per_run]
+        stacked, owners = expand(chunk, transforms, rng)
+        merged.append(merge(predict(stacked), owners, len(chunk), merge_mode))
+    return np.concatenate(merged) if merged else np.zeros((0, 0), np.float32)
+
+
 def run_tta(predict: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
             transforms: Sequence[Transform], merge_mode: str, batch_size: int,
             threshold: float | None = None, seed: int = 0) -> TTAOutcome:
-    """Plain predictions, then, per batch, all views of the (triggered) samples in one run of
-    at most batch_size × views rows; merged per sample."""
+    """Plain predictions (timed), then TTA (timed): on every sample, or with `threshold` only on
+    samples whose plain top probability is below it (then TTA time includes the plain pass)."""
     from inference import batches_of
 
     started = time.perf_counter()
@@ -375,15 +402,12 @@ def run_tta(predict: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
     triggered = (plain.max(1) < threshold) if threshold is not None else np.ones(len(x), bool)
     merged = plain.copy()
     rows = np.flatnonzero(triggered)
-    views_per_sample = 1
     started = time.perf_counter()
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        stacked, owners = expand(x[chunk], transforms, seed + start)
-        views_per_sample = max(views_per_sample, len(stacked) // max(1, len(chunk)))
-        merged[chunk] = merge(predict(stacked), owners, len(chunk), merge_mode)
+    if len(rows):
+        merged[rows] = tta_predict(predict, x[rows], transforms, merge_mode, batch_size, seed)
     seconds = time.perf_counter() - started + (seconds_plain if threshold is not None else 0.0)
-    return TTAOutcome(merged, plain, triggered, seconds, seconds_plain, views_per_sample)
+    return TTAOutcome(merged, plain, triggered, seconds, seconds_plain,
+                      views_per_sample(transforms))
 
 
 def cost_ratio(predict: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
