@@ -339,10 +339,7 @@ class Config:
         _positive("calibration_size", self.calibration_size)
         if self.tta_threshold is not None and not 0 < self.tta_threshold <= 1:
             _bad("tta_threshold", self.tta_threshold, "use a probability in (0, 1]")
-        if self.tta or self.tta_transforms:
-            from tta import parse_transform_specs
 
-            parse_transform_specs(self.tta_transforms, self.model_type.split("_")[0])
         if not 0 <= self.max_accuracy_drop <= 1:
             _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
         if self.max_vocab < 3:
@@ -385,6 +382,13 @@ class Config:
             if enabled:
                 raise ConfigError(f"{flag}: {what} is not available yet in this version",
                                   f"run without {flag.split()[0]}")
+
+    def validate_tta(self, model_type: str) -> None:
+        """--tta_transforms against the model type (known from the flags, or from a bundle)."""
+        if self.tta or self.tta_transforms:
+            from tta import parse_transform_specs
+
+            parse_transform_specs(self.tta_transforms, model_type.split("_")[0])
 
     def providers(self) -> list[str]:
         return parse_providers(self.ep)

@@ -346,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
+        config.validate_tta(manifest["model_type"])
         data = load_bundle_dataset(manifest, config.dataset_path,
                                    ("val", "test") if config.tta else ("test",),
                                    not config.no_progress)

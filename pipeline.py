@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model bundle, and measure it with ONNX Runtime.", PIPELINE_FLAGS,
         required=["dataset_path", "output_model"], epilog=EXAMPLE)
     config = start_cli(parser, argv, PIPELINE_FLAGS)
+    config.validate_tta(config.model_type)
 
     # Heavy imports only once the flags are known to be good: a typo fails in a fraction of a second.
     from data import DataOptions, load_dataset

@@ -339,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python train.py --dataset_path builtin:digits "
                "--output_model runs/digits/model.onnx --epochs 20")
     config = start_cli(parser, argv, TRAIN_FLAGS)
+    config.validate_tta(config.model_type)
     quiet_library_loggers()
     set_torch_threads(config.num_threads)
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from preprocess import PAD_ID
+from preprocess import PAD_ID, trim_padding
 from utils import ConfigError
 
 MERGE_MODES = ("mean", "gmean", "max", "vote", "tsharpen")
@@ -137,13 +137,12 @@ def _maybe(fn: Callable[[np.ndarray], np.ndarray]) -> Callable:
 
 def _drop_tokens(ids: np.ndarray, p: float, rng: np.random.Generator) -> np.ndarray:
     """Drop each real token with probability p (at least one kept), re-packed to the left."""
-    out = np.zeros_like(ids)
-    for i, row in enumerate(ids):
-        tokens = row[row != PAD_ID]
-        kept = tokens[rng.random(len(tokens)) >= p]
-        kept = kept if len(kept) else tokens[:1]
-        out[i, : len(kept)] = kept
-    return out
+    real = ids != PAD_ID
+    keep = real & (rng.random(ids.shape) >= p)
+    none_left = ~keep.any(axis=1)
+    keep[none_left] = real[none_left] & (np.cumsum(real[none_left], axis=1) == 1)
+    order = np.argsort(~keep, axis=1, kind="stable")  # kept tokens first, in their order
+    return np.take_along_axis(np.where(keep, ids, PAD_ID), order, axis=1)
 
 
 def _windows(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -385,6 +384,8 @@ def tta_predict(predict: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
     for start in range(0, len(x), per_run):
         chunk = x[start:start + per_run]
         stacked, owners = expand(chunk, transforms, rng)
+        if stacked.dtype == np.int64 and stacked.ndim == 2:  # token ids: drop unused padding
+            stacked = np.ascontiguousarray(trim_padding(stacked))
         merged.append(merge(predict(stacked), owners, len(chunk), merge_mode))
     return np.concatenate(merged) if merged else np.zeros((0, 0), np.float32)
 

@@ -137,6 +137,12 @@ def test_text_stage_clis_reuse_the_stored_tokenizer_and_split(tmp_path):
     assert report["dataset"]["model_type"] == "text_classifier"
     assert report["dataset"]["test"] == trained["dataset"]["test"] > 0  # the same split again
     assert report["inference"]["accuracy"] >= 0.8
+    tta = run_cli("inference.py", "--model", model, "--tta", "true", "--tta_transforms",
+                  "window:4,token_dropout:0.2", "--report_json", "-", *common)
+    assert tta.returncode == 0, tta.stderr[-2000:]
+    assert json.loads(tta.stdout)["tta"]["transforms"] == ["window:4", "token_dropout:0.2"]
+    wrong = run_cli("inference.py", "--model", model, "--tta", "true", "--tta_transforms", "hflip")
+    assert_clean_failure(wrong, 2, "for text models")
 
 
 def data_error(tmp_path, model_type, path, *phrases, extra=()):
