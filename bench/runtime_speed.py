@@ -12,15 +12,11 @@ the same batches with one thread each:
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from config import Config  # noqa: E402
-from utils import BundlePaths, quiet_library_loggers, read_manifest, setup_logging  # noqa: E402
+from common import Config, quiet_single_thread, train_bundle
+from utils import read_manifest
 
 
 def digits_table(folder: Path) -> str:
@@ -37,18 +33,11 @@ def digits_table(folder: Path) -> str:
 
 
 def measure(name: str, config: Config) -> None:
-    from data import DataOptions, load_dataset
-    from export import export_bundle
     from inference import benchmark_variants, bundle_variants
     from pipeline import torch_variant
     from quantize import quantize_bundle
-    from train import build_manifest, train_classifier
 
-    dataset = load_dataset(DataOptions.from_config(config))
-    trained = train_classifier(config, dataset)
-    paths = BundlePaths.from_model_path(config.output_model)
-    export_bundle(config, trained.net, build_manifest(config, trained, dataset), dataset.test.x,
-                  dataset.train.x, paths)
+    dataset, trained, paths, _ = train_bundle(config)
     x, y = dataset.test.x, dataset.test.y
     rows = benchmark_variants([torch_variant(trained.net, paths)] + bundle_variants(
         paths, read_manifest(paths), config), x, y, config.batch_size)
@@ -77,14 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
-    setup_logging("ERROR")
-    import torch
-
+    quiet_single_thread()
     import models
-    import train  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
 
-    quiet_library_loggers()
-    torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench_speed_"))
     common = dict(epochs=args.epochs, no_progress=True, batch_size=64)
     measure("digits CNN", Config(dataset_path="builtin:digits",

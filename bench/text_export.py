@@ -10,18 +10,13 @@ prints the largest |ONNX Runtime - PyTorch| difference and the p50 latency of bo
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from config import Config  # noqa: E402
-from utils import BundlePaths, quiet_library_loggers, setup_logging  # noqa: E402
+from common import REPO, Config, quiet_single_thread, train_bundle
 
 
 def p50_ms(samples: list[float]) -> float:
@@ -37,26 +32,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="timed runs per batch size")
     args = parser.parse_args()
 
-    setup_logging("WARNING")
+    quiet_single_thread()
     import torch
 
-    from data import DataOptions, load_dataset
-    from export import export_bundle
     from inference import batches_of, create_session
     from models import WithProbabilities
-    from train import build_manifest, train_classifier
 
-    quiet_library_loggers()
-    torch.set_num_threads(1)
     out = Path(tempfile.mkdtemp(prefix="bench_text_"))
     config = Config(model_type="text_classifier", dataset_path=args.data,
                     label_column=args.label_column, text_column=args.text_column,
                     epochs=args.epochs, output_model=str(out / "model.onnx"), no_progress=True)
-    dataset = load_dataset(DataOptions.from_config(config))
-    trained = train_classifier(config, dataset)
-    paths = BundlePaths.from_model_path(config.output_model)
-    exported = export_bundle(config, trained.net, build_manifest(config, trained, dataset),
-                             dataset.test.x, dataset.train.x, paths)
+    dataset, trained, paths, exported = train_bundle(config)
 
     session = create_session(str(paths.onnx), config.cpu_runtime())
     wrapper = WithProbabilities(trained.net).eval()

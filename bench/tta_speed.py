@@ -12,17 +12,12 @@ than the loop at batch 1; cost ratio at batch 64 ≤ 1.1 × views.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from config import Config  # noqa: E402
-from utils import BundlePaths, quiet_library_loggers, setup_logging  # noqa: E402
+from common import Config, quiet_single_thread, train_bundle
 
 VIEWS = 4
 CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot180"),
@@ -32,19 +27,12 @@ CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot18
 
 def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: int, runs: int
             ) -> None:
-    from data import DataOptions, load_dataset
-    from export import export_bundle
     from inference import batches_of, create_session, interleaved_timings, session_runner
-    from train import build_manifest, train_classifier
     from tta import build_transforms, merge, tta_predict
 
     config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
                     no_progress=True, output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
-    dataset = load_dataset(DataOptions.from_config(config))
-    trained = train_classifier(config, dataset)
-    paths = BundlePaths.from_model_path(config.output_model)
-    export_bundle(config, trained.net, build_manifest(config, trained, dataset), dataset.test.x,
-                  dataset.train.x, paths)
+    dataset, _, paths, _ = train_bundle(config)
     predict = session_runner(create_session(str(paths.onnx), config.cpu_runtime()))
     transforms = build_transforms(specs, dataset.preprocessing)
     rng = np.random.default_rng(0)
@@ -77,13 +65,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--runs", type=int, default=200, help="timed turns per batch size")
     args = parser.parse_args()
-    setup_logging("ERROR")
-    import torch
-
-    import train  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
-
-    quiet_library_loggers()
-    torch.set_num_threads(1)
+    quiet_single_thread()
     for case in CASES:
         measure(*case, args.epochs, args.runs)
 

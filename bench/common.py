@@ -1,0 +1,36 @@
+"""What the bench scripts share: set up quiet logging and one torch thread, and train + export a
+bundle in-process, exactly as pipeline.py does."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from config import Config  # noqa: E402
+from utils import BundlePaths, quiet_library_loggers, setup_logging  # noqa: E402
+
+
+def quiet_single_thread() -> None:
+    setup_logging("ERROR")
+    import torch
+
+    import train  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
+
+    quiet_library_loggers()
+    torch.set_num_threads(1)
+
+
+def train_bundle(config: Config):
+    """Train and export; returns (dataset, trained model, bundle paths, export result)."""
+    from data import DataOptions, load_dataset
+    from export import export_bundle
+    from train import build_manifest, train_classifier
+
+    dataset = load_dataset(DataOptions.from_config(config))
+    trained = train_classifier(config, dataset)
+    paths = BundlePaths.from_model_path(config.output_model)
+    exported = export_bundle(config, trained.net, build_manifest(config, trained, dataset),
+                             dataset.test.x, dataset.train.x, paths)
+    return dataset, trained, paths, exported
