@@ -8,6 +8,7 @@ way). This path imports neither torch nor dspy.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,6 @@ import onnxruntime as ort
 
 from config import Config, RuntimeOptions, build_parser, start_cli
 from preprocess import trim_padding
-import re
-
 from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
                    progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report,
                    stdout_to_stderr)
@@ -30,7 +29,7 @@ MAX_TIMING_SECONDS = 2.0
 
 
 def create_session(model: str | bytes, runtime: RuntimeOptions) -> ort.InferenceSession:
-    """An ORT session with all graph optimisations, on the first usable provider of `providers`.
+    """An ORT session with all graph optimisations, on the first usable of `runtime.providers`.
 
     onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
     and silently runs on CPU. We capture those errors, compare the active providers with the
@@ -298,29 +297,28 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         batch_size=config.batch_size, samples=len(x), timed_batches=len(timings))
 
 
-def run_inference_stage(config: Config, paths: BundlePaths, x: np.ndarray, y: np.ndarray,
-                        variant: str = "onnx") -> InferenceResult:
-    _, session, model_path = load_bundle_session(paths, config, variant)
-    result = evaluate(session, x, y, config, model_path)
+def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
+                  test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
+                  report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
+    """The inference stage on one session of the chosen graph: accuracy, latency and throughput;
+    then TTA (with --tta) and the benchmark table (`baseline` rows first), into `report`."""
+    manifest, session, model_path = load_bundle_session(paths, config, variant)
+    result = evaluate(session, *test, config, model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
              config.batch_size, result.throughput_per_s)
-    return result
+    report["inference"] = result.report_section()
+    if config.tta:
+        from tta import build_transforms, evaluate_tta
 
-
-def run_tta_stage(config: Config, paths: BundlePaths, test: tuple[np.ndarray, np.ndarray],
-                  val: tuple[np.ndarray, np.ndarray] | None, variant: str = "onnx"):
-    """Test-time augmentation on the bundle's graph: test and validation accuracy with and
-    without it, what it fixed and broke, and what it cost."""
-    from tta import build_transforms, evaluate_tta
-
-    manifest, session, _ = load_bundle_session(paths, config, variant)
-    transforms = build_transforms(config.tta_transforms, manifest["preprocessing"])
-    result = evaluate_tta(session_runner(session), test, val, transforms, config.tta_merge,
-                          config.batch_size, config.tta_threshold, config.seed)
-    lowers = result.verdict.startswith("TTA lowers")
-    (LOG.warning if lowers else LOG.info)("%s", result.verdict)
-    return result
+        transforms = build_transforms(config.tta_transforms, manifest["preprocessing"])
+        tta = evaluate_tta(session_runner(session), test, val, transforms, config.tta_merge,
+                           config.batch_size, config.tta_threshold, config.seed)
+        (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
+        report["tta"] = tta.report_section()
+    if benchmark:
+        variants = [*baseline, *bundle_variants(paths, manifest, config)]
+        report["benchmark"] = benchmark_variants(variants, *test, config.batch_size)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -357,14 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if verdict and not verdict.get("used_for_inference"):
                 LOG.warning("using the %s graph as asked, although it was judged: %s", variant,
                             verdict.get("verdict"))
-        result = run_inference_stage(config, paths, data.test.x, data.test.y, variant)
-        report["inference"] = result.report_section()
-        if config.tta:
-            report["tta"] = run_tta_stage(config, paths, (data.test.x, data.test.y),
-                                          (data.val.x, data.val.y), variant).report_section()
-        if config.benchmark:
-            report["benchmark"] = benchmark_variants(bundle_variants(paths, manifest, config),
-                                                     data.test.x, data.test.y, config.batch_size)
+        val = (data.val.x, data.val.y) if config.tta else None
+        run_on_bundle(config, paths, variant, (data.test.x, data.test.y), val, report,
+                      benchmark=config.benchmark)
 
     return run_with_report(config, stages)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import PIPELINE_FLAGS, build_parser, start_cli
-from utils import BundlePaths, read_manifest, run_cli, run_with_report
+from utils import BundlePaths, run_cli, run_with_report
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Heavy imports only once the flags are known to be good: a typo fails in a fraction of a second.
     from data import DataOptions, load_dataset
     from export import export_bundle
-    from inference import benchmark_variants, bundle_variants, run_inference_stage, run_tta_stage
+    from inference import run_on_bundle
     from quantize import fp16_bundle, quantize_bundle
     from train import build_manifest, set_torch_threads, train_classifier
     from utils import quiet_library_loggers
@@ -91,16 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             half = fp16_bundle(config, paths, dataset.test.x, dataset.test.y)
             report["fp16"] = half.report_section()
             variant = "fp16" if half.used_for_inference else variant
-        result = run_inference_stage(config, paths, dataset.test.x, dataset.test.y, variant)
-        report["inference"] = result.report_section()
-        if config.tta:
-            report["tta"] = run_tta_stage(config, paths, (dataset.test.x, dataset.test.y),
-                                          (dataset.val.x, dataset.val.y), variant).report_section()
-        if config.benchmark or config.quantize != "none" or config.fp16:
-            variants = [torch_variant(trained.net, paths)] + bundle_variants(
-                paths, read_manifest(paths), config)
-            report["benchmark"] = benchmark_variants(variants, dataset.test.x, dataset.test.y,
-                                                     config.batch_size)
+        several_variants = config.quantize != "none" or config.fp16
+        run_on_bundle(config, paths, variant, (dataset.test.x, dataset.test.y),
+                      (dataset.val.x, dataset.val.y), report,
+                      benchmark=config.benchmark or several_variants,
+                      baseline=[torch_variant(trained.net, paths)])
 
     return run_with_report(config, stages)
 

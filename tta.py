@@ -443,6 +443,17 @@ class TTAResult:
     def report_section(self) -> dict:
         return dict(vars(self))
 
+    def judged(self) -> tuple[str, float, float]:
+        """The split TTA is judged on (validation when there is one), TTA and plain accuracy."""
+        if self.accuracy_val is not None and self.accuracy_val_plain is not None:
+            return "validation", self.accuracy_val, self.accuracy_val_plain
+        return "test", self.accuracy, self.accuracy_plain
+
+    @property
+    def lowers(self) -> bool:
+        _, with_tta, plain = self.judged()
+        return with_tta < plain
+
 
 def evaluate_tta(predict: Callable[[np.ndarray], np.ndarray], test: tuple[np.ndarray, np.ndarray],
                  val: tuple[np.ndarray, np.ndarray] | None, transforms: Sequence[Transform],
@@ -464,11 +475,8 @@ def evaluate_tta(predict: Callable[[np.ndarray], np.ndarray], test: tuple[np.nda
         checked = run_tta(predict, val[0], transforms, merge_mode, batch_size, threshold, seed)
         result.accuracy_val = float((checked.probabilities.argmax(1) == val[1]).mean())
         result.accuracy_val_plain = float((checked.plain.argmax(1) == val[1]).mean())
-    judged = result.accuracy_val if result.accuracy_val is not None else result.accuracy
-    plain = (result.accuracy_val_plain if result.accuracy_val_plain is not None
-             else result.accuracy_plain)
-    split = "validation" if result.accuracy_val is not None else "test"
-    if judged < plain:
+    split, judged, plain = result.judged()
+    if result.lowers:
         result.verdict = (f"TTA lowers {split} accuracy ({judged:.4f} vs {plain:.4f} without); "
                           "try other --tta_transforms (flips and rotations change what digits "
                           "and text mean), another --tta_merge, or --tta false")
