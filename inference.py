@@ -12,7 +12,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -22,6 +22,9 @@ from preprocess import trim_padding
 from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
                    progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report,
                    stdout_to_stderr)
+
+if TYPE_CHECKING:
+    from tta import TTARunner
 
 WARMUP_RUNS = 3
 MIN_TIMED_BATCHES = 30
@@ -297,6 +300,24 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         batch_size=config.batch_size, samples=len(x), timed_batches=len(timings))
 
 
+def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict, config: Config
+               ) -> TTARunner:
+    """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
+    on the same providers) where the transforms allow, else numpy views around `session`."""
+    import onnx
+
+    from tta import TTARunner, build_transforms, tta_model
+
+    transforms = build_transforms(config.tta_transforms, manifest["preprocessing"], config.seed)
+    model = tta_model(onnx.load(str(model_path)), transforms, config.tta_merge,
+                      len(manifest["labels"]))
+    merged = None
+    if model is not None:
+        merged = session_runner(create_session(model.SerializeToString(), config.runtime()))
+    return TTARunner(session_runner(session), transforms, config.tta_merge, config.batch_size,
+                     merged)
+
+
 def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
                   test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
                   report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
@@ -309,11 +330,10 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
              config.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
     if config.tta:
-        from tta import build_transforms, evaluate_tta
+        from tta import evaluate_tta
 
-        transforms = build_transforms(config.tta_transforms, manifest["preprocessing"])
-        tta = evaluate_tta(session_runner(session), test, val, transforms, config.tta_merge,
-                           config.batch_size, config.tta_threshold, config.seed)
+        tta = evaluate_tta(tta_runner(session, model_path, manifest, config), test, val,
+                           config.tta_threshold)
         (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
         report["tta"] = tta.report_section()
     if benchmark:

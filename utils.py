@@ -357,6 +357,7 @@ _SUMMARY_KEYS: dict[str, list[tuple[str, str]]] = {
                   ("latency_ms_p95", "latency p95 (ms/batch)"),
                   ("throughput_per_s", "throughput (samples/s)")],
     "tta": [("transforms", "transforms"), ("merge", "merge"), ("views", "views per sample"),
+            ("backend", "views and merge in"),
             ("accuracy_plain", "test accuracy plain"), ("accuracy", "test accuracy TTA"),
             ("accuracy_val_plain", "val accuracy plain"), ("accuracy_val", "val accuracy TTA"),
             ("fixed", "fixed (wrong → right)"), ("broken", "broken (right → wrong)"),

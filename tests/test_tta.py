@@ -18,10 +18,59 @@ IMAGE_SPECS = {"hflip": 1, "flip": 1, "vflip": 1, "rot90": 1, "rot180": 1, "rot2
                "contrast:1.5": 1}
 
 
-def build(spec, pre):
+def build(spec, pre, seed=0):
     from tta import build_transforms
 
-    return build_transforms(spec, pre)
+    return build_transforms(spec, pre, seed)
+
+
+def tiny_classifier(kind, features, classes=3, seed=0):
+    """A small ONNX classifier with the bundle's outputs (logits, probabilities), opset 18:
+    image/tabular → Flatten → MatMul; text → Gather of token embeddings → ReduceSum."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((features, classes)).astype(np.float32)
+    if kind == "text":
+        weight[0] = 0  # padding adds nothing
+        nodes = [helper.make_node("Gather", ["weight", "input"], ["embedded"]),
+                 helper.make_node("ReduceSum", ["embedded", "axis"], ["logits"], keepdims=0)]
+        graph_input = helper.make_tensor_value_info("input", TensorProto.INT64, ["batch", "len"])
+        extra = [numpy_helper.from_array(np.array([1], np.int64), "axis")]
+    else:
+        nodes = [helper.make_node("Flatten", ["input"], ["flat"]),
+                 helper.make_node("MatMul", ["flat", "weight"], ["logits"])]
+        shape = ["batch", *IMAGE_SHAPE] if kind == "image" else ["batch", features]
+        graph_input = helper.make_tensor_value_info("input", TensorProto.FLOAT, shape)
+        extra = []
+    nodes.append(helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", classes])
+               for n in ("logits", "probabilities")]
+    graph = helper.make_graph(nodes, "tiny", [graph_input], outputs,
+                              [numpy_helper.from_array(weight, "weight"), *extra])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+IMAGE_SHAPE = (3, 6, 6)
+
+
+def runners(kind, spec, pre, features, merge_mode="mean", batch_size=4):
+    """The same TTA through the ONNX graph and through numpy views, on a tiny model."""
+    import onnxruntime as ort
+    from tta import TTARunner, tta_model
+
+    model = tiny_classifier(kind, features)
+    transforms = build(spec, pre, seed=7)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    predict = lambda b: plain.run(["probabilities"], {"input": b})[0]  # noqa: E731
+    graph_model = tta_model(model, transforms, merge_mode, 3)
+    assert graph_model is not None
+    merged = ort.InferenceSession(graph_model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"])
+    in_graph = TTARunner(predict, transforms, merge_mode, batch_size,
+                         lambda b: merged.run(["probabilities"], {"input": b})[0])
+    return in_graph, TTARunner(predict, transforms, merge_mode, batch_size)
 
 
 @pytest.mark.parametrize("spec,views", IMAGE_SPECS.items())
@@ -29,7 +78,7 @@ def test_image_transforms_keep_shape_dtype_and_range(spec, views):
     from tta import expand
 
     x = np.random.default_rng(0).random((5, 3, 6, 6)).astype(np.float32)
-    stacked, owners = expand(x, build(spec, IMAGE), seed=0)
+    stacked, owners = expand(x, build(spec, IMAGE))
     assert stacked.shape == (5 * (1 + views), 3, 6, 6) and stacked.dtype == np.float32
     assert stacked.min() >= 0 and stacked.max() <= 1
     assert owners is None  # every view covers the whole batch, in order: the fast merge path
@@ -38,14 +87,13 @@ def test_image_transforms_keep_shape_dtype_and_range(spec, views):
 
 def test_transforms_that_compose_to_identity_do():
     x = np.random.default_rng(1).random((2, 3, 6, 6)).astype(np.float32)
-    rng = np.random.default_rng(0)
     (hflip,), (rot90,), (shift,) = build("hflip", IMAGE), build("rot90", IMAGE), build("shift:1", IMAGE)
-    np.testing.assert_array_equal(hflip.views(hflip.views(x, rng)[0], rng)[0], x)
+    np.testing.assert_array_equal(hflip.views(hflip.views(x)[0])[0], x)
     y = x
     for _ in range(4):
-        y = rot90.views(y, rng)[0]
+        y = rot90.views(y)[0]
     np.testing.assert_array_equal(y, x)
-    right, left = shift.views(x, rng)[2], shift.views(x, rng)[3]
+    right, left = shift.views(x)[2], shift.views(x)[3]
     np.testing.assert_array_equal(right[..., 1:], x[..., :-1])  # content moved one pixel right
     np.testing.assert_array_equal(left[..., :-1], x[..., 1:])
 
@@ -55,22 +103,27 @@ def test_rotate_small_angle_is_close_and_rot90_needs_square_images():
 
     x = np.random.default_rng(2).random((1, 1, 6, 6)).astype(np.float32)
     (rotate,) = build("rotate:1", IMAGE)
-    plus, minus = rotate.views(x, np.random.default_rng(0))
+    plus, minus = rotate.views(x)
     assert np.abs(plus - x).mean() < 0.05 and not np.array_equal(plus, minus)
     with pytest.raises(ConfigError):
         build("rot90", {**IMAGE, "image_size": [6, 8]})
 
 
-def test_text_transforms_keep_padding_at_the_end_and_windows_cover_long_texts():
+def test_token_dropout_keeps_order_and_a_token_and_windows_cover_long_texts():
     from tta import expand
 
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 0, 0, 0, 0, 0, 0]], dtype=np.int64)
-    stacked, owners = expand(ids, build("token_dropout:0.5", TEXT), seed=3)
-    assert stacked.dtype == np.int64 and stacked.shape == (4, 8)
-    for row in stacked:
-        tokens = row[row != 0]
-        assert len(tokens) >= 1 and (row[len(tokens):] == 0).all()
-    stacked, owners = expand(ids, build("window:4", TEXT), seed=0)
+    stacked, owners = expand(ids, build("token_dropout:0.5", TEXT, seed=3))
+    assert stacked.dtype == np.int64 and stacked.shape == (4, 8) and owners is None
+    for plain, view in zip(ids, stacked[2:]):
+        kept = view[view != 0]
+        assert 1 <= len(kept) and list(kept) == [t for t in plain if t in set(kept)]
+        assert ((view == 0) | (view == plain)).all()  # dropped tokens become padding, in place
+    all_dropped = expand(ids, build("token_dropout:0.99", TEXT, seed=3))[0][2:]
+    assert (all_dropped[:, 0] == ids[:, 0]).all()  # a text never loses its last token
+    again = expand(ids[::-1].copy(), build("token_dropout:0.5", TEXT, seed=3))[0][2:]
+    np.testing.assert_array_equal(again[::-1], stacked[2:])  # batch order does not matter
+    stacked, owners = expand(ids, build("window:4", TEXT))
     # the long text gets windows [0:4], [2:6], [4:8]; the short one only its plain view
     assert list(owners) == [0, 1, 0, 0, 0]
     np.testing.assert_array_equal(stacked[2:, :4], [[5, 6, 7, 8], [7, 8, 9, 10], [9, 10, 11, 12]])
@@ -79,10 +132,38 @@ def test_text_transforms_keep_padding_at_the_end_and_windows_cover_long_texts():
 def test_tabular_jitter_moves_numeric_features_only_and_keeps_nan():
     x = np.array([[1.0, np.nan, 1.0], [2.0, 3.0, 0.0]], dtype=np.float32)
     (jitter,) = build("jitter:0.5", TABULAR)
-    (view,) = jitter.views(x, np.random.default_rng(0))
+    (view,) = jitter.views(x)
     assert view.dtype == np.float32 and view.shape == x.shape
     assert np.isnan(view[0, 1]) and not np.allclose(view[:, 0], x[:, 0])
     np.testing.assert_array_equal(view[:, 2], x[:, 2])
+
+
+@pytest.mark.parametrize("spec", [s for s in IMAGE_SPECS if s != "flip"])
+def test_image_views_in_the_onnx_graph_match_numpy(spec):
+    x = np.random.default_rng(5).random((9, *IMAGE_SHAPE)).astype(np.float32)
+    in_graph, numpy_views = runners("image", f"{spec},hflip", IMAGE, int(np.prod(IMAGE_SHAPE)))
+    assert in_graph.backend == "onnx_graph" and numpy_views.backend == "numpy"
+    np.testing.assert_allclose(in_graph(x), numpy_views(x), atol=2e-5)
+
+
+@pytest.mark.parametrize("merge_mode", ["mean", "gmean", "max", "vote", "tsharpen"])
+def test_text_and_tabular_views_and_every_merge_in_the_graph_match_numpy(merge_mode):
+    ids = np.random.default_rng(6).integers(1, 20, (7, 9))
+    ids[3:, 5:] = 0  # shorter texts, padded
+    text = {**TEXT, "max_length": 9}
+    graph, reference = runners("text", "token_dropout:0.3,token_dropout:0.6", text, 20, merge_mode)
+    np.testing.assert_allclose(graph(ids), reference(ids), atol=1e-5)
+    rows = np.random.default_rng(6).standard_normal((7, 3)).astype(np.float32)
+    rows[2, 1] = np.nan
+    graph, reference = runners("tabular", "jitter:0.3,jitter:1", TABULAR, 3, merge_mode)
+    np.testing.assert_allclose(graph(rows), reference(rows), atol=1e-5)
+
+
+def test_window_views_fall_back_to_numpy():
+    from tta import tta_model
+
+    model = tiny_classifier("text", 20)
+    assert tta_model(model, build("window:4", TEXT), "mean", 3) is None
 
 
 def test_merge_rules_match_hand_computed_values():
@@ -104,7 +185,7 @@ def test_merge_rules_match_hand_computed_values():
 
 
 def test_adaptive_threshold_only_touches_uncertain_samples():
-    from tta import run_tta
+    from tta import TTARunner
 
     x = np.random.default_rng(4).random((10, 3, 6, 6)).astype(np.float32)
     calls = []
@@ -114,7 +195,7 @@ def test_adaptive_threshold_only_touches_uncertain_samples():
         confident = batch[:, 0, 0, 0] > 0.5
         return np.where(confident[:, None], [[0.9, 0.1]], [[0.55, 0.45]]).astype(np.float32)
 
-    out = run_tta(predict, x, build("hflip", IMAGE), "mean", batch_size=4, threshold=0.8)
+    out = TTARunner(predict, build("hflip", IMAGE), "mean", batch_size=4).run(x, threshold=0.8)
     uncertain = x[:, 0, 0, 0] <= 0.5
     assert list(out.triggered) == list(uncertain)
     np.testing.assert_array_equal(out.probabilities[~uncertain], out.plain[~uncertain])
@@ -134,6 +215,7 @@ def test_pipeline_tta_report_is_consistent(tmp_path):
     assert tta["accuracy_plain"] == report["inference"]["accuracy"]
     assert tta["fixed"] - tta["broken"] == round((tta["accuracy"] - tta["accuracy_plain"]) * n)
     assert tta["cost_ratio"] > 1 and tta["accuracy_val"] is not None and tta["verdict"]
+    assert tta["backend"] == "onnx_graph"
 
 
 def test_inference_tta_on_an_existing_bundle_with_threshold(digits_bundle):

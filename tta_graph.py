@@ -1,0 +1,213 @@
+"""TTA as one ONNX graph: the views are built by nodes in front of the bundle's model and merged
+by nodes behind it, so one session.run takes a batch to merged probabilities, with no numpy and
+no Python between views, model and merge (what makes batch-1 TTA cheap, and what a GPU needs).
+
+The builders here know ONNX; tta.py knows what each transform means and keeps a numpy twin of
+every view, which the tests hold these nodes to.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+MIN_OPSET = 18  # ReduceMean/ReduceMax take their axes as an input from opset 18 on
+THROUGH_START = -(2**63)  # a Slice end that, with step −1, runs to the first element
+PROBABILITIES = "probabilities"
+VIEW_PROBABILITIES = "tta_view_probabilities"
+
+
+class GraphNodes:
+    """Nodes and constants being added to a graph; every name gets a prefix to stay unique."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def _name(self, hint: str) -> str:
+        return f"{self.prefix}_{hint}_{len(self.nodes) + len(self.initializers)}"
+
+    def const(self, value: object, dtype: type = np.int64) -> str:
+        name = self._name("const")
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], output: str | None = None,
+           **attributes: object) -> str:
+        output = output or self._name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [output],
+                                           name=self._name(op_type), **attributes))
+        return output
+
+
+ViewBuilder = Callable[[GraphNodes, str], list[str]]
+
+# ----------------------------------------------------------------------------- image views
+
+
+def flip(nodes: GraphNodes, x: str, axes: Sequence[int]) -> str:
+    k = len(axes)
+    return nodes.op("Slice", [x, nodes.const([-1] * k), nodes.const([THROUGH_START] * k),
+                              nodes.const(list(axes)), nodes.const([-1] * k)])
+
+
+def rot90(nodes: GraphNodes, x: str, turns: int) -> str:
+    """np.rot90(x, turns, axes=(2, 3)) for NCHW images."""
+    if turns == 2:
+        return flip(nodes, x, [2, 3])
+    if turns == 1:
+        return nodes.op("Transpose", [flip(nodes, x, [3])], perm=[0, 1, 3, 2])
+    return flip(nodes, nodes.op("Transpose", [x], perm=[0, 1, 3, 2]), [3])
+
+
+def shift(nodes: GraphNodes, x: str, dy: int, dx: int, height: int, width: int) -> str:
+    """Content moved dy down and dx right, the border replicated (Pad edge, then Slice)."""
+    pad_y, pad_x = abs(dy), abs(dx)
+    padded = nodes.op("Pad", [x, nodes.const([0, 0, pad_y, pad_x, 0, 0, pad_y, pad_x])],
+                      mode="edge")
+    top, left = pad_y - dy, pad_x - dx
+    return nodes.op("Slice", [padded, nodes.const([top, left]),
+                              nodes.const([top + height, left + width]), nodes.const([2, 3])])
+
+
+def affine_grid(height: int, width: int, matrix: np.ndarray) -> np.ndarray:
+    """GridSample's (1, H, W, 2) grid for: output pixel p (centred) reads input matrix @ p."""
+    ys, xs = np.meshgrid(np.arange(height) - (height - 1) / 2,
+                         np.arange(width) - (width - 1) / 2, indexing="ij")
+    src_y = matrix[0, 0] * ys + matrix[0, 1] * xs + (height - 1) / 2
+    src_x = matrix[1, 0] * ys + matrix[1, 1] * xs + (width - 1) / 2
+    grid = np.stack([src_x / max(width - 1, 1) * 2 - 1, src_y / max(height - 1, 1) * 2 - 1], -1)
+    return grid[None].astype(np.float32)
+
+
+def resample(nodes: GraphNodes, x: str, grid: np.ndarray) -> str:
+    """Bilinear resampling on a fixed grid, border replicated (align_corners: pixel centres)."""
+    batch = nodes.op("Shape", [x], start=0, end=1)
+    size = nodes.op("Concat", [batch, nodes.const(list(grid.shape[1:]))], axis=0)
+    expanded = nodes.op("Expand", [nodes.const(grid, np.float32), size])
+    return nodes.op("GridSample", [x, expanded], align_corners=1, mode="bilinear",
+                    padding_mode="border")
+
+
+def clip01(nodes: GraphNodes, x: str) -> str:
+    return nodes.op("Clip", [x, nodes.const(0.0, np.float32), nodes.const(1.0, np.float32)])
+
+
+def brighten(nodes: GraphNodes, x: str, delta: float) -> str:
+    return clip01(nodes, nodes.op("Add", [x, nodes.const(delta, np.float32)]))
+
+
+def contrast(nodes: GraphNodes, x: str, factor: float) -> str:
+    """Each image's deviation from its own mean, scaled."""
+    mean = nodes.op("ReduceMean", [x, nodes.const([1, 2, 3])], keepdims=1)
+    scaled = nodes.op("Mul", [nodes.op("Sub", [x, mean]), nodes.const(factor, np.float32)])
+    return clip01(nodes, nodes.op("Add", [scaled, mean]))
+
+
+# ----------------------------------------------------------------------------- text and tabular
+
+
+def mask_tokens(nodes: GraphNodes, ids: str, keeps: np.ndarray) -> str:
+    """One view per row of keeps (views, max_length): token ids with the positions where the
+    row is 0 set to padding (0), stacked view-major; a text that would lose every token keeps
+    its first one. The rows cover the longest sequence the model takes."""
+    length = nodes.op("Shape", [ids], start=1, end=2)
+    zero, last = nodes.const([0]), nodes.const([-1])
+    masks = nodes.op("Slice", [nodes.const(keeps[:, None, :].astype(np.int64)), zero, length,
+                               last])  # (views, 1, L)
+    first = nodes.op("Slice", [nodes.const((np.arange(keeps.shape[1]) == 0).astype(np.int64)),
+                               zero, length, zero])
+    dropped = nodes.op("Mul", [ids, masks])  # (views, N, L)
+    kept_any = nodes.op("Greater", [nodes.op("ReduceMax", [dropped, nodes.const([2])],
+                                             keepdims=1), nodes.const(0)])
+    views = nodes.op("Where", [kept_any, dropped, nodes.op("Mul", [ids, first])])
+    return nodes.op("Flatten", [views], axis=2)
+
+
+def add_vectors(nodes: GraphNodes, x: str, vectors: np.ndarray) -> str:
+    """One view per row of vectors (views, features): x + row, stacked view-major."""
+    views = nodes.op("Add", [x, nodes.const(vectors[:, None, :], np.float32)])
+    return nodes.op("Flatten", [views], axis=2)
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def merge_views(nodes: GraphNodes, probabilities: str, views: int, classes: int, mode: str,
+                output: str) -> str:
+    """(views × N, classes) stacked view-major → (N, classes), rows summing to 1; the same rules
+    as tta.merge."""
+    p = nodes.op("Reshape", [probabilities, nodes.const([views, -1, classes])])
+    over_views = nodes.const([0])
+
+    def mean_of(tensor: str) -> str:
+        return nodes.op("ReduceMean", [tensor, over_views], keepdims=0)
+
+    if mode == "mean":
+        merged = mean_of(p)
+    elif mode == "gmean":
+        clipped = nodes.op("Clip", [p, nodes.const(1e-12, np.float32),
+                                    nodes.const(1.0, np.float32)])
+        merged = nodes.op("Exp", [mean_of(nodes.op("Log", [clipped]))])
+    elif mode == "max":
+        merged = nodes.op("ReduceMax", [p, over_views], keepdims=0)
+    elif mode == "tsharpen":
+        merged = mean_of(nodes.op("Sqrt", [p]))
+    elif mode == "vote":  # share of views voting each class; ties go to the higher mean
+        winners = nodes.op("ArgMax", [p], axis=2, keepdims=0)
+        votes = nodes.op("OneHot", [winners, nodes.const([classes]),
+                                    nodes.const([0.0, 1.0], np.float32)], axis=-1)
+        tie_break = nodes.op("Mul", [mean_of(p), nodes.const(1e-6, np.float32)])
+        merged = nodes.op("Add", [mean_of(votes), tie_break])
+    else:
+        raise ValueError(f"unknown merge mode {mode!r}")
+    if mode == "mean":  # a mean of distributions is one: two nodes fewer at batch 1
+        return nodes.op("Identity", [merged], output=output)
+    total = nodes.op("ReduceSum", [merged, nodes.const([1])], keepdims=1)
+    return nodes.op("Div", [merged, total], output=output)
+
+
+# ----------------------------------------------------------------------------- assembly
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def with_tta(model: onnx.ModelProto, view_builders: Sequence[ViewBuilder], views: int,
+             classes: int, merge_mode: str) -> onnx.ModelProto:
+    """A copy of `model` that takes the same input and returns merged TTA probabilities: the
+    plain input and every builder's views concatenated along the batch axis, the model run once
+    on them, and the views merged per sample. Raises ValueError if the graph cannot host it."""
+    if default_opset(model) < MIN_OPSET:
+        raise ValueError(f"the graph's opset is {default_opset(model)}, in-graph TTA needs "
+                         f"{MIN_OPSET}")
+    out = copy.deepcopy(model)
+    graph = out.graph
+    source = graph.input[0].name
+    if PROBABILITIES not in {o.name for o in graph.output}:
+        raise ValueError(f"the graph has no {PROBABILITIES!r} output")
+    front, back = GraphNodes("tta_view"), GraphNodes("tta_merge")
+    names = [source] + [name for build in view_builders for name in build(front, source)]
+    stacked = front.op("Concat", names, axis=0)
+    renamed = {source: stacked, PROBABILITIES: VIEW_PROBABILITIES}
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        node.output[:] = [renamed.get(name, name) for name in node.output]
+    merge_views(back, VIEW_PROBABILITIES, views, classes, merge_mode, PROBABILITIES)
+    model_nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(front.nodes + model_nodes + back.nodes)
+    graph.initializer.extend(front.initializers + back.initializers)
+    del graph.value_info[:]  # shapes inside now hold views × batch rows
+    batch = graph.input[0].type.tensor_type.shape.dim[0]
+    batch_dim = batch.dim_param or (batch.dim_value if batch.HasField("dim_value") else "batch")
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT,
+                                                      [batch_dim, classes]))
+    onnx.checker.check_model(out)
+    return out
