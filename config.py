@@ -274,10 +274,30 @@ class Config:
     tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
                                       "plain top probability is below this", "ttc", type=float,
                                       metavar="P")
-    ttt: bool = opt(False, "test-time training (not available yet)", "ttc", type=parse_bool,
-                    metavar="BOOL")
-    ttt_iterations: int = opt(1, "adaptation steps per test batch (with --ttt true)", "ttc",
-                              type=int, metavar="N")
+    ttt: bool = opt(False, "test-time training on the ONNX model: adapt BatchNorm to each test "
+                    "batch of --batch_size samples", "ttc", type=parse_bool, metavar="BOOL")
+    ttt_method: str = opt("bn", "bn: re-estimate BatchNorm statistics (ONNX Runtime only); "
+                          "tent: also minimise prediction entropy over the BatchNorm affine "
+                          "parameters (PyTorch); all: both, side by side", "ttc",
+                          choices=("bn", "tent", "all"))
+    ttt_mode: str = opt("episodic", "episodic: every batch starts from the bundle's parameters; "
+                        "online: adaptation carries over from batch to batch", "ttc",
+                        choices=("episodic", "online"))
+    ttt_reset_every: int = opt(0, "online mode: back to the bundle's parameters every N batches "
+                               "(0: only when the collapse guard fires)", "ttc", type=int,
+                               metavar="N")
+    ttt_bn_prior: float = opt(0.0, "bn: weight of the stored statistics, in samples: a batch of "
+                              "n uses n/(n+N) of its own statistics (0: batch statistics only)",
+                              "ttc", type=float, metavar="N")
+    ttt_iterations: int = opt(1, "tent: Adam steps per test batch", "ttc", type=int, metavar="N")
+    ttt_learning_rate: float = opt(1e-3, "tent: Adam learning rate", "ttc", type=float,
+                                   metavar="LR")
+    eval_shift: str | None = opt(None, "with --ttt true, also evaluate on corrupted copies of the "
+                                 "test split. image: gaussian_noise, contrast, blur, shift, "
+                                 "brightness; tabular: feature_noise, feature_scale", "ttc",
+                                 metavar="LIST")
+    shift_severity: int = opt(3, "severity of the --eval_shift corruptions, 1 to 5", "ttc",
+                              type=int, choices=(1, 2, 3, 4, 5))
     # runtime
     ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
                   "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
@@ -336,6 +356,17 @@ class Config:
             _bad("opset", self.opset, "use an opset between 7 and 23 (18 is the default)")
         _positive("validate_atol", self.validate_atol)
         _positive("ttt_iterations", self.ttt_iterations)
+        _positive("ttt_learning_rate", self.ttt_learning_rate)
+        if self.ttt_bn_prior < 0:
+            _bad("ttt_bn_prior", self.ttt_bn_prior, "use 0 (batch statistics only) or a sample "
+                 "count such as 16")
+        if self.ttt_reset_every < 0:
+            _bad("ttt_reset_every", self.ttt_reset_every, "use 0 (never) or a batch count")
+        if self.ttt and self.batch_size < 2:
+            _bad("batch_size", self.batch_size, "test-time training adapts to batches: use 2 or "
+                 "more (64 is the default)")
+        if self.eval_shift and not self.ttt:
+            raise ConfigError("--eval_shift measures test-time training", "add --ttt true")
         _positive("calibration_size", self.calibration_size)
         if self.tta_threshold is not None and not 0 < self.tta_threshold <= 1:
             _bad("tta_threshold", self.tta_threshold, "use a probability in (0, 1]")
@@ -375,20 +406,17 @@ class Config:
         if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
             _bad("report_json", self.report_json, "it is a folder; give a file path")
 
-    def check_stages_available(self) -> None:
-        """Stages of later issues exist as flags but refuse to run rather than pretend."""
-        later = [("ttt", self.ttt, "--ttt true", "test-time training")]
-        for _, enabled, flag, what in later:
-            if enabled:
-                raise ConfigError(f"{flag}: {what} is not available yet in this version",
-                                  f"run without {flag.split()[0]}")
-
     def validate_tta(self, model_type: str) -> None:
-        """--tta_transforms against the model type (known from the flags, or from a bundle)."""
+        """--tta_transforms and --eval_shift against the model type (known from the flags, or
+        from a bundle)."""
         if self.tta or self.tta_transforms:
             from tta import parse_transform_specs
 
             parse_transform_specs(self.tta_transforms, model_type.split("_")[0])
+        if self.eval_shift:
+            from shifts import parse_shift_names
+
+            parse_shift_names(self.eval_shift, model_type.split("_")[0])
 
     def providers(self) -> list[str]:
         return parse_providers(self.ep)
@@ -492,7 +520,27 @@ def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 
     config = parse_config(parser, argv)
     setup_logging(config.log_level)
-    config.check_stages_available()
     config.validate()
     LOG.info("configuration:\n%s", "\n".join(config.summary_lines(names)))
     return config
+
+
+def markdown_reference() -> str:
+    """README's flag tables, one per group, from the same metadata argparse uses
+    (a test keeps README in step: python -c "import config; print(config.markdown_reference())")."""
+    out = []
+    for group, title in GROUPS.items():
+        out += [f"**{title}**", "", "| flag | default | meaning |", "|---|---|---|"]
+        for f in fields(Config):
+            meta = f.metadata
+            if meta.get("group") != group:
+                continue
+            default = "—" if f.default in (None, "") else (
+                str(f.default).lower() if isinstance(f.default, bool) else f.default)
+            if isinstance(default, tuple):
+                default = ",".join(map(str, default))
+            meaning = meta["help"] + (f"; one of: {', '.join(map(str, meta['choices']))}"
+                                      if meta.get("choices") else "")
+            out.append(f"| `--{f.name}` | `{default}` | {meaning} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"

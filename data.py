@@ -94,6 +94,14 @@ class Split:
     def __len__(self) -> int:
         return len(self.y)
 
+    def shuffled(self, rng: np.random.Generator) -> "Split":
+        """The same samples in a seeded random order. Files and tables often come grouped by
+        class, and whatever works on batches needs them mixed: BatchNorm adaptation on a
+        class-sorted MNIST test split fell from 0.985 to 0.48 accuracy."""
+        order = rng.permutation(len(self.y))
+        return Split(x=self.x[order], y=self.y[order], ids=[self.ids[i] for i in order],
+                     raw=None if self.raw is None else [self.raw[i] for i in order])
+
 
 @dataclass
 class Dataset:
@@ -155,9 +163,14 @@ def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
     training split.
     """
     if options.model_type == "image_classifier":
-        return load_image_dataset(options, preprocessing=preprocessing, labels=labels,
-                                  splits=splits)
-    return load_table_dataset(options, preprocessing=preprocessing, labels=labels, splits=splits)
+        dataset = load_image_dataset(options, preprocessing=preprocessing, labels=labels,
+                                     splits=splits)
+    else:
+        dataset = load_table_dataset(options, preprocessing=preprocessing, labels=labels,
+                                     splits=splits)
+    for name, split in dataset.splits.items():
+        dataset.splits[name] = split.shuffled(np.random.default_rng([options.seed, SPLITS.index(name)]))
+    return dataset
 
 
 def load_bundle_dataset(manifest: dict, path: str | None, splits: Sequence[str],

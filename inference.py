@@ -318,6 +318,34 @@ def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict, 
                      merged)
 
 
+def run_ttt(config: Config, paths: BundlePaths, manifest: dict,
+            predict: Callable[[np.ndarray], np.ndarray], test: tuple[np.ndarray, np.ndarray]
+            ) -> dict:
+    """Test-time training on the bundle's adaptation graph, on the test split and its corrupted
+    copies; `predict` (the chosen graph, unadapted) is the baseline. torch only for tent."""
+    import onnx
+
+    from shifts import parse_shift_names
+    from ttt import AdaptationGraph, Tent, TTTSettings, evaluate_ttt
+
+    settings = TTTSettings(config.ttt_method, config.ttt_mode, config.ttt_iterations,
+                           config.ttt_learning_rate, config.ttt_bn_prior, config.ttt_reset_every,
+                           config.batch_size,
+                           parse_shift_names(config.eval_shift, manifest["preprocessing"]["kind"]),
+                           config.shift_severity, config.seed)
+    model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn")))
+    graph = AdaptationGraph(model, lambda m: create_session(m, config.runtime()))
+    tent = None
+    if "tent" in settings.methods:
+        tent = Tent(manifest, paths.weights, graph.layers, config.ttt_learning_rate,
+                    config.ttt_iterations, config.num_threads)
+    result = evaluate_ttt(settings, graph, predict, tent, *test, manifest["preprocessing"])
+    for warning in result.warnings:
+        LOG.warning("test-time training: %s", warning)
+    LOG.info("test-time training: %s", result.verdict)
+    return result.report_section()
+
+
 def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
                   test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
                   report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
@@ -336,6 +364,8 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
                            config.tta_threshold)
         (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
         report["tta"] = tta.report_section()
+    if config.ttt:
+        report["ttt"] = run_ttt(config, paths, manifest, session_runner(session), test)
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size)
@@ -344,7 +374,9 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
 # ----------------------------------------------------------------------------- CLI
 
 INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "fp16", "tta", "tta_transforms",
-                   "tta_merge", "tta_threshold", "seed", "benchmark", "batch_size", "ep",
+                   "tta_merge", "tta_threshold", "ttt", "ttt_method", "ttt_mode",
+                   "ttt_reset_every", "ttt_bn_prior", "ttt_iterations", "ttt_learning_rate",
+                   "eval_shift", "shift_severity", "seed", "benchmark", "batch_size", "ep",
                    "ep_options", "strict_ep", "num_threads", "intra_op_threads",
                    "inter_op_threads", "execution_mode", "report_json", "log_level",
                    "no_progress"]

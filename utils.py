@@ -265,9 +265,14 @@ class BundlePaths:
     def fp16(self) -> Path:
         return self.onnx.with_suffix(".fp16.onnx")
 
+    @property
+    def bn(self) -> Path:
+        """The graph with its BatchNorm nodes kept, for test-time adaptation."""
+        return self.onnx.with_suffix(".bn.onnx")
+
     def variant(self, key: str) -> Path:
-        """The graph file of a variant: "onnx" (fp32), "int8" or "fp16"."""
-        return {"onnx": self.onnx, "int8": self.int8, "fp16": self.fp16}[key]
+        """The graph file of a variant: "onnx" (fp32), "int8", "fp16" or "bn"."""
+        return {"onnx": self.onnx, "int8": self.int8, "fp16": self.fp16, "bn": self.bn}[key]
 
 
 def read_manifest(paths: BundlePaths) -> dict:
@@ -303,9 +308,12 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
     path = paths.variant(variant)
     fix = {"onnx": f"python export.py --output_model {paths.onnx}",
            "int8": f"python quantize.py --output_model {paths.onnx} --quantize auto",
-           "fp16": f"python quantize.py --output_model {paths.onnx} --fp16 true"}[variant]
+           "fp16": f"python quantize.py --output_model {paths.onnx} --fp16 true",
+           "bn": f"python export.py --output_model {paths.onnx}"}[variant]
     if not files.get(variant) or not expected:
-        what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph"}[variant]
+        what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph",
+                "bn": "BatchNorm adaptation graph (bundles exported before test-time training "
+                      "existed lack it)"}[variant]
         raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
     if not path.is_file():
         raise ExportError(f"model file {path} not found", f"run: {fix}")
@@ -381,6 +389,8 @@ def format_summary(report: dict) -> str:
                 lines.append(f"  {label:<26} {_fmt(data[key])}")
     if report.get("benchmark"):
         lines += ["benchmark:", *format_benchmark(report["benchmark"])]
+    if report.get("ttt"):
+        lines += ["ttt:", *format_ttt(report["ttt"])]
     if report.get("seconds_total") is not None:
         lines.append(f"total seconds: {report['seconds_total']:.1f}")
     return "\n".join(lines)
@@ -395,6 +405,25 @@ def format_benchmark(rows: list[dict]) -> list[str]:
         f"  {r['variant']:<28} {r['provider']:<26} {r['size_mb']:>8.3f} {r['accuracy']:>8.4f} "
         f"{r['latency_ms_p50_batch1']:>9.4f} {r['latency_ms_p95_batch1']:>9.4f} "
         f"{r['throughput_per_s']:>14.0f}" for r in rows]
+
+
+def format_ttt(ttt: dict) -> list[str]:
+    """Accuracy without and with each adaptation method, clean and per corruption."""
+    methods = [m for m in ("bn", "tent") if ttt["clean"].get(f"accuracy_{m}") is not None]
+    lines = [f"  method {ttt['method']}, {ttt['mode']}, batches of {ttt['batch_size']}, "
+             f"bn prior {ttt['bn_prior']:g}, tent steps {ttt['iterations']}",
+             f"  {'data':<30} {'source':>8}" + "".join(f" {m:>8} {'cost ' + m:>10}"
+                                                      for m in methods)]
+    rows = [("clean", ttt["clean"])] + [(f"{r['name']} (severity {r['severity']})", r)
+                                        for r in ttt["shifts"]]
+    if ttt.get("mean_shifted"):
+        rows.append(("mean of the shifts", {**ttt["mean_shifted"]}))
+    for name, row in rows:
+        cells = "".join(f" {row[f'accuracy_{m}']:>8.4f} " + (
+            f"{row[f'cost_ratio_{m}']:>9.2f}x" if row.get(f"cost_ratio_{m}") is not None
+            else f"{'':>10}") for m in methods)
+        lines.append(f"  {name:<30} {row['accuracy_source']:>8.4f}{cells}")
+    return lines + [f"  verdict: {ttt['verdict']}"]
 
 
 def emit_report(report: dict, report_json: str | None) -> None:

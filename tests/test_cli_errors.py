@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_clean_failure, run_cli, write_image_folder
+from conftest import REPO, assert_clean_failure, run_cli, write_image_folder
 
 SCRIPTS = ["pipeline.py", "train.py", "export.py", "quantize.py", "inference.py"]
 
@@ -39,7 +39,7 @@ CONFIG_ERRORS = [
     (["--epochs", "ten"], "--epochs"),
     (["--tta", "maybe"], "--tta"),
     (["--no_progress", "2"], "--no_progress"),
-    (["--ttt", "1"], "not available yet"),
+    (["--ttt", "maybe"], "--ttt"),
     (["--calibration_size", "0"], "--calibration_size"),
     (["--max_accuracy_drop", "2"], "--max_accuracy_drop"),
     (["--strict_ep", "maybe"], "--strict_ep"),
@@ -152,3 +152,10 @@ def test_class_missing_from_the_training_split_exits_3(tmp_path):
     (root / "test" / "0" / next(iter(sorted(p.name for p in (root / "test" / "0").iterdir())))
      ).rename(extra / "moved.png")
     data_error(tmp_path, root, "training split lacks", "['9']")
+
+
+def test_readme_flag_tables_match_the_flags():
+    from config import markdown_reference
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert markdown_reference() in readme, "regenerate README's tables: see README, Development"

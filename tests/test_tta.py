@@ -220,11 +220,11 @@ def test_pipeline_tta_report_is_consistent(tmp_path):
 
 def test_inference_tta_on_an_existing_bundle_with_threshold(digits_bundle):
     run = run_cli("inference.py", "--model", digits_bundle["model"], "--tta", "true",
-                  "--tta_transforms", "shift:1,rotate:10", "--tta_threshold", "0.99",
+                  "--tta_transforms", "shift:1,rotate:10", "--tta_threshold", "0.9",
                   "--report_json", "-")
     assert run.returncode == 0, run.stderr[-2000:]
     tta = json.loads(run.stdout)["tta"]
-    assert tta["views"] == 7 and 0 < tta["triggered_fraction"] < 1 and tta["threshold"] == 0.99
+    assert tta["views"] == 7 and 0 < tta["triggered_fraction"] < 1 and tta["threshold"] == 0.9
     assert ("TTA lowers" in tta["verdict"]) == (tta["accuracy_val"] < tta["accuracy_val_plain"])
 
 

@@ -1,0 +1,111 @@
+"""A shift suite: corrupted copies of a test split, to measure test-time training under
+distribution shift (after Hendrycks & Dietterich's common corruptions). numpy only.
+
+Images are NCHW in [0, 1]; tabular rows are raw features (NaN stays NaN). Every corruption takes
+a severity 1-5 and is seeded, so a run is reproducible.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from utils import ConfigError
+
+Corruption = Callable[[np.ndarray, int, dict, np.random.Generator], np.ndarray]
+
+
+def gaussian_noise(x: np.ndarray, severity: int, _: dict, rng: np.random.Generator) -> np.ndarray:
+    sigma = [0.08, 0.12, 0.18, 0.26, 0.38][severity - 1]
+    return np.clip(x + rng.normal(0, sigma, x.shape), 0, 1).astype(np.float32)
+
+
+def contrast(x: np.ndarray, severity: int, _: dict, rng: np.random.Generator) -> np.ndarray:
+    factor = [0.4, 0.3, 0.2, 0.1, 0.05][severity - 1]
+    mean = x.mean(axis=(1, 2, 3), keepdims=True)
+    return ((x - mean) * factor + mean).astype(np.float32)
+
+
+def blur(x: np.ndarray, severity: int, _: dict, rng: np.random.Generator) -> np.ndarray:
+    """Separable Gaussian blur, edges reflected; sigma in pixels of a 32-pixel-wide image,
+    scaled to the real width (so digits' 8 pixels blur as much as a 32-pixel image would)."""
+    sigma = [0.6, 0.9, 1.3, 1.8, 2.4][severity - 1] * x.shape[-1] / 32 * 2
+    radius = max(1, int(np.ceil(2 * sigma)))
+    taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    taps /= taps.sum()
+    out = x
+    for axis in (2, 3):
+        pad = [(0, 0)] * 4
+        pad[axis] = (radius, radius)
+        padded = np.pad(out, pad, mode="reflect" if out.shape[axis] > radius else "edge")
+        out = sum(w * np.take(padded, np.arange(k, k + out.shape[axis]), axis=axis)
+                  for k, w in enumerate(taps))
+    return np.clip(out, 0, 1).astype(np.float32)
+
+
+def shift(x: np.ndarray, severity: int, _: dict, rng: np.random.Generator) -> np.ndarray:
+    """Each image moved by a random offset of up to a fraction of its size, zeros filling in."""
+    fraction = [0.06, 0.1, 0.15, 0.2, 0.25][severity - 1]
+    height, width = x.shape[2:]
+    most = np.maximum(1, np.round(np.array([height, width]) * fraction)).astype(int)
+    out = np.zeros_like(x)
+    for i, (dy, dx) in enumerate(zip(rng.integers(-most[0], most[0] + 1, len(x)),
+                                     rng.integers(-most[1], most[1] + 1, len(x)))):
+        src = x[i, :, max(0, -dy):height - max(0, dy), max(0, -dx):width - max(0, dx)]
+        out[i, :, max(0, dy):max(0, dy) + src.shape[1], max(0, dx):max(0, dx) + src.shape[2]] = src
+    return out
+
+
+def brightness(x: np.ndarray, severity: int, _: dict, rng: np.random.Generator) -> np.ndarray:
+    return np.clip(x + [0.1, 0.2, 0.3, 0.4, 0.5][severity - 1], 0, 1).astype(np.float32)
+
+
+def _numeric_std(preprocessing: dict) -> np.ndarray:
+    """Training standard deviation of each numeric feature; 0 for one-hot columns."""
+    numeric = {c["name"] for c in preprocessing["columns"] if c["type"] == "numeric"}
+    return np.array([s if n in numeric else 0.0
+                     for n, s in zip(preprocessing["feature_names"], preprocessing["std"])])
+
+
+def feature_noise(x: np.ndarray, severity: int, pre: dict, rng: np.random.Generator) -> np.ndarray:
+    """Gaussian noise of a fraction of each numeric feature's training standard deviation."""
+    scale = [0.25, 0.5, 0.75, 1.0, 1.5][severity - 1] * _numeric_std(pre)
+    return (x + rng.standard_normal(x.shape) * scale).astype(np.float32)
+
+
+def feature_scale(x: np.ndarray, severity: int, pre: dict, rng: np.random.Generator) -> np.ndarray:
+    """Each numeric feature multiplied by one random factor (a miscalibrated sensor, a unit
+    change), the same for every row."""
+    spread = [0.1, 0.2, 0.35, 0.5, 0.75][severity - 1]
+    numeric = _numeric_std(pre) > 0
+    factors = np.where(numeric, np.exp(rng.normal(0, spread, x.shape[1])), 1.0)
+    return (x * factors).astype(np.float32)
+
+
+CORRUPTIONS: dict[str, dict[str, Corruption]] = {
+    "image": {"gaussian_noise": gaussian_noise, "contrast": contrast, "blur": blur,
+              "shift": shift, "brightness": brightness},
+    "tabular": {"feature_noise": feature_noise, "feature_scale": feature_scale},
+}
+
+
+def parse_shift_names(text: str | None, kind: str) -> list[str]:
+    """'gaussian_noise,blur' → the names, checked against the model type (exit 2 otherwise)."""
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()]
+    if not names:
+        return []
+    if kind not in CORRUPTIONS:
+        raise ConfigError(f"--eval_shift has no corruptions for {kind} models",
+                          "use it with image or tabular models, or leave it out")
+    valid = CORRUPTIONS[kind]
+    for name in names:
+        if name not in valid:
+            raise ConfigError(f"unknown --eval_shift corruption {name!r} for {kind} models",
+                              f"valid: {', '.join(valid)}")
+    return list(dict.fromkeys(names))
+
+
+def corrupt(x: np.ndarray, name: str, severity: int, preprocessing: dict, seed: int
+            ) -> np.ndarray:
+    rng = np.random.default_rng([seed, severity, sum(map(ord, name))])
+    return CORRUPTIONS[preprocessing["kind"]][name](x, severity, preprocessing, rng)
