@@ -53,6 +53,7 @@ GROUPS = {
     "export": "export and validation",
     "quantization": "quantization",
     "ttc": "test-time compute",
+    "batch": "batch inference (inference.py --input)",
     "runtime": "runtime",
     "output": "output",
 }
@@ -298,6 +299,30 @@ class Config:
                                  metavar="LIST")
     shift_severity: int = opt(3, "severity of the --eval_shift corruptions, 1 to 5", "ttc",
                               type=int, choices=(1, 2, 3, 4, 5))
+    iterative: str = opt("none", "iterative inference, reported with calibration (NLL, ECE, "
+                         "accuracy when abstaining on the 10 percent most uncertain) next to a single pass: mc_dropout (K passes "
+                         "with dropout on), ensemble (the bundle's ensemble graph, or the "
+                         "bundles of --ensemble), state (feed a graph's state_out back into its "
+                         "state input K times)", "ttc",
+                         choices=("none", "mc_dropout", "ensemble", "state"))
+    iterations: int = opt(16, "passes K for --iterative mc_dropout and state", "ttc", type=int,
+                          metavar="K")
+    iterative_backend: str = opt("batched", "how the K passes run: python (a loop of "
+                                 "session.run; the only one that stops early), batched (K copies "
+                                 "stacked in one run), loop (an ONNX Loop, one run)", "ttc",
+                                 choices=("python", "batched", "loop"))
+    iterative_tol: float | None = opt(None, "python backend: stop once the running mean's top-1 "
+                                      "is unchanged and its largest change is below this for "
+                                      "--iterative_patience passes", "ttc", type=float,
+                                      metavar="EPS")
+    iterative_patience: int = opt(2, "passes the early-stopping test must hold in a row", "ttc",
+                                  type=int, metavar="N")
+    ensemble: str | None = opt(None, "inference.py: more bundles (model.onnx paths, comma-"
+                               "separated) to average with --model; same labels and "
+                               "preprocessing", "ttc", metavar="LIST")
+    ensemble_size: int = opt(1, "pipeline.py: train N models (seeds --seed, --seed+1, ...) and "
+                             "write them as one ensemble graph, model.ensemble.onnx", "ttc",
+                             type=int, metavar="N")
     # runtime
     ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
                   "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
@@ -324,6 +349,26 @@ class Config:
     num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
                            "(1 is fastest for small models on busy machines)", "runtime",
                            type=int, metavar="N")
+    # batch inference (inference.py)
+    input: str | None = opt(None, "inference.py: predict new data instead of evaluating the test "
+                            "split: an image file, a folder of images (recursive), a "
+                            "CSV/TSV/JSON/JSONL table, or - for one text per line on stdin",
+                            "batch", metavar="INPUT")
+    output: str | None = opt(None, "where --input's predictions go: .csv or .jsonl (written to a "
+                             "temporary file, moved into place at the end)", "batch",
+                             metavar="PATH")
+    errors: str | None = opt(None, "list the rows that could not be predicted (id, reason) in "
+                             "this CSV", "batch", metavar="PATH")
+    allow_errors: bool = opt(False, "exit 0 even when some rows could not be predicted",
+                             "batch", type=parse_bool, metavar="BOOL")
+    top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
+                     "batch", type=int, metavar="K")
+    chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "
+                          "whatever the input's size)", "batch", type=int, metavar="N")
+    json: bool = opt(False, "print the run's report as JSON on stdout instead of the summary",
+                     "batch", type=parse_bool, metavar="BOOL")
+    quiet: bool = opt(False, "print nothing but errors", "batch", type=parse_bool,
+                      metavar="BOOL")
     # output
     output_model: str | None = opt(None, "where to write the model bundle: PATH.onnx plus "
                                    "PATH.json (manifest) and PATH.pt (weights)", "output",
@@ -357,6 +402,24 @@ class Config:
         _positive("validate_atol", self.validate_atol)
         _positive("ttt_iterations", self.ttt_iterations)
         _positive("ttt_learning_rate", self.ttt_learning_rate)
+        _positive("iterations", self.iterations)
+        _positive("iterative_patience", self.iterative_patience)
+        _positive("ensemble_size", self.ensemble_size)
+        _positive("top_k", self.top_k)
+        _positive("chunk_rows", self.chunk_rows)
+        if self.output and Path(self.output).suffix.lower() not in (".csv", ".jsonl"):
+            _bad("output", self.output, "give a path ending in .csv or .jsonl")
+        if self.input and not self.output:
+            raise ConfigError("--input needs --output", "add --output preds.csv")
+
+        if self.ensemble_size > 1 and self.iterative == "none":
+            self.iterative = "ensemble"  # a trained ensemble is measured against one model
+        if self.iterative_tol is not None and self.iterative_tol <= 0:
+            _bad("iterative_tol", self.iterative_tol, "use a small positive number like 1e-3")
+        if self.iterative_tol is not None and self.iterative_backend != "python":
+            raise ConfigError("--iterative_tol needs --iterative_backend python (the batched "
+                              "and loop backends run all passes at once)",
+                              "add --iterative_backend python, or drop --iterative_tol")
         if self.ttt_bn_prior < 0:
             _bad("ttt_bn_prior", self.ttt_bn_prior, "use 0 (batch statistics only) or a sample "
                  "count such as 16")
@@ -510,7 +573,9 @@ def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
     return Config(**vars(namespace))
 
 
-PIPELINE_FLAGS = [f.name for f in fields(Config) if f.name != "quantized"]
+BATCH_ONLY = ("input", "output", "errors", "allow_errors", "top_k", "chunk_rows", "json", "quiet")
+PIPELINE_FLAGS = [f.name for f in fields(Config)
+                  if f.name not in ("quantized", "ensemble", *BATCH_ONLY)]
 
 
 def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
@@ -519,6 +584,8 @@ def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     from utils import LOG, setup_logging
 
     config = parse_config(parser, argv)
+    if config.quiet:  # nothing but errors
+        config.log_level, config.no_progress = "ERROR", True
     setup_logging(config.log_level)
     config.validate()
     LOG.info("configuration:\n%s", "\n".join(config.summary_lines(names)))

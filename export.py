@@ -7,6 +7,7 @@ reads the weights and manifest that train.py wrote beside that path.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -62,12 +63,14 @@ class ExportResult:
 
 
 def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: dict,
-                 output_names: Sequence[str], optimize: bool = True) -> onnx.ModelProto:
+                 output_names: Sequence[str], optimize: bool = True,
+                 keep_modes: bool = False) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) with the input's named axes dynamic (batch; length for text).
-    optimize=False keeps BatchNorm nodes, with parameters named as in the state_dict.
+    optimize=False keeps BatchNorm nodes, with parameters named as in the state_dict;
+    keep_modes=True exports each module in its own train/eval mode (MC-dropout), not all in eval.
 
     The exporter's progress prints go to stderr."""
-    wrapper = WithProbabilities(net).eval()
+    wrapper = WithProbabilities(net) if keep_modes else WithProbabilities(net).eval()
     sample = torch.from_numpy(np.ascontiguousarray(example))
     dynamic = {axis: torch.export.Dim(name) for axis, name in enumerate(input_spec["shape"])
                if isinstance(name, str)}
@@ -188,7 +191,8 @@ def export_example(samples: np.ndarray, kind: str) -> np.ndarray:
 
 
 def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out: np.ndarray,
-                  train_samples: np.ndarray, paths: BundlePaths) -> ExportResult:
+                  train_samples: np.ndarray, paths: BundlePaths,
+                  members: Sequence[torch.nn.Module] = ()) -> ExportResult:
     """Export → slim → check → validate; only a model that passes every step is written."""
     started = time.perf_counter()
     net = net.eval()
@@ -209,13 +213,43 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
                           nodes_after_slim=len(slimmed.graph.node), check=check,
                           atol=config.validate_atol, size_bytes=slimmed.ByteSize(),
                           seconds=round(time.perf_counter() - started, 3))
-    adaptation = export_adaptation_graph(net, samples, slimmed, config, manifest)
-    write_bundle(slimmed, net, result, adaptation)
+    extras: dict[str, ExtraGraph] = {}
+    for key, build in (("bn", export_adaptation_graph), ("mc", export_mc_dropout_graph)):
+        extra = build(net, samples, slimmed, config, manifest)
+        if extra is not None:
+            extras[key] = extra
+    if members:
+        extras["ensemble"] = export_ensemble_graph([net, *members], samples, config, manifest)
+    write_bundle(slimmed, net, result, extras)
     return result
 
 
+@dataclass
+class ExtraGraph:
+    """A graph the bundle carries besides model.onnx, with its manifest entry."""
+
+    model: onnx.ModelProto
+    info: dict
+
+
+def _max_diff_to(graph: onnx.ModelProto, reference: onnx.ModelProto, samples: np.ndarray,
+                 config: Config, manifest: dict, **session_args: object) -> float:
+    runtime = RuntimeOptions(intra_op_threads=config.num_threads)
+    probe = validation_probes(samples, manifest["preprocessing"]["kind"])["held_out"]
+    got, expected = (create_session(m.SerializeToString(), runtime).run(
+        ["probabilities"], {manifest["input"]["name"]: probe})[0] for m in (graph, reference))
+    return float(np.abs(got - expected).max())
+
+
+def _require_close(diff: float, what: str, config: Config) -> None:
+    if not diff <= config.validate_atol:
+        raise ExportError(f"the {what} differs from the exported graph by {diff:.3g} > "
+                          f"--validate_atol {config.validate_atol:g}; the bundle was not written",
+                          "raise --validate_atol, or report it")
+
+
 def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
-                            config: Config, manifest: dict) -> onnx.ModelProto | None:
+                            config: Config, manifest: dict) -> ExtraGraph | None:
     """The graph test-time training adapts: exported unoptimised and not slimmed, so that its
     BatchNormalization nodes survive (the deployable graph has them folded into Conv/Gemm).
     Checked against the deployable graph on the same samples; None without BatchNorm."""
@@ -227,29 +261,82 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
                          output_names, optimize=False)
     graph = fold_constants(graph)
     check_graph(graph)
-    runtime = RuntimeOptions(intra_op_threads=config.num_threads)
-    probe = validation_probes(samples, kind)["held_out"]
-    got, expected = (create_session(m.SerializeToString(), runtime).run(
-        ["probabilities"], {manifest["input"]["name"]: probe})[0] for m in (graph, slimmed))
-    diff = float(np.abs(got - expected).max())
-    if not diff <= config.validate_atol:
-        raise ExportError(f"the BatchNorm adaptation graph differs from the exported graph by "
-                          f"{diff:.3g} > --validate_atol {config.validate_atol:g}; the bundle was "
-                          "not written", "raise --validate_atol, or report it")
+    diff = _max_diff_to(graph, slimmed, samples, config, manifest)
+    _require_close(diff, "BatchNorm adaptation graph", config)
     layers = sum(n.op_type == "BatchNormalization" for n in graph.graph.node)
     LOG.info("adaptation graph: %d BatchNorm layers kept, max |diff| to the exported graph %.2g",
              layers, diff)
-    return graph
+    return ExtraGraph(graph, {"purpose": "test-time training: BatchNorm nodes kept "
+                              "(unoptimised export, constant-folded, not slimmed)",
+                              "batchnorm_layers": layers, "max_abs_diff": diff})
+
+
+def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
+                            config: Config, manifest: dict) -> ExtraGraph | None:
+    """The graph MC-dropout samples: the network with its Dropout layers in training mode,
+    exported as usual but not slimmed (onnxslim drops Dropout). With ONNX Runtime's default
+    optimisations (EliminateDropout) it must equal the deployable graph: that checks the rest
+    of it. None without dropout."""
+    dropouts = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if not dropouts:
+        return None
+    kind = manifest["preprocessing"]["kind"]
+    output_names = [o["name"] for o in manifest["outputs"]]
+    sampling = copy.deepcopy(net).eval()
+    for module in sampling.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.train()
+    graph = export_graph(sampling, export_example(samples, kind), config.opset,
+                         manifest["input"], output_names, keep_modes=True)
+    check_graph(graph)
+    layers = sum(n.op_type == "Dropout" for n in graph.graph.node)  # a module used twice: 2
+    if layers == 0:
+        raise ExportError(f"the MC-dropout graph lost its {len(dropouts)} dropout layers",
+                          "report it; export with --log_level DEBUG")
+    diff = _max_diff_to(graph, slimmed, samples, config, manifest)
+    _require_close(diff, "MC-dropout graph (dropout off)", config)
+    return ExtraGraph(graph, {"purpose": "MC-dropout: Dropout nodes in training mode, not "
+                              "slimmed; run with EliminateDropout disabled",
+                              "dropout_layers": layers, "rates": [m.p for m in dropouts]})
+
+
+def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, config: Config,
+                          manifest: dict) -> ExtraGraph:
+    """Every member exported and slimmed like model.onnx, merged into one graph that returns
+    their mean (iterative.ensemble_model); checked against the mean of the PyTorch members."""
+    from iterative import ensemble_model
+
+    kind = manifest["preprocessing"]["kind"]
+    output_names = [o["name"] for o in manifest["outputs"]]
+    members = [slim_graph(export_graph(net.eval(), export_example(samples, kind), config.opset,
+                                       manifest["input"], output_names)) for net in nets]
+    graph = ensemble_model(members, len(manifest["labels"]))
+    check_graph(graph)
+    probe = validation_probes(samples, kind)["held_out"]
+    with torch.no_grad():
+        expected = np.mean([WithProbabilities(net).eval()(torch.from_numpy(probe))[1].numpy()
+                            for net in nets], axis=0)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    got = session.run(["probabilities"], {manifest["input"]["name"]: probe})[0]
+    diff = float(np.abs(got - expected).max())
+    _require_close(diff, "ensemble graph (against the PyTorch members' mean)", config)
+    LOG.info("ensemble graph: %d members, max |onnx - torch| %.2g", len(nets), diff)
+    return ExtraGraph(graph, {"purpose": "the mean of several models trained with different "
+                              "seeds, in one graph", "members": len(nets),
+                              "seeds": [config.seed + k for k in range(len(nets))],
+                              "max_abs_diff": diff})
 
 
 def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportResult,
-                 adaptation: onnx.ModelProto | None = None) -> None:
+                 extras: dict[str, ExtraGraph] | None = None) -> None:
     """Weights, then graphs, then the manifest that names them by hash, each moved into place
     atomically: a run killed between two moves leaves a manifest whose hashes expose the mix."""
     paths, manifest = result.paths, result.manifest
+    extras = extras or {}
     weights_sha = save_weights(net, paths.weights)
-    if adaptation is not None:
-        atomic_write(paths.bn, lambda tmp: onnx.save_model(adaptation, str(tmp)))
+    for key, extra in extras.items():
+        atomic_write(paths.variant(key), lambda tmp, m=extra.model: onnx.save_model(m, str(tmp)))
     atomic_write(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
     result.size_bytes = paths.onnx.stat().st_size
     manifest["export"] = {
@@ -262,15 +349,12 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
         "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds}
     manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
                          "sha256": {"onnx": sha256_of(paths.onnx), "weights": weights_sha}}
-    extra = manifest.setdefault("extra_graphs", {})
-    extra.pop("bn", None)
-    if adaptation is not None:
-        manifest["files"]["bn"] = paths.bn.name
-        manifest["files"]["sha256"]["bn"] = sha256_of(paths.bn)
-        extra["bn"] = {"file": paths.bn.name, "purpose": "test-time training: BatchNorm nodes "
-                       "kept (unoptimised export, not slimmed)",
-                       "batchnorm_layers": sum(n.op_type == "BatchNormalization"
-                                               for n in adaptation.graph.node)}
+    manifest["extra_graphs"] = {}
+    for key, extra in extras.items():
+        path = paths.variant(key)
+        manifest["files"][key] = path.name
+        manifest["files"]["sha256"][key] = sha256_of(path)
+        manifest["extra_graphs"][key] = {"file": path.name, **extra.info}
     atomic_write_json(paths.manifest, manifest)
 
 

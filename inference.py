@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from config import Config, RuntimeOptions, build_parser, start_cli
 from preprocess import trim_padding
-from utils import (LOG, BundlePaths, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
+from utils import (LOG, BundlePaths, ConfigError, DataError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
                    progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report,
                    stdout_to_stderr)
 
@@ -31,7 +31,8 @@ MIN_TIMED_BATCHES = 30
 MAX_TIMING_SECONDS = 2.0
 
 
-def create_session(model: str | bytes, runtime: RuntimeOptions) -> ort.InferenceSession:
+def create_session(model: str | bytes, runtime: RuntimeOptions,
+                   session_args: dict | None = None) -> ort.InferenceSession:
     """An ORT session with all graph optimisations, on the first usable of `runtime.providers`.
 
     onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
@@ -60,11 +61,13 @@ def create_session(model: str | bytes, runtime: RuntimeOptions) -> ort.Inference
         # ORT's Python layer print()s provider errors to stdout: keep them off our stdout.
         if debug_enabled():
             with stdout_to_stderr():
-                session = ort.InferenceSession(model, options, providers=with_options)
+                session = ort.InferenceSession(model, options, providers=with_options,
+                                               **(session_args or {}))
             ort_errors: list[str] = []
         else:
             with captured_stderr() as ort_errors, stdout_to_stderr():
-                session = ort.InferenceSession(model, options, providers=with_options)
+                session = ort.InferenceSession(model, options, providers=with_options,
+                                               **(session_args or {}))
     except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
         name = model if isinstance(model, str) else "the exported graph"
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -128,9 +131,20 @@ def iobinding_runner(session: ort.InferenceSession, device: str, device_id: int 
     return run
 
 
-def session_runner(session: ort.InferenceSession, output: str = "probabilities"
-                   ) -> Callable[[np.ndarray], np.ndarray]:
-    """A batch → probabilities; through IOBinding when a GPU provider runs the session."""
+def session_runner(session: ort.InferenceSession, output: str = "probabilities",
+                   state_passes: int = 1) -> Callable[[np.ndarray], np.ndarray]:
+    """A batch → probabilities; through IOBinding when a GPU provider runs the session. A graph
+    with a `state` input is run `state_passes` times, fed its own `state_out` (zeros first)."""
+    state = state_input(session)
+    if state is not None:
+        from iterative import STATE_INPUT, STATE_OUTPUT, state_loop
+
+        name = session.get_inputs()[0].name
+
+        def run_with_state(batch: np.ndarray, current: np.ndarray):
+            return session.run([output, STATE_OUTPUT], {name: batch, STATE_INPUT: current})
+
+        return lambda batch: state_loop(run_with_state, batch, state, state_passes)
     device = session_device(session)
     if device is not None:
         provider = session.get_providers()[0]
@@ -138,6 +152,18 @@ def session_runner(session: ort.InferenceSession, output: str = "probabilities"
         return iobinding_runner(session, device, int(options.get("device_id", 0)), output)
     name = session.get_inputs()[0].name
     return lambda batch: session.run([output], {name: batch})[0]
+
+
+def state_input(session: ort.InferenceSession) -> list[int] | None:
+    """The per-sample shape of a recurrent graph's `state` input, or None."""
+    for graph_input in session.get_inputs()[1:]:
+        if graph_input.name == "state":
+            shape = graph_input.shape[1:]
+            if not all(isinstance(d, int) for d in shape):
+                raise ExportError(f"the state input's shape {graph_input.shape} is not fixed "
+                                  "after the batch axis", "export the state with a fixed size")
+            return shape
+    return None
 
 
 def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
@@ -346,6 +372,81 @@ def run_ttt(config: Config, paths: BundlePaths, manifest: dict,
     return result.report_section()
 
 
+def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
+                  session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray]) -> dict:
+    """The chosen iterative mode against a single pass: accuracy, NLL, ECE, accuracy at 90%
+    coverage, passes used and cost, on the test split."""
+    import onnx
+
+    import iterative as it
+
+    x, y = test
+    batches = batches_of(x, config.batch_size)
+    single = session_runner(session)
+    single(batches[0])
+    single_seconds, single_probs = min(
+        (it.timed(lambda: np.concatenate([single(b) for b in batches])) for _ in range(3)),
+        key=lambda t: t[0])
+    rows = [it.calibration_row("single", single_probs, y, single_seconds, single_seconds, 1)]
+    classes = len(manifest["labels"])
+    if config.iterative == "mc_dropout":
+        mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
+        graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations, classes,
+                                config.seed)
+        mc_session = create_session(graph.SerializeToString(), config.runtime(),
+                                    it.MC_SESSION_ARGS)
+        output = "probabilities" if config.iterative_backend == "python" else it.PASSES_OUTPUT
+        sampler = it.MCSampler(config.iterative_backend, config.iterations,
+                               session_runner(mc_session, output), config.iterative_tol,
+                               config.iterative_patience)
+        sampler(batches[:1])  # warm-up
+        seconds, passes = it.timed(lambda: sampler(batches))
+        rows.append(it.calibration_row("mc_dropout", passes.mean, y, seconds, single_seconds,
+                                       passes.passes_used))
+    elif config.iterative == "ensemble":
+        model, members = ensemble_graph(config, paths, manifest)
+        ens_session = create_session(model.SerializeToString(), config.runtime())
+        run = session_runner(ens_session)
+        run(batches[0])
+        seconds, probs = it.timed(lambda: np.concatenate([run(b) for b in batches]))
+        rows.append(it.calibration_row("ensemble", probs, y, seconds, single_seconds, members))
+    else:  # state: the bundle's session fed its state K times
+        if state_input(session) is None:
+            raise RuntimeFailure("--iterative state needs a graph with a 'state' input and a "
+                                 "'state_out' output", "see README, Iterative inference")
+        looped = session_runner(session, state_passes=config.iterations)
+        seconds, probs = it.timed(lambda: np.concatenate([looped(b) for b in batches]))
+        rows.append(it.calibration_row("state_feedback", probs, y, seconds, single_seconds,
+                                       config.iterations))
+    it.log_rows(rows)
+    return {"mode": config.iterative, "backend": config.iterative_backend,
+            "iterations": config.iterations, "passes_used": rows[-1]["passes_used"],
+            "rows": rows}
+
+
+def ensemble_graph(config: Config, paths: BundlePaths, manifest: dict) -> tuple[object, int]:
+    """The bundle's ensemble graph, or one merged from --model and the --ensemble bundles."""
+    import onnx
+
+    from iterative import ensemble_model
+
+    if not config.ensemble:
+        model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "ensemble")))
+        return model, manifest["extra_graphs"]["ensemble"]["members"]
+    members = [onnx.load(str(require_onnx_in_bundle(paths, manifest)))]
+    for item in (p.strip() for p in config.ensemble.split(",")):
+        if not item:
+            continue
+        other_paths = BundlePaths.from_model_path(item)
+        other = read_manifest(other_paths)
+        if other["labels"] != manifest["labels"] or \
+                other["preprocessing"] != manifest["preprocessing"]:
+            raise ConfigError(f"--ensemble member {item} has other labels or preprocessing than "
+                              f"{paths.onnx}", "ensemble bundles trained on the same data")
+        members.append(onnx.load(str(require_onnx_in_bundle(other_paths, other))))
+    return ensemble_model(members, len(manifest["labels"])), len(members)
+
+
 def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
                   test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
                   report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
@@ -366,17 +467,219 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
         report["tta"] = tta.report_section()
     if config.ttt:
         report["ttt"] = run_ttt(config, paths, manifest, session_runner(session), test)
+    if config.iterative != "none":
+        report["iterative"] = run_iterative(config, paths, manifest, session, test)
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size)
 
 
+# ----------------------------------------------------------------------------- batch inference
+
+Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
+
+
+def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
+                    session: ort.InferenceSession, model_path: Path) -> tuple[Predictor, list[str]]:
+    """encoded chunk → (probabilities, extra columns), with the test-time compute asked for
+    (one of --tta, --ttt, --iterative), and the extra columns' names."""
+    asked = [name for name, on in (("--tta", config.tta), ("--ttt", config.ttt),
+                                   ("--iterative", config.iterative != "none")) if on]
+    if len(asked) > 1:
+        raise ConfigError(f"--input runs take one test-time method at a time, not "
+                          f"{' and '.join(asked)}", "keep one of them")
+    size = config.batch_size
+    if config.tta:
+        runner = tta_runner(session, model_path, manifest, config)
+        return (lambda x: (runner(x), {})), []
+    if config.ttt:
+        return ttt_predictor(config, paths, manifest), []
+    if config.iterative in ("mc_dropout", "ensemble"):
+        return passes_predictor(config, paths, manifest), ["entropy", "std"]
+    run = session_runner(session, state_passes=config.iterations
+                         if config.iterative == "state" else 1)
+    return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size)]), {})), []
+
+
+def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
+    import onnx
+
+    from ttt import AdaptationGraph, Tent, adapt_and_predict
+
+    if config.ttt_method == "all":
+        raise ConfigError("--ttt_method all compares methods on the test split; predictions "
+                          "need one", "use --ttt_method bn or tent with --input")
+    graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn"))),
+                            lambda m: create_session(m, config.runtime()))
+    tent = (Tent(manifest, paths.weights, graph.layers, config.ttt_learning_rate,
+                 config.ttt_iterations, config.num_threads)
+            if config.ttt_method == "tent" else None)
+    return lambda x: (adapt_and_predict(graph, config.ttt_method, x, config.batch_size,
+                                        config.ttt_mode, config.ttt_bn_prior,
+                                        config.ttt_reset_every, tent).probabilities, {})
+
+
+def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
+    """MC-dropout or ensemble: the mean, its entropy, and the std across passes (or members)
+    of the predicted class's probability."""
+    import onnx
+
+    import iterative as it
+
+    classes = len(manifest["labels"])
+    if config.iterative == "ensemble":
+        model, _ = ensemble_graph(config, paths, manifest)
+        run = session_runner(create_session(model.SerializeToString(), config.runtime()),
+                             it.PASSES_OUTPUT)
+        sampler = it.MCSampler("batched", 0, run)
+    else:
+        mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
+        graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations, classes,
+                                config.seed)
+        output = "probabilities" if config.iterative_backend == "python" else it.PASSES_OUTPUT
+        run = session_runner(create_session(graph.SerializeToString(), config.runtime(),
+                                            it.MC_SESSION_ARGS), output)
+        sampler = it.MCSampler(config.iterative_backend, config.iterations, run,
+                               config.iterative_tol, config.iterative_patience)
+
+    def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        passes = sampler(batches_of(x, config.batch_size))
+        mean = passes.mean
+        chosen = mean.argmax(1)
+        return mean, {"entropy": it.entropy(mean),
+                      "std": passes.std[np.arange(len(mean)), chosen]}
+
+    return predict
+
+
+def prefetched(chunks, depth: int = 2):
+    """Read and encode the next chunks in a thread while the model runs on this one (ONNX
+    Runtime releases the GIL); the reader's errors are raised here."""
+    import queue
+    import sys
+    import threading
+
+    # The reader holds the GIL while it tokenises; hand it back to the model thread sooner than
+    # the default 5 ms after each session.run (SMS texts at batch 256: 18k → 26k rows/s).
+    sys.setswitchinterval(0.0001)
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                items.put(chunk)
+            items.put(done)
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer
+            items.put(err)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while True:
+        item = items.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+@dataclass
+class BatchRun:
+    input: str
+    output: str
+    rows: int = 0
+    predicted: int = 0
+    failed: int = 0
+    labeled: int = 0
+    correct: int = 0
+    errors_path: str | None = None
+    seconds: float = 0.0
+
+    def report_section(self) -> dict:
+        section = dict(vars(self))
+        section["accuracy"] = self.correct / self.labeled if self.labeled else None
+        section["rows_per_s"] = round(self.predicted / self.seconds, 1) if self.seconds else None
+        del section["correct"]
+        return section
+
+
+def predict_input(config: Config, paths: BundlePaths, report: dict) -> None:
+    """--input → --output: chunks read in a thread, predicted, and written as they come, to a
+    temporary file moved into place at the end (and the errors to --errors likewise)."""
+    from stream import PredictionWriter, StreamOptions, input_chunks
+    from utils import atomic_write_stream
+
+    variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
+    manifest, session, model_path = load_bundle_session(paths, config, variant)
+    predict, extra_names = chunk_predictor(config, paths, manifest, session, model_path)
+    options = StreamOptions(config.input, config.chunk_rows, config.label_column,
+                            config.text_column, config.image_column, config.dataset_format)
+    chunks = input_chunks(manifest, options)
+    run = BatchRun(config.input, config.output, errors_path=config.errors)
+    fmt = Path(config.output).suffix.lower().lstrip(".")
+    labels = manifest["labels"]
+    error_rows: list[tuple[str, str]] = []
+    started = time.perf_counter()
+    with atomic_write_stream(config.output) as handle:
+        writer = None
+        for chunk in progress(prefetched(chunks), desc="predict", enabled=not config.no_progress):
+            run.rows += len(chunk.ids) + len(chunk.errors)
+            run.failed += len(chunk.errors)
+            error_rows += chunk.errors
+            if chunk.x is None:
+                continue
+            if writer is None:
+                writer = PredictionWriter(handle, fmt, labels, min(config.top_k, len(labels)),
+                                          chunk.labels is not None, extra_names)
+            probabilities, extra = predict(chunk.x)
+            writer.write(chunk.ids, probabilities, extra, chunk.labels)
+            run.predicted += len(chunk.ids)
+            if chunk.labels is not None:
+                index = {label: i for i, label in enumerate(labels)}
+                known = [(i, index.get(t)) for i, t in enumerate(chunk.labels) if t is not None]
+                run.labeled += len(known)
+                run.correct += sum(probabilities[i].argmax() == k for i, k in known)
+        if writer is None:
+            PredictionWriter(handle, fmt, labels, min(config.top_k, len(labels)), False,
+                             extra_names)
+    run.seconds = round(time.perf_counter() - started, 3)
+    if config.errors:
+        write_errors(config.errors, error_rows)
+    report["predictions"] = run.report_section()
+    LOG.info("predicted %d of %d rows into %s (%.0f rows/s)%s", run.predicted, run.rows,
+             config.output, run.predicted / max(run.seconds, 1e-9),
+             f", {run.failed} failed" if run.failed else "")
+    if run.rows == 0:
+        raise DataError(f"{config.input} has no rows to predict", "check the input")
+    if run.failed and not config.allow_errors:
+        where = f"listed in {config.errors}" if config.errors else "add --errors PATH to list them"
+        raise DataError(f"{run.failed} of {run.rows} rows could not be predicted ({where}); the "
+                        f"other predictions are in {config.output}",
+                        "fix those rows, or pass --allow_errors true")
+
+
+def write_errors(path: str, rows: Sequence[tuple[str, str]]) -> None:
+    import csv as csv_module
+
+    from stream import neutralised
+    from utils import atomic_write_stream
+
+    with atomic_write_stream(path) as handle:
+        writer = csv_module.writer(handle)
+        writer.writerow(["id", "reason"])
+        writer.writerows([neutralised(ident), neutralised(reason)] for ident, reason in rows)
+
+
 # ----------------------------------------------------------------------------- CLI
 
-INFERENCE_FLAGS = ["output_model", "dataset_path", "quantized", "fp16", "tta", "tta_transforms",
+INFERENCE_FLAGS = ["output_model", "input", "output", "errors", "allow_errors", "top_k",
+                   "chunk_rows", "json", "quiet", "label_column", "text_column", "image_column",
+                   "dataset_format", "dataset_path", "quantized", "fp16", "tta", "tta_transforms",
                    "tta_merge", "tta_threshold", "ttt", "ttt_method", "ttt_mode",
                    "ttt_reset_every", "ttt_bn_prior", "ttt_iterations", "ttt_learning_rate",
-                   "eval_shift", "shift_severity", "seed", "benchmark", "batch_size", "ep",
+                   "eval_shift", "shift_severity", "iterative", "iterations",
+                   "iterative_backend", "iterative_tol", "iterative_patience", "ensemble",
+                   "seed", "benchmark", "batch_size", "ep",
                    "ep_options", "strict_ep", "num_threads", "intra_op_threads",
                    "inter_op_threads", "execution_mode", "report_json", "log_level",
                    "no_progress"]
@@ -392,11 +695,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv, INFERENCE_FLAGS)
 
     def stages(report: dict) -> None:
-        from data import load_bundle_dataset
-
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
         config.validate_tta(manifest["model_type"])
+        if config.input:
+            predict_input(config, paths, report)
+            return
+        from data import load_bundle_dataset
+
         data = load_bundle_dataset(manifest, config.dataset_path,
                                    ("val", "test") if config.tta else ("test",),
                                    not config.no_progress)

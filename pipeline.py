@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import PIPELINE_FLAGS, build_parser, start_cli
-from utils import BundlePaths, run_cli, run_with_report
+from utils import LOG, BundlePaths, run_cli, run_with_report
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):
@@ -51,6 +51,20 @@ def torch_variant(net, paths: BundlePaths):
     return Variant("pytorch eager fp32", "torch cpu", paths.weights.stat().st_size, predict)
 
 
+def train_ensemble_members(config, dataset) -> list:
+    """--ensemble_size N: N − 1 more networks on the same data, seeds --seed+1, ..."""
+    from dataclasses import replace
+
+    from train import train_classifier
+
+    members = []
+    for k in range(1, config.ensemble_size):
+        LOG.info("ensemble member %d of %d (seed %d)", k + 1, config.ensemble_size,
+                 config.seed + k)
+        members.append(train_classifier(replace(config, seed=config.seed + k), dataset).net)
+    return members
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
         "pipeline.py", "Train an image, text or tabular classifier, export it to a validated ONNX "
@@ -77,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["dataset"] = dataset.report_section()
         trained = train_classifier(config, dataset)
         report["train"] = trained.report_section()
+        members = train_ensemble_members(config, dataset)
         manifest = build_manifest(config, trained, dataset)
         exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,
-                                 paths)
+                                 paths, members)
         report["export"] = exported.report_section()
         variant = "onnx"
         if config.quantize != "none":

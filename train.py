@@ -174,7 +174,7 @@ class WeightTrainer(Teleprompter):
             self.history.append(record)
             LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
                      self.epochs, loss, accuracy, score, record.seconds)
-            if score > best_score:
+            if score >= best_score:  # ties: the later epoch, further into the annealing
                 best_score, self.best_epoch = score, epoch
                 best_state = copy.deepcopy(program.net.state_dict())
         program.net.load_state_dict(best_state)

@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
 
 # Set before any heavy import anywhere in the process: stop ORT telemetry files and litellm's
 # network fetch of its cost map (dspy imports litellm lazily).
@@ -216,6 +216,26 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def atomic_write_stream(path: str | Path) -> Iterator[TextIO]:
+    """A text handle on a temporary file beside `path`, moved into place when the block ends
+    without an error (removed otherwise): for outputs written row by row."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -271,8 +291,11 @@ class BundlePaths:
         return self.onnx.with_suffix(".bn.onnx")
 
     def variant(self, key: str) -> Path:
-        """The graph file of a variant: "onnx" (fp32), "int8", "fp16" or "bn"."""
-        return {"onnx": self.onnx, "int8": self.int8, "fp16": self.fp16, "bn": self.bn}[key]
+        """The graph file of a variant: "onnx" (fp32), "int8", "fp16", or of an extra graph:
+        "bn" (BatchNorm adaptation), "mc" (MC-dropout), "ensemble"."""
+        if key == "onnx":
+            return self.onnx
+        return self.onnx.with_suffix(f".{key}.onnx")
 
 
 def read_manifest(paths: BundlePaths) -> dict:
@@ -309,11 +332,17 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
     fix = {"onnx": f"python export.py --output_model {paths.onnx}",
            "int8": f"python quantize.py --output_model {paths.onnx} --quantize auto",
            "fp16": f"python quantize.py --output_model {paths.onnx} --fp16 true",
-           "bn": f"python export.py --output_model {paths.onnx}"}[variant]
+           "bn": f"python export.py --output_model {paths.onnx}",
+           "mc": f"python export.py --output_model {paths.onnx}",
+           "ensemble": f"python pipeline.py ... --ensemble_size N --output_model {paths.onnx}"
+           }[variant]
     if not files.get(variant) or not expected:
         what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph",
                 "bn": "BatchNorm adaptation graph (bundles exported before test-time training "
-                      "existed lack it)"}[variant]
+                      "existed lack it)",
+                "mc": "MC-dropout graph (a model without dropout, or a bundle exported before "
+                      "MC-dropout existed, has none)",
+                "ensemble": "ensemble graph (train one with --ensemble_size N)"}[variant]
         raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
     if not path.is_file():
         raise ExportError(f"model file {path} not found", f"run: {fix}")
@@ -391,6 +420,12 @@ def format_summary(report: dict) -> str:
         lines += ["benchmark:", *format_benchmark(report["benchmark"])]
     if report.get("ttt"):
         lines += ["ttt:", *format_ttt(report["ttt"])]
+    if report.get("iterative"):
+        lines += ["iterative:", *format_iterative(report["iterative"])]
+    if report.get("predictions"):
+        lines += ["predictions:"] + [f"  {label:<26} {_fmt(report['predictions'][key])}"
+                                     for key, label in PREDICTION_KEYS
+                                     if report["predictions"].get(key) is not None]
     if report.get("seconds_total") is not None:
         lines.append(f"total seconds: {report['seconds_total']:.1f}")
     return "\n".join(lines)
@@ -426,13 +461,39 @@ def format_ttt(ttt: dict) -> list[str]:
     return lines + [f"  verdict: {ttt['verdict']}"]
 
 
-def emit_report(report: dict, report_json: str | None) -> None:
-    """Write the report JSON (atomically, or to stdout with '-') and the human summary."""
-    if report_json == "-":
-        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+def format_iterative(iterative: dict) -> list[str]:
+    """Single pass against the iterative mode: accuracy, calibration, abstention, cost."""
+    if iterative["mode"] == "ensemble":
+        head = f"  mode ensemble, {iterative['passes_used']:g} members"
     else:
-        if report_json:
-            atomic_write_json(report_json, report)
+        head = (f"  mode {iterative['mode']}, backend {iterative['backend']}, "
+                f"{iterative['iterations']} passes asked, {iterative['passes_used']:g} used")
+    lines = [head,
+             f"  {'variant':<16} {'accuracy':>8} {'NLL':>8} {'ECE':>8} {'confidence':>10} "
+             f"{'acc@90%':>8} {'cost':>8}"]
+    for row in iterative["rows"]:
+        lines.append(f"  {row['variant']:<16} {row['accuracy']:>8.4f} {row['nll']:>8.4f} "
+                     f"{row['ece']:>8.4f} {row['mean_confidence']:>10.4f} "
+                     f"{row['accuracy_at_90_coverage']:>8.4f} {row['cost_ratio']:>7.2f}x")
+    single, last = iterative["rows"][0], iterative["rows"][-1]
+    if len(iterative["rows"]) > 1 and last["ece"] > single["ece"]:
+        why = ("; the single pass is already underconfident (confidence below accuracy) and "
+               "averaging makes it more so" if single["mean_confidence"] < single["accuracy"]
+               else "")
+        lines.append(f"  note: {last['variant']} is less well calibrated than a single pass "
+                     f"(ECE {last['ece']:.4f} vs {single['ece']:.4f}){why}")
+    return lines
+
+
+def emit_report(report: dict, report_json: str | None, json_stdout: bool = False,
+                quiet: bool = False) -> None:
+    """Write the report JSON (atomically to a file; on stdout with '-' or json_stdout) and
+    otherwise the human summary (none when quiet)."""
+    if report_json and report_json != "-":
+        atomic_write_json(report_json, report)
+    if report_json == "-" or json_stdout:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    elif not quiet:
         sys.stdout.write(format_summary(report) + "\n")
     sys.stdout.flush()
 
@@ -445,8 +506,13 @@ def error_section(err: BaseException) -> dict:
     return {"code": EXIT_RUNTIME, "message": f"unexpected {type(err).__name__}: {err}"}
 
 
+PREDICTION_KEYS = [("input", "input"), ("output", "output"), ("rows", "rows read"),
+                   ("predicted", "rows predicted"), ("failed", "rows failed"),
+                   ("errors_path", "errors listed in"), ("labeled", "rows with a label"),
+                   ("accuracy", "accuracy"), ("rows_per_s", "rows/s end to end")]
+
 REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "fp16", "inference", "benchmark", "tta",
-                   "ttt", "iterative")
+                   "ttt", "iterative", "predictions")
 
 
 def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
@@ -466,13 +532,14 @@ def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
         report.update(status="error", error=error_section(err),
                       seconds_total=round(time.perf_counter() - started, 3))
         try:
-            if config.report_json == "-":
-                sys.stdout.write(json.dumps(report, indent=2) + "\n")
-            elif config.report_json:
+            if config.report_json and config.report_json != "-":
                 atomic_write_json(config.report_json, report)
+            if config.report_json == "-" or getattr(config, "json", False):
+                sys.stdout.write(json.dumps(report, indent=2) + "\n")
         except OSError as write_err:  # never let the report hide the real error
             LOG.warning("could not write the report to %s: %s", config.report_json, write_err)
         raise
     report.update(status="ok", seconds_total=round(time.perf_counter() - started, 3))
-    emit_report(report, config.report_json)
+    emit_report(report, config.report_json, json_stdout=getattr(config, "json", False),
+                quiet=getattr(config, "quiet", False))
     return EXIT_OK

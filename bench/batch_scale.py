@@ -1,0 +1,147 @@
+"""Batch inference at scale: flat memory, lean start, and end-to-end speed against the model.
+
+    python bench/batch_scale.py [--rows 100000,1000000] [--batch_size 4096]
+
+Trains a tabular model (builtin:breast_cancer, 30 features) and a text model (SMS spam, or
+generated texts without ../shared), writes generated CSVs of each size, and runs
+`inference.py --input CSV --output preds.csv` as a subprocess on each: peak RSS (GNU time) and
+end-to-end rows/s. Then the raw session.run throughput of the same graph at the same batch size
+on rows encoded beforehand, the start-up time of `inference.py --help`, and whether a
+prediction run imports torch or dspy.
+
+Goals: peak RSS at the largest size within 10% of the smallest; end-to-end ≥ 80% of raw
+session.run throughput; no torch or dspy; --help under 1 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import REPO, Config, quiet_single_thread, train_bundle
+
+SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
+
+
+def write_tabular(path: Path, rows: int, features: list[str], seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    block = rng.normal(10, 5, (10_000, len(features)))
+    with open(path, "w") as handle:
+        handle.write(",".join(features) + "\n")
+        lines = [",".join(f"{v:.4f}" for v in row) for row in block]
+        for start in range(0, rows, len(lines)):
+            handle.write("\n".join(lines[: rows - start]) + "\n")
+
+
+def write_texts(path: Path, rows: int, texts: list[str]) -> None:
+    clean = [t.replace('"', "'").replace("\n", " ") for t in texts]
+    with open(path, "w") as handle:
+        handle.write("text\n")
+        for start in range(0, rows, len(clean)):
+            handle.write("".join(f'"{t}"\n' for t in clean[: rows - start]))
+
+
+def run_inference(model: Path, data: Path, batch_size: int) -> tuple[float, float]:
+    """(peak RSS in MB, end-to-end rows/s) of one inference.py run."""
+    report = data.with_suffix(".report.json")
+    proc = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", sys.executable, str(REPO / "inference.py"), "--model",
+         str(model), "--input", str(data), "--output", str(data.with_suffix(".preds.csv")),
+         "--batch_size", str(batch_size), "--chunk_rows", str(max(batch_size, 4096)),
+         "--quiet", "true", "--report_json", str(report)],
+        capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-2000:])
+    peak_kb = int(proc.stderr.strip().splitlines()[-1])
+    return peak_kb / 1024, json.loads(report.read_text())["predictions"]["rows_per_s"]
+
+
+def raw_throughput(model: Path, data: Path, batch_size: int, rows: int = 100_000) -> float:
+    """session.run rows/s on rows read and encoded beforehand, same graph and batch size."""
+    from config import Config as RunConfig
+    from inference import batches_of, create_session
+    from stream import StreamOptions, input_chunks
+    from utils import read_manifest, BundlePaths
+
+    manifest = read_manifest(BundlePaths.from_model_path(model))
+    chunks = input_chunks(manifest, StreamOptions(str(data), rows))
+    x = next(iter(chunks)).x
+    session = create_session(str(model), RunConfig().cpu_runtime())
+    name = session.get_inputs()[0].name
+    batches = batches_of(x, batch_size)
+    session.run(["probabilities"], {name: batches[0]})
+    started = time.perf_counter()
+    for batch in batches:
+        session.run(["probabilities"], {name: batch})
+    return len(x) / (time.perf_counter() - started)
+
+
+def lean_start(model: Path, data: Path) -> tuple[float, list[str]]:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, str(REPO / "inference.py"), "--help"], capture_output=True,
+                   cwd=REPO, check=True)
+    help_seconds = time.perf_counter() - started
+    code = ("import sys, runpy\n"
+            f"sys.argv = ['inference.py', '--model', {str(model)!r}, '--input', {str(data)!r}, "
+            f"'--output', {str(data.with_suffix('.lean.csv'))!r}, '--quiet', 'true']\n"
+            "try:\n    runpy.run_path('inference.py', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print(','.join(m for m in ('torch', 'dspy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    return help_seconds, [m for m in out.stdout.strip().split(",") if m]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="100000,1000000")
+    parser.add_argument("--batch_size", type=int, default=4096, help="tabular batch size")
+    parser.add_argument("--text_batch_size", type=int, default=256)
+    args = parser.parse_args()
+    sizes = [int(r) for r in args.rows.split(",")]
+    quiet_single_thread()
+    work = Path(tempfile.mkdtemp())
+    cases = []
+    config = Config(model_type="tabular_classifier", dataset_path="builtin:breast_cancer",
+                    epochs=5, no_progress=True, output_model=str(work / "tab" / "model.onnx"))
+    dataset, _, paths, _ = train_bundle(config)
+    features = dataset.preprocessing["feature_names"]
+    cases.append(("tabular (30 features)", paths.onnx,
+                  lambda p, n: write_tabular(p, n, features), args.batch_size))
+    if SMS.exists():
+        texts = [line.split("\t", 1)[-1] for line in SMS.read_text(errors="replace").splitlines()]
+        config = Config(model_type="text_classifier", dataset_path=str(SMS), epochs=3,
+                        no_progress=True, output_model=str(work / "text" / "model.onnx"))
+        _, _, paths, _ = train_bundle(config)
+        cases.append(("text (SMS)", paths.onnx, lambda p, n: write_texts(p, n, texts),
+                      args.text_batch_size))
+    else:
+        print(f"text: skipped, {SMS} not found")
+    for name, model, write, batch_size in cases:
+        print(f"\n{name}, batch {batch_size}:")
+        results = []
+        for rows in sizes:
+            data = work / f"{name.split()[0]}_{rows}.csv"
+            write(data, rows)
+            peak, speed = run_inference(model, data, batch_size)
+            results.append((rows, peak, speed))
+            print(f"  {rows:>9,} rows: peak RSS {peak:7.1f} MB, end to end {speed:>11,.0f} rows/s")
+        raw = raw_throughput(model, work / f"{name.split()[0]}_{sizes[0]}.csv", batch_size)
+        growth = results[-1][1] / results[0][1] - 1
+        share = results[-1][2] / raw
+        print(f"  raw session.run: {raw:,.0f} rows/s; end to end / raw = {share:.0%} "
+              f"(goal ≥ 80%: {'met' if share >= 0.8 else 'NOT met'})")
+        print(f"  peak RSS growth {sizes[0]:,} → {sizes[-1]:,} rows: {growth:+.1%} "
+              f"(goal within 10%: {'met' if abs(growth) <= 0.1 else 'NOT met'})")
+        help_seconds, heavy = lean_start(model, work / f"{name.split()[0]}_{sizes[0]}.csv")
+        print(f"  inference.py --help: {help_seconds:.2f} s; a prediction run imports "
+              f"{', '.join(heavy) if heavy else 'neither torch nor dspy'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""MC-dropout: three loop backends side by side, and what the passes buy in calibration.
+
+    python bench/iterative_speed.py [--passes 16] [--epochs 20]
+
+Trains the digits CNN and (with ../shared/data/sms_spam.tsv) the SMS text classifier as
+pipeline.py does. For each: accuracy, NLL and ECE of a single pass and of MC-dropout with K
+passes; then, in turns on the same batches of 1 and of 64 samples, the time of K passes with the
+python backend (K session.run calls), the batched backend (K copies in one run) and the loop
+backend (an ONNX Loop, one run), and each one's speed-up over python.
+
+Goals: MC-dropout has a lower ECE than a single pass; batched or loop ≥ 3x faster than python at
+batch 1.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from common import REPO, Config, quiet_single_thread, train_bundle
+
+SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
+CASES = [("digits CNN", "image_classifier", "builtin:digits"),
+         ("SMS text", "text_classifier", str(SMS))]
+BACKENDS = ("python", "batched", "loop")
+
+
+def measure(name: str, model_type: str, dataset_path: str, passes: int, epochs: int,
+            runs: int) -> None:
+    import iterative as it
+    from inference import batches_of, create_session, interleaved_timings, session_runner
+
+    config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
+                    no_progress=True, output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
+    dataset, _, paths, _ = train_bundle(config)
+    x, y = dataset.test.x, dataset.test.y
+    classes = len(dataset.labels)
+    mc_model = onnx.load(str(paths.variant("mc")))
+    single = session_runner(create_session(str(paths.onnx), config.cpu_runtime()))
+    samplers = {}
+    for backend in BACKENDS:
+        graph = it.mc_model_for(backend, mc_model, passes, classes, seed=0)
+        session = create_session(graph.SerializeToString(), config.cpu_runtime(),
+                                 it.MC_SESSION_ARGS)
+        output = "probabilities" if backend == "python" else it.PASSES_OUTPUT
+        samplers[backend] = it.MCSampler(backend, passes, session_runner(session, output))
+    batches = batches_of(x, 64)
+    plain = np.concatenate([single(b) for b in batches])
+    print(f"\n{name}: {len(x)} test samples, K = {passes}")
+    print(f"{'':<22} {'accuracy':>8} {'NLL':>8} {'ECE':>8} {'confidence':>10} {'acc@90%':>8}")
+    for label, probs in [("single pass", plain)] + [
+            (f"MC-dropout ({backend})", samplers[backend](batches).mean) for backend in BACKENDS]:
+        row = it.calibration_row(label, probs, y, 1, 1, passes)
+        print(f"{label:<22} {row['accuracy']:>8.4f} {row['nll']:>8.4f} {row['ece']:>8.4f} "
+              f"{probs.max(1).mean():>10.4f} {row['accuracy_at_90_coverage']:>8.4f}")
+    print(f"{'batch':>5} " + " ".join(f"{b + ' ms':>11}" for b in BACKENDS)
+          + f" {'batched/py':>10} {'loop/py':>8}")
+    for size in (1, 64):
+        sized = batches_of(x, size)
+        runners = [lambda b, s=samplers[k]: s([b]) for k in BACKENDS]
+        times = [float(np.median(t)) * 1e3 for t in interleaved_timings(runners, sized, runs)]
+        print(f"{size:>5} " + " ".join(f"{t:>11.4f}" for t in times)
+              + f" {times[0] / times[1]:>10.2f} {times[0] / times[2]:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--passes", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=100)
+    args = parser.parse_args()
+    quiet_single_thread()
+    for case in CASES:
+        if case[2].endswith(".tsv") and not Path(case[2]).exists():
+            print(f"\n{case[0]}: skipped, {case[2]} not found")
+            continue
+        measure(*case, args.passes, args.epochs, args.runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Iterative inference: several forward passes per input, and what they buy.
+
+- MC-dropout: K stochastic passes through the bundle's MC graph (model.mc.onnx: Dropout kept in
+  training mode), run with ONNX Runtime's EliminateDropout disabled; each Dropout node gets a
+  seed from --seed, so a run is reproducible. Three backends give the same distribution:
+  `python` (a loop of session.run over the whole graph, with early stopping), `batched` (K
+  copies stacked along the batch axis in one run) and `loop` (the K passes inside the graph, an
+  ONNX Loop, one run); these two run the part before the first Dropout once.
+- Ensembles: several bundles' graphs merged into one graph that returns every member's
+  probabilities and their mean.
+- State feedback: a graph with a `state` input and a `state_out` output is run N times, each
+  pass fed the state the last one returned (zeros at first).
+- Calibration: negative log-likelihood, expected calibration error and accuracy when abstaining
+  on the most uncertain inputs, for the single pass and each of the above.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from tta_graph import GraphNodes
+from utils import LOG, ConfigError
+
+STATE_INPUT, STATE_OUTPUT = "state", "state_out"
+PASSES_OUTPUT = "pass_probabilities"  # (passes, N, classes)
+MC_SESSION_ARGS = {"disabled_optimizers": ["EliminateDropout"]}
+ECE_BINS = 15
+COVERAGE = 0.9
+
+# ----------------------------------------------------------------------------- graphs
+
+
+def seeded_dropout(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:
+    """A copy whose Dropout nodes each draw from their own seed (seed, seed+1, ...)."""
+    out = copy.deepcopy(model)
+    dropouts = [n for n in out.graph.node if n.op_type == "Dropout"]
+    if not dropouts:
+        raise ConfigError("the MC graph has no Dropout node", "re-export the bundle")
+    for k, node in enumerate(dropouts):
+        kept = [a for a in node.attribute if a.name != "seed"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("seed", int(seed + k))])
+    return out
+
+
+def _renamed_outputs(graph: onnx.GraphProto, names: dict[str, str]) -> None:
+    for node in graph.node:
+        node.output[:] = [names.get(n, n) for n in node.output]
+        node.input[:] = [names.get(n, n) for n in node.input]
+
+
+def _finish(model: onnx.ModelProto, outputs: list[tuple[str, list]]) -> onnx.ModelProto:
+    del model.graph.output[:]
+    model.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+                              for name, shape in outputs)
+    del model.graph.value_info[:]
+    onnx.checker.check_model(model)
+    return model
+
+
+def shared_prefix(model: onnx.ModelProto) -> tuple[int, str]:
+    """Where the passes can start: (index of the first Dropout node, its input tensor). Nothing
+    before the first Dropout is random, so that part runs once and only the rest K times; the
+    digits CNN's Dropout sits after all its convolutions. If a node after it reads a tensor made
+    before it (other than constants), the passes start at the graph input: (0, input)."""
+    nodes = list(model.graph.node)
+    first = next(i for i, n in enumerate(nodes) if n.op_type == "Dropout")
+    start = nodes[first].input[0]
+    made_before = {o for n in nodes[:first] if n.op_type != "Constant" for o in n.output}
+    for node in nodes[first:]:
+        if any(name in made_before and name != start for name in node.input):
+            return 0, model.graph.input[0].name
+    return first, start
+
+
+def batched_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx.ModelProto:
+    """K copies stacked along the batch axis where the passes start (shared_prefix), the rest
+    of the model run once over them, the probabilities reshaped to (K, N, classes)."""
+    out = copy.deepcopy(model)
+    graph = out.graph
+    first, start = shared_prefix(out)
+    nodes = GraphNodes("mc_batched")
+    stacked = nodes.op("Concat", [start] * passes, axis=0)
+    for node in list(graph.node)[first:]:
+        node.input[:] = [stacked if n == start else n for n in node.input]
+    _renamed_outputs(graph, {"probabilities": "mc_rows"})
+    tail = GraphNodes("mc_tail")
+    tail.op("Reshape", ["mc_rows", tail.const([passes, -1, classes])], output=PASSES_OUTPUT)
+    model_nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(model_nodes[:first] + nodes.nodes + model_nodes[first:] + tail.nodes)
+    graph.initializer.extend(nodes.initializers + tail.initializers)
+    return _finish(out, [(PASSES_OUTPUT, [passes, "batch", classes])])
+
+
+def loop_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx.ModelProto:
+    """The K passes inside the graph: the shared prefix once, then an ONNX Loop whose body is
+    the rest of the model (reading the prefix's output and the weights from the outer scope)
+    and whose scan output stacks each pass's probabilities into (K, N, classes)."""
+    out = copy.deepcopy(model)
+    graph = out.graph
+    first, _ = shared_prefix(out)
+    model_nodes = list(graph.node)
+    body_nodes = model_nodes[first:]
+    body_nodes.append(helper.make_node("Identity", ["loop_cond_in"], ["loop_cond_out"]))
+    body_nodes.append(helper.make_node("Identity", ["probabilities"], ["loop_scan"]))
+    body = helper.make_graph(
+        body_nodes, "mc_pass",
+        [helper.make_tensor_value_info("loop_iteration", TensorProto.INT64, []),
+         helper.make_tensor_value_info("loop_cond_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("loop_cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("loop_scan", TensorProto.FLOAT, None)])
+    outer = GraphNodes("mc_loop")
+    count = outer.const(np.array(passes, dtype=np.int64))
+    keep_going = outer.const(np.array(True), dtype=bool)
+    outer.op("Loop", [count, keep_going], output=PASSES_OUTPUT, body=body)
+    del graph.node[:]
+    graph.node.extend(model_nodes[:first] + outer.nodes)
+    graph.initializer.extend(outer.initializers)
+    return _finish(out, [(PASSES_OUTPUT, [passes, "batch", classes])])
+
+
+def ensemble_model(members: Sequence[onnx.ModelProto], classes: int) -> onnx.ModelProto:
+    """One graph running every member on the shared input: outputs each member's probabilities
+    stacked (members, N, classes) and their mean ("probabilities")."""
+    first = members[0]
+    source = first.graph.input[0].name
+    opsets = {(o.domain, o.version) for m in members for o in m.opset_import}
+    if len({d for d, _ in opsets}) != len(opsets):
+        raise ConfigError("the ensemble members were exported with different opsets",
+                          "re-export them with the same --opset")
+    nodes, initializers, stacked = [], [], []
+    for k, member in enumerate(members):
+        if member.graph.input[0].name != source:
+            raise ConfigError(f"ensemble member {k + 1} takes input "
+                              f"{member.graph.input[0].name!r}, the first {source!r}",
+                              "ensemble bundles of the same model type")
+        prefixed = onnx.compose.add_prefix(member, f"member{k}_")
+        inner = f"member{k}_{source}"
+        for node in prefixed.graph.node:
+            node.input[:] = [source if n == inner else n for n in node.input]
+        nodes += list(prefixed.graph.node)
+        initializers += list(prefixed.graph.initializer)
+        stacked.append(f"member{k}_probabilities")
+    tail = GraphNodes("ensemble")
+    axis = tail.const([0])
+    rows = [tail.op("Unsqueeze", [name, axis]) for name in stacked]
+    tail.op("Concat", rows, output=PASSES_OUTPUT, axis=0)
+    tail.op("ReduceMean", [PASSES_OUTPUT, axis], output="probabilities", keepdims=0)
+    graph = helper.make_graph(nodes + tail.nodes, "ensemble", [copy.deepcopy(first.graph.input[0])],
+                              [], initializers + tail.initializers)
+    model = helper.make_model(graph, opset_imports=list(first.opset_import),
+                              ir_version=first.ir_version)
+    return _finish(model, [("probabilities", ["batch", classes]),
+                           (PASSES_OUTPUT, [len(members), "batch", classes])])
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Passes:
+    """Per-pass probabilities of a split, (passes, N, classes), and how many passes ran
+    (a mean over batches when early stopping ended some sooner)."""
+
+    probabilities: np.ndarray
+    passes_used: float
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.probabilities.mean(0)
+
+    @property
+    def std(self) -> np.ndarray:
+        return self.probabilities.std(0)
+
+
+def python_loop(run: Callable[[np.ndarray], np.ndarray], batch: np.ndarray, passes: int,
+                tol: float | None, patience: int) -> np.ndarray:
+    """session.run `passes` times; with `tol`, stop once the running mean's top-1 is unchanged
+    and its largest change below tol for `patience` passes in a row."""
+    outs = [run(batch)]
+    total, calm = outs[0].astype(np.float64), 0
+    while len(outs) < passes:
+        probabilities = run(batch)
+        outs.append(probabilities)
+        previous = total / (len(outs) - 1)
+        total = total + probabilities
+        current = total / len(outs)
+        if tol is not None:
+            steady = (current.argmax(1) == previous.argmax(1)).all()
+            calm = calm + 1 if steady and np.abs(current - previous).max() < tol else 0
+            if calm >= patience:
+                break
+    return np.stack(outs)
+
+
+@dataclass
+class MCSampler:
+    """MC-dropout over batches with one backend. `run` comes from a session of the graph the
+    backend needs: the seeded MC graph (python), its batched form or its Loop form."""
+
+    backend: str
+    passes: int
+    run: Callable[[np.ndarray], np.ndarray]
+    tol: float | None = None
+    patience: int = 2
+
+    def __call__(self, batches: Sequence[np.ndarray]) -> Passes:
+        outs, used = [], []
+        for batch in batches:
+            if self.backend == "python":
+                stacked = python_loop(self.run, batch, self.passes, self.tol, self.patience)
+            else:
+                stacked = self.run(batch)
+            used.append(len(stacked))
+            outs.append(stacked)
+        # early stopping may leave batches with fewer passes: pad with their own mean
+        most = max(used)
+        padded = [np.concatenate([s, np.repeat(s.mean(0, keepdims=True), most - len(s), 0)])
+                  for s in outs]
+        return Passes(np.concatenate(padded, axis=1), float(np.average(
+            used, weights=[b.shape[1] for b in outs])))
+
+
+def mc_model_for(backend: str, mc_model: onnx.ModelProto, passes: int, classes: int, seed: int
+                 ) -> onnx.ModelProto:
+    seeded = seeded_dropout(mc_model, seed)
+    if backend == "batched":
+        return batched_passes_model(seeded, passes, classes)
+    if backend == "loop":
+        return loop_passes_model(seeded, passes, classes)
+    return seeded
+
+
+def state_loop(run_with_state: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+               batch: np.ndarray, state_shape: Sequence[int], passes: int) -> np.ndarray:
+    """Feed a recurrent graph its own state `passes` times; the last pass's probabilities."""
+    state = np.zeros((len(batch), *state_shape), dtype=np.float32)
+    probabilities = None
+    for _ in range(passes):
+        probabilities, state = run_with_state(batch, state)
+    return probabilities
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def nll(probabilities: np.ndarray, y: np.ndarray) -> float:
+    return float(-np.log(np.clip(probabilities[np.arange(len(y)), y], 1e-12, 1)).mean())
+
+
+def expected_calibration_error(probabilities: np.ndarray, y: np.ndarray,
+                               bins: int = ECE_BINS) -> float:
+    """Σ over equal-width confidence bins of |accuracy − mean confidence| × share of samples
+    (Guo et al. 2017); a bin holds confidences in (lower, upper]."""
+    confidence = probabilities.max(1)
+    correct = probabilities.argmax(1) == y
+    edges = np.linspace(0, 1, bins + 1)
+    total = 0.0
+    for lower, upper in zip(edges[:-1], edges[1:]):
+        inside = (confidence > lower) & (confidence <= upper)
+        if inside.any():
+            total += abs(correct[inside].mean() - confidence[inside].mean()) * inside.mean()
+    return float(total)
+
+
+def entropy(probabilities: np.ndarray) -> np.ndarray:
+    p = np.clip(probabilities, 1e-12, 1)
+    return -(p * np.log(p)).sum(-1)
+
+
+def accuracy_at_coverage(probabilities: np.ndarray, y: np.ndarray, uncertainty: np.ndarray,
+                         coverage: float = COVERAGE) -> float:
+    """Accuracy on the `coverage` share of samples with the lowest uncertainty (abstaining on
+    the rest)."""
+    keep = max(1, int(np.ceil(coverage * len(y))))
+    chosen = np.argsort(uncertainty, kind="stable")[:keep]
+    return float((probabilities[chosen].argmax(1) == y[chosen]).mean())
+
+
+def calibration_row(variant: str, probabilities: np.ndarray, y: np.ndarray, seconds: float,
+                    single_seconds: float, passes_used: float,
+                    uncertainty: np.ndarray | None = None) -> dict:
+    uncertainty = entropy(probabilities) if uncertainty is None else uncertainty
+    return {"variant": variant, "accuracy": float((probabilities.argmax(1) == y).mean()),
+            "nll": nll(probabilities, y), "ece": expected_calibration_error(probabilities, y),
+            "mean_confidence": float(probabilities.max(1).mean()),
+            "accuracy_at_90_coverage": accuracy_at_coverage(probabilities, y, uncertainty),
+            "passes_used": passes_used,
+            "cost_ratio": round(seconds / max(single_seconds, 1e-9), 3)}
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def log_rows(rows: list[dict]) -> None:
+    for row in rows:
+        LOG.info("%s: accuracy %.4f, NLL %.4f, ECE %.4f, accuracy at 90%% coverage %.4f, "
+                 "%.3gx the time", row["variant"], row["accuracy"], row["nll"], row["ece"],
+                 row["accuracy_at_90_coverage"], row["cost_ratio"])

@@ -1,0 +1,172 @@
+"""Batch inference (`inference.py --input ... --output ...`): folders, tables and stdin, error
+rows, accuracy when labels are given, and outputs that are whole or absent."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_clean_failure, feature_rows, run_cli, topic_texts, \
+    write_image_folder
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_image_folder_with_a_corrupt_image(digits_bundle, tmp_path):
+    folder = write_image_folder(tmp_path / "new", classes=(3, 7), per_class=6)
+    (folder / "3" / "broken.png").write_bytes(b"not a png at all")
+    preds, errors = tmp_path / "out" / "preds.csv", tmp_path / "out" / "errors.csv"
+    args = ["--model", digits_bundle["model"], "--input", folder, "--output", preds,
+            "--errors", errors, "--top_k", "3"]
+    run = run_cli("inference.py", *args)
+    assert_clean_failure(run, 3, "1 of 13 rows could not be predicted", str(errors))
+    rows = read_csv(preds)  # the good rows are written all the same
+    assert len(rows) == 12 and {r["true_label"] for r in rows} == {"3", "7"}
+    assert set(rows[0]) >= {"id", "label", "confidence", "top3_label", "top3_probability"}
+    assert all(r["label"] == r["top1_label"] for r in rows)
+    assert sum(r["label"] == r["true_label"] for r in rows) >= 9
+    failed = read_csv(errors)
+    assert len(failed) == 1 and failed[0]["id"].endswith("broken.png")
+    assert "unreadable image" in failed[0]["reason"]
+    run = run_cli("inference.py", *args, "--allow_errors", "true", "--json", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads(run.stdout)["predictions"]
+    assert summary["rows"] == 13 and summary["predicted"] == 12 and summary["failed"] == 1
+    assert summary["labeled"] == 12 and 0.75 <= summary["accuracy"] <= 1
+
+
+@pytest.fixture(scope="module")
+def tabular_bundle(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tabular")
+    data = folder / "train.csv"
+    rows = feature_rows(per_class=60)
+    data.write_text("height,weight,color,kind\n" + "".join(
+        f"{r['height']},{r['weight']},{r['color']},{r['kind']}\n" for r in rows))
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path", data,
+                  "--output_model", folder / "model.onnx", "--epochs", "15",
+                  "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return folder
+
+
+def test_csv_with_labels_a_bad_row_and_jsonl_output(tabular_bundle, tmp_path):
+    new = tmp_path / "new.csv"
+    new.write_text("kind,weight,height,color\n"  # other column order than training
+                   "a,5.1,0.2,red\nb,0.1,2.9,blue\nc,-4.2,-3.1,green\n"
+                   "a,lots,0.1,red\n"  # a non-numeric weight: an error row
+                   "=cmd,5.0,,red\n")  # an unknown label, echoed safely; a missing height
+    preds = tmp_path / "preds.jsonl"
+    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+                  "--output", preds, "--errors", tmp_path / "errors.csv", "--allow_errors",
+                  "true", "--report_json", tmp_path / "report.json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in preds.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["1", "2", "3", "5"]
+    assert [r["label"] for r in rows[:3]] == ["a", "b", "c"]
+    assert rows[3]["true_label"] == "=cmd"  # JSON is data, not a spreadsheet
+    failed = read_csv(tmp_path / "errors.csv")
+    assert failed == [{"id": "4", "reason": "non-numeric value 'lots' in column 'weight'"}]
+    summary = json.loads((tmp_path / "report.json").read_text())["predictions"]
+    assert summary["labeled"] == 4 and summary["accuracy"] == 0.75  # "=cmd" is never right
+    csv_out = tmp_path / "preds.csv"
+    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+                  "--output", csv_out, "--allow_errors", "true", "--quiet", "true")
+    assert run.returncode == 0 and run.stdout == "" and run.stderr == ""
+    assert read_csv(csv_out)[3]["true_label"] == "'=cmd"  # neutralised for spreadsheets
+
+
+def test_missing_feature_column_and_bad_output_suffix_fail_clearly(tabular_bundle, tmp_path):
+    new = tmp_path / "new.csv"
+    new.write_text("height,color\n1.0,red\n")
+    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+                  "--output", tmp_path / "p.csv")
+    assert_clean_failure(run, 3, "lacks the feature columns ['weight']")
+    assert not (tmp_path / "p.csv").exists()
+    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+                  "--output", tmp_path / "p.parquet")
+    assert_clean_failure(run, 2, "--output", ".csv or .jsonl")
+    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input",
+                  tmp_path / "nowhere.csv", "--output", tmp_path / "p.csv")
+    assert_clean_failure(run, 3, "does not exist")
+
+
+@pytest.fixture(scope="module")
+def text_bundle(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    data = folder / "texts.tsv"
+    data.write_text("".join(f"{label}\t{text}\n" for text, label in topic_texts(60)))
+    run = run_cli("pipeline.py", "--model_type", "text_classifier", "--dataset_path", data,
+                  "--output_model", folder / "model.onnx", "--epochs", "8",
+                  "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return folder
+
+
+def test_texts_on_stdin_with_mc_dropout_uncertainty(text_bundle, tmp_path):
+    texts = ["the team scored a late goal", "bake the garlic in the oven", "", "storm and rain"]
+    preds = tmp_path / "preds.csv"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "inference.py"), "--model", str(text_bundle / "model.onnx"),
+         "--input", "-", "--output", str(preds), "--iterative", "mc_dropout", "--iterations",
+         "8"], input="\n".join(texts) + "\n", capture_output=True, text=True, cwd=REPO,
+        timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = read_csv(preds)
+    assert [r["id"] for r in rows] == ["1", "2", "3", "4"]
+    assert [rows[i]["label"] for i in (0, 1, 3)] == ["sports", "food", "weather"]
+    assert all(float(r["entropy"]) >= 0 and float(r["std"]) >= 0 for r in rows)
+    assert "rows predicted" in run.stdout
+
+
+def test_output_is_whole_or_absent_when_killed(tabular_bundle, tmp_path):
+    big = tmp_path / "big.csv"
+    with open(big, "w") as handle:
+        handle.write("height,weight,color\n")
+        for i in range(400_000):
+            handle.write(f"{i % 7 - 3}.5,{i % 11 - 5}.25,{('red', 'blue', 'green')[i % 3]}\n")
+    preds = tmp_path / "preds.csv"
+    preds.write_text("the previous run's predictions\n")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "inference.py"), "--model", str(tabular_bundle / "model.onnx"),
+         "--input", str(big), "--output", str(preds), "--chunk_rows", "500", "--quiet", "true"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".preds.csv.*.tmp")):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert preds.read_text() == "the previous run's predictions\n"
+    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", big,
+                  "--output", preds, "--quiet", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    with open(preds) as handle:
+        assert sum(1 for _ in handle) == 400_001  # header + every row
+
+
+def test_batch_inference_imports_neither_torch_nor_dspy(tabular_bundle, tmp_path):
+    new = tmp_path / "new.csv"
+    new.write_text("height,weight,color\n1.0,2.0,red\n")
+    code = ("import sys, runpy\n"
+            f"sys.argv = ['inference.py', '--model', {str(tabular_bundle / 'model.onnx')!r}, "
+            f"'--input', {str(new)!r}, '--output', {str(tmp_path / 'p.csv')!r}, '--quiet', "
+            "'true']\n"
+            "try:\n    runpy.run_path('inference.py', run_name='__main__')\n"
+            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+            "print(sorted(m for m in ('torch', 'dspy') if m in sys.modules))")
+    lean = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert lean.returncode == 0, lean.stderr[-2000:]
+    assert lean.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "p.csv").is_file()

@@ -1,0 +1,199 @@
+"""Iterative inference: MC-dropout and its backends, early stopping, ensembles, the state loop,
+and the calibration metrics."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import assert_clean_failure, run_cli
+
+
+def test_ece_and_abstention_match_hand_computations():
+    from iterative import accuracy_at_coverage, expected_calibration_error, nll
+
+    p = np.array([[0.95, 0.05], [0.58, 0.42], [0.3, 0.7], [0.55, 0.45]])
+    y = np.array([0, 1, 1, 0])
+    # 15 bins of 1/15: 0.95 (right) alone in (14/15, 1]; 0.58 (wrong) and 0.55 (right) in
+    # (8/15, 9/15]; 0.7 (right) alone in (10/15, 11/15]
+    expected = (abs(1 - 0.95) * 1 + abs(0.5 - (0.58 + 0.55) / 2) * 2 + abs(1 - 0.7) * 1) / 4
+    assert expected_calibration_error(p, y) == pytest.approx(expected)
+    assert nll(p, y) == pytest.approx(-np.mean(np.log([0.95, 0.42, 0.7, 0.55])))
+    uncertainty = np.array([0.1, 0.9, 0.3, 0.5])  # abstain on sample 1 (wrong) at 75% coverage
+    assert accuracy_at_coverage(p, y, uncertainty, coverage=0.75) == 1.0
+    assert accuracy_at_coverage(p, y, uncertainty, coverage=1.0) == 0.75
+
+
+@pytest.fixture(scope="module")
+def mc(digits_bundle):
+    from sklearn.datasets import load_digits
+
+    model = onnx.load(str(digits_bundle["dir"] / "model.mc.onnx"))
+    x = (load_digits().images[:40] / 16.0).astype(np.float32)[:, None]
+    return model, x
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    from iterative import MC_SESSION_ARGS
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"],
+                                **MC_SESSION_ARGS)
+
+
+def test_dropout_is_really_active_and_the_seed_reproduces(mc):
+    from iterative import seeded_dropout
+
+    model, x = mc
+    first = session(seeded_dropout(model, 3))
+    a, b = (first.run(["probabilities"], {"image": x})[0] for _ in range(2))
+    assert np.abs(a - b).max() > 1e-3  # two passes differ
+    again = session(seeded_dropout(model, 3)).run(["probabilities"], {"image": x})[0]
+    np.testing.assert_array_equal(again, a)  # the same seed gives the same passes
+    other = session(seeded_dropout(model, 4)).run(["probabilities"], {"image": x})[0]
+    assert not np.array_equal(other, a)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(*(plain.run(["probabilities"], {"image": x})[0]
+                                    for _ in range(2)))  # default optimisations drop Dropout
+
+
+def test_the_three_backends_agree(mc):
+    from iterative import PASSES_OUTPUT, MCSampler, mc_model_for
+
+    model, x = mc
+    means = {}
+    for backend in ("python", "batched", "loop"):
+        graph = session(mc_model_for(backend, model, 48, 10, seed=0))
+        output = "probabilities" if backend == "python" else PASSES_OUTPUT
+        run = lambda b, g=graph, o=output: g.run([o], {"image": b})[0]  # noqa: E731
+        passes = MCSampler(backend, 48, run)([x[:20], x[20:]])
+        assert passes.probabilities.shape == (48, 40, 10) and passes.passes_used == 48
+        means[backend] = passes.mean
+    # the loop replays the python loop's random stream; batching draws other masks
+    np.testing.assert_allclose(means["loop"], means["python"], atol=1e-5)
+    assert np.abs(means["batched"] - means["python"]).max() < 0.1
+    assert (means["batched"].argmax(1) == means["python"].argmax(1)).mean() >= 0.95
+
+
+def test_early_stopping_stops(mc):
+    from iterative import python_loop, seeded_dropout
+
+    model, x = mc
+    graph = session(seeded_dropout(model, 0))
+    run = lambda b: graph.run(["probabilities"], {"image": b})[0]  # noqa: E731
+    assert len(python_loop(run, x, 32, tol=0.5, patience=2)) == 3
+    assert len(python_loop(run, x, 32, tol=1e-12, patience=2)) == 32
+    assert len(python_loop(run, x, 32, tol=None, patience=2)) == 32
+
+
+def test_inference_mc_dropout_report(digits_bundle):
+    run = run_cli("inference.py", "--model", digits_bundle["model"], "--iterative",
+                  "mc_dropout", "--iterations", "8", "--iterative_backend", "python",
+                  "--iterative_tol", "0.02", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    iterative = json.loads(run.stdout)["iterative"]
+    assert iterative["mode"] == "mc_dropout" and iterative["iterations"] == 8
+    single, mc = iterative["rows"]
+    assert single["variant"] == "single" and mc["variant"] == "mc_dropout"
+    assert 2 <= mc["passes_used"] <= 8 and mc["cost_ratio"] > 1
+    for row in (single, mc):
+        assert 0 <= row["ece"] <= 1 and row["nll"] > 0 and 0 <= row["accuracy"] <= 1
+        assert row["accuracy_at_90_coverage"] >= row["accuracy"] - 0.02
+
+
+def recurrent_bundle(digits_bundle, folder):
+    """The digits bundle with a recurrent graph: probabilities = (state + model) / 2, and
+    state_out = probabilities; after K passes from zeros: (1 − 2^−K) × the model's."""
+    for name in ("model.json", "model.pt", "model.bn.onnx", "model.mc.onnx"):
+        shutil.copy(digits_bundle["dir"] / name, folder / name)
+    model = onnx.load(str(digits_bundle["model"]))
+    graph = model.graph
+    for node in graph.node:
+        node.output[:] = ["inner_probabilities" if o == "probabilities" else o for o in node.output]
+    graph.node.extend([
+        helper.make_node("Add", ["inner_probabilities", "state"], ["summed"]),
+        helper.make_node("Mul", ["summed", "half"], ["probabilities"]),
+        helper.make_node("Identity", ["probabilities"], ["state_out"])])
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    graph.input.append(helper.make_tensor_value_info("state", TensorProto.FLOAT, ["batch", 10]))
+    graph.output.append(helper.make_tensor_value_info("state_out", TensorProto.FLOAT,
+                                                      ["batch", 10]))
+    onnx.checker.check_model(model)
+    path = folder / "model.onnx"
+    onnx.save(model, str(path))
+    manifest = json.loads((folder / "model.json").read_text())
+    manifest["files"]["sha256"]["onnx"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (folder / "model.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_state_feedback_loop_iterates_the_state(digits_bundle, tmp_path):
+    model = recurrent_bundle(digits_bundle, tmp_path)
+    run = run_cli("inference.py", "--model", model, "--iterative", "state", "--iterations", "3",
+                  "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    single, looped = json.loads(run.stdout)["iterative"]["rows"]
+    assert looped["variant"] == "state_feedback" and looped["passes_used"] == 3
+    assert looped["accuracy"] == single["accuracy"]  # the same argmax, scaled
+    assert looped["mean_confidence"] / single["mean_confidence"] == pytest.approx(1.75, rel=1e-4)
+
+
+def test_state_mode_needs_a_state_input(digits_bundle):
+    run = run_cli("inference.py", "--model", digits_bundle["model"], "--iterative", "state")
+    assert_clean_failure(run, 5, "'state' input")
+
+
+def test_pipeline_trains_an_ensemble_graph(tmp_path):
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  "builtin:wine", "--output_model", tmp_path / "m.onnx", "--epochs", "6",
+                  "--ensemble_size", "3", "--report_json", tmp_path / "r.json",
+                  "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    iterative = json.loads((tmp_path / "r.json").read_text())["iterative"]
+    assert iterative["mode"] == "ensemble" and [r["variant"] for r in iterative["rows"]] == [
+        "single", "ensemble"]
+    assert iterative["rows"][1]["passes_used"] == 3
+    manifest = json.loads((tmp_path / "m.json").read_text())
+    assert manifest["extra_graphs"]["ensemble"]["members"] == 3
+    ensemble = ort.InferenceSession(str(tmp_path / "m.ensemble.onnx"),
+                                    providers=["CPUExecutionProvider"])
+    rows = np.random.default_rng(0).standard_normal((5, 13)).astype(np.float32) + 1
+    mean, members = ensemble.run(["probabilities", "pass_probabilities"], {"features": rows})
+    assert members.shape == (3, 5, 3)
+    np.testing.assert_allclose(mean, members.mean(0), atol=1e-6)
+    assert np.abs(members[0] - members[1]).max() > 1e-4  # different seeds, different members
+    single = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(members[0], single.run(["probabilities"], {"features": rows})[0],
+                               atol=1e-5)  # member 1 is model.onnx
+
+
+def test_inference_ensemble_of_bundles(digits_bundle, tmp_path):
+    run = run_cli("inference.py", "--model", digits_bundle["model"], "--iterative", "ensemble",
+                  "--ensemble", digits_bundle["model"], "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    single, ensemble = json.loads(run.stdout)["iterative"]["rows"]
+    assert ensemble["passes_used"] == 2 and ensemble["accuracy"] == single["accuracy"]
+    other = tmp_path / "iris.onnx"
+    trained = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                      "builtin:iris", "--output_model", other, "--epochs", "2")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    run = run_cli("inference.py", "--model", digits_bundle["model"], "--iterative", "ensemble",
+                  "--ensemble", other)
+    assert_clean_failure(run, 2, "other labels or preprocessing")
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--iterative", "mc_dropout", "--iterative_tol", "0.01"], "--iterative_backend python"),
+    (["--iterative", "bayes"], "--iterative"),
+    (["--iterations", "0"], "--iterations"),
+    (["--ensemble_size", "0"], "--ensemble_size"),
+])
+def test_bad_iterative_flags_exit_2(tmp_path, args, phrase):
+    run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--output_model",
+                  tmp_path / "m.onnx", *args)
+    assert_clean_failure(run, 2, phrase)
