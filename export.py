@@ -8,6 +8,8 @@ reads the weights and manifest that train.py wrote beside that path.
 from __future__ import annotations
 
 import copy
+import io
+import json
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -19,10 +21,10 @@ import torch
 from config import Config, RuntimeOptions, build_parser, start_cli
 from data import load_bundle_dataset
 from inference import create_session
-from models import WithProbabilities, load_weights, save_weights
+from models import WithProbabilities, load_weights
 from preprocess import PAD_ID, trim_padding
-from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json, debug_enabled,
-                   quiet_library_loggers, read_manifest, run_cli, run_with_report, sha256_of,
+from utils import (LOG, BundlePaths, ExportError, debug_enabled, quiet_library_loggers,
+                   read_manifest, run_cli, run_with_report, sha256_of, staged_files,
                    stdout_to_stderr)
 
 MIN_CHECK_SAMPLES = 32
@@ -330,15 +332,29 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
 
 def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportResult,
                  extras: dict[str, ExtraGraph] | None = None) -> None:
-    """Weights, then graphs, then the manifest that names them by hash, each moved into place
-    atomically: a run killed between two moves leaves a manifest whose hashes expose the mix."""
+    """Weights, graphs and the manifest that names them by hash, all written to temporary
+    files first and then moved into place, manifest last (utils.StagedFiles): a run killed
+    while writing leaves the previous bundle as it was."""
     paths, manifest = result.paths, result.manifest
     extras = extras or {}
-    weights_sha = save_weights(net, paths.weights)
-    for key, extra in extras.items():
-        atomic_write(paths.variant(key), lambda tmp, m=extra.model: onnx.save_model(m, str(tmp)))
-    atomic_write(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
-    result.size_bytes = paths.onnx.stat().st_size
+    weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
+    torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, weights)
+    with staged_files() as stage:
+        hashes = {"weights": sha256_of(stage(paths.weights,
+                                             lambda tmp: tmp.write_bytes(weights.getvalue())))}
+        for key, extra in extras.items():
+            hashes[key] = sha256_of(stage(paths.variant(key),
+                                          lambda tmp, m=extra.model: onnx.save_model(m, str(tmp))))
+        staged_onnx = stage(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
+        hashes["onnx"] = sha256_of(staged_onnx)
+        result.size_bytes = staged_onnx.stat().st_size
+        fill_export_manifest(manifest, paths, result, extras, hashes)
+        stage(paths.manifest, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n",
+                                                          encoding="utf-8"))
+
+
+def fill_export_manifest(manifest: dict, paths: BundlePaths, result: ExportResult,
+                         extras: dict[str, ExtraGraph], hashes: dict[str, str]) -> None:
     manifest["export"] = {
         "exporter": f"torch.onnx.export (dynamo) torch {torch.__version__}",
         "slimmer": "onnxslim", "opset": result.opset, "checker": "passed (full_check)",
@@ -348,14 +364,12 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
         "probes": result.check.probes, "padding_max_diff": result.check.padding_max_diff,
         "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds}
     manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
-                         "sha256": {"onnx": sha256_of(paths.onnx), "weights": weights_sha}}
+                         "sha256": {"onnx": hashes["onnx"], "weights": hashes["weights"]}}
     manifest["extra_graphs"] = {}
     for key, extra in extras.items():
-        path = paths.variant(key)
-        manifest["files"][key] = path.name
-        manifest["files"]["sha256"][key] = sha256_of(path)
-        manifest["extra_graphs"][key] = {"file": path.name, **extra.info}
-    atomic_write_json(paths.manifest, manifest)
+        manifest["files"][key] = paths.variant(key).name
+        manifest["files"]["sha256"][key] = hashes[key]
+        manifest["extra_graphs"][key] = {"file": paths.variant(key).name, **extra.info}
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -6,6 +6,7 @@ NaN for missing) and does its own normalisation, so the .onnx is self-contained.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
@@ -171,8 +172,9 @@ def count_parameters(net: nn.Module) -> int:
 
 def save_weights(net: nn.Module, path: Path) -> str:
     """Write the state_dict (tensors only, no pickled code) atomically; return its sha256."""
-    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    buffer = io.BytesIO()  # serialised first: torch's own file writer hides a full disk's OSError
+    torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, buffer)
+    atomic_write(path, lambda tmp: tmp.write_bytes(buffer.getvalue()))
     return sha256_of(path)
 
 

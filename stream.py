@@ -259,16 +259,23 @@ class TableReader:
                                        for c in column["categories"]], axis=1))
                 continue
             if pd.api.types.is_numeric_dtype(values.dtype):
-                parts.append(values.to_numpy(dtype=np.float32)[:, None])
-                continue
-            numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
-            text = values.astype(str).str.strip()
-            wrong = np.isnan(numbers) & values.notna().to_numpy() & \
-                ~text.isin(NUMERIC_MISSING).to_numpy()
-            for i in np.flatnonzero(wrong & ~bad):
-                reasons[i] = f"non-numeric value {text.iloc[i][:40]!r} in column {column['name']!r}"
-            bad |= wrong
-            parts.append(numbers.astype(np.float32)[:, None])
+                numbers = values.to_numpy(dtype=np.float64)
+            else:
+                numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
+                text = values.astype(str).str.strip()
+                wrong = np.isnan(numbers) & values.notna().to_numpy() & \
+                    ~text.isin(NUMERIC_MISSING).to_numpy()
+                for i in np.flatnonzero(wrong & ~bad):
+                    reasons[i] = (f"non-numeric value {text.iloc[i][:40]!r} in column "
+                                  f"{column['name']!r}")
+                bad |= wrong
+            with np.errstate(over="ignore"):
+                as_float32 = numbers.astype(np.float32)
+            huge = np.isinf(as_float32)  # beyond float32, or inf: the model would return NaN
+            for i in np.flatnonzero(huge & ~bad):
+                reasons[i] = f"value {numbers[i]:g} in column {column['name']!r} is out of range"
+            bad |= huge
+            parts.append(as_float32[:, None])
         x = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), 0), np.float32)
         keep = ~bad
         errors = [(ident, reason) for ident, reason, b in zip(ids, reasons, bad) if b]

@@ -173,6 +173,12 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as err:  # a full disk, a file too large, a permission: say which file
+        _print_traceback_if_debug()
+        where = f" {err.filename}" if err.filename else ""
+        print(f"{prog}: error: cannot read or write{where}: {err.strerror or err}; free disk "
+              "space, check permissions, or choose another path", file=sys.stderr)
+        return EXIT_RUNTIME
     except MemoryError:
         _print_traceback_if_debug()
         print(f"{prog}: error: out of memory; lower --batch_size or use smaller images",
@@ -214,6 +220,52 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+class StagedFiles:
+    """Several files written to temporary names first, then all moved into place in the order
+    staged (the manifest last), one rename after another: a run killed while writing leaves
+    every previous file untouched, and only a kill inside the few microseconds of renaming can
+    mix old and new, which the manifest's hashes then expose."""
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[Path, Path]] = []
+
+    def __call__(self, path: str | Path, write: Callable[[Path], None]) -> Path:
+        """Write `path`'s new content to a temporary file beside it (fsynced); return that."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        self.staged.append((tmp, path))
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_current_umask())
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        return tmp
+
+    def commit(self) -> None:
+        for tmp, path in self.staged:
+            os.replace(tmp, path)
+        self.staged = []
+
+    def discard(self) -> None:
+        for tmp, _ in self.staged:
+            tmp.unlink(missing_ok=True)
+        self.staged = []
+
+
+@contextlib.contextmanager
+def staged_files() -> Iterator[StagedFiles]:
+    """StagedFiles committed when the block ends, discarded if it raises (or is interrupted)."""
+    stage = StagedFiles()
+    try:
+        yield stage
+    except BaseException:
+        stage.discard()
+        raise
+    stage.commit()
 
 
 @contextlib.contextmanager
@@ -316,11 +368,59 @@ def read_manifest(paths: BundlePaths) -> dict:
         raise ExportError(f"{paths.manifest} has format version {manifest.get('format_version')!r}, "
                           f"this tool reads version {BUNDLE_FORMAT_VERSION}",
                           "re-create the bundle with this version of the tool")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise ExportError(f"{paths.manifest} is not a valid manifest: {problem}",
+                          "re-create the bundle with pipeline.py")
+    return manifest
+
+
+MANIFEST_KEYS = {"format", "format_version", "created", "model_type", "labels", "input",
+                 "outputs", "preprocessing", "architecture", "dataset", "training", "export",
+                 "quantization", "fp16", "extra_graphs", "files"}
+MODEL_KINDS = {"image_classifier": "image", "text_classifier": "text",
+               "tabular_classifier": "tabular"}
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest's shape (keys, types, ranges), checked before anything in
+    it is used; None when it is sound."""
+    unknown = sorted(set(manifest) - MANIFEST_KEYS)
+    if unknown:
+        return f"unknown keys {unknown[:5]}"
     for key in ("model_type", "labels", "input", "preprocessing", "architecture"):
         if key not in manifest:
-            raise ExportError(f"{paths.manifest} lacks the key {key!r}",
-                              "re-create the bundle with pipeline.py")
-    return manifest
+            return f"the key {key!r} is missing"
+    kind = MODEL_KINDS.get(manifest["model_type"]) if isinstance(manifest["model_type"], str) \
+        else None
+    if kind is None:
+        return f"model_type {manifest['model_type']!r} is not one of {sorted(MODEL_KINDS)}"
+    labels = manifest["labels"]
+    if not (isinstance(labels, list) and len(labels) >= 2 and
+            all(isinstance(v, str) for v in labels) and len(set(labels)) == len(labels)):
+        return "labels must be a list of 2 or more distinct strings"
+    spec = manifest["input"]
+    if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and
+            isinstance(spec.get("shape"), list)):
+        return "input must name the graph input and its shape"
+    pre = manifest["preprocessing"]
+    if not isinstance(pre, dict) or pre.get("kind") != kind:
+        return f"preprocessing must be a {kind} preprocessing for a {manifest['model_type']}"
+    if not isinstance(manifest["architecture"], dict) or \
+            not isinstance(manifest["architecture"].get("name"), str):
+        return "architecture must name the network"
+    files = manifest.get("files") or {}
+    if not isinstance(files, dict) or not isinstance(files.get("sha256", {}), dict):
+        return "files must map names and sha256 hashes"
+    for key, name in files.items():
+        if key != "sha256" and name is not None and (
+                not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")):
+            return f"files.{key} must be a bare file name, not {name!r}"
+    for key, digest in files.get("sha256", {}).items():
+        if not (isinstance(digest, str) and len(digest) == 64 and
+                all(c in "0123456789abcdef" for c in digest)):
+            return f"files.sha256.{key} is not a sha256 hex digest"
+    return None
 
 
 def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "onnx") -> Path:
@@ -350,7 +450,42 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
         raise ExportError(f"{path} does not match its manifest {paths.manifest.name} "
                           "(sha256 differs: the files come from different runs or were modified)",
                           f"re-run: {fix}")
+    problem = external_data_problem(path)
+    if problem:
+        raise ExportError(f"{path} refused: {problem}",
+                          "keep a model's external data files in its own folder")
     return path
+
+
+def external_data_problem(path: Path) -> str | None:
+    """Why an ONNX file's external data is unsafe to load (a location outside its folder, so
+    a crafted model could read any file), or None. A file that does not parse is left to ONNX
+    Runtime's own error."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - truncated or foreign: reported when a session loads it
+        return None
+    folder = path.parent.resolve()
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if not (folder / location).resolve().is_relative_to(folder):
+            return f"tensor {tensor.name!r} reads external data from {location!r}, outside {folder}"
+    return None
+
+
+def _all_tensors(graph: Any) -> Iterator[Any]:
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _all_tensors(sub)
 
 
 # ----------------------------------------------------------------------------- report summary

@@ -25,10 +25,10 @@ class Run:
         return [line for line in self.stderr.splitlines() if "error:" in line]
 
 
-def run_cli(script: str, *args: str, timeout: int = 600) -> Run:
+def run_cli(script: str, *args: str, timeout: int = 600, **popen: object) -> Run:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout, **popen)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
