@@ -34,3 +34,12 @@ def train_bundle(config: Config):
     exported = export_bundle(config, trained.net, build_manifest(config, trained, dataset),
                              dataset.test.x, dataset.train.x, paths)
     return dataset, trained, paths, exported
+
+
+def run_cases(cases, measure, *args) -> None:
+    """measure(*case, *args) for each case; a case whose data file is missing is skipped."""
+    for case in cases:
+        if case[2].endswith(".tsv") and not Path(case[2]).exists():
+            print(f"\n{case[0]}: skipped, {case[2]} not found")
+            continue
+        measure(*case, *args)

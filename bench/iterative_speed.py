@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import REPO, Config, quiet_single_thread, train_bundle
+from common import REPO, Config, quiet_single_thread, run_cases, train_bundle
 
 SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
 CASES = [("digits CNN", "image_classifier", "builtin:digits"),
@@ -73,11 +73,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     args = parser.parse_args()
     quiet_single_thread()
-    for case in CASES:
-        if case[2].endswith(".tsv") and not Path(case[2]).exists():
-            print(f"\n{case[0]}: skipped, {case[2]} not found")
-            continue
-        measure(*case, args.passes, args.epochs, args.runs)
+    run_cases(CASES, measure, args.passes, args.epochs, args.runs)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import REPO, Config, quiet_single_thread, train_bundle
+from common import REPO, Config, quiet_single_thread, run_cases, train_bundle
 
 VIEWS = 4
 SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
@@ -86,11 +86,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     args = parser.parse_args()
     quiet_single_thread()
-    for case in CASES:
-        if case[2].endswith(".tsv") and not Path(case[2]).exists():
-            print(f"\n{case[0]}: skipped, {case[2]} not found")
-            continue
-        measure(*case, args.epochs, args.runs, args.threads)
+    run_cases(CASES, measure, args.epochs, args.runs, args.threads)
 
 
 if __name__ == "__main__":

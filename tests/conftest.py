@@ -32,6 +32,21 @@ def run_cli(script: str, *args: str, timeout: int = 600, **popen: object) -> Run
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
+def heavy_modules_after(script: str, *args: str, modules=("torch", "dspy")) -> list[str]:
+    """Run a CLI in a fresh interpreter (it must exit 0) and list which of `modules` it
+    imported."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = [{script!r}, *{[str(a) for a in args]!r}]\n"
+            f"try:\n    runpy.run_path({script!r}, run_name='__main__')\n"
+            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+            f"print('imported:' + ','.join(m for m in {tuple(modules)!r} if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = [line for line in run.stdout.splitlines() if line.startswith("imported:")][-1]
+    return [m for m in last.removeprefix("imported:").split(",") if m]
+
+
 def assert_clean_failure(run: Run, code: int, *phrases: str) -> None:
     """Exit `code`, exactly one 'error:' line on stderr mentioning `phrases`, no traceback."""
     assert run.returncode == code, (run.returncode, run.stderr[-2000:])

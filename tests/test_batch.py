@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_clean_failure, feature_rows, run_cli, topic_texts, \
-    write_image_folder
+from conftest import REPO, assert_clean_failure, feature_rows, heavy_modules_after, run_cli, \
+    topic_texts, write_image_folder
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -158,15 +158,7 @@ def test_output_is_whole_or_absent_when_killed(tabular_bundle, tmp_path):
 def test_batch_inference_imports_neither_torch_nor_dspy(tabular_bundle, tmp_path):
     new = tmp_path / "new.csv"
     new.write_text("height,weight,color\n1.0,2.0,red\n")
-    code = ("import sys, runpy\n"
-            f"sys.argv = ['inference.py', '--model', {str(tabular_bundle / 'model.onnx')!r}, "
-            f"'--input', {str(new)!r}, '--output', {str(tmp_path / 'p.csv')!r}, '--quiet', "
-            "'true']\n"
-            "try:\n    runpy.run_path('inference.py', run_name='__main__')\n"
-            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
-            "print(sorted(m for m in ('torch', 'dspy') if m in sys.modules))")
-    lean = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert lean.returncode == 0, lean.stderr[-2000:]
-    assert lean.stdout.strip().splitlines()[-1] == "[]"
+    assert heavy_modules_after("inference.py", "--model", tabular_bundle / "model.onnx",
+                               "--input", new, "--output", tmp_path / "p.csv",
+                               "--quiet", "true") == []
     assert (tmp_path / "p.csv").is_file()

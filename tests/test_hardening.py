@@ -158,6 +158,15 @@ def test_sigkill_while_the_bundle_is_written_leaves_old_or_new_never_a_mix(digit
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def in_threads(work, count: int) -> None:
+    """work(0) ... work(count - 1), each in its own thread, all at once."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def test_threads_sharing_a_session_get_single_threaded_results(digits_bundle):
     from sklearn.datasets import load_digits
 
@@ -173,11 +182,7 @@ def test_threads_sharing_a_session_get_single_threaded_results(digits_bundle):
         results[k] = [(i, session.run(["probabilities"], {"image": batches[i]})[0])
                       for _ in range(5) for i in order]
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    in_threads(work, 4)
     for k in range(4):
         for i, got in results[k]:
             np.testing.assert_array_equal(got, expected[i])
@@ -203,11 +208,7 @@ def test_test_time_training_in_one_thread_never_leaks_into_another(digits_bundle
         for _ in range(3):
             got[k] = adapt_and_predict(graph, "bn", data[k], 32, modes[k], 16, 0).probabilities
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    in_threads(work, 4)
     for k in range(4):
         np.testing.assert_array_equal(got[k], expected[k])
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import REPO, assert_clean_failure, run_cli
+from conftest import assert_clean_failure, heavy_modules_after, run_cli
 
 
 def one_bn_model(features: int = 5, channels: int = 4, seed: int = 0) -> tuple[onnx.ModelProto,
@@ -179,16 +177,9 @@ def test_inference_ttt_all_reports_every_shift_and_leaves_the_bundle_untouched(d
 
 
 def test_bn_path_of_inference_never_imports_torch(digits_bundle):
-    code = ("import runpy, sys\n"
-            f"sys.argv = ['inference.py', '--model', {str(digits_bundle['model'])!r}, "
-            "'--ttt', 'true', '--eval_shift', 'contrast', '--log_level', 'ERROR']\n"
-            "try:\n    runpy.run_path('inference.py', run_name='__main__')\n"
-            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
-            "print('torch' in sys.modules)\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "False"
+    assert heavy_modules_after("inference.py", "--model", digits_bundle["model"], "--ttt",
+                               "true", "--eval_shift", "contrast", "--log_level",
+                               "ERROR") == []
 
 
 def copy_bundle(digits_bundle, target: Path) -> Path:
