@@ -1,5 +1,5 @@
 """Torch architectures, described by a plain dict stored in the bundle manifest so that any stage
-(export.py, later test-time training) can rebuild the network and load `model.pt` into it.
+(export.py, test-time training) can rebuild the network and load `model.pt` into it.
 
 Each network takes what the deployed graph takes (pixels in [0, 1], token ids, raw features with
 NaN for missing) and does its own normalisation, so the .onnx is self-contained.

@@ -150,7 +150,7 @@ def test_state_mode_needs_a_state_input(digits_bundle):
 
 def test_pipeline_trains_an_ensemble_graph(tmp_path):
     run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
-                  "builtin:wine", "--output_model", tmp_path / "m.onnx", "--epochs", "6",
+                  "builtin:wine", "--output_model", tmp_path / "m.onnx", "--epochs", "3",
                   "--ensemble_size", "3", "--report_json", tmp_path / "r.json",
                   "--no_progress", "true")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -178,12 +178,13 @@ def test_inference_ensemble_of_bundles(digits_bundle, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     single, ensemble = json.loads(run.stdout)["iterative"]["rows"]
     assert ensemble["passes_used"] == 2 and ensemble["accuracy"] == single["accuracy"]
-    other = tmp_path / "iris.onnx"
-    trained = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
-                      "builtin:iris", "--output_model", other, "--epochs", "2")
-    assert trained.returncode == 0, trained.stderr[-2000:]
+    for name in ("model.onnx", "model.json", "model.pt"):  # the same bundle, other labels
+        shutil.copy(digits_bundle["dir"] / name, tmp_path / name)
+    manifest = json.loads((tmp_path / "model.json").read_text())
+    manifest["labels"] = [f"digit {label}" for label in manifest["labels"]]
+    (tmp_path / "model.json").write_text(json.dumps(manifest))
     run = run_cli("inference.py", "--model", digits_bundle["model"], "--iterative", "ensemble",
-                  "--ensemble", other)
+                  "--ensemble", tmp_path / "model.onnx")
     assert_clean_failure(run, 2, "other labels or preprocessing")
 
 
