@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -27,7 +27,6 @@ def build(spec, pre, seed=0):
 def tiny_classifier(kind, features, classes=3, seed=0):
     """A small ONNX classifier with the bundle's outputs (logits, probabilities), opset 18:
     image/tabular → Flatten → MatMul; text → Gather of token embeddings → ReduceSum."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
