@@ -24,6 +24,7 @@ from utils import (LOG, BundlePaths, ConfigError, DataError, ExportError, Runtim
                    stdout_to_stderr)
 
 if TYPE_CHECKING:
+    from iterative import MCSampler
     from tta import TTARunner
 
 WARMUP_RUNS = 3
@@ -376,8 +377,6 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
                   session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray]) -> dict:
     """The chosen iterative mode against a single pass: accuracy, NLL, ECE, accuracy at 90%
     coverage, passes used and cost, on the test split."""
-    import onnx
-
     import iterative as it
 
     x, y = test
@@ -388,17 +387,8 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
         (it.timed(lambda: np.concatenate([single(b) for b in batches])) for _ in range(3)),
         key=lambda t: t[0])
     rows = [it.calibration_row("single", single_probs, y, single_seconds, single_seconds, 1)]
-    classes = len(manifest["labels"])
     if config.iterative == "mc_dropout":
-        mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
-        graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations, classes,
-                                config.seed)
-        mc_session = create_session(graph.SerializeToString(), config.runtime(),
-                                    it.MC_SESSION_ARGS)
-        output = "probabilities" if config.iterative_backend == "python" else it.PASSES_OUTPUT
-        sampler = it.MCSampler(config.iterative_backend, config.iterations,
-                               session_runner(mc_session, output), config.iterative_tol,
-                               config.iterative_patience)
+        sampler = mc_sampler(config, paths, manifest)
         sampler(batches[:1])  # warm-up
         seconds, passes = it.timed(lambda: sampler(batches))
         rows.append(it.calibration_row("mc_dropout", passes.mean, y, seconds, single_seconds,
@@ -422,6 +412,22 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
     return {"mode": config.iterative, "backend": config.iterative_backend,
             "iterations": config.iterations, "passes_used": rows[-1]["passes_used"],
             "rows": rows}
+
+
+def mc_sampler(config: Config, paths: BundlePaths, manifest: dict) -> "MCSampler":
+    """MC-dropout over the bundle's MC graph in the form --iterative_backend runs."""
+    import onnx
+
+    import iterative as it
+
+    mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
+    graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations,
+                            len(manifest["labels"]), config.seed)
+    session = create_session(graph.SerializeToString(), config.runtime(), it.MC_SESSION_ARGS)
+    output = "probabilities" if config.iterative_backend == "python" else it.PASSES_OUTPUT
+    return it.MCSampler(config.iterative_backend, config.iterations,
+                        session_runner(session, output), config.iterative_tol,
+                        config.iterative_patience)
 
 
 def ensemble_graph(config: Config, paths: BundlePaths, manifest: dict) -> tuple[object, int]:
@@ -522,25 +528,15 @@ def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predict
 def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
     """MC-dropout or ensemble: the mean, its entropy, and the std across passes (or members)
     of the predicted class's probability."""
-    import onnx
-
     import iterative as it
 
-    classes = len(manifest["labels"])
     if config.iterative == "ensemble":
         model, _ = ensemble_graph(config, paths, manifest)
         run = session_runner(create_session(model.SerializeToString(), config.runtime()),
                              it.PASSES_OUTPUT)
         sampler = it.MCSampler("batched", 0, run)
     else:
-        mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
-        graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations, classes,
-                                config.seed)
-        output = "probabilities" if config.iterative_backend == "python" else it.PASSES_OUTPUT
-        run = session_runner(create_session(graph.SerializeToString(), config.runtime(),
-                                            it.MC_SESSION_ARGS), output)
-        sampler = it.MCSampler(config.iterative_backend, config.iterations, run,
-                               config.iterative_tol, config.iterative_patience)
+        sampler = mc_sampler(config, paths, manifest)
 
     def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         passes = sampler(batches_of(x, config.batch_size))
