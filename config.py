@@ -52,6 +52,7 @@ GROUPS = {
     "training": "training",
     "export": "export and validation",
     "quantization": "quantization",
+    "teacher": "LM teacher (text models)",
     "ttc": "test-time compute",
     "batch": "batch inference (inference.py --input)",
     "runtime": "runtime",
@@ -235,6 +236,43 @@ class Config:
     weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float)
     train_augment: bool = opt(True, "light random shifts of training images (images only)",
                               "training", type=parse_bool, metavar="BOOL")
+    lr_candidates: str | None = opt(None, "candidate search: comma-separated peak learning "
+                                    "rates to train, e.g. 1e-3,3e-3,1e-2; the candidate with the "
+                                    "best validation score (dspy.Evaluate) is kept (default: "
+                                    "--learning_rate only)", "training", metavar="LIST")
+    num_candidates: int = opt(1, "candidate search: seeds per learning rate (--seed, --seed+1, "
+                              "...), each a fresh initialisation and data order", "training",
+                              type=int, metavar="N")
+    # LM teacher (text)
+    teacher_lm: str | None = opt(None, "text: a language model that labels --unlabeled_path for "
+                                 "the student to learn from; any model string dspy.LM accepts, "
+                                 "e.g. openai/gpt-4o-mini or, for a local OpenAI-compatible "
+                                 "server, openai/MODEL with --teacher_api_base", "teacher",
+                                 metavar="MODEL")
+    teacher_api_base: str | None = opt(None, "the teacher's endpoint, e.g. "
+                                       "http://localhost:8000/v1 (API keys come from the "
+                                       "provider's usual variable, e.g. OPENAI_API_KEY)",
+                                       "teacher", metavar="URL")
+    unlabeled_path: str | None = opt(None, "texts for the teacher to label: a .txt file (one "
+                                     "text per line) or a CSV/TSV/JSON/JSONL table with the "
+                                     "training data's text column(s)", "teacher", metavar="PATH")
+    teacher_program: str = opt("predict", "the DSPy program over text -> label: predict "
+                               "(dspy.Predict) or cot (dspy.ChainOfThought)", "teacher",
+                               choices=("predict", "cot"))
+    teacher_demos: int = opt(4, "few-shot demonstrations BootstrapFewShot compiles into the "
+                             "teacher's prompt from the labelled training split (0: zero-shot)",
+                             "teacher", type=int, metavar="N")
+    teacher_threads: int = opt(4, "teacher calls in flight at once", "teacher", type=int,
+                               metavar="N")
+    teacher_timeout: float = opt(60.0, "seconds one teacher call may take before it fails",
+                                 "teacher", type=float, metavar="S")
+    teacher_retries: int = opt(3, "retries of a failed teacher call (with backoff) before the "
+                               "run stops with exit 5", "teacher", type=int, metavar="N")
+    teacher_val_limit: int = opt(500, "validation texts the teacher labels to measure its "
+                                 "accuracy (0: all)", "teacher", type=int, metavar="N")
+    teacher_cache: bool = opt(True, "cache teacher answers on disk (DSPy's cache: "
+                              "$DSPY_CACHEDIR, else ~/.dspy_cache), so a rerun costs no calls",
+                              "teacher", type=parse_bool, metavar="BOOL")
     # export
     opset: int = opt(18, "ONNX opset version", "export", type=int)
     validate_atol: float = opt(1e-4, "largest allowed absolute difference between ONNX Runtime and PyTorch outputs on "
@@ -406,6 +444,9 @@ class Config:
         _positive("iterative_patience", self.iterative_patience)
         _positive("ensemble_size", self.ensemble_size)
         _positive("top_k", self.top_k)
+        _positive("num_candidates", self.num_candidates)
+        self.learning_rates()
+        self._validate_teacher()
         _positive("chunk_rows", self.chunk_rows)
         if self.output and Path(self.output).suffix.lower() not in (".csv", ".jsonl"):
             _bad("output", self.output, "give a path ending in .csv or .jsonl")
@@ -448,6 +489,43 @@ class Config:
                 _bad(name, value, "use 0 (library default) or a positive count")
         self._validate_paths()
         return self
+
+    def learning_rates(self) -> list[float]:
+        """--lr_candidates as floats (default: [--learning_rate])."""
+        if not self.lr_candidates:
+            return [self.learning_rate]
+        rates = []
+        for item in filter(None, (p.strip() for p in self.lr_candidates.split(","))):
+            try:
+                rate = float(item)
+            except ValueError:
+                rate = -1.0
+            if not rate > 0:
+                _bad("lr_candidates", self.lr_candidates, "give positive learning rates, "
+                     "comma-separated, e.g. 1e-3,3e-3,1e-2")
+            rates.append(rate)
+        if not rates:
+            _bad("lr_candidates", self.lr_candidates, "give at least one learning rate")
+        return list(dict.fromkeys(rates))
+
+    def _validate_teacher(self) -> None:
+        if not self.teacher_lm and not self.unlabeled_path:
+            return
+        if not (self.teacher_lm and self.unlabeled_path):
+            raise ConfigError("--teacher_lm and --unlabeled_path go together: the teacher "
+                              "labels the unlabeled texts", "give both, or neither")
+        if self.model_type != "text_classifier":
+            raise ConfigError(f"--teacher_lm labels texts; this is a {self.model_type}",
+                              "use it with --model_type text_classifier")
+        if self.teacher_demos < 0:
+            _bad("teacher_demos", self.teacher_demos, "use 0 (zero-shot) or a small count like 4")
+        if not 1 <= self.teacher_threads <= 64:
+            _bad("teacher_threads", self.teacher_threads, "use 1 to 64 threads")
+        _positive("teacher_timeout", self.teacher_timeout)
+        if self.teacher_retries < 0:
+            _bad("teacher_retries", self.teacher_retries, "use 0 or a small count like 3")
+        if self.teacher_val_limit < 0:
+            _bad("teacher_val_limit", self.teacher_val_limit, "use 0 (all) or a count")
 
     def _validate_paths(self) -> None:
         if self.dataset_path and self.dataset_path.startswith("builtin:"):

@@ -51,8 +51,9 @@ def torch_variant(net, paths: BundlePaths):
     return Variant("pytorch eager fp32", "torch cpu", paths.weights.stat().st_size, predict)
 
 
-def train_ensemble_members(config, dataset) -> list:
-    """--ensemble_size N: N − 1 more networks on the same data, seeds --seed+1, ..."""
+def train_ensemble_members(config, dataset, first) -> list:
+    """--ensemble_size N: N − 1 more networks on the same data, seeds --seed+1, ..., at the
+    learning rate the candidate search chose for the first."""
     from dataclasses import replace
 
     from train import train_classifier
@@ -61,7 +62,9 @@ def train_ensemble_members(config, dataset) -> list:
     for k in range(1, config.ensemble_size):
         LOG.info("ensemble member %d of %d (seed %d)", k + 1, config.ensemble_size,
                  config.seed + k)
-        members.append(train_classifier(replace(config, seed=config.seed + k), dataset).net)
+        member_config = replace(config, seed=config.seed + k, learning_rate=first.learning_rate,
+                                lr_candidates=None, num_candidates=1)
+        members.append(train_classifier(member_config, dataset).net)
     return members
 
 
@@ -78,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from export import export_bundle
     from inference import run_on_bundle
     from quantize import fp16_bundle, quantize_bundle
-    from train import build_manifest, set_torch_threads, train_classifier
+    from train import build_manifest, set_torch_threads, train_stage
     from utils import quiet_library_loggers
 
     quiet_library_loggers()
@@ -89,10 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stages(report: dict) -> None:
         dataset = load_dataset(DataOptions.from_config(config))
         report["dataset"] = dataset.report_section()
-        trained = train_classifier(config, dataset)
-        report["train"] = trained.report_section()
-        members = train_ensemble_members(config, dataset)
-        manifest = build_manifest(config, trained, dataset)
+        trained, dataset = train_stage(config, dataset, report)
+        members = train_ensemble_members(config, dataset, trained)
+        manifest = build_manifest(config, trained, dataset, report.get("teacher"))
         exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,
                                  paths, members)
         report["export"] = exported.report_section()

@@ -218,6 +218,74 @@ class WeightTrainer(Teleprompter):
         return total_loss / seen, correct / seen
 
 
+@dataclass
+class Candidate:
+    """One trained candidate of the search and its validation figures."""
+
+    index: int
+    learning_rate: float
+    seed: int
+    val_accuracy: float  # dspy.Evaluate score on the validation split, as a fraction
+    val_loss: float  # mean cross-entropy on the validation split (breaks accuracy ties)
+    best_epoch: int
+    seconds: float
+
+
+class CandidateSearch(Teleprompter):
+    """Like DSPy's random-search optimizers, over weight training: compile one WeightTrainer per
+    (learning rate, seed) candidate, score each compiled program with dspy.Evaluate on the
+    validation set and keep the best. Ties go to the lower validation loss: small validation
+    sets tie often, and the loss still tells the candidates apart."""
+
+    def __init__(self, metric: Callable, make_student: Callable[[int], ClassifierProgram],
+                 make_trainer: Callable[[float, int], WeightTrainer],
+                 learning_rates: Sequence[float], seeds: Sequence[int]) -> None:
+        super().__init__()
+        self.metric, self.make_student, self.make_trainer = metric, make_student, make_trainer
+        self.grid = [(lr, seed) for lr in learning_rates for seed in seeds]
+        self.candidates: list[Candidate] = []
+        self.chosen = 0
+        self.chosen_trainer: WeightTrainer | None = None
+
+    def compile(self, student: ClassifierProgram | None = None, *, trainset: list[dspy.Example],
+                teacher=None, valset: list[dspy.Example] | None = None,
+                **kwargs) -> ClassifierProgram:
+        devset = valset or trainset
+        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        best: tuple[float, float] | None = None
+        best_program = None
+        for index, (learning_rate, seed) in enumerate(self.grid):
+            started = time.perf_counter()
+            if len(self.grid) > 1:
+                LOG.info("candidate %d of %d: learning rate %g, seed %d", index + 1,
+                         len(self.grid), learning_rate, seed)
+            trainer = self.make_trainer(learning_rate, seed)
+            program = trainer.compile(self.make_student(seed), trainset=trainset, valset=devset)
+            with stdout_to_stderr():
+                score = evaluate(program).score / 100.0
+            loss = validation_loss(program, devset)
+            self.candidates.append(Candidate(index, learning_rate, seed, score, loss,
+                                             trainer.best_epoch,
+                                             round(time.perf_counter() - started, 3)))
+            if best is None or (score, -loss) > best:
+                best, best_program = (score, -loss), program
+                self.chosen, self.chosen_trainer = index, trainer
+        if len(self.grid) > 1:
+            chosen = self.candidates[self.chosen]
+            LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val accuracy "
+                     "%.4f)", chosen.index + 1, len(self.grid), chosen.learning_rate, chosen.seed,
+                     chosen.val_accuracy)
+        return best_program
+
+
+def validation_loss(program: ClassifierProgram, devset: list[dspy.Example]) -> float:
+    x, y = WeightTrainer._stack(program, devset)
+    probabilities = program.predict_proba(x.numpy())
+    picked = probabilities[np.arange(len(y)), y.numpy()]
+    return float(-np.log(np.clip(picked, 1e-12, None)).mean())
+
+
 # ----------------------------------------------------------------------------- the stage
 
 
@@ -234,12 +302,21 @@ class TrainedModel:
     train_accuracy: float = 0.0
     val_accuracy: float = 0.0
     seconds: float = 0.0
+    samples: int = 0
+    learning_rate: float = 0.0
+    seed: int = 0
+    candidates: list[Candidate] = field(default_factory=list)
+    chosen_candidate: int = 0
 
     def report_section(self) -> dict:
         return {"epochs_run": len(self.history), "best_epoch": self.best_epoch,
                 "train_accuracy": self.train_accuracy, "val_accuracy": self.val_accuracy,
-                "seconds": self.seconds,
-                "num_parameters": self.architecture.get("num_parameters")}
+                "seconds": self.seconds, "samples": self.samples,
+                "learning_rate": self.learning_rate, "seed": self.seed,
+                "num_parameters": self.architecture.get("num_parameters"),
+                "candidates": [vars(c) for c in self.candidates]
+                if len(self.candidates) > 1 else None,
+                "chosen_candidate": self.chosen_candidate if len(self.candidates) > 1 else None}
 
 
 def set_torch_threads(num_threads: int) -> None:
@@ -248,13 +325,20 @@ def set_torch_threads(num_threads: int) -> None:
 
 
 def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
-    """Build the network for this data, wrap it in the DSPy program, compile it with WeightTrainer."""
+    """Build the network for this data, wrap it in the DSPy program, compile it with
+    CandidateSearch (one WeightTrainer per learning rate and seed; one candidate by default)."""
     started = time.perf_counter()
-    torch.manual_seed(config.seed)
     kind = dataset.preprocessing["kind"]
     architecture = architecture_for(dataset.preprocessing, len(dataset.labels))
-    net = build_model(architecture, dataset.preprocessing)
-    architecture["num_parameters"] = count_parameters(net)
+    field = PROGRAM_INPUT[kind]
+    tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
+
+    def make_student(seed: int) -> ClassifierProgram:
+        torch.manual_seed(seed)
+        net = build_model(architecture, dataset.preprocessing)
+        return ClassifierProgram(net, dataset.labels, field, tokenizer)
+
+    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
     LOG.info("training %s (%d parameters) on %d samples, validating on %d",
              architecture["name"], architecture["num_parameters"], len(dataset.train),
              len(dataset.val))
@@ -265,25 +349,83 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
              if config.tta and config.train_augment else [])
     if views:
         LOG.info("training on the TTA transforms too: %s", ", ".join(t.spec for t in views))
-    trainer = WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
-                            learning_rate=config.learning_rate, weight_decay=config.weight_decay,
-                            augment=config.train_augment and kind == "image", seed=config.seed,
-                            show_progress=not config.no_progress, view_transforms=views)
-    field = PROGRAM_INPUT[kind]
-    tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
-    program = trainer.compile(ClassifierProgram(net, dataset.labels, field, tokenizer),
-                              trainset=to_examples(dataset.train, dataset.labels, field),
-                              valset=to_examples(dataset.val, dataset.labels, field))
+
+    def make_trainer(learning_rate: float, seed: int) -> WeightTrainer:
+        return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
+                             learning_rate=learning_rate, weight_decay=config.weight_decay,
+                             augment=config.train_augment and kind == "image", seed=seed,
+                             show_progress=not config.no_progress, view_transforms=views)
+
+    search = CandidateSearch(label_match, make_student, make_trainer, config.learning_rates(),
+                             [config.seed + k for k in range(config.num_candidates)])
+    program = search.compile(trainset=to_examples(dataset.train, dataset.labels, field),
+                             valset=to_examples(dataset.val, dataset.labels, field))
+    trainer, chosen = search.chosen_trainer, search.candidates[search.chosen]
     train_accuracy = float((program.predict_proba(dataset.train.x).argmax(1) == dataset.train.y).mean())
-    best = trainer.history[trainer.best_epoch - 1]
     return TrainedModel(net=program.net, labels=dataset.labels, architecture=architecture,
                         preprocessing=dataset.preprocessing, history=trainer.history,
                         best_epoch=trainer.best_epoch, train_accuracy=train_accuracy,
-                        val_accuracy=best.val_accuracy,
-                        seconds=round(time.perf_counter() - started, 3))
+                        val_accuracy=trainer.history[trainer.best_epoch - 1].val_accuracy,
+                        seconds=round(time.perf_counter() - started, 3),
+                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
+                        seed=chosen.seed, candidates=search.candidates,
+                        chosen_candidate=search.chosen)
 
 
-def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset) -> dict:
+def split_accuracy(net: nn.Module, split: Split) -> float | None:
+    if len(split) == 0:
+        return None
+    program = ClassifierProgram(net, [], "")
+    return float((program.predict_proba(split.x).argmax(1) == split.y).mean())
+
+
+def train_stage(config: Config, dataset: Dataset, report: dict) -> tuple[TrainedModel, Dataset]:
+    """Training as pipeline.py and train.py run it: with --teacher_lm, the teacher labels the
+    unlabeled texts and the student is trained twice, without and with them, so the report can
+    say what the teacher's labels bought. Returns the model to export and the data it saw."""
+    if not config.teacher_lm:
+        trained = train_classifier(config, dataset)
+        report["train"] = trained.report_section()
+        return trained, dataset
+    from teacher import distill
+
+    distilled = distill(config, dataset)
+    report["teacher"] = distilled.section
+    LOG.info("student without the teacher's labels (%d training texts)", len(dataset.train))
+    baseline = train_classifier(config, dataset)
+    LOG.info("student with the teacher's labels (%d training texts)", len(distilled.dataset.train))
+    trained = train_classifier(config, distilled.dataset)
+    report["train"] = trained.report_section()
+    report["teacher"].update(teacher_comparison(baseline, dataset, trained, distilled.dataset))
+    return trained, distilled.dataset
+
+
+def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: TrainedModel,
+                       enlarged: Dataset) -> dict:
+    """Student accuracy without and with the teacher's data, and a plain verdict."""
+    test = "test" in dataset.splits
+    row = {"student_val_accuracy_without_teacher": baseline.val_accuracy,
+           "student_val_accuracy_with_teacher": student.val_accuracy,
+           "student_accuracy_without_teacher": split_accuracy(baseline.net, dataset.test)
+           if test else None,
+           "student_accuracy_with_teacher": split_accuracy(student.net, enlarged.test)
+           if test else None}
+    before, after = (("student_accuracy_without_teacher", "student_accuracy_with_teacher")
+                     if test else ("student_val_accuracy_without_teacher",
+                                   "student_val_accuracy_with_teacher"))
+    delta = row[after] - row[before]
+    where = "test" if test else "validation"
+    row["verdict"] = (f"the teacher's labels raised {where} accuracy by {delta:+.4f}" if delta > 0
+                      else f"the teacher's labels did not help: {where} accuracy {delta:+.4f}; "
+                      "check the teacher's validation accuracy, or give it more demos "
+                      "(--teacher_demos) or a stronger model")
+    if delta <= 0:
+        LOG.warning("%s", row["verdict"])
+    return row
+
+
+def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
+                   teacher: dict | None = None) -> dict:
     """The bundle manifest as training knows it; export fills 'export' and the ONNX file entry."""
     classes = len(trained.labels)
     return {
@@ -304,16 +446,17 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset) -> d
                      "augment_transforms": (config.tta_transforms or "default")
                      if config.tta and config.train_augment else None,
                      **trained.report_section(),
-                     "history": [vars(r) for r in trained.history]},
+                     "history": [vars(r) for r in trained.history],
+                     "teacher": teacher},
         "export": None, "quantization": None, "extra_graphs": {},
         "files": {"onnx": None, "weights": None, "sha256": {}},
     }
 
 
 def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
-                    paths: BundlePaths) -> dict:
+                    paths: BundlePaths, teacher: dict | None = None) -> dict:
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
-    manifest = build_manifest(config, trained, dataset)
+    manifest = build_manifest(config, trained, dataset, teacher)
     manifest["files"].update(weights=paths.weights.name,
                              sha256={"weights": save_weights(trained.net, paths.weights)})
     atomic_write_json(paths.manifest, manifest)
@@ -326,9 +469,13 @@ DATA_FLAGS = ["model_type", "dataset_path", "dataset_format", "has_header", "lab
               "text_column", "feature_columns", "image_column", "val_path", "test_path",
               "image_size", "channels", "max_vocab", "max_length", "val_fraction",
               "test_fraction", "seed"]
-TRAIN_FLAGS = DATA_FLAGS + ["epochs", "batch_size", "learning_rate", "weight_decay",
-                            "train_augment", "tta", "tta_transforms", "num_threads", "output_model", "report_json",
-                            "log_level", "no_progress"]
+TEACHER_FLAGS = ["teacher_lm", "teacher_api_base", "unlabeled_path", "teacher_program",
+                 "teacher_demos", "teacher_threads", "teacher_timeout", "teacher_retries",
+                 "teacher_val_limit", "teacher_cache"]
+TRAIN_FLAGS = DATA_FLAGS + TEACHER_FLAGS + [
+    "epochs", "batch_size", "learning_rate", "weight_decay", "lr_candidates", "num_candidates",
+    "train_augment", "tta", "tta_transforms", "num_threads", "output_model", "report_json",
+    "log_level", "no_progress"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,11 +491,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_torch_threads(config.num_threads)
 
     def stages(report: dict) -> None:
-        dataset = load_dataset(DataOptions.from_config(config), splits=("train", "val"))
+        # With a teacher, the test split measures what its labels bought.
+        splits = ("train", "val", "test") if config.teacher_lm else ("train", "val")
+        dataset = load_dataset(DataOptions.from_config(config), splits=splits)
         report["dataset"] = dataset.report_section()
-        trained = train_classifier(config, dataset)
-        report["train"] = trained.report_section()
-        save_checkpoint(config, trained, dataset, BundlePaths.from_model_path(config.output_model))
+        trained, dataset = train_stage(config, dataset, report)
+        save_checkpoint(config, trained, dataset, BundlePaths.from_model_path(config.output_model),
+                        report.get("teacher"))
 
     return run_with_report(config, stages)
 

@@ -504,7 +504,19 @@ _SUMMARY_KEYS: dict[str, list[tuple[str, str]]] = {
                 ("train", "train samples"), ("val", "val samples"), ("test", "test samples"),
                 ("skipped_images", "skipped images"), ("dropped_rows", "dropped rows"),
                 ("vocab_size", "vocabulary"), ("num_features", "features")],
-    "train": [("epochs_run", "epochs run"), ("best_epoch", "best epoch"),
+    "teacher": [("lm", "LM"), ("program", "program"), ("demos", "demos in its prompt"),
+                ("val_accuracy", "teacher val accuracy"), ("val_samples", "on val texts"),
+                ("unlabeled_texts", "unlabeled texts"),
+                ("skipped_known_or_repeated", "skipped (known/repeated)"),
+                ("labelled", "labelled"), ("dropped_outside_classes", "dropped (not a class)"),
+                ("unparseable", "unparseable answers"),
+                ("student_train_samples", "student train samples"),
+                ("student_accuracy_without_teacher", "student test acc without"),
+                ("student_accuracy_with_teacher", "student test acc with"),
+                ("student_val_accuracy_without_teacher", "student val acc without"),
+                ("student_val_accuracy_with_teacher", "student val acc with"),
+                ("verdict", "verdict"), ("seconds", "seconds")],
+    "train": [("samples", "train samples"), ("epochs_run", "epochs run"), ("best_epoch", "best epoch"),
               ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"),
               ("seconds", "seconds")],
     "export": [("path", "model"), ("opset", "opset"), ("nodes_before_slim", "nodes before slim"),
@@ -551,6 +563,8 @@ def format_summary(report: dict) -> str:
         for key, label in keys:
             if data.get(key) is not None:
                 lines.append(f"  {label:<26} {_fmt(data[key])}")
+        if section == "train" and data.get("candidates"):
+            lines += format_candidates(data["candidates"], data["chosen_candidate"])
     if report.get("benchmark"):
         lines += ["benchmark:", *format_benchmark(report["benchmark"])]
     if report.get("ttt"):
@@ -564,6 +578,18 @@ def format_summary(report: dict) -> str:
     if report.get("seconds_total") is not None:
         lines.append(f"total seconds: {report['seconds_total']:.1f}")
     return "\n".join(lines)
+
+
+def format_candidates(candidates: list[dict], chosen: int) -> list[str]:
+    """The candidate search: every candidate's validation score, the kept one marked."""
+    lines = [f"  {'candidate':<11} {'lr':>8} {'seed':>5} {'val acc':>8} {'val loss':>9} "
+             f"{'best epoch':>10} {'seconds':>8}"]
+    for c in candidates:
+        mark = " <- kept" if c["index"] == chosen else ""
+        lines.append(f"  {c['index'] + 1:<11} {c['learning_rate']:>8.2g} {c['seed']:>5} "
+                     f"{c['val_accuracy']:>8.4f} {c['val_loss']:>9.4f} {c['best_epoch']:>10} "
+                     f"{c['seconds']:>8.1f}{mark}")
+    return lines
 
 
 def format_benchmark(rows: list[dict]) -> list[str]:
@@ -646,7 +672,7 @@ PREDICTION_KEYS = [("input", "input"), ("output", "output"), ("rows", "rows read
                    ("errors_path", "errors listed in"), ("labeled", "rows with a label"),
                    ("accuracy", "accuracy"), ("rows_per_s", "rows/s end to end")]
 
-REPORT_SECTIONS = ("dataset", "train", "export", "quantize", "fp16", "inference", "benchmark", "tta",
+REPORT_SECTIONS = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "benchmark", "tta",
                    "ttt", "iterative", "predictions")
 
 
