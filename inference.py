@@ -510,7 +510,7 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
 def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
     import onnx
 
-    from ttt import AdaptationGraph, Tent, adapt_and_predict
+    from ttt import AdaptationGraph, OnlineCarry, Tent, adapt_and_predict
 
     if config.ttt_method == "all":
         raise ConfigError("--ttt_method all compares methods on the test split; predictions "
@@ -520,9 +520,10 @@ def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predict
     tent = (Tent(manifest, paths.weights, graph.layers, config.ttt_learning_rate,
                  config.ttt_iterations, config.num_threads)
             if config.ttt_method == "tent" else None)
+    carry = OnlineCarry()  # online adaptation goes on from chunk to chunk of the input
     return lambda x: (adapt_and_predict(graph, config.ttt_method, x, config.batch_size,
                                         config.ttt_mode, config.ttt_bn_prior,
-                                        config.ttt_reset_every, tent).probabilities, {})
+                                        config.ttt_reset_every, tent, carry).probabilities, {})
 
 
 def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
@@ -608,7 +609,10 @@ def predict_input(config: Config, paths: BundlePaths, report: dict) -> None:
     variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
     manifest, session, model_path = load_bundle_session(paths, config, variant)
     predict, extra_names = chunk_predictor(config, paths, manifest, session, model_path)
-    options = StreamOptions(config.input, config.chunk_rows, config.label_column,
+    chunk_rows = config.chunk_rows
+    if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
+        chunk_rows = -(-chunk_rows // config.batch_size) * config.batch_size
+    options = StreamOptions(config.input, chunk_rows, config.label_column,
                             config.text_column, config.image_column, config.dataset_format)
     chunks = input_chunks(manifest, options)
     run = BatchRun(config.input, config.output, errors_path=config.errors)

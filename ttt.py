@@ -268,14 +268,27 @@ class Adaptation:
     resets: int = 0
 
 
+@dataclass
+class OnlineCarry:
+    """What online adaptation carries from one call to the next, for callers that see the data
+    in chunks (inference.py --input): the adapted statistics and the batch count (tent keeps its
+    parameters in its Tent object)."""
+
+    state: dict = field(default_factory=dict)
+    batches: int = 0
+
+
 def adapt_and_predict(graph: AdaptationGraph, method: str, x: np.ndarray, batch_size: int,
-                      mode: str, prior: float, reset_every: int, tent: Tent | None = None
-                      ) -> Adaptation:
+                      mode: str, prior: float, reset_every: int, tent: Tent | None = None,
+                      carry: OnlineCarry | None = None) -> Adaptation:
     """Run `method` over x batch by batch. Episodic: every batch from the bundle's parameters.
-    Online: statistics (bn) or affine parameters (tent) carry over."""
-    state: dict[str, np.ndarray] = {}
+    Online: statistics (bn) or affine parameters (tent) carry over, across calls too when the
+    caller passes the same `carry`."""
+    carry = carry if carry is not None else OnlineCarry()
+    state: dict[str, np.ndarray] = carry.state
     out, resets = [], 0
-    for i, batch in enumerate(ttt_batches(x, batch_size)):
+    for i, batch in enumerate(ttt_batches(x, batch_size), start=carry.batches):
+        carry.batches = i + 1
         if mode == "episodic" or (reset_every and i and i % reset_every == 0):
             state = {}
             if tent is not None:
@@ -295,6 +308,7 @@ def adapt_and_predict(graph: AdaptationGraph, method: str, x: np.ndarray, batch_
                 if tent is not None:
                     tent.reset()
         out.append(probabilities)
+    carry.state = state
     return Adaptation(np.concatenate(out), resets)
 
 

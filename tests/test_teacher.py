@@ -216,3 +216,20 @@ def test_teacher_calls_are_retried(retries):
         else:
             answers = ask_teacher(program, lm, ["rain and wind today"], list(TOPICS), 1, "", False)
             assert answers.labels == ["weather"] and server.calls == 3
+
+
+def test_chain_of_thought_teacher_reads_a_table_of_texts(tmp_path):
+    """--teacher_program cot and an unlabeled CSV: the text column is found by its name."""
+    from dspy.utils import DummyLM
+
+    from teacher import ask_teacher, read_unlabeled, teacher_program
+
+    table = tmp_path / "new.csv"
+    table.write_text('id,message\n1,"snow and fog, cold"\n2,bake the garlic\n3,\n')
+    texts = read_unlabeled(str(table), None)
+    assert texts == ["snow and fog, cold", "bake the garlic"]  # the empty text is left out
+    lm = DummyLM({"snow and fog": {"reasoning": "snow is weather", "label": "weather"},
+                  "garlic": {"reasoning": "garlic is food", "label": "FOOD"}})
+    answers = ask_teacher(teacher_program(list(TOPICS), "cot"), lm, texts, list(TOPICS), 2,
+                          "", False)
+    assert answers.labels == ["weather", "food"] and answers.outside_classes == 0
