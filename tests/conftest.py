@@ -95,17 +95,54 @@ def write_image_table(root: Path, fmt: str, classes=(0, 1, 2), per_class: int = 
     return path
 
 
-@pytest.fixture(scope="session")
-def digits_bundle(tmp_path_factory) -> dict:
-    """One full pipeline run on builtin:digits, shared by the tests that inspect its artifacts."""
-    out = tmp_path_factory.mktemp("digits")
+# Each pipeline run costs seconds of fixed start-up, export and inference work, whatever the
+# data: the session-scoped bundles below are trained once and shared by every test that only
+# inspects or reuses them. A test that changes a bundle's files copies its folder first.
+
+
+def pipeline_bundle(out: Path, *args: object) -> dict:
+    """pipeline.py into out/model.onnx with out/report.json; it must exit 0."""
     model = out / "model.onnx"
-    run = run_cli("pipeline.py", "--model_type", "image_classifier", "--dataset_path",
-                  "builtin:digits", "--output_model", model, "--report_json", out / "report.json",
-                  *FAST_TRAINING)
+    run = run_cli("pipeline.py", *args, "--output_model", model, "--report_json",
+                  out / "report.json", "--no_progress", "true")
     assert run.returncode == 0, run.stderr[-3000:]
     return {"dir": out, "model": model, "run": run,
             "report": json.loads((out / "report.json").read_text())}
+
+
+@pytest.fixture(scope="session")
+def digits_bundle(tmp_path_factory) -> dict:
+    """One full pipeline run on builtin:digits, shared by the tests that inspect its artifacts.
+    Its report goes to stdout (--report_json -), so the run also shows that stdout is then
+    nothing but the JSON report."""
+    out = tmp_path_factory.mktemp("digits")
+    model = out / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "image_classifier", "--dataset_path",
+                  "builtin:digits", "--output_model", model, "--report_json", "-",
+                  *FAST_TRAINING)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"dir": out, "model": model, "run": run, "report": json.loads(run.stdout)}
+
+
+@pytest.fixture(scope="session")
+def digits_int8_bundle(tmp_path_factory) -> dict:
+    """builtin:digits with a statically quantized int8 graph and the human summary on stdout."""
+    return pipeline_bundle(tmp_path_factory.mktemp("digits_int8"), "--dataset_path",
+                           "builtin:digits", "--quantize", "static", "--calibration_size", "128",
+                           "--epochs", "4")
+
+
+@pytest.fixture(scope="session")
+def wine_bundle(tmp_path_factory) -> dict:
+    """builtin:wine (default epochs) with the optional stages that tabular tests inspect, all in
+    one run: an fp16 graph, a 3-member ensemble, TTA, and TTT under two feature shifts."""
+    return pipeline_bundle(tmp_path_factory.mktemp("wine"), "--model_type", "tabular_classifier",
+                           "--dataset_path", "builtin:wine", "--batch_size", "32",
+                           "--fp16", "true", "--ensemble_size", "3",
+                           "--tta", "true", "--tta_transforms", "jitter:0.2,jitter:0.1",
+                           "--tta_merge", "gmean",
+                           "--ttt", "true", "--ttt_bn_prior", "16",
+                           "--eval_shift", "feature_noise,feature_scale")
 
 
 TOPICS = {
@@ -142,3 +179,32 @@ def feature_rows(per_class: int = 50, seed: int = 0) -> list[dict]:
                          "weight": f"{cy + rng.normal():.3f}",
                          "color": str(rng.choice(colors[label])), "kind": label})
     return [rows[i] for i in rng.permutation(len(rows))]
+
+
+# Small data, but trained long enough that the accuracy floors in the tests hold with room.
+TABLE_TRAINING = ["--epochs", "12", "--batch_size", "16"]
+
+
+@pytest.fixture(scope="session")
+def text_bundle(tmp_path_factory) -> dict:
+    """A text classifier trained on a messy CSV: a byte-order mark, a header, a blank line, an
+    empty text and an unlabelled text among topic_texts()."""
+    out = tmp_path_factory.mktemp("text")
+    lines = ["text,label"] + [f'"{t}",{label}' for t, label in topic_texts()]
+    lines[5:5] = ["", ',sports', '"an unlabelled text",']  # blank line, empty text, no label
+    (out / "texts.csv").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
+    return pipeline_bundle(out, "--model_type", "text_classifier", "--dataset_path",
+                           out / "texts.csv", *TABLE_TRAINING)
+
+
+@pytest.fixture(scope="session")
+def tabular_bundle(tmp_path_factory) -> dict:
+    """A tabular classifier trained on feature_rows(): a CSV with a header, a categorical column
+    and missing cells (the first 120 rows), and a given test file without a header (the rest)."""
+    out = tmp_path_factory.mktemp("tabular")
+    rows = [",".join(row.values()) + "\n" for row in feature_rows()]
+    (out / "train.csv").write_text("height,weight,color,kind\n" + "".join(rows[:120]))
+    (out / "test.csv").write_text("".join(rows[120:]))
+    return pipeline_bundle(out, "--model_type", "tabular_classifier", "--dataset_path",
+                           out / "train.csv", "--label_column", "kind", "--test_path",
+                           out / "test.csv", *TABLE_TRAINING)

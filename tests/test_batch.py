@@ -11,10 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from conftest import REPO, assert_clean_failure, feature_rows, heavy_modules_after, run_cli, \
-    topic_texts, write_image_folder
+from conftest import REPO, assert_clean_failure, heavy_modules_after, run_cli, write_image_folder
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -45,20 +42,6 @@ def test_image_folder_with_a_corrupt_image(digits_bundle, tmp_path):
     assert summary["labeled"] == 12 and 0.75 <= summary["accuracy"] <= 1
 
 
-@pytest.fixture(scope="module")
-def tabular_bundle(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tabular")
-    data = folder / "train.csv"
-    rows = feature_rows(per_class=60)
-    data.write_text("height,weight,color,kind\n" + "".join(
-        f"{r['height']},{r['weight']},{r['color']},{r['kind']}\n" for r in rows))
-    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path", data,
-                  "--output_model", folder / "model.onnx", "--epochs", "15",
-                  "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
-    return folder
-
-
 def test_csv_with_labels_a_bad_row_and_jsonl_output(tabular_bundle, tmp_path):
     new = tmp_path / "new.csv"
     new.write_text("kind,weight,height,color\n"  # other column order than training
@@ -66,7 +49,7 @@ def test_csv_with_labels_a_bad_row_and_jsonl_output(tabular_bundle, tmp_path):
                    "a,lots,0.1,red\n"  # a non-numeric weight: an error row
                    "=cmd,5.0,,red\n")  # an unknown label, echoed safely; a missing height
     preds = tmp_path / "preds.jsonl"
-    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+    run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", new,
                   "--output", preds, "--errors", tmp_path / "errors.csv", "--allow_errors",
                   "true", "--report_json", tmp_path / "report.json")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -79,7 +62,7 @@ def test_csv_with_labels_a_bad_row_and_jsonl_output(tabular_bundle, tmp_path):
     summary = json.loads((tmp_path / "report.json").read_text())["predictions"]
     assert summary["labeled"] == 4 and summary["accuracy"] == 0.75  # "=cmd" is never right
     csv_out = tmp_path / "preds.csv"
-    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+    run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", new,
                   "--output", csv_out, "--allow_errors", "true", "--quiet", "true")
     assert run.returncode == 0 and run.stdout == "" and run.stderr == ""
     assert read_csv(csv_out)[3]["true_label"] == "'=cmd"  # neutralised for spreadsheets
@@ -88,35 +71,23 @@ def test_csv_with_labels_a_bad_row_and_jsonl_output(tabular_bundle, tmp_path):
 def test_missing_feature_column_and_bad_output_suffix_fail_clearly(tabular_bundle, tmp_path):
     new = tmp_path / "new.csv"
     new.write_text("height,color\n1.0,red\n")
-    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+    run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", new,
                   "--output", tmp_path / "p.csv")
     assert_clean_failure(run, 3, "lacks the feature columns ['weight']")
     assert not (tmp_path / "p.csv").exists()
-    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", new,
+    run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", new,
                   "--output", tmp_path / "p.parquet")
     assert_clean_failure(run, 2, "--output", ".csv or .jsonl")
-    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input",
+    run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input",
                   tmp_path / "nowhere.csv", "--output", tmp_path / "p.csv")
     assert_clean_failure(run, 3, "does not exist")
-
-
-@pytest.fixture(scope="module")
-def text_bundle(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    data = folder / "texts.tsv"
-    data.write_text("".join(f"{label}\t{text}\n" for text, label in topic_texts(60)))
-    run = run_cli("pipeline.py", "--model_type", "text_classifier", "--dataset_path", data,
-                  "--output_model", folder / "model.onnx", "--epochs", "8",
-                  "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
-    return folder
 
 
 def test_texts_on_stdin_with_mc_dropout_uncertainty(text_bundle, tmp_path):
     texts = ["the team scored a late goal", "bake the garlic in the oven", "", "storm and rain"]
     preds = tmp_path / "preds.csv"
     run = subprocess.run(
-        [sys.executable, str(REPO / "inference.py"), "--model", str(text_bundle / "model.onnx"),
+        [sys.executable, str(REPO / "inference.py"), "--model", str(text_bundle["model"]),
          "--input", "-", "--output", str(preds), "--iterative", "mc_dropout", "--iterations",
          "8"], input="\n".join(texts) + "\n", capture_output=True, text=True, cwd=REPO,
         timeout=300)
@@ -137,7 +108,7 @@ def test_output_is_whole_or_absent_when_killed(tabular_bundle, tmp_path):
     preds = tmp_path / "preds.csv"
     preds.write_text("the previous run's predictions\n")
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "inference.py"), "--model", str(tabular_bundle / "model.onnx"),
+        [sys.executable, str(REPO / "inference.py"), "--model", str(tabular_bundle["model"]),
          "--input", str(big), "--output", str(preds), "--chunk_rows", "500", "--quiet", "true"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -148,7 +119,7 @@ def test_output_is_whole_or_absent_when_killed(tabular_bundle, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert preds.read_text() == "the previous run's predictions\n"
-    run = run_cli("inference.py", "--model", tabular_bundle / "model.onnx", "--input", big,
+    run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", big,
                   "--output", preds, "--quiet", "true")
     assert run.returncode == 0, run.stderr[-2000:]
     with open(preds) as handle:
@@ -158,7 +129,7 @@ def test_output_is_whole_or_absent_when_killed(tabular_bundle, tmp_path):
 def test_batch_inference_imports_neither_torch_nor_dspy(tabular_bundle, tmp_path):
     new = tmp_path / "new.csv"
     new.write_text("height,weight,color\n1.0,2.0,red\n")
-    assert heavy_modules_after("inference.py", "--model", tabular_bundle / "model.onnx",
+    assert heavy_modules_after("inference.py", "--model", tabular_bundle["model"],
                                "--input", new, "--output", tmp_path / "p.csv",
                                "--quiet", "true") == []
     assert (tmp_path / "p.csv").is_file()

@@ -29,13 +29,9 @@ def check_int8_graph(path, fp32_path):
     assert abs((run(int8) == digits.target).mean() - (run(fp32) == digits.target).mean()) <= 0.03
 
 
-def test_pipeline_static_int8_is_validated_and_used_only_if_it_earns_it(tmp_path):
-    out = tmp_path / "q"
-    run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--output_model",
-                  out / "model.onnx", "--quantize", "static", "--calibration_size", "128",
-                  "--epochs", "4", "--report_json", out / "report.json", "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads((out / "report.json").read_text())
+def test_pipeline_static_int8_is_validated_and_used_only_if_it_earns_it(digits_int8_bundle):
+    bundle = digits_int8_bundle
+    out, run, report = bundle["dir"], bundle["run"], bundle["report"]
     quantize = report["quantize"]
     assert QUANTIZE_KEYS <= set(quantize) and quantize["mode"] == "static"
     assert quantize["size_bytes"] < quantize["size_bytes_fp32"] / 2
@@ -123,13 +119,8 @@ def test_provider_options_are_recorded_and_stdout_stays_json(digits_bundle, tmp_
                                                 "CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
-def test_fp16_graph_is_validated_and_only_used_on_a_gpu_provider(tmp_path):
-    out = tmp_path / "h"
-    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
-                  "builtin:wine", "--output_model", out / "model.onnx", "--fp16", "true",
-                  "--report_json", out / "report.json", "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads((out / "report.json").read_text())
+def test_fp16_graph_is_validated_and_only_used_on_a_gpu_provider(wine_bundle):
+    out, report = wine_bundle["dir"], wine_bundle["report"]
     half = report["fp16"]
     assert half["mode"] == "fp16" and half["size_bytes"] < half["size_bytes_fp32"]
     assert abs(half["accuracy"] - half["accuracy_fp32"]) <= 0.04 and half["max_abs_diff"] < 0.05

@@ -6,17 +6,22 @@ import shutil
 
 import onnxruntime as ort
 
-from conftest import assert_clean_failure, run_cli, write_image_folder
+from conftest import assert_clean_failure, run_cli, write_image_table
 
 
 def test_stage_clis_chain_into_a_working_bundle(tmp_path):
-    root = write_image_folder(tmp_path / "data", per_class=30)
+    # A JSONL table of image paths and labels (the CSV one: test_image_data.py); inference.py
+    # reads it again from the path recorded in the manifest.
+    table = write_image_table(tmp_path / "data", "jsonl")
     model = tmp_path / "bundle" / "model.onnx"
-    train = run_cli("train.py", "--dataset_path", root, "--output_model", model, "--epochs", "6",
+    train = run_cli("train.py", "--dataset_path", table, "--output_model", model, "--epochs", "8",
                     "--batch_size", "16", "--no_progress", "true")
     assert train.returncode == 0, train.stderr[-2000:]
     assert model.with_suffix(".pt").is_file() and model.with_suffix(".json").is_file()
     assert not model.exists()
+    manifest = json.loads(model.with_suffix(".json").read_text())
+    assert manifest["labels"] == ["d0", "d1", "d2"]
+    assert manifest["dataset"]["path"] == str(table.resolve())
 
     early = run_cli("inference.py", "--model", model)
     assert_clean_failure(early, 4, "no exported ONNX graph", "export.py")
@@ -31,7 +36,8 @@ def test_stage_clis_chain_into_a_working_bundle(tmp_path):
     infer = run_cli("inference.py", "--model", model, "--report_json", "-")
     assert infer.returncode == 0, infer.stderr[-2000:]
     report = json.loads(infer.stdout)
-    assert report["inference"]["accuracy"] >= 0.7 and report["dataset"]["test"] > 0
+    assert report["inference"]["accuracy"] >= 0.8 and report["dataset"]["test"] > 0
+    assert report["dataset"]["num_classes"] == 3
 
 
 def test_failed_validation_keeps_the_previous_bundle(digits_bundle, tmp_path):

@@ -7,9 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from conftest import assert_clean_failure, feature_rows, run_cli, topic_texts
+from conftest import TABLE_TRAINING, assert_clean_failure, feature_rows, run_cli, topic_texts
 
-TRAIN = ["--epochs", "12", "--batch_size", "16", "--no_progress", "true"]
+TRAIN = [*TABLE_TRAINING, "--no_progress", "true"]
 
 
 def pipeline(model_type, dataset, out, *extra, code=0):
@@ -25,14 +25,11 @@ def session_and_manifest(out):
     return ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]), manifest
 
 
-def test_text_csv_with_header_bom_and_bad_rows(tmp_path):
-    rows = topic_texts()
-    lines = ["text,label"] + [f'"{t}",{label}' for t, label in rows]
-    lines[5:5] = ["", ',sports', '"an unlabelled text",']  # blank line, empty text, no label
-    (tmp_path / "texts.csv").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
-    run, report = pipeline("text_classifier", tmp_path / "texts.csv", tmp_path)
+def test_text_csv_with_header_bom_and_bad_rows(text_bundle):
+    """text_bundle's CSV (conftest): topic_texts() with a BOM, a blank line and two bad rows."""
+    run, report = text_bundle["run"], text_bundle["report"]
     assert report["dataset"]["dropped_rows"] == 2
-    assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(rows)
+    assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(topic_texts())
     assert len([l for l in run.stderr.splitlines() if "WARNING" in l and "dropped 2 rows" in l]) == 1
     assert report["inference"]["accuracy"] >= 0.8
     assert report["export"]["padding_max_diff"] <= 1e-4
@@ -40,7 +37,7 @@ def test_text_csv_with_header_bom_and_bad_rows(tmp_path):
 
     from preprocess import Tokenizer
 
-    session, manifest = session_and_manifest(tmp_path)
+    session, manifest = session_and_manifest(text_bundle["dir"])
     assert manifest["labels"] == ["food", "sports", "weather"]
     assert manifest["input"] == {"name": "token_ids", "dtype": "int64",
                                  "shape": ["batch", "length"], "padding_id": 0}
@@ -80,14 +77,11 @@ def test_jsonl_with_a_given_test_file(tmp_path):
     assert report["inference"]["accuracy"] >= 0.8
 
 
-def test_tabular_csv_with_categories_and_missing_values(tmp_path):
-    rows = feature_rows()
-    lines = ["height,weight,color,kind"] + [",".join(r.values()) for r in rows]
-    (tmp_path / "f.csv").write_text("\n".join(lines) + "\n")
-    _, report = pipeline("tabular_classifier", tmp_path / "f.csv", tmp_path,
-                         "--label_column", "kind")
-    assert report["inference"]["accuracy"] >= 0.85
-    session, manifest = session_and_manifest(tmp_path)
+def test_tabular_csv_with_categories_and_missing_values(tabular_bundle):
+    """tabular_bundle's CSV (conftest): two numeric columns with missing cells, a categorical
+    one, and the label named with --label_column."""
+    assert tabular_bundle["report"]["inference"]["accuracy"] >= 0.85
+    session, manifest = session_and_manifest(tabular_bundle["dir"])
     pre = manifest["preprocessing"]
     assert pre["feature_names"] == ["height", "weight", "color=blue", "color=green", "color=red"]
     assert manifest["input"]["name"] == "features" and manifest["input"]["shape"] == ["batch", 5]
@@ -107,7 +101,7 @@ def test_headerless_tabular_takes_the_last_column_as_label(tmp_path):
     assert report["inference"]["accuracy"] >= 0.6
 
 
-@pytest.mark.parametrize("name,floor", [("iris", 0.8), ("wine", 0.85), ("breast_cancer", 0.9)])
+@pytest.mark.parametrize("name,floor", [("iris", 0.8), ("breast_cancer", 0.9)])
 def test_builtin_tables(tmp_path, name, floor):
     run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
                   f"builtin:{name}", "--output_model", tmp_path / "m.onnx", "--report_json", "-",
@@ -118,29 +112,39 @@ def test_builtin_tables(tmp_path, name, floor):
     assert report["export"]["max_abs_diff"] <= 1e-4
 
 
+def test_builtin_wine(wine_bundle):
+    """builtin:wine is trained once, in conftest, for this and the tests of its optional stages."""
+    report = wine_bundle["report"]
+    assert report["dataset"]["path"] == "builtin:wine" and report["dataset"]["num_classes"] == 3
+    assert report["inference"]["accuracy"] >= 0.85
+    assert report["export"]["max_abs_diff"] <= 1e-4
+
+
 def test_text_stage_clis_reuse_the_stored_tokenizer_and_split(tmp_path):
+    # A headerless TSV: train.py detects the label (fewest values) and the text (longest) column
+    # itself, and inference.py must find them again from the manifest.
     rows = topic_texts(seed=4)
-    (tmp_path / "t.csv").write_text("text,label\n" + "".join(f"{t},{l}\n" for t, l in rows))
+    (tmp_path / "t.tsv").write_text("".join(f"{label}\t{text}\n" for text, label in rows))
     model = tmp_path / "b" / "model.onnx"
     common = ["--no_progress", "true"]
     train = run_cli("train.py", "--model_type", "text_classifier", "--dataset_path",
-                    tmp_path / "t.csv", "--output_model", model, "--epochs", "12",
-                    "--batch_size", "16", "--report_json", tmp_path / "train.json", *common)
+                    tmp_path / "t.tsv", "--output_model", model, *TABLE_TRAINING,
+                    "--report_json", tmp_path / "train.json", *common)
     assert train.returncode == 0, train.stderr[-2000:]
     trained = json.loads((tmp_path / "train.json").read_text())
+    assert trained["dataset"]["num_classes"] == 3
     export = run_cli("export.py", "--output_model", model, "--report_json", "-", *common)
     assert export.returncode == 0, export.stderr[-2000:]
     assert json.loads(export.stdout)["export"]["padding_max_diff"] <= 1e-4
-    infer = run_cli("inference.py", "--model", model, "--report_json", "-", *common)
+    # One evaluation run with TTA also reports the plain accuracy on the re-derived split.
+    infer = run_cli("inference.py", "--model", model, "--tta", "true", "--tta_transforms",
+                    "window:4,token_dropout:0.2", "--report_json", "-", *common)
     assert infer.returncode == 0, infer.stderr[-2000:]
     report = json.loads(infer.stdout)
     assert report["dataset"]["model_type"] == "text_classifier"
     assert report["dataset"]["test"] == trained["dataset"]["test"] > 0  # the same split again
     assert report["inference"]["accuracy"] >= 0.8
-    tta = run_cli("inference.py", "--model", model, "--tta", "true", "--tta_transforms",
-                  "window:4,token_dropout:0.2", "--report_json", "-", *common)
-    assert tta.returncode == 0, tta.stderr[-2000:]
-    assert json.loads(tta.stdout)["tta"]["transforms"] == ["window:4", "token_dropout:0.2"]
+    assert report["tta"]["transforms"] == ["window:4", "token_dropout:0.2"]
     wrong = run_cli("inference.py", "--model", model, "--tta", "true", "--tta_transforms", "hflip")
     assert_clean_failure(wrong, 2, "for text models")
 
@@ -190,12 +194,8 @@ def test_format_override_and_forced_header(tmp_path):
     assert_clean_failure(run, 3, "--dataset_format")
 
 
-def test_tabular_test_file_without_header_matches_columns_by_position(tmp_path):
-    rows = feature_rows(seed=6)
-    line = lambda r: ",".join(r.values()) + "\n"
-    (tmp_path / "train.csv").write_text("height,weight,color,kind\n" + "".join(map(line, rows[:120])))
-    (tmp_path / "test.csv").write_text("".join(map(line, rows[120:])))
-    _, report = pipeline("tabular_classifier", tmp_path / "train.csv", tmp_path,
-                         "--test_path", tmp_path / "test.csv")
+def test_tabular_test_file_without_header_matches_columns_by_position(tabular_bundle):
+    """tabular_bundle (conftest) was trained on a CSV with a header and a --test_path without."""
+    report = tabular_bundle["report"]
     assert report["dataset"]["given_splits"] is True and report["dataset"]["test"] == 30
     assert report["inference"]["accuracy"] >= 0.8

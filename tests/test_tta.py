@@ -201,13 +201,8 @@ def test_adaptive_threshold_only_touches_uncertain_samples():
     assert sum(calls[3:]) == 2 * uncertain.sum() and max(calls) <= 4 * 2  # batch × views
 
 
-def test_pipeline_tta_report_is_consistent(tmp_path):
-    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
-                  "builtin:wine", "--output_model", tmp_path / "m.onnx", "--tta", "true",
-                  "--tta_transforms", "jitter:0.2,jitter:0.1", "--tta_merge", "gmean",
-                  "--report_json", "-", "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout)
+def test_pipeline_tta_report_is_consistent(wine_bundle):
+    report = wine_bundle["report"]  # --tta_transforms jitter:0.2,jitter:0.1 --tta_merge gmean
     tta, n = report["tta"], report["dataset"]["test"]
     assert tta["transforms"] == ["jitter:0.2", "jitter:0.1"] and tta["views"] == 3
     assert tta["merge"] == "gmean" and tta["triggered_fraction"] == 1.0

@@ -233,13 +233,9 @@ def test_shifts_of_another_model_type_exit_2(tmp_path):
     assert_clean_failure(run, 2, "no corruptions for text models")
 
 
-def test_pipeline_tabular_ttt_under_feature_shift(tmp_path):
-    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
-                  "builtin:wine", "--output_model", tmp_path / "m.onnx", "--epochs", "8",
-                  "--ttt", "true", "--ttt_bn_prior", "16", "--eval_shift",
-                  "feature_noise,feature_scale", "--batch_size", "32", "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
+def test_pipeline_tabular_ttt_under_feature_shift(wine_bundle):
+    run, out = wine_bundle["run"], wine_bundle["dir"]  # --ttt true under two feature shifts
     assert "ttt:" in run.stdout and "feature_scale (severity 3)" in run.stdout
-    manifest = json.loads((tmp_path / "m.json").read_text())
+    manifest = json.loads((out / "model.json").read_text())
     assert manifest["extra_graphs"]["bn"]["batchnorm_layers"] == 2
-    assert (tmp_path / "m.bn.onnx").is_file()
+    assert (out / "model.bn.onnx").is_file()
