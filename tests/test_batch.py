@@ -133,3 +133,27 @@ def test_batch_inference_imports_neither_torch_nor_dspy(tabular_bundle, tmp_path
                                "--input", new, "--output", tmp_path / "p.csv",
                                "--quiet", "true") == []
     assert (tmp_path / "p.csv").is_file()
+
+
+def test_online_ttt_carries_over_from_chunk_to_chunk(tabular_bundle, tmp_path):
+    """Online bn adaptation over --input gives the same predictions whether the input is read
+    in chunks of 2 batches, of 1.5 batches (rounded up to 2) or at once; episodic differs."""
+    from conftest import feature_rows
+
+    rows = feature_rows(per_class=64, seed=5)[:192]
+    new = tmp_path / "shifted.csv"  # shifted heights: adaptation has something to do
+    new.write_text("height,weight,color\n" + "".join(
+        f"{float(r['height'] or 0) + 1.5},{r['weight']},{r['color']}\n" for r in rows))
+    outputs = {}
+    for name, flags in {"chunks of 64": ["--chunk_rows", "64"],
+                        "chunks of 48": ["--chunk_rows", "48"],
+                        "at once": ["--chunk_rows", "4096"],
+                        "episodic": ["--ttt_mode", "episodic"]}.items():
+        out = tmp_path / f"{name}.csv"
+        run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", new,
+                      "--output", out, "--ttt", "true", "--ttt_mode", "online",
+                      "--ttt_bn_prior", "16", "--batch_size", "32", "--quiet", "true", *flags)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs[name] = out.read_text()
+    assert outputs["chunks of 64"] == outputs["at once"] == outputs["chunks of 48"]
+    assert outputs["episodic"] != outputs["at once"]
