@@ -211,7 +211,7 @@ class WeightTrainer(Teleprompter):
             loss.backward()
             optimizer.step()
             schedule.step()
-            total_loss += float(loss) * len(batch)
+            total_loss += loss.detach().item() * len(batch)
             correct += int((logits.argmax(1) == y[batch]).sum())
             seen += len(batch)
             bar.set_postfix(loss=f"{total_loss / seen:.4f}")
@@ -379,17 +379,19 @@ def split_accuracy(net: nn.Module, split: Split) -> float | None:
     return float((program.predict_proba(split.x).argmax(1) == split.y).mean())
 
 
-def train_stage(config: Config, dataset: Dataset, report: dict) -> tuple[TrainedModel, Dataset]:
+def train_stage(config: Config, dataset: Dataset, report: dict,
+                teacher_lm: dspy.BaseLM | None = None) -> tuple[TrainedModel, Dataset]:
     """Training as pipeline.py and train.py run it: with --teacher_lm, the teacher labels the
     unlabeled texts and the student is trained twice, without and with them, so the report can
-    say what the teacher's labels bought. Returns the model to export and the data it saw."""
+    say what the teacher's labels bought. Returns the model to export and the data it saw.
+    `teacher_lm` replaces the LM --teacher_lm names (tests pass dspy.utils.DummyLM)."""
     if not config.teacher_lm:
         trained = train_classifier(config, dataset)
         report["train"] = trained.report_section()
         return trained, dataset
     from teacher import distill
 
-    distilled = distill(config, dataset)
+    distilled = distill(config, dataset, teacher_lm)
     report["teacher"] = distilled.section
     LOG.info("student without the teacher's labels (%d training texts)", len(dataset.train))
     baseline = train_classifier(config, dataset)

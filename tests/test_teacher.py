@@ -151,14 +151,16 @@ def test_candidate_search_keeps_the_best_validation_score(tmp_path):
 # ----------------------------------------------------------------------------- in process
 
 
-def test_distill_with_dummy_lm_drops_answers_outside_the_classes(tmp_path):
+def test_teacher_path_with_dummy_lm_end_to_end(tmp_path):
     """dspy.utils.DummyLM answers by text; 'maybe' and an answer without a label field are
-    dropped and counted; what remains joins the training split with the teacher's labels."""
+    dropped and counted; what remains joins the training split with the teacher's labels, and
+    the student trains on it (and, for the comparison, without it)."""
     from dspy.utils import DummyLM
 
     from config import Config
     from data import DataOptions, load_dataset
     from teacher import distill
+    from train import train_stage
 
     labelled, _, _ = write_texts(tmp_path)
     config = Config(model_type="text_classifier", dataset_path=str(labelled), label_column="0",
@@ -195,6 +197,16 @@ def test_distill_with_dummy_lm_drops_answers_outside_the_classes(tmp_path):
     # Every split is encoded with the refitted vocabulary.
     assert result.dataset.preprocessing["vocab_size"] > dataset.preprocessing["vocab_size"]
     assert result.dataset.test.x.max() < result.dataset.preprocessing["vocab_size"]
+
+    config.epochs = 2
+    report: dict = {}
+    trained, seen = train_stage(config, dataset, report, teacher_lm=DummyLM(answers))
+    assert len(seen.train) == len(dataset.train) + len(expected)
+    assert report["train"]["samples"] == len(seen.train)
+    assert report["teacher"]["labelled"] == len(expected)
+    assert trained.preprocessing == seen.preprocessing != dataset.preprocessing
+    for key in ("student_accuracy_without_teacher", "student_accuracy_with_teacher"):
+        assert 0 <= report["teacher"][key] <= 1
 
 
 @pytest.mark.parametrize("retries", [0, 2])
