@@ -76,22 +76,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv, PIPELINE_FLAGS)
     config.validate_tta(config.model_type)
 
-    # Heavy imports only once the flags are known to be good: a typo fails in a fraction of a second.
-    from data import DataOptions, load_dataset
-    from export import export_bundle
-    from inference import run_on_bundle
-    from quantize import fp16_bundle, quantize_bundle
-    from train import build_manifest, set_torch_threads, train_stage
-    from utils import quiet_library_loggers
+    from data import DataOptions, load_dataset  # pandas and numpy, no torch
 
-    quiet_library_loggers()
-
-    set_torch_threads(config.num_threads)
     paths = BundlePaths.from_model_path(config.output_model)
 
     def stages(report: dict) -> None:
         dataset = load_dataset(DataOptions.from_config(config))
         report["dataset"] = dataset.report_section()
+        # Heavy imports only once the flags and the data are known to be good: a typo or a bad
+        # file fails in a fraction of a second, not after seconds of importing torch and DSPy.
+        from export import export_bundle
+        from inference import run_on_bundle
+        from quantize import fp16_bundle, quantize_bundle
+        from train import build_manifest, set_torch_threads, train_stage
+        from utils import quiet_library_loggers
+
+        quiet_library_loggers()  # after DSPy's import, which resets loggers
+        set_torch_threads(config.num_threads)
         trained, dataset = train_stage(config, dataset, report)
         members = train_ensemble_members(config, dataset, trained)
         manifest = build_manifest(config, trained, dataset, report.get("teacher"))
