@@ -23,7 +23,7 @@ from data import load_bundle_dataset
 from inference import create_session
 from models import WithProbabilities, load_weights
 from preprocess import PAD_ID, trim_padding
-from utils import (LOG, BundlePaths, ExportError, debug_enabled, quiet_library_loggers,
+from utils import (LOG, BundlePaths, ExportError, debug_enabled, exit_cli, quiet_library_loggers,
                    read_manifest, run_cli, run_with_report, sha256_of, staged_files,
                    stdout_to_stderr)
 
@@ -409,4 +409,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    exit_cli(run_cli(main))

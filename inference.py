@@ -19,9 +19,9 @@ import onnxruntime as ort
 
 from config import Config, RuntimeOptions, build_parser, start_cli
 from preprocess import trim_padding
-from utils import (LOG, BundlePaths, ConfigError, DataError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
-                   progress, read_manifest, require_onnx_in_bundle, run_cli, run_with_report,
-                   stdout_to_stderr)
+from utils import (LOG, BundlePaths, ConfigError, DataError, ExportError, RuntimeFailure,
+                   captured_stderr, debug_enabled, exit_cli, progress, read_manifest,
+                   require_onnx_in_bundle, run_cli, run_with_report, stdout_to_stderr)
 
 if TYPE_CHECKING:
     from iterative import MCSampler
@@ -721,4 +721,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    exit_cli(run_cli(main))

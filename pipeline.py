@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import PIPELINE_FLAGS, build_parser, start_cli
-from utils import LOG, BundlePaths, run_cli, run_with_report
+from utils import LOG, BundlePaths, exit_cli, run_cli, run_with_report
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):
@@ -119,4 +119,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    exit_cli(run_cli(main))

@@ -20,7 +20,7 @@ import onnx
 
 from config import Config, RuntimeOptions, build_parser, start_cli
 from inference import batches_of, create_session, interleaved_timings, predict_proba, session_runner
-from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json,
+from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json, exit_cli,
                    read_manifest, require_onnx_in_bundle, run_cli, run_with_report, sha256_of,
                    stdout_to_stderr)
 
@@ -326,4 +326,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    exit_cli(run_cli(main))

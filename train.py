@@ -26,7 +26,8 @@ from models import architecture_for, build_model, count_parameters, input_spec, 
 from preprocess import Tokenizer
 from tta import build_transforms, random_augment
 from utils import (BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, LOG, BundlePaths, atomic_write_json,
-                   progress, quiet_library_loggers, run_cli, run_with_report, stdout_to_stderr)
+                   exit_cli, progress, quiet_library_loggers, run_cli, run_with_report,
+                   stdout_to_stderr)
 
 OUTPUT_NAMES = ("logits", "probabilities")
 # The DSPy program's input field per preprocessing kind: text programs take the raw text.
@@ -505,4 +506,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    exit_cli(run_cli(main))

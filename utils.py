@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence, TextIO
 
 # Set before any heavy import anywhere in the process: stop ORT telemetry files and litellm's
 # network fetch of its cost map (dspy imports litellm lazily).
@@ -190,6 +190,16 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         print(f"{prog}: error: unexpected {type(err).__name__}: {first}; "
               "rerun with --log_level DEBUG for the traceback and report it", file=sys.stderr)
         return EXIT_RUNTIME
+
+
+def exit_cli(code: int) -> NoReturn:
+    """End a CLI process with `code`. Every file is written and closed by now; gc.freeze() spares
+    the interpreter's shutdown a garbage-collector walk over torch's and DSPy's objects, which
+    took 1.6 of a 9 s pipeline run (0.2 s with it)."""
+    import gc
+
+    gc.freeze()
+    raise SystemExit(code)
 
 
 def _print_traceback_if_debug() -> None:
