@@ -35,6 +35,7 @@ from preprocess import Tokenizer  # noqa: E402
 from tables import TEXT_NAMES, find_by_name, read_table, resolve, split_spec  # noqa: E402
 from utils import LOG, ConfigError, DataError, RuntimeFailure, progress, stdout_to_stderr  # noqa: E402
 
+MAX_BOOTSTRAP_ERRORS = 5
 ENDPOINT_HINT = ("check --teacher_lm and --teacher_api_base, that the server is up, and the "
                  "provider's API key variable (e.g. OPENAI_API_KEY)")
 
@@ -141,8 +142,10 @@ def compile_teacher(program: dspy.Module, lm: dspy.LM, train: Split, labels: Seq
     def correct(example, prediction, trace=None) -> bool:
         return match_label(prediction.label, labels) == example.label
 
+    # BootstrapFewShot retries nothing itself and counts every failed example; a few failures
+    # mean a dying endpoint, and waiting out timeouts on 20 × demos examples would look hung.
     optimizer = dspy.BootstrapFewShot(metric=correct, max_bootstrapped_demos=demos,
-                                      max_labeled_demos=demos, max_errors=len(trainset) + 1)
+                                      max_labeled_demos=demos, max_errors=MAX_BOOTSTRAP_ERRORS)
     # It prints a line on stdout and draws its own progress bar on stderr.
     bar = (contextlib.nullcontext() if show_progress and sys.stderr.isatty()
            else contextlib.redirect_stderr(io.StringIO()))
@@ -151,6 +154,10 @@ def compile_teacher(program: dspy.Module, lm: dspy.LM, train: Split, labels: Seq
             return optimizer.compile(program, trainset=trainset)
     except LMError as err:
         raise endpoint_failure(lm, err) from None
+    except AdapterParseError:
+        raise RuntimeFailure(f"the teacher LM {lm.model} gave {MAX_BOOTSTRAP_ERRORS} answers "
+                             "DSPy could not parse while compiling its prompt",
+                             "try --teacher_program predict, or a stronger model") from None
 
 
 # ----------------------------------------------------------------------------- unlabeled data

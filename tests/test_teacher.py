@@ -245,3 +245,22 @@ def test_chain_of_thought_teacher_reads_a_table_of_texts(tmp_path):
     answers = ask_teacher(teacher_program(list(TOPICS), "cot"), lm, texts, list(TOPICS), 2,
                           "", False)
     assert answers.labels == ["weather", "food"] and answers.outside_classes == 0
+
+
+def test_a_teacher_that_never_answers_in_format_stops_compiling():
+    """Answers DSPy cannot parse during BootstrapFewShot: a clear RuntimeFailure after a few,
+    not a pass over every training example."""
+    from dspy.utils import DummyLM
+
+    from data import Split
+    from teacher import MAX_BOOTSTRAP_ERRORS, compile_teacher, teacher_program
+    from utils import RuntimeFailure
+
+    texts = [f"text number {i}" for i in range(40)]
+    train = Split(x=np.zeros((40, 1)), y=np.zeros(40, dtype=np.int64), ids=texts, raw=texts)
+    lm = DummyLM([{"note": "no label"}] * 40)
+    with pytest.raises(RuntimeFailure, match="could not parse"):
+        compile_teacher(teacher_program(list(TOPICS), "predict"), lm, train, list(TOPICS), 2, 0,
+                        False)
+    consumed = 40 - len(list(lm.answers))  # DummyLM walks its list of answers
+    assert MAX_BOOTSTRAP_ERRORS <= consumed <= 2 * MAX_BOOTSTRAP_ERRORS  # a JSON retry each
