@@ -590,7 +590,7 @@ def _table_columns(frame, options: DataOptions, path, text: bool) -> tuple[str, 
     inputs = [resolve(frame, s, role, path) for s in split_spec(spec)]
     if text and not inputs:
         named = find_by_name(frame, TEXT_NAMES, exclude=[label] if label else [])
-        inputs = [named or _longest_text_column(frame, exclude=[label] if label else [])]
+        inputs = [named or longest_text_column(frame, exclude=[label] if label else [])]
     if label is None:
         label = (_fewest_values_column(frame, exclude=inputs) if text
                  else [c for c in frame.columns if c not in inputs][-1:] or [None])[0]
@@ -605,7 +605,12 @@ def _table_columns(frame, options: DataOptions, path, text: bool) -> tuple[str, 
     return label, inputs
 
 
-def _longest_text_column(frame, exclude: Sequence[str]) -> str | None:
+def joined_texts(frame, columns: Sequence[str]):
+    """The text of each row: its `columns` joined with a space (missing cells empty)."""
+    return frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+
+
+def longest_text_column(frame, exclude: Sequence[str] = ()) -> str | None:
     lengths = {c: frame[c].dropna().astype(str).str.len().mean() for c in frame.columns
                if c not in exclude}
     return max(lengths, key=lengths.get) if lengths else None
@@ -641,7 +646,7 @@ def _clean_rows(frame, label: str, inputs: list[str], text: bool, path,
     out = pd.DataFrame({"__label__": labels}, index=frame.index)
     keep = labels.notna() & (labels != "")
     if text:
-        joined = frame[inputs].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+        joined = joined_texts(frame, inputs)
         out["__text__"] = joined
         keep &= joined != ""
     else:

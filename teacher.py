@@ -30,7 +30,7 @@ import dspy  # noqa: E402
 import numpy as np  # noqa: E402
 from dspy.utils.exceptions import AdapterParseError, LMError  # noqa: E402
 
-from data import Dataset, Split  # noqa: E402
+from data import Dataset, Split, joined_texts, longest_text_column  # noqa: E402
 from preprocess import Tokenizer  # noqa: E402
 from tables import TEXT_NAMES, find_by_name, read_table, resolve, split_spec  # noqa: E402
 from utils import LOG, ConfigError, DataError, RuntimeFailure, progress, stdout_to_stderr  # noqa: E402
@@ -177,16 +177,12 @@ def read_unlabeled(path: str, text_column: str | None) -> list[str]:
     else:
         frame = read_table(file, None, "auto", split_spec(text_column))
         columns = ([resolve(frame, c, "text", file) for c in split_spec(text_column)]
-                   or [find_by_name(frame, TEXT_NAMES) or _longest_column(frame)])
-        texts = list(frame[columns].fillna("").astype(str).agg(" ".join, axis=1).str.strip())
+                   or [find_by_name(frame, TEXT_NAMES) or longest_text_column(frame)])
+        texts = list(joined_texts(frame, columns))
     texts = [t for t in texts if t]
     if not texts:
         raise DataError(f"--unlabeled_path {path} has no texts", "add one text per line")
     return texts
-
-
-def _longest_column(frame) -> str:
-    return max(frame.columns, key=lambda c: frame[c].dropna().astype(str).str.len().mean())
 
 
 def new_texts(texts: Sequence[str], dataset: Dataset) -> tuple[list[str], int]:
