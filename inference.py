@@ -391,7 +391,8 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
         sampler = mc_sampler(config, paths, manifest)
         sampler(batches[:1])  # warm-up
         seconds, passes = it.timed(lambda: sampler(batches))
-        rows.append(it.calibration_row("mc_dropout", passes.mean, y, seconds, single_seconds,
+        probs = passes.mean
+        rows.append(it.calibration_row("mc_dropout", probs, y, seconds, single_seconds,
                                        passes.passes_used))
     elif config.iterative == "ensemble":
         model, members = ensemble_graph(config, paths, manifest)
@@ -409,9 +410,13 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
         rows.append(it.calibration_row("state_feedback", probs, y, seconds, single_seconds,
                                        config.iterations))
     it.log_rows(rows)
+    interval = it.ece_change_interval(single_probs, probs, y, seed=config.seed)
+    verdict = it.calibration_verdict(rows[0], rows[-1], interval, len(y))
+    (LOG.warning if rows[-1]["ece"] > rows[0]["ece"] else LOG.info)("%s", verdict)
     return {"mode": config.iterative, "backend": config.iterative_backend,
             "iterations": config.iterations, "passes_used": rows[-1]["passes_used"],
-            "rows": rows}
+            "rows": rows, "ece_change": rows[-1]["ece"] - rows[0]["ece"],
+            "ece_change_interval_90": list(interval), "verdict": verdict}
 
 
 def mc_sampler(config: Config, paths: BundlePaths, manifest: dict) -> "MCSampler":

@@ -261,14 +261,45 @@ def expected_calibration_error(probabilities: np.ndarray, y: np.ndarray,
     """Σ over equal-width confidence bins of |accuracy − mean confidence| × share of samples
     (Guo et al. 2017); a bin holds confidences in (lower, upper]."""
     confidence = probabilities.max(1)
-    correct = probabilities.argmax(1) == y
-    edges = np.linspace(0, 1, bins + 1)
-    total = 0.0
-    for lower, upper in zip(edges[:-1], edges[1:]):
-        inside = (confidence > lower) & (confidence <= upper)
-        if inside.any():
-            total += abs(correct[inside].mean() - confidence[inside].mean()) * inside.mean()
-    return float(total)
+    return _binned_ece(_ece_bin(confidence, bins), confidence,
+                       probabilities.argmax(1) == y, bins)
+
+
+def _ece_bin(confidence: np.ndarray, bins: int) -> np.ndarray:
+    """Each confidence's bin: k for (k/bins, (k+1)/bins]; −1 for a confidence of 0."""
+    return np.searchsorted(np.linspace(0, 1, bins + 1), confidence, side="left") - 1
+
+
+def _binned_ece(bin_of: np.ndarray, confidence: np.ndarray, correct: np.ndarray,
+                bins: int) -> float:
+    inside = bin_of >= 0
+    bin_of, confidence, correct = bin_of[inside], confidence[inside], correct[inside]
+    counts = np.bincount(bin_of, minlength=bins)
+    gaps = np.abs(np.bincount(bin_of, correct.astype(np.float64), bins)
+                  - np.bincount(bin_of, confidence.astype(np.float64), bins))
+    return float(gaps.sum() / max(len(inside), 1)) if counts.any() else 0.0
+
+
+def ece_change_interval(single: np.ndarray, other: np.ndarray, y: np.ndarray,
+                        resamples: int = 500, seed: int = 0, level: float = 0.9
+                        ) -> tuple[float, float]:
+    """A paired bootstrap interval for ECE(other) − ECE(single): both scored on the same
+    resampled test samples. On a few hundred samples with a handful of errors, ECE moves by
+    its own size from one resample to the next; an interval that spans 0 says the test split
+    cannot tell the two apart."""
+    rng = np.random.default_rng(seed)
+    scored = []
+    for probabilities in (single, other):
+        confidence = probabilities.max(1)
+        scored.append((_ece_bin(confidence, ECE_BINS), confidence, probabilities.argmax(1) == y))
+    changes = np.empty(resamples)
+    for r in range(resamples):
+        pick = rng.integers(0, len(y), len(y))
+        first, second = (_binned_ece(b[pick], c[pick], k[pick], ECE_BINS) for b, c, k in scored)
+        changes[r] = second - first
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(changes, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def entropy(probabilities: np.ndarray) -> np.ndarray:
@@ -295,6 +326,26 @@ def calibration_row(variant: str, probabilities: np.ndarray, y: np.ndarray, seco
             "accuracy_at_90_coverage": accuracy_at_coverage(probabilities, y, uncertainty),
             "passes_used": passes_used,
             "cost_ratio": round(seconds / max(single_seconds, 1e-9), 3)}
+
+
+def calibration_verdict(single: dict, other: dict, interval: tuple[float, float],
+                        samples: int) -> str:
+    """What the extra passes bought in calibration, judged against the bootstrap interval of
+    the ECE change, and why when they made it worse."""
+    name, low, high = other["variant"], *interval
+    change = (f"ECE {single['ece']:.4f} -> {other['ece']:.4f} (90% bootstrap interval of the "
+              f"change [{low:+.4f}, {high:+.4f}] on {samples} test samples)")
+    if high < 0:
+        return f"{name} lowers {change} at {other['cost_ratio']:.2f}x the time of a single pass"
+    underconfident = single["mean_confidence"] < single["accuracy"]
+    why = (f"; the single pass is already underconfident (mean confidence "
+           f"{single['mean_confidence']:.4f} below accuracy {single['accuracy']:.4f}) and "
+           "averaging passes lowers confidence further" if underconfident
+           and other["ece"] > single["ece"] else "")
+    if low > 0:
+        return f"{name} is less well calibrated than a single pass: {change}{why}"
+    return (f"{name} shows no calibration gain this test split can detect: {change} spans 0"
+            f"{why}")
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:

@@ -646,13 +646,8 @@ def format_iterative(iterative: dict) -> list[str]:
         lines.append(f"  {row['variant']:<16} {row['accuracy']:>8.4f} {row['nll']:>8.4f} "
                      f"{row['ece']:>8.4f} {row['mean_confidence']:>10.4f} "
                      f"{row['accuracy_at_90_coverage']:>8.4f} {row['cost_ratio']:>7.2f}x")
-    single, last = iterative["rows"][0], iterative["rows"][-1]
-    if len(iterative["rows"]) > 1 and last["ece"] > single["ece"]:
-        why = ("; the single pass is already underconfident (confidence below accuracy) and "
-               "averaging makes it more so" if single["mean_confidence"] < single["accuracy"]
-               else "")
-        lines.append(f"  note: {last['variant']} is less well calibrated than a single pass "
-                     f"(ECE {last['ece']:.4f} vs {single['ece']:.4f}){why}")
+    if iterative.get("verdict"):
+        lines.append(f"  verdict: {iterative['verdict']}")
     return lines
 
 

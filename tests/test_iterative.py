@@ -30,6 +30,56 @@ def test_ece_and_abstention_match_hand_computations():
     assert accuracy_at_coverage(p, y, uncertainty, coverage=1.0) == 0.75
 
 
+def naive_ece(p, y, bins=15):
+    confidence, correct = p.max(1), p.argmax(1) == y
+    edges, total = np.linspace(0, 1, bins + 1), 0.0
+    for lower, upper in zip(edges[:-1], edges[1:]):
+        inside = (confidence > lower) & (confidence <= upper)
+        if inside.any():
+            total += abs(correct[inside].mean() - confidence[inside].mean()) * inside.mean()
+    return total
+
+
+def test_binned_ece_matches_the_bin_by_bin_formula_on_edges_too():
+    from iterative import expected_calibration_error
+
+    rng = np.random.default_rng(0)
+    for classes in (2, 3, 10):
+        p = rng.dirichlet(np.full(classes, 0.3), 500)
+        p[:30, 0] = np.linspace(0, 1, 16)[-2:].repeat(15)  # confidences on bin edges
+        p[:30, 1:] = (1 - p[:30, :1]) / (classes - 1)
+        y = rng.integers(0, classes, 500)
+        assert expected_calibration_error(p, y) == pytest.approx(naive_ece(p, y), abs=1e-12)
+
+
+def test_ece_interval_and_verdict_tell_a_real_gain_from_noise():
+    from iterative import calibration_row, calibration_verdict, ece_change_interval
+
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, 400)
+    right = rng.random(400) < 0.8  # 80% accuracy
+    predicted = np.where(right, y, 1 - y)
+    def probs(confidence):
+        p = np.full((400, 2), 1 - confidence)
+        p[np.arange(400), predicted] = confidence
+        return p
+    overconfident, calibrated = probs(0.99), probs(0.8)
+    assert ece_change_interval(overconfident, overconfident, y) == (0.0, 0.0)
+    low, high = ece_change_interval(overconfident, calibrated, y)
+    assert low < high < 0  # ECE 0.19 -> ~0: a gain the test split shows
+    single = calibration_row("single", overconfident, y, 1, 1, 1)
+    better = calibration_row("mc_dropout", calibrated, y, 4, 1, 16)
+    assert calibration_verdict(single, better, (low, high), 400).startswith(
+        f"mc_dropout lowers ECE {single['ece']:.4f} -> {better['ece']:.4f} (90% bootstrap")
+    # the other way round: less well calibrated, and an underconfident single pass says why
+    worse = calibration_verdict(better | {"variant": "single", "mean_confidence": 0.7},
+                                single | {"variant": "mc_dropout"}, (-high, -low), 400)
+    assert worse.startswith("mc_dropout is less well calibrated than a single pass")
+    assert "already underconfident" in worse
+    noise = calibration_verdict(single, single | {"variant": "ensemble"}, (-0.01, 0.01), 400)
+    assert "no calibration gain this test split can detect" in noise
+
+
 @pytest.fixture(scope="module")
 def mc(digits_bundle):
     from sklearn.datasets import load_digits
@@ -104,6 +154,12 @@ def test_inference_mc_dropout_report(digits_bundle):
     for row in (single, mc):
         assert 0 <= row["ece"] <= 1 and row["nll"] > 0 and 0 <= row["accuracy"] <= 1
         assert row["accuracy_at_90_coverage"] >= row["accuracy"] - 0.02
+    assert iterative["ece_change"] == pytest.approx(mc["ece"] - single["ece"])
+    low, high = iterative["ece_change_interval_90"]
+    assert low <= high and iterative["verdict"].startswith("mc_dropout ")
+    assert "verdict: mc_dropout " in run_cli("inference.py", "--model", digits_bundle["model"],
+                                             "--iterative", "mc_dropout", "--iterations", "4"
+                                             ).stdout
 
 
 def recurrent_bundle(digits_bundle, folder):
