@@ -340,7 +340,8 @@ def calibration_verdict(single: dict, other: dict, interval: tuple[float, float]
     underconfident = single["mean_confidence"] < single["accuracy"]
     why = (f"; the single pass is already underconfident (mean confidence "
            f"{single['mean_confidence']:.4f} below accuracy {single['accuracy']:.4f}) and "
-           "averaging passes lowers confidence further" if underconfident
+           f"averaging {'members' if name == 'ensemble' else 'passes'} lowers confidence further"
+           if underconfident
            and other["ece"] > single["ece"] else "")
     if low > 0:
         return f"{name} is less well calibrated than a single pass: {change}{why}"
