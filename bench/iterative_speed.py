@@ -96,11 +96,12 @@ def calibration_over_seeds(name: str, model_type: str, dataset_path: str, passes
             it.PASSES_OUTPUT))
         plain, mc = np.concatenate([single(b) for b in batches]), sampler(batches).mean
         low, high = it.ece_change_interval(plain, mc, y, seed=seed)
-        ece = it.expected_calibration_error(plain, y), it.expected_calibration_error(mc, y)
-        changes.append(ece[1] - ece[0])
-        print(f"{seed:>4} {len(y):>5} {np.mean(plain.argmax(1) == y):>8.4f} {ece[0]:>10.4f} "
-              f"{ece[1]:>8.4f} {f'[{low:+.4f}, {high:+.4f}]':>18} {it.nll(plain, y):>10.4f} "
-              f"{it.nll(mc, y):>8.4f} {plain.max(1).mean():>6.4f}->{mc.max(1).mean():.4f}")
+        one, many = (it.calibration_row(name, p, y, 1, 1, 1) for name, p in
+                     (("single", plain), ("mc", mc)))
+        changes.append(many["ece"] - one["ece"])
+        print(f"{seed:>4} {len(y):>5} {one['accuracy']:>8.4f} {one['ece']:>10.4f} "
+              f"{many['ece']:>8.4f} {f'[{low:+.4f}, {high:+.4f}]':>18} {one['nll']:>10.4f} "
+              f"{many['nll']:>8.4f} {one['mean_confidence']:>6.4f}->{many['mean_confidence']:.4f}")
     lower = sum(c < 0 for c in changes)
     print(f"mean ECE change {np.mean(changes):+.4f}; MC lower in {lower} of {seeds} seeds")
 
