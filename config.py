@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from runtime import RuntimeOptions, parse_ep_options, parse_providers
 from utils import ConfigError
 
 MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
@@ -20,32 +21,6 @@ BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabul
                     "builtin:wine": "tabular_classifier",
                     "builtin:breast_cancer": "tabular_classifier"}
 TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
-
-# Short names for ONNX Runtime execution providers; full names are accepted too.
-EP_ALIASES = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-    "trt": "TensorrtExecutionProvider",
-    "dml": "DmlExecutionProvider",
-    "openvino": "OpenVINOExecutionProvider",
-    "coreml": "CoreMLExecutionProvider",
-    "rocm": "ROCMExecutionProvider",
-}
-
-# Provider options we check by name (ONNX Runtime ignores or rejects misspelt ones at run time);
-# other providers' options pass through unchecked.
-EP_OPTION_KEYS = {
-    "CUDAExecutionProvider": ("device_id", "gpu_mem_limit", "arena_extend_strategy",
-                              "cudnn_conv_algo_search", "do_copy_in_default_stream",
-                              "cudnn_conv_use_max_workspace", "enable_cuda_graph"),
-    "TensorrtExecutionProvider": ("device_id", "trt_fp16_enable", "trt_int8_enable",
-                                  "trt_engine_cache_enable", "trt_engine_cache_path",
-                                  "trt_max_workspace_size", "trt_timing_cache_enable",
-                                  "trt_timing_cache_path", "trt_builder_optimization_level"),
-    "CPUExecutionProvider": ("use_arena",),
-}
-CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 
 GROUPS = {
     "data": "data",
@@ -73,90 +48,6 @@ def parse_bool(text: str | bool) -> bool:
     if value in _FALSE:
         return False
     raise argparse.ArgumentTypeError(f"expected true or false (also 1/0, yes/no), got {text!r}")
-
-
-def parse_providers(text: str) -> list[str]:
-    """'cuda,cpu' -> full ONNX Runtime provider names, in priority order, CPU always last."""
-    names: list[str] = []
-    for raw in str(text).split(","):
-        item = raw.strip()
-        if not item:
-            continue
-        full = EP_ALIASES.get(item.lower())
-        if full is None and item in EP_ALIASES.values():
-            full = item
-        if full is None:
-            valid = ", ".join(sorted(set(EP_ALIASES)))
-            raise ConfigError(f"unknown execution provider {item!r} in --ep",
-                              f"use one or more of: {valid} (comma-separated, highest priority first)")
-        if full not in names:
-            names.append(full)
-    if not names:
-        raise ConfigError("--ep is empty", "use e.g. --ep cpu or --ep cuda,cpu")
-    if "CPUExecutionProvider" in names:
-        names.remove("CPUExecutionProvider")
-    return names + ["CPUExecutionProvider"]
-
-
-def parse_ep_options(text: str | None, providers: Sequence[str]) -> dict[str, dict[str, str]]:
-    """--ep_options as JSON ({"cuda": {"device_id": 0}} or, for the first provider, {"device_id":
-    0}) or a key=value list ("cuda.device_id=0,tensorrt.trt_fp16_enable=true"; a key without a
-    provider goes to the first one). Returns {full provider name: {key: string value}}."""
-    import json
-
-    if not text:
-        return {}
-    pairs: list[tuple[str | None, str, object]] = []
-    if text.strip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"--ep_options is not valid JSON ({err.msg} at column {err.colno})",
-                              'e.g. --ep_options \'{"cuda": {"device_id": 0}}\'') from None
-        for key, value in data.items():
-            if isinstance(value, dict):
-                pairs += [(key, k, v) for k, v in value.items()]
-            else:
-                pairs.append((None, key, value))
-    else:
-        for item in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"--ep_options item {item!r} is not key=value",
-                                  "e.g. --ep_options cuda.device_id=0,cuda.gpu_mem_limit=2000000000")
-            provider, _, name = key.strip().rpartition(".")
-            pairs.append((provider or None, name, value.strip()))
-    options: dict[str, dict[str, str]] = {}
-    for provider, key, value in pairs:
-        full = parse_providers(provider)[0] if provider else providers[0]
-        if full not in providers:
-            raise ConfigError(f"--ep_options names {full}, which --ep does not request",
-                              "add it to --ep or drop its options")
-        allowed = EP_OPTION_KEYS.get(full)
-        if allowed is not None and key not in allowed:
-            raise ConfigError(f"--ep_options: unknown option {key!r} for {full}",
-                              f"valid: {', '.join(allowed)}")
-        text_value = str(value).lower() if isinstance(value, bool) else str(value)
-        if key == "cudnn_conv_algo_search" and text_value.upper() not in CUDNN_SEARCH:
-            raise ConfigError(f"--ep_options: cudnn_conv_algo_search {value!r}",
-                              f"use one of {', '.join(CUDNN_SEARCH)}")
-        options.setdefault(full, {})[key] = text_value
-    trt = options.get("TensorrtExecutionProvider", {})
-    if "trt_engine_cache_path" in trt:  # a cache path means: keep engines between cron runs
-        trt.setdefault("trt_engine_cache_enable", "true")
-    return options
-
-
-@dataclass
-class RuntimeOptions:
-    """How ONNX Runtime sessions are made: providers, their options, threads."""
-
-    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
-    provider_options: dict[str, dict[str, str]] = field(default_factory=dict)
-    intra_op_threads: int = 1
-    inter_op_threads: int = 1
-    execution_mode: str = "sequential"
-    strict: bool = False
 
 
 def parse_image_size(text: str) -> tuple[int, int]:

@@ -11,7 +11,6 @@ No torch here: inference.py imports this module.
 """
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,15 +18,13 @@ from typing import Sequence
 
 import numpy as np
 
-from preprocess import TabularEncoder, Tokenizer
-from tables import (IMAGE_NAMES, LABEL_NAMES, TABLE_FORMATS, TEXT_NAMES, find_by_name,
-                    read_table, resolve, split_spec, undetectable)
+from preprocess import GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, image_files
+from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, joined_texts,
+                    label_texts, read_table, split_spec)
 from utils import LOG, DataError, progress
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
                   "builtin:breast_cancer": "load_breast_cancer"}
-GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L"}
 DEFAULT_MAX_SIDE = 64
 SPLITS = ("train", "val", "test")
 
@@ -114,6 +111,7 @@ class Dataset:
     options: DataOptions
     skipped: list[str] = field(default_factory=list)
     dropped_rows: int = 0
+    columns: Columns | None = None  # a table's label and input columns, as resolved
 
     @property
     def train(self) -> Split:
@@ -184,7 +182,7 @@ def load_bundle_dataset(manifest: dict, path: str | None, splits: Sequence[str],
 def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,
                        labels: Sequence[str] | None = None,
                        splits: Sequence[str] = SPLITS) -> Dataset:
-    items, given, builtin_pixels = _list_items(options)
+    items, given, builtin_pixels, columns = _list_items(options)
     trained = labels is not None
     labels = list(labels) if trained else _sorted_labels(i.label for i in items if i.split == "train")
     _check_labels({i.label for i in items}, labels, options.path, trained)
@@ -211,48 +209,33 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
     return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
                    splits=decoded,
                    counts={s: counts.get(s, 0) for s in SPLITS}, given_splits=given,
-                   options=options, skipped=skipped)
-
-
-def decode_image_file(path: Path, preprocessing: dict) -> np.ndarray:
-    """One image file → float32 (C, H, W) in [0, 1], exactly as the model was trained."""
-    from PIL import Image, ImageOps
-
-    height, width = preprocessing["image_size"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(path) as img:
-            img = ImageOps.exif_transpose(img) or img
-            img = img.convert("L" if preprocessing["channels"] == 1 else "RGB")
-            if img.size != (width, height):
-                img = img.resize((width, height), Image.Resampling.BILINEAR)
-            pixels = np.asarray(img, dtype=np.float32) / 255.0
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+                   options=options, skipped=skipped, columns=columns)
 
 
 # ----------------------------------------------------------------------------- listing
 
 
-def _list_items(options: DataOptions) -> tuple[list[_Item], bool, np.ndarray | None]:
-    """All samples with their labels and split; built-in data also returns its pixel array."""
+def _list_items(options: DataOptions
+                ) -> tuple[list[_Item], bool, np.ndarray | None, Columns | None]:
+    """All samples with their labels and split; built-in data also returns its pixel array, a
+    table of image paths its columns."""
     if options.path == "builtin:digits":
         pixels, items = _builtin_digits()
         _assign_splits(items, options.val_fraction, options.test_fraction, options.seed)
-        return items, False, pixels
+        return items, False, pixels, None
     root = Path(options.path)
     if not root.exists():
         raise DataError(f"dataset path {root} does not exist",
                         "check the path, or use --dataset_path builtin:digits")
     if root.is_dir():
-        items, given = _list_folder(root, options)
-    elif options.dataset_format or root.suffix.lower() in TABLE_FORMATS:
-        items, given = _list_table(root, options), False
+        return (*_list_folder(root, options), None, None)
+    if options.dataset_format or root.suffix.lower() in TABLE_FORMATS:
+        items, columns = _list_table(root, options)
         _assign_splits(items, options.val_fraction, options.test_fraction, options.seed)
-    else:
-        raise DataError(f"cannot read {root}: expected a folder or a "
-                        f"{'/'.join(sorted(TABLE_FORMATS))} file",
-                        "pass an image folder ROOT/<class>/*.png or a table of image paths")
-    return items, given, None
+        return items, False, None, columns
+    raise DataError(f"cannot read {root}: expected a folder or a "
+                    f"{'/'.join(sorted(TABLE_FORMATS))} file",
+                    "pass an image folder ROOT/<class>/*.png or a table of image paths")
 
 
 def _builtin_digits() -> tuple[np.ndarray, list[_Item]]:
@@ -264,17 +247,11 @@ def _builtin_digits() -> tuple[np.ndarray, list[_Item]]:
     return pixels, items
 
 
-def _is_image_file(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not any(
-        part.startswith(".") for part in path.parts[-2:])
-
-
 def _class_folder_items(root: Path, split: str) -> list[_Item]:
     items = []
     for class_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for file in sorted(class_dir.rglob("*")):
-            if _is_image_file(file):
-                items.append(_Item(source=file, label=class_dir.name, split=split))
+        items += [_Item(source=file, label=class_dir.name, split=split)
+                  for file in image_files(class_dir)]
     return items
 
 
@@ -302,46 +279,21 @@ def _list_folder(root: Path, options: DataOptions) -> tuple[list[_Item], bool]:
     return items, given
 
 
-def _list_table(path: Path, options: DataOptions) -> list[_Item]:
+def _list_table(path: Path, options: DataOptions) -> tuple[list[_Item], Columns]:
     named = [s for s in (options.image_column, options.label_column) if s]
     frame = read_table(path, options.dataset_format, options.has_header, named)
-    image_col = (resolve(frame, options.image_column, "image", path) if options.image_column
-                 else find_by_name(frame, IMAGE_NAMES) or _image_like_column(frame))
-    if image_col is None:
-        raise undetectable(path, "image", frame)
-    label_col = (resolve(frame, options.label_column, "label", path) if options.label_column
-                 else find_by_name(frame, LABEL_NAMES, exclude=[image_col])
-                 or _only_other_column(frame, [image_col]))
-    if label_col is None:
-        raise undetectable(path, "label", frame)
-    missing = frame[label_col].isna() | frame[image_col].isna()
-    if missing.any():
-        LOG.warning("dropped %d rows of %s with a missing image path or label", int(missing.sum()),
+    columns = detect_columns(frame, "image", path, options.label_column, options.image_column)
+    image_col = columns.inputs[0]
+    labels = label_texts(frame[columns.label])
+    missing = [lab is None or path_cell != path_cell
+               for lab, path_cell in zip(labels, frame[image_col])]
+    if any(missing):
+        LOG.warning("dropped %d rows of %s with a missing image path or label", sum(missing),
                     path)
-    frame = frame[~missing]
     base = path.parent
     return [_Item(source=(base / str(img)).resolve() if not Path(str(img)).is_absolute()
-                  else Path(str(img)), label=_label_text(lab))
-            for img, lab in zip(frame[image_col], frame[label_col])]
-
-
-def _image_like_column(frame) -> str | None:
-    for column in frame.columns:
-        values = frame[column].dropna().astype(str).str.lower()
-        if len(values) and values.str.endswith(IMAGE_EXTENSIONS).mean() >= 0.8:
-            return column
-    return None
-
-
-def _only_other_column(frame, used: Sequence[str]) -> str | None:
-    others = [c for c in frame.columns if c not in used]
-    return others[0] if len(others) == 1 else None
-
-
-def _label_text(value) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value).strip()
+                  else Path(str(img)), label=lab)
+            for img, lab, gone in zip(frame[image_col], labels, missing) if not gone], columns
 
 
 def _sorted_labels(values) -> list[str]:
@@ -502,6 +454,7 @@ class _TableSplits:
     ids: dict[str, list[str]]
     given: bool
     dropped: int
+    columns: Columns
 
 
 def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = None,
@@ -527,22 +480,23 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
                         "add rows, pass --test_path, or raise --test_fraction")
     return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
                    splits=encoded, counts={s: len(table.labels[s]) for s in SPLITS},
-                   given_splits=table.given, options=options, dropped_rows=table.dropped)
+                   given_splits=table.given, options=options, dropped_rows=table.dropped,
+                   columns=table.columns)
 
 
 def _read_table_splits(options: DataOptions) -> _TableSplits:
     text = options.model_type == "text_classifier"
     main, path = _read_main_table(options)
-    label_col, input_cols = _table_columns(main, options, path, text)
-    parts = {"main": _clean_rows(main, label_col, input_cols, text, path)}
+    columns = detect_columns(main, "text" if text else "feature", path, options.label_column,
+                             options.text_column if text else options.feature_columns)
+    parts = {"main": _clean_rows(main, columns, text, path)}
     for split in ("val", "test"):
         extra = getattr(options, f"{split}_path")
         if extra:
             frame = read_table(Path(extra), options.dataset_format, options.has_header,
-                               [label_col, *input_cols])
-            label_x, inputs_x = _same_columns(frame, main, label_col, input_cols, Path(extra))
-            parts[split] = _clean_rows(frame, label_x, inputs_x, text, Path(extra),
-                                       store_as=input_cols)
+                               [columns.label, *columns.inputs])
+            parts[split] = _clean_rows(frame, _same_columns(frame, main, columns, Path(extra)),
+                                       text, Path(extra), store_as=columns.inputs)
     main_frame = parts["main"]
     missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in parts}
     assigned = assign_splits(list(main_frame["__label__"]), missing.get("val", 0.0),
@@ -557,7 +511,7 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
         inputs={s: list(f["__text__"]) if text else f.drop(columns="__label__")
                 for s, f in frames.items()},
         ids={s: [f"{f.attrs.get('source', path)}:{i}" for i in f.index] for s, f in frames.items()},
-        given=len(parts) > 1, dropped=dropped)
+        given=len(parts) > 1, dropped=dropped, columns=columns)
 
 
 def _read_main_table(options: DataOptions):
@@ -581,47 +535,7 @@ def _read_main_table(options: DataOptions):
     return read_table(path, options.dataset_format, options.has_header, named), path
 
 
-def _table_columns(frame, options: DataOptions, path, text: bool) -> tuple[str, list[str]]:
-    """The label column and the input columns (texts to join, or features)."""
-    label = resolve(frame, options.label_column, "label", path) if options.label_column else (
-        find_by_name(frame, LABEL_NAMES))
-    role = "text" if text else "feature"
-    spec = options.text_column if text else options.feature_columns
-    inputs = [resolve(frame, s, role, path) for s in split_spec(spec)]
-    if text and not inputs:
-        named = find_by_name(frame, TEXT_NAMES, exclude=[label] if label else [])
-        inputs = [named or longest_text_column(frame, exclude=[label] if label else [])]
-    if label is None:
-        label = (_fewest_values_column(frame, exclude=inputs) if text
-                 else [c for c in frame.columns if c not in inputs][-1:] or [None])[0]
-        if label is None:
-            raise undetectable(path, "label", frame)
-    if not text and not inputs:
-        inputs = [c for c in frame.columns if c != label]
-    if label in inputs or not inputs or inputs == [None]:
-        raise DataError(f"{path}: the label column {label!r} is also an input, or there are no "
-                        f"input columns; its columns are {list(frame.columns)}",
-                        f"pass --label_column and --{role}_column{'s' if not text else ''}")
-    return label, inputs
-
-
-def joined_texts(frame, columns: Sequence[str]):
-    """The text of each row: its `columns` joined with a space (missing cells empty)."""
-    return frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
-
-
-def longest_text_column(frame, exclude: Sequence[str] = ()) -> str | None:
-    lengths = {c: frame[c].dropna().astype(str).str.len().mean() for c in frame.columns
-               if c not in exclude}
-    return max(lengths, key=lengths.get) if lengths else None
-
-
-def _fewest_values_column(frame, exclude: Sequence[str]) -> str | None:
-    counts = {c: frame[c].nunique() for c in frame.columns if c not in exclude}
-    return min(counts, key=counts.get) if counts else None
-
-
-def _same_columns(frame, main, label: str, inputs: list[str], path: Path):
+def _same_columns(frame, main, columns: Columns, path: Path) -> Columns:
     """The columns of a --val_path/--test_path file: same names, else same positions."""
     def find(name: str) -> str:
         if name in frame.columns:
@@ -631,26 +545,23 @@ def _same_columns(frame, main, label: str, inputs: list[str], path: Path):
             return frame.columns[position]
         raise DataError(f"{path} has no column {name!r}; its columns are {list(frame.columns)}",
                         "give it the same columns as the training file")
-    return find(label), [find(c) for c in inputs]
+    return Columns(find(columns.label), [find(c) for c in columns.inputs])
 
 
-def _clean_rows(frame, label: str, inputs: list[str], text: bool, path,
-                store_as: list[str] | None = None):
+def _clean_rows(frame, columns: Columns, text: bool, path, store_as: list[str] | None = None):
     """Rows with a missing label (or an empty text) are dropped with one WARNING.
 
     Features are kept under the training file's column names (`store_as`) so that a split file
     matched by position encodes like the training file."""
     import pandas as pd
 
-    labels = frame[label].map(lambda v: None if v is None or v != v else _label_text(v))
-    out = pd.DataFrame({"__label__": labels}, index=frame.index)
-    keep = labels.notna() & (labels != "")
+    out = pd.DataFrame({"__label__": label_texts(frame[columns.label])}, index=frame.index)
+    keep = out["__label__"].notna()
     if text:
-        joined = joined_texts(frame, inputs)
-        out["__text__"] = joined
-        keep &= joined != ""
+        out["__text__"] = joined_texts(frame, columns.inputs)
+        keep &= out["__text__"] != ""
     else:
-        for column, name in zip(inputs, store_as or inputs):
+        for column, name in zip(columns.inputs, store_as or columns.inputs):
             out[name] = frame[column]
     dropped = int((~keep).sum())
     if dropped:
@@ -684,6 +595,6 @@ def _encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.nda
                         f"its columns are {list(inputs.columns)}")
     x, bad = encoder.transform(inputs)
     if bad:
-        LOG.warning("%d non-numeric values in numeric columns of the %s split were treated as "
-                    "missing", bad, split)
+        LOG.warning("%d rows of the %s split hold a non-numeric or out-of-range value in a "
+                    "numeric column; non-numbers are treated as missing", bad, split)
     return x

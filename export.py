@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,14 +17,16 @@ import numpy as np
 import onnx
 import torch
 
-from config import Config, RuntimeOptions, build_parser, start_cli
+from config import Config, build_parser, start_cli
 from data import load_bundle_dataset
-from inference import create_session
+from metrics import top1_agreement
+from runtime import RuntimeOptions, create_session
 from models import WithProbabilities, load_weights
 from preprocess import PAD_ID, trim_padding
-from utils import (LOG, BundlePaths, ExportError, debug_enabled, exit_cli, quiet_library_loggers,
-                   read_manifest, run_cli, run_with_report, sha256_of, staged_files,
-                   stdout_to_stderr)
+from bundle import BundlePaths, manifest_text, read_manifest, record_export
+from report import run_with_report
+from utils import (ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers, run_cli,
+                   sha256_of, staged_files, stdout_to_stderr)
 
 MIN_CHECK_SAMPLES = 32
 MAX_CHECK_SAMPLES = 64
@@ -163,7 +164,7 @@ def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np
                 session.run(None, {input_name: probe[i:i + size]})
                 for i in range(0, len(probe), size)))]
             max_diff = max(max_diff, *(float(np.abs(g - e).max()) for g, e in zip(got, expected)))
-            agreement = min(agreement, float((got[0].argmax(1) == expected[0].argmax(1)).mean()))
+            agreement = min(agreement, top1_agreement(got[0], expected[0]))
         outputs[name] = got
     padding_diff = None
     if "padded" in outputs:
@@ -348,14 +349,15 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
         staged_onnx = stage(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
         hashes["onnx"] = sha256_of(staged_onnx)
         result.size_bytes = staged_onnx.stat().st_size
-        fill_export_manifest(manifest, paths, result, extras, hashes)
-        stage(paths.manifest, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n",
+        record_export(manifest, paths, export_section(result),
+                      {key: extra.info for key, extra in extras.items()}, hashes)
+        stage(paths.manifest, lambda tmp: tmp.write_text(manifest_text(manifest),
                                                           encoding="utf-8"))
 
 
-def fill_export_manifest(manifest: dict, paths: BundlePaths, result: ExportResult,
-                         extras: dict[str, ExtraGraph], hashes: dict[str, str]) -> None:
-    manifest["export"] = {
+def export_section(result: ExportResult) -> dict:
+    """The manifest's record of how model.onnx was made and checked."""
+    return {
         "exporter": f"torch.onnx.export (dynamo) torch {torch.__version__}",
         "slimmer": "onnxslim", "opset": result.opset, "checker": "passed (full_check)",
         "nodes_before_slim": result.nodes_before_slim, "nodes_after_slim": result.nodes_after_slim,
@@ -363,13 +365,6 @@ def fill_export_manifest(manifest: dict, paths: BundlePaths, result: ExportResul
         "samples_checked": result.check.samples, "batch_sizes_checked": result.check.batch_sizes,
         "probes": result.check.probes, "padding_max_diff": result.check.padding_max_diff,
         "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds}
-    manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
-                         "sha256": {"onnx": hashes["onnx"], "weights": hashes["weights"]}}
-    manifest["extra_graphs"] = {}
-    for key, extra in extras.items():
-        manifest["files"][key] = paths.variant(key).name
-        manifest["files"]["sha256"][key] = hashes[key]
-        manifest["extra_graphs"][key] = {"file": paths.variant(key).name, **extra.info}
 
 
 # ----------------------------------------------------------------------------- CLI

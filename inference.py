@@ -7,219 +7,25 @@ way). This path imports neither torch nor dspy.
 """
 from __future__ import annotations
 
-import math
-import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
-import onnxruntime as ort
 
-from config import Config, RuntimeOptions, build_parser, start_cli
-from preprocess import trim_padding
-from utils import (LOG, BundlePaths, ConfigError, DataError, ExportError, RuntimeFailure,
-                   captured_stderr, debug_enabled, exit_cli, progress, read_manifest,
-                   require_onnx_in_bundle, run_cli, run_with_report, stdout_to_stderr)
+from bundle import BundlePaths, read_manifest, require_onnx_in_bundle
+from config import Config, build_parser, start_cli
+from metrics import accuracy, ece_change_interval, entropy
+from report import run_with_report
+from runtime import (batches_of, best_of, create_session, predict_proba, session_device,
+                     session_runner, state_input, time_runners)
+from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
 
 if TYPE_CHECKING:
+    import onnxruntime as ort
+
     from iterative import MCSampler
     from tta import TTARunner
-
-WARMUP_RUNS = 3
-MIN_TIMED_BATCHES = 30
-MAX_TIMING_SECONDS = 2.0
-
-
-def create_session(model: str | bytes, runtime: RuntimeOptions,
-                   session_args: dict | None = None) -> ort.InferenceSession:
-    """An ORT session with all graph optimisations, on the first usable of `runtime.providers`.
-
-    onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
-    and silently runs on CPU. We capture those errors, compare the active providers with the
-    request, and say in one WARNING which provider is inactive and why (exit 5 with `strict`).
-    """
-    strict = runtime.strict
-    available = ort.get_available_providers()
-    missing = [p for p in runtime.providers if p not in available]
-    if missing:
-        fallback(f"{', '.join(missing)} not in this onnxruntime build (it has "
-                 f"{', '.join(available)})", strict)
-    usable = [p for p in runtime.providers if p in available] or ["CPUExecutionProvider"]
-    with_options = [(p, runtime.provider_options.get(p, {})) for p in usable]
-    cache = runtime.provider_options.get("TensorrtExecutionProvider", {}).get("trt_engine_cache_path")
-    if cache:
-        Path(cache).mkdir(parents=True, exist_ok=True)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = runtime.intra_op_threads
-    options.inter_op_num_threads = runtime.inter_op_threads
-    options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if runtime.execution_mode == "parallel"
-                              else ort.ExecutionMode.ORT_SEQUENTIAL)
-    options.log_severity_level = 0 if debug_enabled() else 3
-    try:
-        # ORT's Python layer print()s provider errors to stdout: keep them off our stdout.
-        if debug_enabled():
-            with stdout_to_stderr():
-                session = ort.InferenceSession(model, options, providers=with_options,
-                                               **(session_args or {}))
-            ort_errors: list[str] = []
-        else:
-            with captured_stderr() as ort_errors, stdout_to_stderr():
-                session = ort.InferenceSession(model, options, providers=with_options,
-                                               **(session_args or {}))
-    except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
-        name = model if isinstance(model, str) else "the exported graph"
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ExportError(f"ONNX Runtime cannot load {name}: {first}",
-                          "the file may be truncated or not an ONNX model; re-run export.py "
-                          "or pipeline.py") from None
-    inactive = [p for p in usable if p not in session.get_providers()]
-    if inactive:
-        fallback(f"{', '.join(inactive)} could not start: {provider_failure_reason(ort_errors)}; "
-                 f"running on {', '.join(session.get_providers())}", strict)
-    return session
-
-
-def fallback(message: str, strict: bool) -> None:
-    if strict:
-        raise RuntimeFailure(f"execution provider fallback: {message}",
-                             "fix the provider's drivers, or drop --strict_ep to allow fallback")
-    LOG.warning("execution provider fallback: %s", message)
-
-
-def provider_failure_reason(lines: Sequence[str]) -> str:
-    """The most telling line of ONNX Runtime's provider errors, without colours and prefixes."""
-    clean = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in lines]
-    for key in ("cannot open shared object", "Failed to load", "Error", "error"):
-        for line in clean:
-            if key in line:
-                return line.split("FAIL : ", 1)[-1].split("] ", 1)[-1][:400]
-    return "its libraries or drivers are missing (no details from ONNX Runtime)"
-
-
-def batches_of(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    """Contiguous batches; token ids lose the padding columns no text in the batch needs."""
-    out = [np.ascontiguousarray(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
-    if x.ndim == 2 and x.dtype == np.int64:
-        out = [np.ascontiguousarray(trim_padding(b)) for b in out]
-    return out
-
-
-GPU_DEVICES = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
-
-
-def session_device(session: ort.InferenceSession) -> str | None:
-    """The device IOBinding should use: "cuda" when a CUDA-type provider runs the session."""
-    return GPU_DEVICES.get(session.get_providers()[0])
-
-
-def iobinding_runner(session: ort.InferenceSession, device: str, device_id: int = 0,
-                     output: str = "probabilities") -> Callable[[np.ndarray], np.ndarray]:
-    """Run through IOBinding: the input is copied to `device` once and the output is allocated
-    there by ORT, instead of session.run's own copies (what matters on CUDA)."""
-    name = session.get_inputs()[0].name
-    binding = session.io_binding()
-
-    def run(batch: np.ndarray) -> np.ndarray:
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(batch, device,
-                                                                           device_id))
-        binding.bind_output(output, device, device_id)
-        session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
-
-    return run
-
-
-def session_runner(session: ort.InferenceSession, output: str = "probabilities",
-                   state_passes: int = 1) -> Callable[[np.ndarray], np.ndarray]:
-    """A batch → probabilities; through IOBinding when a GPU provider runs the session. A graph
-    with a `state` input is run `state_passes` times, fed its own `state_out` (zeros first)."""
-    state = state_input(session)
-    if state is not None:
-        from iterative import STATE_INPUT, STATE_OUTPUT, state_loop
-
-        name = session.get_inputs()[0].name
-
-        def run_with_state(batch: np.ndarray, current: np.ndarray):
-            return session.run([output, STATE_OUTPUT], {name: batch, STATE_INPUT: current})
-
-        return lambda batch: state_loop(run_with_state, batch, state, state_passes)
-    device = session_device(session)
-    if device is not None:
-        provider = session.get_providers()[0]
-        options = session.get_provider_options().get(provider, {})
-        return iobinding_runner(session, device, int(options.get("device_id", 0)), output)
-    name = session.get_inputs()[0].name
-    return lambda batch: session.run([output], {name: batch})[0]
-
-
-def state_input(session: ort.InferenceSession) -> list[int] | None:
-    """The per-sample shape of a recurrent graph's `state` input, or None."""
-    for graph_input in session.get_inputs()[1:]:
-        if graph_input.name == "state":
-            shape = graph_input.shape[1:]
-            if not all(isinstance(d, int) for d in shape):
-                raise ExportError(f"the state input's shape {graph_input.shape} is not fixed "
-                                  "after the batch axis", "export the state with a fixed size")
-            return shape
-    return None
-
-
-def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
-                  output: str = "probabilities") -> np.ndarray:
-    run = session_runner(session, output=output)
-    return np.concatenate([run(batch) for batch in batches_of(x, batch_size)])
-
-
-def time_batches(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
-                 show_progress: bool) -> list[tuple[float, int]]:
-    """(seconds, samples) per session.run over whole passes of `x`, after a warm-up.
-
-    Enough passes for at least MIN_TIMED_BATCHES batches (so p95 means something), stopping
-    early once MAX_TIMING_SECONDS are spent (always at least one full pass).
-    """
-    run = session_runner(session)
-    batches = batches_of(x, batch_size)
-    for _ in range(WARMUP_RUNS):
-        run(batches[0])
-    passes = max(1, math.ceil(MIN_TIMED_BATCHES / len(batches)))
-    timings: list[tuple[float, int]] = []
-    budget_end = time.perf_counter() + MAX_TIMING_SECONDS
-    for _ in progress(range(passes), desc="timing", enabled=show_progress):
-        for batch in batches:
-            start = time.perf_counter()
-            run(batch)
-            timings.append((time.perf_counter() - start, len(batch)))
-        if time.perf_counter() > budget_end:
-            break
-    return timings
-
-
-MIN_TIMING_SECONDS = 0.3
-
-
-def interleaved_timings(runners: Sequence[Callable[[np.ndarray], object]],
-                        batches: Sequence[np.ndarray], runs: int, warmup: int = 3
-                        ) -> list[list[float]]:
-    """Seconds per call for each runner, taking turns on the same batches so that machine noise
-    hits all of them alike: at least `runs` turns and MIN_TIMING_SECONDS (sub-millisecond models
-    need many turns for a stable p50), at most 20 × `runs`."""
-    times: list[list[float]] = [[] for _ in runners]
-    started = time.perf_counter()
-    i = 0
-    while i < runs + warmup or (time.perf_counter() - started < MIN_TIMING_SECONDS
-                                and i < 20 * runs + warmup):
-        batch = batches[i % len(batches)]
-        for k, run in enumerate(runners):
-            start = time.perf_counter()
-            run(batch)
-            if i >= warmup:
-                times[k].append(time.perf_counter() - start)
-        i += 1
-    return times
-
 
 @dataclass
 class Variant:
@@ -238,22 +44,17 @@ def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray
                        batch_size: int) -> list[dict]:
     """One row per variant: size, accuracy, p50/p95 latency at batch 1, throughput at batch_size
     (the yolo-benchmark table)."""
-    accuracy = [float((np.concatenate([v.predict(b) for b in batches_of(x, batch_size)])
-                       .argmax(1) == y).mean()) for v in variants]
-    single = interleaved_timings([v.predict for v in variants], batches_of(x, 1), BENCHMARK_RUNS)
-    large = batches_of(x, batch_size)
-    batched = interleaved_timings([v.predict for v in variants], large, BENCHMARK_RUNS)
-    rows = []
-    for k, variant in enumerate(variants):
-        ms = np.array(single[k]) * 1e3
-        samples = sum(len(large[i % len(large)]) for i in range(len(batched[k])))
-        rows.append({"variant": variant.name, "provider": variant.provider,
-                     "size_mb": round(variant.size_bytes / 1e6, 3), "accuracy": accuracy[k],
-                     "latency_ms_p50_batch1": round(float(np.percentile(ms, 50)), 4),
-                     "latency_ms_p95_batch1": round(float(np.percentile(ms, 95)), 4),
-                     "throughput_per_s": round(samples / float(np.sum(batched[k])), 1),
-                     "batch_size": batch_size})
-    return rows
+    scores = [accuracy(np.concatenate([v.predict(b) for b in batches_of(x, batch_size)]), y)
+              for v in variants]
+    single = time_runners([v.predict for v in variants], batches_of(x, 1), BENCHMARK_RUNS)
+    batched = time_runners([v.predict for v in variants], batches_of(x, batch_size),
+                           BENCHMARK_RUNS)
+    return [{"variant": variant.name, "provider": variant.provider,
+             "size_mb": round(variant.size_bytes / 1e6, 3), "accuracy": scores[k],
+             "latency_ms_p50_batch1": single.percentile_ms(k, 50),
+             "latency_ms_p95_batch1": single.percentile_ms(k, 95),
+             "throughput_per_s": batched.throughput(k), "batch_size": batch_size}
+            for k, variant in enumerate(variants)]
 
 
 def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[Variant]:
@@ -312,19 +113,17 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
     """Test accuracy, then per-batch latency and throughput at --batch_size."""
     if len(x) == 0:
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
-    accuracy = float((predict_proba(session, x, config.batch_size).argmax(1) == y).mean())
-    timings = time_batches(session, x, config.batch_size, not config.no_progress)
-    seconds = np.array([s for s, _ in timings])
-    latencies_ms = seconds * 1e3
+    score = accuracy(predict_proba(session, x, config.batch_size), y)
+    batches = batches_of(x, config.batch_size)
+    timings = time_runners([session_runner(session)], batches, max(30, len(batches)))
     return InferenceResult(
         providers_requested=config.providers(), providers_active=session.get_providers(),
         provider_options=config.runtime().provider_options,
         io_binding=session_device(session) is not None,
-        model_path=str(model_path), accuracy=accuracy,
-        latency_ms_p50=round(float(np.percentile(latencies_ms, 50)), 4),
-        latency_ms_p95=round(float(np.percentile(latencies_ms, 95)), 4),
-        throughput_per_s=round(sum(n for _, n in timings) / float(seconds.sum()), 1),
-        batch_size=config.batch_size, samples=len(x), timed_batches=len(timings))
+        model_path=str(model_path), accuracy=score,
+        latency_ms_p50=timings.percentile_ms(0, 50), latency_ms_p95=timings.percentile_ms(0, 95),
+        throughput_per_s=timings.throughput(0), batch_size=config.batch_size, samples=len(x),
+        timed_batches=len(timings.samples))
 
 
 def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict, config: Config
@@ -383,14 +182,12 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
     batches = batches_of(x, config.batch_size)
     single = session_runner(session)
     single(batches[0])
-    single_seconds, single_probs = min(
-        (it.timed(lambda: np.concatenate([single(b) for b in batches])) for _ in range(3)),
-        key=lambda t: t[0])
+    single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
     rows = [it.calibration_row("single", single_probs, y, single_seconds, single_seconds, 1)]
     if config.iterative == "mc_dropout":
         sampler = mc_sampler(config, paths, manifest)
         sampler(batches[:1])  # warm-up
-        seconds, passes = it.timed(lambda: sampler(batches))
+        seconds, passes = best_of(1, lambda: sampler(batches))
         probs = passes.mean
         rows.append(it.calibration_row("mc_dropout", probs, y, seconds, single_seconds,
                                        passes.passes_used))
@@ -399,18 +196,18 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
         ens_session = create_session(model.SerializeToString(), config.runtime())
         run = session_runner(ens_session)
         run(batches[0])
-        seconds, probs = it.timed(lambda: np.concatenate([run(b) for b in batches]))
+        seconds, probs = best_of(1, lambda: np.concatenate([run(b) for b in batches]))
         rows.append(it.calibration_row("ensemble", probs, y, seconds, single_seconds, members))
     else:  # state: the bundle's session fed its state K times
         if state_input(session) is None:
             raise RuntimeFailure("--iterative state needs a graph with a 'state' input and a "
                                  "'state_out' output", "see README, Iterative inference")
         looped = session_runner(session, state_passes=config.iterations)
-        seconds, probs = it.timed(lambda: np.concatenate([looped(b) for b in batches]))
+        seconds, probs = best_of(1, lambda: np.concatenate([looped(b) for b in batches]))
         rows.append(it.calibration_row("state_feedback", probs, y, seconds, single_seconds,
                                        config.iterations))
     it.log_rows(rows)
-    interval = it.ece_change_interval(single_probs, probs, y, seed=config.seed)
+    interval = ece_change_interval(single_probs, probs, y, seed=config.seed)
     verdict = it.calibration_verdict(rows[0], rows[-1], interval, len(y))
     (LOG.warning if rows[-1]["ece"] > rows[0]["ece"] else LOG.info)("%s", verdict)
     return {"mode": config.iterative, "backend": config.iterative_backend,
@@ -548,68 +345,16 @@ def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Pred
         passes = sampler(batches_of(x, config.batch_size))
         mean = passes.mean
         chosen = mean.argmax(1)
-        return mean, {"entropy": it.entropy(mean),
+        return mean, {"entropy": entropy(mean),
                       "std": passes.std[np.arange(len(mean)), chosen]}
 
     return predict
 
 
-def prefetched(chunks, depth: int = 2):
-    """Read and encode the next chunks in a thread while the model runs on this one (ONNX
-    Runtime releases the GIL); the reader's errors are raised here."""
-    import queue
-    import sys
-    import threading
-
-    # The reader holds the GIL while it tokenises; hand it back to the model thread sooner than
-    # the default 5 ms after each session.run (SMS texts at batch 256: 18k → 26k rows/s).
-    sys.setswitchinterval(0.0001)
-    items: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-
-    def produce() -> None:
-        try:
-            for chunk in chunks:
-                items.put(chunk)
-            items.put(done)
-        except BaseException as err:  # noqa: BLE001 - handed to the consumer
-            items.put(err)
-
-    threading.Thread(target=produce, daemon=True).start()
-    while True:
-        item = items.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-
-
-@dataclass
-class BatchRun:
-    input: str
-    output: str
-    rows: int = 0
-    predicted: int = 0
-    failed: int = 0
-    labeled: int = 0
-    correct: int = 0
-    errors_path: str | None = None
-    seconds: float = 0.0
-
-    def report_section(self) -> dict:
-        section = dict(vars(self))
-        section["accuracy"] = self.correct / self.labeled if self.labeled else None
-        section["rows_per_s"] = round(self.predicted / self.seconds, 1) if self.seconds else None
-        del section["correct"]
-        return section
-
-
-def predict_input(config: Config, paths: BundlePaths, report: dict) -> None:
-    """--input → --output: chunks read in a thread, predicted, and written as they come, to a
-    temporary file moved into place at the end (and the errors to --errors likewise)."""
-    from stream import PredictionWriter, StreamOptions, input_chunks
-    from utils import atomic_write_stream
+def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
+    """--input: the chosen graph with the test-time compute asked for, run by batch.py over the
+    input's chunks."""
+    from batch import BatchOptions, predict_input
 
     variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
     manifest, session, model_path = load_bundle_session(paths, config, variant)
@@ -617,62 +362,8 @@ def predict_input(config: Config, paths: BundlePaths, report: dict) -> None:
     chunk_rows = config.chunk_rows
     if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
         chunk_rows = -(-chunk_rows // config.batch_size) * config.batch_size
-    options = StreamOptions(config.input, chunk_rows, config.label_column,
-                            config.text_column, config.image_column, config.dataset_format)
-    chunks = input_chunks(manifest, options)
-    run = BatchRun(config.input, config.output, errors_path=config.errors)
-    fmt = Path(config.output).suffix.lower().lstrip(".")
-    labels = manifest["labels"]
-    error_rows: list[tuple[str, str]] = []
-    started = time.perf_counter()
-    with atomic_write_stream(config.output) as handle:
-        writer = None
-        for chunk in progress(prefetched(chunks), desc="predict", enabled=not config.no_progress):
-            run.rows += len(chunk.ids) + len(chunk.errors)
-            run.failed += len(chunk.errors)
-            error_rows += chunk.errors
-            if chunk.x is None:
-                continue
-            if writer is None:
-                writer = PredictionWriter(handle, fmt, labels, min(config.top_k, len(labels)),
-                                          chunk.labels is not None, extra_names)
-            probabilities, extra = predict(chunk.x)
-            writer.write(chunk.ids, probabilities, extra, chunk.labels)
-            run.predicted += len(chunk.ids)
-            if chunk.labels is not None:
-                index = {label: i for i, label in enumerate(labels)}
-                known = [(i, index.get(t)) for i, t in enumerate(chunk.labels) if t is not None]
-                run.labeled += len(known)
-                run.correct += sum(probabilities[i].argmax() == k for i, k in known)
-        if writer is None:
-            PredictionWriter(handle, fmt, labels, min(config.top_k, len(labels)), False,
-                             extra_names)
-    run.seconds = round(time.perf_counter() - started, 3)
-    if config.errors:
-        write_errors(config.errors, error_rows)
-    report["predictions"] = run.report_section()
-    LOG.info("predicted %d of %d rows into %s (%.0f rows/s)%s", run.predicted, run.rows,
-             config.output, run.predicted / max(run.seconds, 1e-9),
-             f", {run.failed} failed" if run.failed else "")
-    if run.rows == 0:
-        raise DataError(f"{config.input} has no rows to predict", "check the input")
-    if run.failed and not config.allow_errors:
-        where = f"listed in {config.errors}" if config.errors else "add --errors PATH to list them"
-        raise DataError(f"{run.failed} of {run.rows} rows could not be predicted ({where}); the "
-                        f"other predictions are in {config.output}",
-                        "fix those rows, or pass --allow_errors true")
-
-
-def write_errors(path: str, rows: Sequence[tuple[str, str]]) -> None:
-    import csv as csv_module
-
-    from stream import neutralised
-    from utils import atomic_write_stream
-
-    with atomic_write_stream(path) as handle:
-        writer = csv_module.writer(handle)
-        writer.writerow(["id", "reason"])
-        writer.writerows([neutralised(ident), neutralised(reason)] for ident, reason in rows)
+    predict_input(BatchOptions.from_config(config, chunk_rows), manifest, predict, extra_names,
+                  report)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -704,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = read_manifest(paths)
         config.validate_tta(manifest["model_type"])
         if config.input:
-            predict_input(config, paths, report)
+            predict_new_data(config, paths, report)
             return
         from data import load_bundle_dataset
 

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -24,14 +23,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from metrics import accuracy, accuracy_at_coverage, entropy, expected_calibration_error, nll
 from tta_graph import GraphNodes
 from utils import LOG, ConfigError
 
-STATE_INPUT, STATE_OUTPUT = "state", "state_out"
 PASSES_OUTPUT = "pass_probabilities"  # (passes, N, classes)
 MC_SESSION_ARGS = {"disabled_optimizers": ["EliminateDropout"]}
-ECE_BINS = 15
-COVERAGE = 0.9
 
 # ----------------------------------------------------------------------------- graphs
 
@@ -239,89 +236,14 @@ def mc_model_for(backend: str, mc_model: onnx.ModelProto, passes: int, classes: 
     return seeded
 
 
-def state_loop(run_with_state: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
-               batch: np.ndarray, state_shape: Sequence[int], passes: int) -> np.ndarray:
-    """Feed a recurrent graph its own state `passes` times; the last pass's probabilities."""
-    state = np.zeros((len(batch), *state_shape), dtype=np.float32)
-    probabilities = None
-    for _ in range(passes):
-        probabilities, state = run_with_state(batch, state)
-    return probabilities
-
-
 # ----------------------------------------------------------------------------- calibration
-
-
-def nll(probabilities: np.ndarray, y: np.ndarray) -> float:
-    return float(-np.log(np.clip(probabilities[np.arange(len(y)), y], 1e-12, 1)).mean())
-
-
-def expected_calibration_error(probabilities: np.ndarray, y: np.ndarray,
-                               bins: int = ECE_BINS) -> float:
-    """Σ over equal-width confidence bins of |accuracy − mean confidence| × share of samples
-    (Guo et al. 2017); a bin holds confidences in (lower, upper]."""
-    confidence = probabilities.max(1)
-    return _binned_ece(_ece_bin(confidence, bins), confidence,
-                       probabilities.argmax(1) == y, bins)
-
-
-def _ece_bin(confidence: np.ndarray, bins: int) -> np.ndarray:
-    """Each confidence's bin: k for (k/bins, (k+1)/bins]; −1 for a confidence of 0."""
-    return np.searchsorted(np.linspace(0, 1, bins + 1), confidence, side="left") - 1
-
-
-def _binned_ece(bin_of: np.ndarray, confidence: np.ndarray, correct: np.ndarray,
-                bins: int) -> float:
-    """ECE from each sample's bin: Σ over bins of |Σ correct − Σ confidence| / all samples."""
-    inside = bin_of >= 0
-    if not inside.any():
-        return 0.0
-    rights = np.bincount(bin_of[inside], correct[inside].astype(np.float64), bins)
-    confidences = np.bincount(bin_of[inside], confidence[inside].astype(np.float64), bins)
-    return float(np.abs(rights - confidences).sum() / len(bin_of))
-
-
-def ece_change_interval(single: np.ndarray, other: np.ndarray, y: np.ndarray,
-                        resamples: int = 500, seed: int = 0, level: float = 0.9
-                        ) -> tuple[float, float]:
-    """A paired bootstrap interval for ECE(other) − ECE(single): both scored on the same
-    resampled test samples. On a few hundred samples with a handful of errors, ECE moves by
-    its own size from one resample to the next; an interval that spans 0 says the test split
-    cannot tell the two apart."""
-    rng = np.random.default_rng(seed)
-    scored = []
-    for probabilities in (single, other):
-        confidence = probabilities.max(1)
-        scored.append((_ece_bin(confidence, ECE_BINS), confidence, probabilities.argmax(1) == y))
-    changes = np.empty(resamples)
-    for r in range(resamples):
-        pick = rng.integers(0, len(y), len(y))
-        first, second = (_binned_ece(b[pick], c[pick], k[pick], ECE_BINS) for b, c, k in scored)
-        changes[r] = second - first
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(changes, [tail, 100 - tail])
-    return float(low), float(high)
-
-
-def entropy(probabilities: np.ndarray) -> np.ndarray:
-    p = np.clip(probabilities, 1e-12, 1)
-    return -(p * np.log(p)).sum(-1)
-
-
-def accuracy_at_coverage(probabilities: np.ndarray, y: np.ndarray, uncertainty: np.ndarray,
-                         coverage: float = COVERAGE) -> float:
-    """Accuracy on the `coverage` share of samples with the lowest uncertainty (abstaining on
-    the rest)."""
-    keep = max(1, int(np.ceil(coverage * len(y))))
-    chosen = np.argsort(uncertainty, kind="stable")[:keep]
-    return float((probabilities[chosen].argmax(1) == y[chosen]).mean())
 
 
 def calibration_row(variant: str, probabilities: np.ndarray, y: np.ndarray, seconds: float,
                     single_seconds: float, passes_used: float,
                     uncertainty: np.ndarray | None = None) -> dict:
     uncertainty = entropy(probabilities) if uncertainty is None else uncertainty
-    return {"variant": variant, "accuracy": float((probabilities.argmax(1) == y).mean()),
+    return {"variant": variant, "accuracy": accuracy(probabilities, y),
             "nll": nll(probabilities, y), "ece": expected_calibration_error(probabilities, y),
             "mean_confidence": float(probabilities.max(1).mean()),
             "accuracy_at_90_coverage": accuracy_at_coverage(probabilities, y, uncertainty),
@@ -348,12 +270,6 @@ def calibration_verdict(single: dict, other: dict, interval: tuple[float, float]
         return f"{name} is less well calibrated than a single pass: {change}{why}"
     return (f"{name} shows no calibration gain this test split can detect: {change} spans 0"
             f"{why}")
-
-
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
 
 
 def log_rows(rows: list[dict]) -> None:

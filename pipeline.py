@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import PIPELINE_FLAGS, build_parser, start_cli
-from utils import LOG, BundlePaths, exit_cli, run_cli, run_with_report
+from bundle import BundlePaths
+from report import run_with_report
+from utils import LOG, exit_cli, run_cli
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):

@@ -1,5 +1,6 @@
-"""Preprocessing fit on the training split, stored in the bundle manifest, and re-applied by this
-same code at inference: the text tokenizer and the tabular encoder. No torch here.
+"""How inputs become model input, fit on the training split, stored in the bundle manifest, and
+re-applied by this same code at inference: image decoding, the text tokenizer and the tabular
+encoder. No torch here.
 """
 from __future__ import annotations
 
@@ -8,13 +9,49 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+
+from tables import IMAGE_EXTENSIONS, category_cells, numeric_cells
 
 PAD_ID, UNK_ID = 0, 1
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 _LONG_NUMBER = re.compile(r"^\d{5,}$")
+
+
+# ----------------------------------------------------------------------------- images
+
+GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L"}
+
+
+def image_files(root: Path) -> Iterator[Path]:
+    """The image files under `root` (or `root` itself), sorted, hidden files and folders left
+    out: what training lists in a class folder and what inference reads from an input folder."""
+    if root.is_file():
+        yield root
+        return
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not any(
+                part.startswith(".") for part in path.relative_to(root).parts):
+            yield path
+
+
+def decode_image_file(path: Path, preprocessing: dict) -> np.ndarray:
+    """One image file → float32 (C, H, W) in [0, 1], exactly as the model was trained."""
+    from PIL import Image, ImageOps
+
+    height, width = preprocessing["image_size"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(path) as img:
+            img = ImageOps.exif_transpose(img) or img
+            img = img.convert("L" if preprocessing["channels"] == 1 else "RGB")
+            if img.size != (width, height):
+                img = img.resize((width, height), Image.Resampling.BILINEAR)
+            pixels = np.asarray(img, dtype=np.float32) / 255.0
+    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 
 # ----------------------------------------------------------------------------- text
@@ -139,24 +176,36 @@ class TabularEncoder:
                 names += [f"{col['name']}={c}" for c in col["categories"]]
         return names
 
-    def transform(self, frame) -> tuple[np.ndarray, int]:
-        """float32 (N, features) and the count of numeric cells that were not numbers."""
-        import pandas as pd
-
-        parts, bad = [], 0
+    def encode(self, frame) -> tuple[np.ndarray, list[str | None]]:
+        """float32 (N, features) and, per row, why it cannot be trusted (None when it can): a
+        numeric cell that is not a number (NaN in x) or a number beyond float32 (inf in x)."""
+        parts: list[np.ndarray] = []
+        reasons: list[str | None] = [None] * len(frame)
         for col in self.columns:
             values = frame[col["name"]]
-            if col["type"] == "numeric":
-                text = values.astype(str).str.strip()
-                missing = values.isna() | text.isin(["", "nan", "NaN", "NA", "N/A", "?", "null"])
-                numbers = pd.to_numeric(values.where(~missing), errors="coerce")
-                bad += int((numbers.isna() & ~missing).sum())
-                parts.append(numbers.to_numpy(dtype=np.float32)[:, None])
-            else:
-                text = values.astype(str).str.strip()
+            if col["type"] != "numeric":
+                text = category_cells(values)
                 parts.append(np.stack([(text == c).to_numpy(np.float32)
                                        for c in col["categories"]], axis=1))
-        return np.concatenate(parts, axis=1).astype(np.float32), bad
+                continue
+            numbers, wrong = numeric_cells(values)
+            with np.errstate(over="ignore"):
+                as_float32 = numbers.astype(np.float32)
+            for i in np.flatnonzero(wrong):
+                reasons[i] = reasons[i] or (f"non-numeric value {str(values.iloc[i]).strip()[:40]!r}"
+                                            f" in column {col['name']!r}")
+            for i in np.flatnonzero(np.isinf(as_float32)):
+                reasons[i] = reasons[i] or (f"value {numbers[i]:g} in column {col['name']!r} is "
+                                            "out of range")
+            parts.append(as_float32[:, None])
+        x = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), 0), np.float32)
+        return x, reasons
+
+    def transform(self, frame) -> tuple[np.ndarray, int]:
+        """Training: float32 (N, features), non-numbers left as missing (imputed in the graph),
+        and how many rows had one."""
+        x, reasons = self.encode(frame)
+        return x, sum(r is not None for r in reasons)
 
     def to_manifest(self, x_train: np.ndarray) -> dict:
         """Columns plus the training statistics the graph uses (medians, mean, std)."""

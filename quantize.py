@@ -18,11 +18,13 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from config import Config, RuntimeOptions, build_parser, start_cli
-from inference import batches_of, create_session, interleaved_timings, predict_proba, session_runner
-from utils import (LOG, BundlePaths, ExportError, atomic_write, atomic_write_json, exit_cli,
-                   read_manifest, require_onnx_in_bundle, run_cli, run_with_report, sha256_of,
-                   stdout_to_stderr)
+from config import Config, build_parser, start_cli
+from metrics import accuracy, top1_agreement
+from runtime import (RuntimeOptions, batches_of, create_session, predict_proba, session_runner,
+                     time_runners)
+from bundle import BundlePaths, read_manifest, record_variant, require_onnx_in_bundle
+from report import run_with_report
+from utils import LOG, ExportError, exit_cli, run_cli, stdout_to_stderr
 
 # Static QDQ only around the weight-heavy ops: quantizing the in-graph preprocessing (raw
 # features, the -1e4 padding fill before text max-pooling) or an embedding Gather costs accuracy
@@ -166,10 +168,10 @@ def quantize_graph(src: Path, dst: Path, mode: str, input_name: str, calibration
 
 
 def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> list[float]:
-    """p50 ms per batch for each session, timed in turns on the same batches after a warm-up."""
-    times = interleaved_timings([session_runner(s) for s in sessions], batches_of(x, batch_size),
-                                TIMED_RUNS)
-    return [round(float(np.percentile(t, 50)) * 1e3, 4) for t in times]
+    """p50 ms per batch for each session, timed in turns on the same batches."""
+    timings = time_runners([session_runner(s) for s in sessions], batches_of(x, batch_size),
+                           TIMED_RUNS)
+    return [timings.percentile_ms(k, 50) for k in range(len(sessions))]
 
 
 def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequence[str] = ()
@@ -218,24 +220,12 @@ def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOption
     p50_one = interleaved_p50_ms(sessions, x, 1)
     return VariantResult(
         provider=sessions[1].get_providers()[0], size_bytes_fp32=fp32_path.stat().st_size,
-        size_bytes=len(variant), accuracy=float((probs.argmax(1) == y).mean()),
-        accuracy_fp32=float((probs_fp32.argmax(1) == y).mean()),
-        top1_agreement=float((probs.argmax(1) == probs_fp32.argmax(1)).mean()),
+        size_bytes=len(variant), accuracy=accuracy(probs, y),
+        accuracy_fp32=accuracy(probs_fp32, y), top1_agreement=top1_agreement(probs, probs_fp32),
         max_abs_diff=float(np.abs(probs - probs_fp32).max()), batch_size=batch_size,
         latency_ms_p50=p50_batch[1], latency_ms_p50_fp32=p50_batch[0],
         latency_ms_p50_batch1=p50_one[1], latency_ms_p50_batch1_fp32=p50_one[0],
         used_for_inference=False, verdict="", **fields)
-
-
-def save_variant(paths: BundlePaths, manifest: dict, key: str, data: bytes,
-                 result: VariantResult) -> None:
-    """The variant graph, then the manifest naming it by hash (both atomic)."""
-    target = paths.variant(key)
-    atomic_write(target, lambda tmp: tmp.write_bytes(data))
-    manifest["quantization" if key == "int8" else key] = result.report_section()
-    manifest["files"][key] = target.name
-    manifest["files"]["sha256"][key] = sha256_of(target)
-    atomic_write_json(paths.manifest, manifest)
 
 
 def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, test_x: np.ndarray,
@@ -264,7 +254,7 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, tes
         f"{mode} quantization found nothing to quantize in this graph"]
     judge(result, config.max_accuracy_drop, config.force_quantized, empty)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
-    save_variant(paths, manifest, "int8", int8_bytes, result)
+    record_variant(paths, manifest, "int8", int8_bytes, result.report_section())
     return result
 
 
@@ -287,7 +277,7 @@ def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: 
         "are CPU timings)"]
     judge(result, config.max_accuracy_drop, False, cpu_only)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
-    save_variant(paths, manifest, "fp16", data, result)
+    record_variant(paths, manifest, "fp16", data, result.report_section())
     return result
 
 

@@ -1,23 +1,35 @@
-"""Reading users' tables as they are: CSV, TSV, JSON (array of records) and JSONL, UTF-8 with or
-without BOM, with or without a header row, columns named or given by 0-based position.
+"""The input rules for users' tables, one implementation for training (data.py) and serving
+(batch.py): reading CSV, TSV, JSON (array of records) and JSONL (UTF-8 with or without BOM, with
+or without a header row, whole or in chunks), which cells count as missing, which columns hold
+what (names, 0-based positions, lists like `1,2`), how several text columns become one text, and
+how a label cell becomes a class name. A model served on other inputs than it was validated on
+is the worst bug this tool can have: change a rule here, and both sides change.
 """
 from __future__ import annotations
 
 import csv
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
 
 from utils import DataError
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",
                  ".jsonl": "jsonl", ".ndjson": "jsonl"}
 FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 LABEL_NAMES = ("label", "labels", "class", "target", "category", "y", "sentiment", "intent")
 TEXT_NAMES = ("text", "message", "sms", "sentence", "review", "content", "body", "comment",
               "tweet", "document", "title", "description", "question", "utterance")
 IMAGE_NAMES = ("image", "image_path", "path", "file", "filename", "filepath", "img")
 HEADER_WORDS = set(LABEL_NAMES + TEXT_NAMES + IMAGE_NAMES + ("id", "name", "feature"))
-MISSING = {"", "nan", "NaN", "NA", "N/A", "null", "None"}
+MISSING = frozenset({"", "nan", "NaN", "NA", "N/A", "null", "None"})  # a missing cell, anywhere
+NUMERIC_MISSING = MISSING | {"?"}  # also missing where a number is expected (UCI's habit)
+HEADER_SAMPLE_ROWS = 1000  # header detection looks at this many rows, whatever the chunk size
+_INTEGRAL = re.compile(r"[+-]?\d+(\.0*)?")
 
 
 def table_format(path: Path, override: str | None = None) -> str:
@@ -30,45 +42,117 @@ def table_format(path: Path, override: str | None = None) -> str:
     return kind
 
 
+# ----------------------------------------------------------------------------- reading
+
+
 def read_table(path: Path, fmt: str | None = None, has_header: str = "auto",
                named_columns: Sequence[str] = ()):
-    """A DataFrame of strings (missing cells NaN) with string column names.
-
-    Headerless files get columns "0", "1", ...; `named_columns` (column names the user passed)
-    count as evidence of a header.
-    """
+    """The whole table as one DataFrame of strings (missing cells NaN), string column names,
+    indexed by data row (0-based); see iter_table."""
     import pandas as pd
 
-    kind = table_format(path, fmt)
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist", "check the path")
-    try:
-        if kind in ("csv", "tsv"):
-            frame = pd.read_csv(path, sep="," if kind == "csv" else "\t", header=None, dtype=str,
-                                encoding="utf-8-sig", keep_default_na=False,
-                                skip_blank_lines=True,
-                                quoting=csv.QUOTE_MINIMAL if kind == "csv" else csv.QUOTE_NONE)
-            frame = _apply_header(frame, has_header, named_columns)
-        else:
-            frame = pd.read_json(path, lines=kind == "jsonl", dtype=False, encoding="utf-8-sig")
-            frame = frame.astype(object).where(frame.notna(), None)
-            frame = frame.apply(lambda col: col.map(lambda v: None if v is None else str(v)))
-    except UnicodeDecodeError:
-        raise DataError(f"{path} is not UTF-8 text", "re-save it as UTF-8") from None
-    except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
-        if isinstance(err, pd.errors.EmptyDataError):
-            raise DataError(f"{path} is empty", "add a header and rows of data") from None
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise DataError(f"cannot parse {path} as {kind.upper()}: {first}",
-                        "check the file's format, or pass --dataset_format") from None
-    frame.columns = _unique_names(frame.columns)
-    frame = frame.where(~frame.isin(MISSING)).dropna(how="all")
+    frames = list(iter_table(path, fmt, has_header, named_columns))
+    frame = pd.concat(frames) if len(frames) > 1 else frames[0]
     if frame.empty:
         raise DataError(f"{path} has no data rows", "add rows of data")
     return frame
 
 
-def _unique_names(columns) -> list[str]:
+def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
+               named_columns: Sequence[str] = (), chunk_rows: int | None = None,
+               numeric_columns: Sequence[str] = ()) -> Iterator:
+    """DataFrames of `chunk_rows` rows (all rows when None): cells are strings, missing cells
+    (MISSING) are NaN, rows with every cell missing are left out, the index is the data row
+    (0-based, header excluded), and columns are named by the header or "0", "1", ... .
+
+    Whether a CSV/TSV's first row is a header is decided once, on its first HEADER_SAMPLE_ROWS
+    rows (`named_columns`, names the user or the bundle gave, count as evidence). The
+    `numeric_columns` are left to the C parser's number reading (10x faster for wide numeric
+    tables; a chunk where such a column holds a non-number gets that column as strings)."""
+    kind = table_format(path, fmt)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist", "check the path")
+    try:
+        if kind in ("csv", "tsv"):
+            yield from _delimited_chunks(path, kind, has_header, named_columns, chunk_rows,
+                                         numeric_columns)
+        else:
+            yield from _json_chunks(path, kind, chunk_rows)
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text", "re-save it as UTF-8") from None
+    except Exception as err:  # noqa: BLE001 - pandas raises several types for a bad file
+        import pandas as pd
+
+        if isinstance(err, pd.errors.EmptyDataError):
+            raise DataError(f"{path} is empty", "add a header and rows of data") from None
+        if not isinstance(err, (ValueError, pd.errors.ParserError)):
+            raise
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise DataError(f"cannot parse {path} as {kind.upper()}: {first or 'no data'}",
+                        "check the file's format, or pass --dataset_format") from None
+
+
+def _csv_options(kind: str) -> dict:
+    return {"sep": "," if kind == "csv" else "\t", "header": None, "encoding": "utf-8-sig",
+            "skip_blank_lines": True, "keep_default_na": False, "na_values": sorted(MISSING),
+            "quoting": csv.QUOTE_MINIMAL if kind == "csv" else csv.QUOTE_NONE}
+
+
+def _delimited_chunks(path: Path, kind: str, has_header: str, named_columns: Sequence[str],
+                      chunk_rows: int | None, numeric_columns: Sequence[str]) -> Iterator:
+    import pandas as pd
+
+    options = _csv_options(kind)
+    sample = pd.read_csv(path, nrows=HEADER_SAMPLE_ROWS + 1, dtype=str, **options)
+    header = {"true": True, "false": False}.get(has_header)
+    if header is None:
+        header = looks_like_header(sample, named_columns)
+    names = (unique_names(sample.iloc[0].fillna("").astype(str)) if header
+             else [str(i) for i in range(sample.shape[1])])
+    typed = set(numeric_columns)
+    dtype = {i: str for i, name in enumerate(names) if name not in typed}
+    reader = pd.read_csv(path, dtype=dtype, chunksize=chunk_rows or None, **options)
+    rows = 0
+    for chunk in ([reader] if chunk_rows is None else reader):
+        if header and rows == 0:
+            chunk = chunk.iloc[1:]
+        chunk = chunk.reindex(columns=range(len(names)))  # ragged rows: missing cells
+        chunk.columns = names
+        chunk.index = pd.RangeIndex(rows, rows + len(chunk))
+        rows += len(chunk)
+        yield chunk.dropna(how="all")
+
+
+def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
+    import pandas as pd
+
+    if kind == "jsonl" and chunk_rows:
+        frames = pd.read_json(path, lines=True, dtype=False, encoding="utf-8-sig",
+                              chunksize=chunk_rows)
+    else:
+        whole = pd.read_json(path, lines=kind == "jsonl", dtype=False, encoding="utf-8-sig")
+        step = chunk_rows or max(1, len(whole))
+        frames = (whole.iloc[start:start + step] for start in range(0, len(whole), step))
+    rows = 0
+    for frame in frames:
+        frame = frame.apply(lambda column: column.map(_cell_text)).astype(object)
+        frame.columns = unique_names(frame.columns)
+        frame.index = pd.RangeIndex(rows, rows + len(frame))
+        rows += len(frame)
+        yield frame.where(frame.notna() & ~frame.isin(MISSING)).dropna(how="all")
+
+
+def _cell_text(value) -> str | None:
+    """A JSON value as the text a CSV cell would hold: whole floats without '.0' (a column of
+    integers with a gap comes as floats, and chunks of it may not)."""
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def unique_names(columns) -> list[str]:
     seen: dict[str, int] = {}
     names = []
     for column in columns:
@@ -78,26 +162,15 @@ def _unique_names(columns) -> list[str]:
     return names
 
 
-def _apply_header(frame, has_header: str, named_columns: Sequence[str]):
-    if frame.empty:
-        return frame
-    header = {"true": True, "false": False}.get(has_header)
-    if header is None:
-        header = looks_like_header(frame, named_columns)
-    if not header:
-        frame.columns = [str(i) for i in range(frame.shape[1])]
-        return frame.reset_index(drop=True)
-    body = frame.iloc[1:].reset_index(drop=True)
-    body.columns = list(frame.iloc[0].fillna("").astype(str))
-    return body
-
-
 def looks_like_header(frame, named_columns: Sequence[str] = ()) -> bool:
     """Is the first row a header? Evidence, strongest first: a column name the user passed;
     a well-known name (label, text, ...); a numeric column whose first cell is not a number;
     a low-cardinality column (labels) whose first cell never appears again."""
     import pandas as pd
 
+    if frame.empty:
+        return False
+    frame = frame.iloc[: HEADER_SAMPLE_ROWS + 1]
     first = frame.iloc[0].fillna("").astype(str).str.strip()
     rest = frame.iloc[1:]
     if any(n in set(first) for n in named_columns if n and not n.isdigit()):
@@ -119,6 +192,22 @@ def looks_like_header(frame, named_columns: Sequence[str] = ()) -> bool:
     return False
 
 
+# ----------------------------------------------------------------------------- columns
+
+
+@dataclass
+class Columns:
+    """Which columns of a table hold what: the label (None: unlabelled) and the inputs (the
+    texts to join, the feature columns, or the image-path column). Training records the
+    resolved names in the bundle manifest; serving reads the same names."""
+
+    label: str | None
+    inputs: list[str] = field(default_factory=list)
+
+    def to_manifest(self) -> dict:
+        return {"label": self.label, "inputs": list(self.inputs)}
+
+
 def split_spec(spec: str | None) -> list[str]:
     """'1,2' or 'title, description' → ['1', '2'] / ['title', 'description']."""
     return [s.strip() for s in (spec or "").split(",") if s.strip()]
@@ -132,7 +221,16 @@ def resolve(frame, spec: str, role: str, path: Path) -> str:
     if spec.isdigit() and int(spec) < len(columns):
         return columns[int(spec)]
     raise DataError(f"{path} has no column {spec!r} for the {role}; its columns are {columns}",
-                    f"pass --{role}_column with one of them (a name or a 0-based position)")
+                    f"pass --{_flag(role)} with one of them (a name or a 0-based position)")
+
+
+def resolve_all(frame, spec: str | None, role: str, path: Path) -> list[str]:
+    """Every column of a spec like '1,2' or 'title,description'."""
+    return [resolve(frame, s, role, path) for s in split_spec(spec)]
+
+
+def _flag(role: str) -> str:
+    return "feature_columns" if role == "feature" else f"{role}_column"
 
 
 def find_by_name(frame, names: Sequence[str], exclude: Sequence[str] = ()) -> str | None:
@@ -142,4 +240,148 @@ def find_by_name(frame, names: Sequence[str], exclude: Sequence[str] = ()) -> st
 
 def undetectable(path: Path, role: str, frame) -> DataError:
     return DataError(f"cannot tell which column of {path} holds the {role}; its columns are "
-                     f"{list(frame.columns)}", f"pass --{role}_column (a name or a 0-based position)")
+                     f"{list(frame.columns)}", f"pass --{_flag(role)} (a name or a 0-based "
+                     "position)")
+
+
+def detect_columns(frame, role: str, path: Path, label_spec: str | None = None,
+                   input_spec: str | None = None) -> Columns:
+    """The label and input columns of a table, from the flags or detected (role: "text",
+    "feature" or "image"). Detected: the label has a well-known name, else (text) the column
+    with the fewest distinct values or (features) the last column; a text column has a
+    well-known name, else the longest values; an image column a well-known name or image file
+    names; the features are all columns but the label."""
+    label = resolve(frame, label_spec, "label", path) if label_spec else None
+    inputs = resolve_all(frame, input_spec, role, path)
+    if not inputs and role != "feature":
+        inputs = [detect_input(frame, role, path, exclude=[label] if label else [])]
+    if label is None:
+        label = find_by_name(frame, LABEL_NAMES, exclude=inputs)
+    if label is None:
+        others = [c for c in frame.columns if c not in inputs]
+        if role == "text":
+            label = fewest_values_column(frame, exclude=inputs)
+        elif role == "feature":
+            label = others[-1] if others else None
+        else:
+            label = others[0] if len(others) == 1 else None
+        if label is None:
+            raise undetectable(path, "label", frame)
+    if not inputs:
+        inputs = [c for c in frame.columns if c != label]
+    if label in inputs or not inputs:
+        raise DataError(f"{path}: the label column {label!r} is also an input, or there are no "
+                        f"input columns; its columns are {list(frame.columns)}",
+                        f"pass --label_column and --{_flag(role)}")
+    return Columns(label, inputs)
+
+
+def detect_input(frame, role: str, path: Path, exclude: Sequence[str] = ()) -> str:
+    """The text column (a well-known name, else the longest values) or the image column (a
+    well-known name, else image file names) of a table."""
+    found = find_by_name(frame, TEXT_NAMES if role == "text" else IMAGE_NAMES, exclude) or (
+        longest_text_column(frame, exclude) if role == "text" else
+        image_like_column(frame, exclude))
+    if found is None:
+        raise undetectable(path, role, frame)
+    return found
+
+
+def longest_text_column(frame, exclude: Sequence[str] = ()) -> str | None:
+    lengths = {c: frame[c].dropna().astype(str).str.len().mean() for c in frame.columns
+               if c not in exclude}
+    return max(lengths, key=lengths.get) if lengths else None
+
+
+def fewest_values_column(frame, exclude: Sequence[str]) -> str | None:
+    counts = {c: frame[c].nunique() for c in frame.columns if c not in exclude}
+    return min(counts, key=counts.get) if counts else None
+
+
+def image_like_column(frame, exclude: Sequence[str] = ()) -> str | None:
+    for column in frame.columns:
+        values = frame[column].dropna().astype(str).str.lower()
+        if column not in exclude and len(values) and \
+                values.str.endswith(IMAGE_EXTENSIONS).mean() >= 0.8:
+            return column
+    return None
+
+
+def serving_columns(frame, trained: Columns, path: Path, role: str,
+                    label_spec: str | None = None, input_spec: str | None = None) -> Columns:
+    """The columns of a table to predict, as the model was trained: the flags given now, else
+    the columns training used (`trained`: the names it resolved, found by name, else a digit
+    name by position; no inputs: detected as training would). A headerless table of texts or
+    image paths alone (no label) maps onto them by position. The label is optional here."""
+    if input_spec:
+        inputs = resolve_all(frame, input_spec, role, path)
+    elif not trained.inputs:
+        inputs = [detect_input(frame, role, path)]
+    else:
+        found = [_find(frame, name) for name in trained.inputs]
+        headerless = all(c.isdigit() for c in frame.columns)
+        if None not in found:
+            inputs = found
+        elif role != "feature" and headerless and frame.shape[1] == len(found):
+            inputs = list(frame.columns)  # a file of the inputs alone
+        else:
+            absent = [n for n, f in zip(trained.inputs, found) if f is None]
+            raise DataError(f"{path} lacks the {role} columns {absent[:5]} the model was "
+                            f"trained on; its columns are {list(frame.columns)[:20]}",
+                            f"pass --{_flag(role)} naming them (names or 0-based positions)")
+    if label_spec:
+        return Columns(resolve(frame, label_spec, "label", path), inputs)
+    label = _find(frame, trained.label) if trained.label else None
+    return Columns(label if label not in inputs else None, inputs)
+
+
+def _find(frame, name: str) -> str | None:
+    if name in frame.columns:
+        return name
+    if name.isdigit() and int(name) < frame.shape[1]:
+        return frame.columns[int(name)]
+    return None
+
+
+# ----------------------------------------------------------------------------- cells
+
+
+def joined_texts(frame, columns: Sequence[str]):
+    """The text of each row: its `columns` joined with a space (missing cells empty), stripped."""
+    return frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+
+
+def label_text(value) -> str | None:
+    """A label cell as a class name: stripped; numbers written as whole floats ("1.0", 1.0)
+    name the same class as "1"; None when the cell is missing or blank."""
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    text = str(value).strip()
+    if _INTEGRAL.fullmatch(text) and "." in text:
+        text = text.split(".")[0].lstrip("+") or "0"
+    return text or None
+
+
+def label_texts(values) -> list[str | None]:
+    return [label_text(v) for v in values]
+
+
+def numeric_cells(values) -> tuple[np.ndarray, np.ndarray]:
+    """A column as float64 numbers (NaN where missing) and a mask of the cells that are not
+    numbers (NaN too): the parser's numbers pass through, strings are parsed, NUMERIC_MISSING
+    markers are missing, not wrong."""
+    import pandas as pd
+
+    if pd.api.types.is_numeric_dtype(values.dtype):
+        return values.to_numpy(dtype=np.float64), np.zeros(len(values), dtype=bool)
+    text = values.astype(str).str.strip()
+    missing = values.isna().to_numpy() | text.isin(NUMERIC_MISSING).to_numpy()
+    numbers = pd.to_numeric(values.where(~missing), errors="coerce").to_numpy(dtype=np.float64)
+    return numbers, np.isnan(numbers) & ~missing
+
+
+def category_cells(values) -> "object":
+    """A categorical column's cells as the text one-hot encoding compares (stripped)."""
+    return values.astype(str).str.strip()

@@ -30,9 +30,10 @@ import dspy  # noqa: E402
 import numpy as np  # noqa: E402
 from dspy.utils.exceptions import AdapterParseError, LMError  # noqa: E402
 
-from data import Dataset, Split, joined_texts, longest_text_column  # noqa: E402
+from data import Dataset, Split  # noqa: E402
 from preprocess import Tokenizer  # noqa: E402
-from tables import TEXT_NAMES, find_by_name, read_table, resolve, split_spec  # noqa: E402
+from tables import (TEXT_NAMES, find_by_name, joined_texts, longest_text_column,  # noqa: E402
+                    read_table, resolve_all, split_spec)
 from utils import LOG, ConfigError, DataError, RuntimeFailure, progress, stdout_to_stderr  # noqa: E402
 
 MAX_BOOTSTRAP_ERRORS = 5
@@ -176,7 +177,7 @@ def read_unlabeled(path: str, text_column: str | None) -> list[str]:
         texts = [line.strip() for line in lines]
     else:
         frame = read_table(file, None, "auto", split_spec(text_column))
-        columns = ([resolve(frame, c, "text", file) for c in split_spec(text_column)]
+        columns = (resolve_all(frame, text_column, "text", file)
                    or [find_by_name(frame, TEXT_NAMES) or longest_text_column(frame)])
         texts = list(joined_texts(frame, columns))
     texts = [t for t in texts if t]

@@ -8,7 +8,6 @@ model.onnx. pipeline.py runs both in one process.
 from __future__ import annotations
 
 import copy
-import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -25,11 +24,12 @@ from data import Dataset, DataOptions, Split, load_dataset
 from models import architecture_for, build_model, count_parameters, input_spec, save_weights
 from preprocess import Tokenizer
 from tta import build_transforms, random_augment
-from utils import (BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, LOG, BundlePaths, atomic_write_json,
-                   exit_cli, progress, quiet_library_loggers, run_cli, run_with_report,
+from bundle import BundlePaths, manifest_text, new_manifest, record_weights
+from metrics import accuracy
+from report import run_with_report
+from utils import (LOG, atomic_write_text, exit_cli, progress, quiet_library_loggers, run_cli,
                    stdout_to_stderr)
 
-OUTPUT_NAMES = ("logits", "probabilities")
 # The DSPy program's input field per preprocessing kind: text programs take the raw text.
 PROGRAM_INPUT = {"image": "image", "text": "text", "tabular": "features"}
 
@@ -362,7 +362,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     program = search.compile(trainset=to_examples(dataset.train, dataset.labels, field),
                              valset=to_examples(dataset.val, dataset.labels, field))
     trainer, chosen = search.chosen_trainer, search.candidates[search.chosen]
-    train_accuracy = float((program.predict_proba(dataset.train.x).argmax(1) == dataset.train.y).mean())
+    train_accuracy = accuracy(program.predict_proba(dataset.train.x), dataset.train.y)
     return TrainedModel(net=program.net, labels=dataset.labels, architecture=architecture,
                         preprocessing=dataset.preprocessing, history=trainer.history,
                         best_epoch=trainer.best_epoch, train_accuracy=train_accuracy,
@@ -377,7 +377,7 @@ def split_accuracy(net: nn.Module, split: Split) -> float | None:
     if len(split) == 0:
         return None
     program = ClassifierProgram(net, [], "")
-    return float((program.predict_proba(split.x).argmax(1) == split.y).mean())
+    return accuracy(program.predict_proba(split.x), split.y)
 
 
 def train_stage(config: Config, dataset: Dataset, report: dict,
@@ -429,40 +429,31 @@ def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: Traine
 
 def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                    teacher: dict | None = None) -> dict:
-    """The bundle manifest as training knows it; export fills 'export' and the ONNX file entry."""
-    classes = len(trained.labels)
-    return {
-        "format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model_type": config.model_type, "labels": trained.labels,
-        "input": input_spec(trained.preprocessing),
-        "outputs": [{"name": OUTPUT_NAMES[0], "shape": ["batch", classes], "dtype": "float32"},
-                    {"name": OUTPUT_NAMES[1], "shape": ["batch", classes], "dtype": "float32"}],
-        "preprocessing": trained.preprocessing, "architecture": trained.architecture,
-        "dataset": {**dataset.options.to_manifest(), "given_splits": dataset.given_splits,
-                    "counts": dataset.counts, "skipped_images": len(dataset.skipped)},
-        "training": {"program": "ClassifierProgram (dspy.Module)",
-                     "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, one-cycle",
-                     "epochs": config.epochs, "batch_size": config.batch_size,
-                     "learning_rate": config.learning_rate, "weight_decay": config.weight_decay,
-                     "train_augment": config.train_augment, "seed": config.seed,
-                     "augment_transforms": (config.tta_transforms or "default")
-                     if config.tta and config.train_augment else None,
-                     **trained.report_section(),
-                     "history": [vars(r) for r in trained.history],
-                     "teacher": teacher},
-        "export": None, "quantization": None, "extra_graphs": {},
-        "files": {"onnx": None, "weights": None, "sha256": {}},
-    }
+    """The bundle manifest as training knows it (bundle.new_manifest); export fills the rest."""
+    return new_manifest(
+        model_type=config.model_type, labels=trained.labels,
+        input_spec=input_spec(trained.preprocessing), preprocessing=trained.preprocessing,
+        architecture=trained.architecture,
+        dataset={**dataset.options.to_manifest(), "given_splits": dataset.given_splits,
+                 "counts": dataset.counts, "skipped_images": len(dataset.skipped),
+                 "columns": dataset.columns.to_manifest() if dataset.columns else None},
+        training={"program": "ClassifierProgram (dspy.Module)",
+                  "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, one-cycle",
+                  "epochs": config.epochs, "batch_size": config.batch_size,
+                  "learning_rate": config.learning_rate, "weight_decay": config.weight_decay,
+                  "train_augment": config.train_augment, "seed": config.seed,
+                  "augment_transforms": (config.tta_transforms or "default")
+                  if config.tta and config.train_augment else None,
+                  **trained.report_section(),
+                  "history": [vars(r) for r in trained.history], "teacher": teacher})
 
 
 def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
                     paths: BundlePaths, teacher: dict | None = None) -> dict:
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
     manifest = build_manifest(config, trained, dataset, teacher)
-    manifest["files"].update(weights=paths.weights.name,
-                             sha256={"weights": save_weights(trained.net, paths.weights)})
-    atomic_write_json(paths.manifest, manifest)
+    record_weights(manifest, paths, save_weights(trained.net, paths.weights))
+    atomic_write_text(paths.manifest, manifest_text(manifest))
     return manifest
 
 

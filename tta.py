@@ -7,6 +7,8 @@ tests hold the graph to, and the path for window:N). A transform may give severa
 sample (rotate:DEG gives ±DEG, shift:PX four shifts, window:N one per window of a long text);
 numpy views keep the index of the sample each came from (`owner`). The plain view is always
 included. Each transform also has a `random` form, used to train on the same distortions.
+Each transform name is one TransformSpec in TRANSFORMS; each merge rule, in numpy and as graph
+nodes, one entry of MERGES.
 """
 from __future__ import annotations
 
@@ -24,11 +26,10 @@ from preprocess import PAD_ID, trim_padding
 from tta_graph import GraphNodes, ViewBuilder
 from utils import LOG, ConfigError
 
-MERGE_MODES = ("mean", "gmean", "max", "vote", "tsharpen")
 DEFAULT_TRANSFORMS = {"image": "shift:1", "text": "token_dropout:0.1", "tabular": "jitter:0.1"}
 
 
-# ----------------------------------------------------------------------------- image geometry
+# ----------------------------------------------------------------------------- numpy views
 
 
 @lru_cache(maxsize=64)
@@ -62,93 +63,18 @@ def _shift(x: np.ndarray, dy: int, dx: int) -> np.ndarray:
     return np.ascontiguousarray(padded[..., top:top + height, left:left + width])
 
 
-# ----------------------------------------------------------------------------- transforms
-
-
-@dataclass(frozen=True)
-class Transform:
-    """One entry of --tta_transforms.
-
-    `views` (numpy) and `graph` (ONNX nodes, see tta_graph.py) give the same deterministic test
-    views: seeded transforms draw their noise or token mask once, from --seed, so a sample's TTA
-    result does not depend on the batch it comes in. `random` is the training-time form.
-    """
-
-    name: str
-    param: float | None
-    views: Callable[[np.ndarray], list[np.ndarray]]
-    random: Callable[[np.ndarray, np.random.Generator], np.ndarray]
-    graph: ViewBuilder | None  # None: no graph form (window: its view count depends on length)
-    count: int = 1  # views per sample (window: one per window of a long text, at least 0)
-    # seeded transforms: the drawn mask or noise, and the graph form of several stacked ones
-    constant: np.ndarray | None = None
-    stacked_graph: Callable[[GraphNodes, str, np.ndarray], str] | None = None
-
-    @property
-    def spec(self) -> str:
-        return self.name if self.param is None else f"{self.name}:{self.param:g}"
-
-
-FLIP_TURNS = {"hflip": None, "vflip": None, "rot90": 1, "rot180": 2, "rot270": 3}
-
-
-def _image_transform(name: str, param: float | None, preprocessing: dict) -> Transform:
-    height, width = preprocessing["image_size"]
-    if name in ("rot90", "rot270") and height != width:
-        raise ConfigError(f"TTA transform {name} needs square images, these are "
-                          f"{preprocessing['image_size']}", "use rot180 or rotate:DEG")
-    if name in FLIP_TURNS:
-        fn, build = _fixed_image_view(name)
-        return Transform(name, None, lambda x: [fn(x)], _maybe(fn),
-                         lambda g, x: [build(g, x)])
-    value = float(param)  # type: ignore[arg-type]
-    if name in ("rotate", "crop", "scale"):
-        matrices = ([_rotation(value), _rotation(-value)] if name == "rotate" else
-                    [np.eye(2) * (value if name == "crop" else 1 / value)])
-        grids = [tta_graph.affine_grid(height, width, m) for m in matrices]
-        random = ((lambda x, rng: _affine(x, _rotation(rng.uniform(-value, value))))
-                  if name == "rotate" else _random_zoom(1 / value if name == "crop" else value))
-        return Transform(name, value, lambda x: [_affine(x, m) for m in matrices], random,
-                         lambda g, x: [tta_graph.resample(g, x, grid) for grid in grids],
-                         count=len(matrices))
-    if name == "shift":
-        step = int(value)
-        moves = [(step, 0), (-step, 0), (0, step), (0, -step)]
-        return Transform(name, value, lambda x: [_shift(x, dy, dx) for dy, dx in moves],
-                         lambda x, rng: _shift(x, *moves[rng.integers(4)]),
-                         lambda g, x: [tta_graph.shift(g, x, dy, dx, height, width)
-                                       for dy, dx in moves], count=4)
-    if name == "brightness":
-        shifted = lambda x, d: np.clip(x + np.float32(d), 0, 1).astype(x.dtype)  # noqa: E731
-        return Transform(name, value, lambda x: [shifted(x, value), shifted(x, -value)],
-                         lambda x, rng: shifted(x, rng.uniform(-value, value)),
-                         lambda g, x: [tta_graph.brighten(g, x, value),
-                                       tta_graph.brighten(g, x, -value)], count=2)
-    return Transform(name, value, lambda x: [_contrast(x, value)],  # contrast
-                     lambda x, rng: _contrast(x, rng.uniform(min(1, value), max(1, value))),
-                     lambda g, x: [tta_graph.contrast(g, x, value)])
-
-
-def _fixed_image_view(name: str) -> tuple[Callable[[np.ndarray], np.ndarray], Callable]:
-    """A flip or quarter turn, in numpy and as graph nodes."""
-    if name == "hflip":
-        return (lambda x: x[..., ::-1].copy()), (lambda g, x: tta_graph.flip(g, x, [3]))
-    if name == "vflip":
-        return (lambda x: x[..., ::-1, :].copy()), (lambda g, x: tta_graph.flip(g, x, [2]))
-    turns = FLIP_TURNS[name]
-    return ((lambda x: np.rot90(x, turns, axes=(2, 3)).copy()),
-            (lambda g, x: tta_graph.rot90(g, x, turns)))
-
-
 def _rotation(degrees: float) -> np.ndarray:
     angle = np.deg2rad(degrees)
     return np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
 
 
-def _random_zoom(factor: float) -> Callable[[np.ndarray, np.random.Generator], np.ndarray]:
-    """factor > 1 zooms in (a centre crop of 1/factor resized back)."""
-    low, high = min(1, factor), max(1, factor)
-    return lambda x, rng: _affine(x, np.eye(2) / rng.uniform(low, high))
+def _zoom(factor: float, rng: np.random.Generator) -> np.ndarray:
+    """A random zoom between none and `factor` (> 1 zooms in: a centre crop of 1/factor)."""
+    return np.eye(2) / rng.uniform(min(1, factor), max(1, factor))
+
+
+def _brighten(x: np.ndarray, delta: float) -> np.ndarray:
+    return np.clip(x + np.float32(delta), 0, 1).astype(x.dtype)
 
 
 def _contrast(x: np.ndarray, factor: float) -> np.ndarray:
@@ -165,7 +91,6 @@ def _maybe(fn: Callable[[np.ndarray], np.ndarray]) -> Callable:
         out[chosen] = fn(x[chosen])
         return out
     return apply
-
 
 def _drop_tokens(ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """Token ids with the unkept positions set to padding; a text that would lose every token
@@ -193,71 +118,190 @@ def _windows(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(views), np.array(owners)
 
 
-def _text_transform(name: str, param: float | None, preprocessing: dict,
-                    rng: np.random.Generator) -> Transform:
-    value = float(param)  # type: ignore[arg-type]
-    if name == "token_dropout":
-        keep = rng.random(int(preprocessing.get("max_length", 512))) >= value
-        return Transform(name, value, lambda x: [_drop_tokens(x, keep)],
-                         lambda x, rng: _drop_tokens(x, rng.random(x.shape) >= value),
-                         lambda g, x: [tta_graph.mask_tokens(g, x, keep[None])],
-                         constant=keep, stacked_graph=tta_graph.mask_tokens)
-
-    def random_window(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        size, out = int(value), np.zeros_like(x)
-        for i, row in enumerate(x):
-            tokens = row[row != PAD_ID]
-            start = rng.integers(0, max(1, len(tokens) - size + 1))
-            piece = tokens[start:start + size]
-            out[i, : len(piece)] = piece
-        return out
-
-    return Transform(name, value, lambda x: [], random_window, None, count=0)
+def _random_window(x: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Each text cut to `size` tokens from a random start."""
+    out = np.zeros_like(x)
+    for i, row in enumerate(x):
+        tokens = row[row != PAD_ID]
+        start = rng.integers(0, max(1, len(tokens) - size + 1))
+        piece = tokens[start:start + size]
+        out[i, : len(piece)] = piece
+    return out
 
 
-def _tabular_transform(name: str, param: float | None, preprocessing: dict,
-                       rng: np.random.Generator) -> Transform:
-    """jitter: noise of SIGMA training standard deviations on numeric features (one fixed draw
-    per view, from --seed); one-hot columns stay as they are."""
-    sigma = float(param)  # type: ignore[arg-type]
-    names = preprocessing["feature_names"]
-    numeric = {c["name"] for c in preprocessing["columns"] if c["type"] == "numeric"}
-    scale = np.array([s if n in numeric else 0.0 for n, s in zip(names, preprocessing["std"])],
-                     dtype=np.float32) * sigma
-    noise = (rng.standard_normal(len(names)).astype(np.float32) * scale).astype(np.float32)
+# ----------------------------------------------------------------------------- transforms
+
+
+@dataclass(frozen=True)
+class Transform:
+    """One entry of --tta_transforms, built by its TransformSpec.
+
+    `views` (numpy) and `graph` (ONNX nodes, see tta_graph.py) give the same deterministic test
+    views: seeded transforms draw their noise or token mask once, from --seed, so a sample's TTA
+    result does not depend on the batch it comes in. `random` is the training-time form.
+    """
+
+    name: str
+    param: float | None
+    views: Callable[[np.ndarray], list[np.ndarray]]
+    random: Callable[[np.ndarray, np.random.Generator], np.ndarray]
+    graph: ViewBuilder | None  # None: no graph form (window: its view count depends on length)
+    count: int = 1  # views per sample (window: counted as one)
+    # seeded transforms: the drawn mask or noise, and the graph form of several stacked ones
+    constant: np.ndarray | None = None
+    stacked_graph: Callable[[GraphNodes, str, np.ndarray], str] | None = None
+    # views whose number depends on the sample (window), in place of `views`: (views, owners)
+    ragged: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+
+    @property
+    def spec(self) -> str:
+        return self.name if self.param is None else f"{self.name}:{self.param:g}"
+
+
+# (name, parameter (None where it takes none), preprocessing, a generator seeded for this entry)
+Builder = Callable[[str, float, dict, np.random.Generator], Transform]
+
+
+def _fixed(view: Callable[[np.ndarray], np.ndarray], graph: Callable[[GraphNodes, str], str],
+           square: bool = False) -> Builder:
+    """A flip or turn: one view; `square`: only for square images."""
+    def build(name: str, value: float | None, pre: dict, seeded: np.random.Generator
+              ) -> Transform:
+        height, width = pre["image_size"]
+        if square and height != width:
+            raise ConfigError(f"TTA transform {name} needs square images, these are "
+                              f"{pre['image_size']}", "use rot180 or rotate:DEG")
+        return Transform(name, None, lambda x: [view(x)], _maybe(view), lambda g, x: [graph(g, x)])
+    return build
+
+
+def _turn(turns: int) -> Builder:
+    return _fixed(lambda x: np.rot90(x, turns, axes=(2, 3)).copy(),
+                  lambda g, x: tta_graph.rot90(g, x, turns), square=turns % 2 == 1)
+
+
+def _resampled(matrices: Callable[[float], list[np.ndarray]],
+               drawn: Callable[[float, np.random.Generator], np.ndarray]) -> Builder:
+    """rotate, crop, scale: one view per matrix; in training, one drawn matrix per batch."""
+    def build(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+        fixed = matrices(value)
+        grids = [tta_graph.affine_grid(*pre["image_size"], m) for m in fixed]
+        return Transform(name, value, lambda x: [_affine(x, m) for m in fixed],
+                         lambda x, rng: _affine(x, drawn(value, rng)),
+                         lambda g, x: [tta_graph.resample(g, x, grid) for grid in grids],
+                         count=len(fixed))
+    return build
+
+
+def _shifted(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+    """Four views: the content moved `value` pixels down, up, right and left."""
+    height, width = pre["image_size"]
+    step = int(value)
+    moves = [(step, 0), (-step, 0), (0, step), (0, -step)]
+    return Transform(name, value, lambda x: [_shift(x, dy, dx) for dy, dx in moves],
+                     lambda x, rng: _shift(x, *moves[rng.integers(4)]),
+                     lambda g, x: [tta_graph.shift(g, x, dy, dx, height, width)
+                                   for dy, dx in moves], count=4)
+
+
+def _brightened(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+    return Transform(name, value, lambda x: [_brighten(x, value), _brighten(x, -value)],
+                     lambda x, rng: _brighten(x, rng.uniform(-value, value)),
+                     lambda g, x: [tta_graph.brighten(g, x, value),
+                                   tta_graph.brighten(g, x, -value)], count=2)
+
+
+def _contrasted(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+    return Transform(name, value, lambda x: [_contrast(x, value)],
+                     lambda x, rng: _contrast(x, rng.uniform(min(1, value), max(1, value))),
+                     lambda g, x: [tta_graph.contrast(g, x, value)])
+
+
+def _token_dropout(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+    keep = seeded.random(int(pre.get("max_length", 512))) >= value
+    return Transform(name, value, lambda x: [_drop_tokens(x, keep)],
+                     lambda x, rng: _drop_tokens(x, rng.random(x.shape) >= value),
+                     lambda g, x: [tta_graph.mask_tokens(g, x, keep[None])],
+                     constant=keep, stacked_graph=tta_graph.mask_tokens)
+
+
+def _windowed(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+    size = int(value)
+    return Transform(name, value, lambda x: [], lambda x, rng: _random_window(x, size, rng),
+                     None, ragged=lambda x: _windows(x, size))
+
+
+def _jitter(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
+    """Noise of `value` training standard deviations on numeric features (one fixed draw per
+    view); one-hot columns stay as they are."""
+    names = pre["feature_names"]
+    numeric = {c["name"] for c in pre["columns"] if c["type"] == "numeric"}
+    scale = np.array([s if n in numeric else 0.0 for n, s in zip(names, pre["std"])],
+                     dtype=np.float32) * value
+    noise = (seeded.standard_normal(len(names)).astype(np.float32) * scale).astype(np.float32)
 
     def jitter(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         return (x + rng.standard_normal(x.shape).astype(np.float32) * scale).astype(np.float32)
 
-    return Transform(name, sigma, lambda x: [x + noise], jitter,
+    return Transform(name, value, lambda x: [x + noise], jitter,
                      lambda g, x: [tta_graph.add_vectors(g, x, noise[None])],
                      constant=noise, stacked_graph=tta_graph.add_vectors)
 
 
-# name → (needs a parameter, valid range check, what the parameter means)
-REGISTRY: dict[str, dict[str, tuple[bool, Callable[[float], bool], str]]] = {
-    "image": {"identity": (False, None, ""), "hflip": (False, None, ""),
-              "vflip": (False, None, ""), "rot90": (False, None, ""), "rot180": (False, None, ""),
-              "rot270": (False, None, ""),
-              "rotate": (True, lambda v: 0 < v < 180, "degrees in (0, 180)"),
-              "shift": (True, lambda v: v >= 1 and v == int(v), "whole pixels ≥ 1"),
-              "crop": (True, lambda v: 0 < v < 1, "a fraction in (0, 1)"),
-              "scale": (True, lambda v: 0.25 <= v <= 4 and v != 1, "a factor in [0.25, 4], not 1"),
-              "brightness": (True, lambda v: 0 < v < 1, "a delta in (0, 1)"),
-              "contrast": (True, lambda v: 0 < v <= 4 and v != 1, "a factor in (0, 4], not 1")},
-    "text": {"identity": (False, None, ""),
-             "token_dropout": (True, lambda v: 0 < v < 1, "a probability in (0, 1)"),
-             "window": (True, lambda v: v >= 2 and v == int(v), "a whole number of tokens ≥ 2")},
-    "tabular": {"identity": (False, None, ""),
-                "jitter": (True, lambda v: 0 < v <= 5, "a standard deviation in (0, 5]")},
-}
-ALIASES = {"flip": "hflip"}
+@dataclass(frozen=True)
+class TransformSpec:
+    """A name --tta_transforms takes: the model kinds it is for, its parameter's valid range and
+    meaning (check None: it takes none), and its builder (None: identity, the plain view)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    build: Builder | None
+    check: Callable[[float], bool] | None = None
+    meaning: str = ""
+    aliases: tuple[str, ...] = ()
+
+
+IMAGE, TEXT, TABULAR = ("image",), ("text",), ("tabular",)
+# Adding a transform is adding its entry here (and naming it in config.py's --tta_transforms help).
+TRANSFORMS: tuple[TransformSpec, ...] = (
+    TransformSpec("identity", IMAGE + TEXT + TABULAR, None),
+    TransformSpec("hflip", IMAGE, _fixed(lambda x: x[..., ::-1].copy(),
+                                         lambda g, x: tta_graph.flip(g, x, [3])),
+                  aliases=("flip",)),
+    TransformSpec("vflip", IMAGE, _fixed(lambda x: x[..., ::-1, :].copy(),
+                                         lambda g, x: tta_graph.flip(g, x, [2]))),
+    TransformSpec("rot90", IMAGE, _turn(1)),
+    TransformSpec("rot180", IMAGE, _turn(2)),
+    TransformSpec("rot270", IMAGE, _turn(3)),
+    TransformSpec("rotate", IMAGE, _resampled(lambda v: [_rotation(v), _rotation(-v)],
+                                              lambda v, rng: _rotation(rng.uniform(-v, v))),
+                  lambda v: 0 < v < 180, "degrees in (0, 180)"),
+    TransformSpec("shift", IMAGE, _shifted, lambda v: v >= 1 and v == int(v), "whole pixels ≥ 1"),
+    TransformSpec("crop", IMAGE, _resampled(lambda v: [np.eye(2) * v],
+                                            lambda v, rng: _zoom(1 / v, rng)),
+                  lambda v: 0 < v < 1, "a fraction in (0, 1)"),
+    TransformSpec("scale", IMAGE, _resampled(lambda v: [np.eye(2) * (1 / v)], _zoom),
+                  lambda v: 0.25 <= v <= 4 and v != 1, "a factor in [0.25, 4], not 1"),
+    TransformSpec("brightness", IMAGE, _brightened, lambda v: 0 < v < 1, "a delta in (0, 1)"),
+    TransformSpec("contrast", IMAGE, _contrasted, lambda v: 0 < v <= 4 and v != 1,
+                  "a factor in (0, 4], not 1"),
+    TransformSpec("token_dropout", TEXT, _token_dropout, lambda v: 0 < v < 1,
+                  "a probability in (0, 1)"),
+    TransformSpec("window", TEXT, _windowed, lambda v: v >= 2 and v == int(v),
+                  "a whole number of tokens ≥ 2"),
+    TransformSpec("jitter", TABULAR, _jitter, lambda v: 0 < v <= 5,
+                  "a standard deviation in (0, 5]"),
+)
+REGISTRY: dict[str, dict[str, TransformSpec]] = {
+    kind: {spec.name: spec for spec in TRANSFORMS if kind in spec.kinds}
+    for kind in DEFAULT_TRANSFORMS}
+ALIASES = {alias: spec.name for spec in TRANSFORMS for alias in spec.aliases}
 
 
 def parse_transform_specs(text: str, kind: str) -> list[tuple[str, float | None]]:
     """'hflip,rotate:10' → [('hflip', None), ('rotate', 10.0)]; exit 2 on anything invalid."""
     registry = REGISTRY[kind]
-    valid = ", ".join(n + (":X" if registry[n][0] else "") for n in registry)
+    valid = ", ".join(n + (":X" if spec.check else "") for n, spec in registry.items())
     parsed = []
     for item in filter(None, (p.strip() for p in (text or DEFAULT_TRANSFORMS[kind]).split(","))):
         name, _, raw = item.partition(":")
@@ -265,22 +309,24 @@ def parse_transform_specs(text: str, kind: str) -> list[tuple[str, float | None]
         if name not in registry:
             raise ConfigError(f"unknown TTA transform {item!r} for {kind} models",
                               f"valid: {valid}")
-        needs, check, meaning = registry[name]
-        if needs != bool(raw):
-            raise ConfigError(f"TTA transform {item!r} " + ("needs a parameter" if needs else
-                              "takes no parameter"), f"valid: {valid}")
-        value = None
-        if needs:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = float("nan")
-            if not check(value):
-                raise ConfigError(f"TTA transform {item!r}: the parameter must be {meaning}",
-                                  f"e.g. {name}:{'0.1' if '(0, 1)' in meaning else '2'}")
-        if name != "identity":
-            parsed.append((name, value))
+        spec = registry[name]
+        if (spec.check is not None) != bool(raw):
+            raise ConfigError(f"TTA transform {item!r} " + ("needs a parameter" if spec.check
+                              else "takes no parameter"), f"valid: {valid}")
+        if spec.build is not None:
+            parsed.append((name, None if spec.check is None else _parameter(spec, item, raw)))
     return parsed
+
+
+def _parameter(spec: TransformSpec, item: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not spec.check(value):  # type: ignore[misc]
+        raise ConfigError(f"TTA transform {item!r}: the parameter must be {spec.meaning}",
+                          f"e.g. {spec.name}:{'0.1' if '(0, 1)' in spec.meaning else '2'}")
+    return value
 
 
 def build_transforms(text: str, preprocessing: dict, seed: int = 0) -> list[Transform]:
@@ -288,13 +334,8 @@ def build_transforms(text: str, preprocessing: dict, seed: int = 0) -> list[Tran
     kind = preprocessing["kind"]
     transforms = []
     for k, (name, value) in enumerate(parse_transform_specs(text, kind)):
-        rng = np.random.default_rng([seed, k])
-        if kind == "image":
-            transforms.append(_image_transform(name, value, preprocessing))
-        elif kind == "text":
-            transforms.append(_text_transform(name, value, preprocessing, rng))
-        else:
-            transforms.append(_tabular_transform(name, value, preprocessing, rng))
+        build: Builder = REGISTRY[kind][name].build  # type: ignore[assignment]
+        transforms.append(build(name, value, preprocessing, np.random.default_rng([seed, k])))
     return transforms
 
 
@@ -304,8 +345,8 @@ def expand(x: np.ndarray, transforms: Sequence[Transform]
     owners None when every view covers the whole batch in order (the common, fast case)."""
     views, owners, regular = [x], [np.arange(len(x))], True
     for transform in transforms:
-        if transform.name == "window":
-            windowed, rows = _windows(x, int(transform.param))
+        if transform.ragged is not None:
+            windowed, rows = transform.ragged(x)
             if len(rows):
                 views.append(windowed)
                 owners.append(rows)
@@ -326,7 +367,8 @@ def tta_model(model: onnx.ModelProto, transforms: Sequence[Transform], merge_mod
         return None
     try:
         return tta_graph.with_tta(model, _graph_builders(transforms),
-                                  views_per_sample(transforms), classes, merge_mode)
+                                  views_per_sample(transforms), classes,
+                                  _merge_rule(merge_mode).graph)
     except ValueError as err:
         LOG.info("TTA views built in numpy: %s", err)
         return None
@@ -349,7 +391,7 @@ def _graph_builders(transforms: Sequence[Transform]) -> list[ViewBuilder]:
 
 def views_per_sample(transforms: Sequence[Transform]) -> int:
     """How many views a sample gets (windows counted as one)."""
-    return 1 + sum(max(1, t.count) if t.name == "window" else t.count for t in transforms)
+    return 1 + sum(t.count for t in transforms)
 
 
 def _stack(views: list[np.ndarray]) -> np.ndarray:
@@ -382,52 +424,66 @@ def _fit_width(view: np.ndarray, shape: tuple) -> np.ndarray:
 # ----------------------------------------------------------------------------- merging
 
 
+@dataclass(frozen=True)
+class _Views:
+    """A batch's view rows, reduced to one row per sample: `owners[i]` is the sample of row i;
+    None means whole-batch views stacked in order (blocks of n rows, the fast path)."""
+
+    n: int
+    owners: np.ndarray | None
+
+    def mean(self, values: np.ndarray) -> np.ndarray:
+        if self.owners is None:
+            return values.reshape(-1, self.n, values.shape[1]).mean(0)
+        total = np.zeros((self.n, values.shape[1]))
+        np.add.at(total, self.owners, values)
+        return total / np.bincount(self.owners, minlength=self.n).astype(np.float64)[:, None]
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        if self.owners is None:
+            return values.reshape(-1, self.n, values.shape[1]).max(0)
+        out = np.full((self.n, values.shape[1]), -np.inf)
+        np.maximum.at(out, self.owners, values)
+        return out
+
+
+@dataclass(frozen=True)
+class Merge:
+    """A --tta_merge rule: `numpy` turns the view rows (float64) into per-sample scores (merge
+    normalises them), `graph` builds the same rule as ONNX nodes."""
+
+    numpy: Callable[[np.ndarray, _Views], np.ndarray]
+    graph: tta_graph.GraphMerge
+
+
+def _vote(p: np.ndarray, views: _Views) -> np.ndarray:
+    """The share of views voting each class; ties go to the higher mean probability."""
+    return views.mean(np.eye(p.shape[1])[p.argmax(1)]) + 1e-6 * views.mean(p)
+
+
+MERGES: dict[str, Merge] = {
+    "mean": Merge(lambda p, views: views.mean(p), tta_graph.merge_mean),
+    "gmean": Merge(lambda p, views: np.exp(views.mean(np.log(np.clip(p, 1e-12, 1)))),
+                   tta_graph.merge_gmean),
+    "max": Merge(lambda p, views: views.max(p), tta_graph.merge_max),
+    "vote": Merge(_vote, tta_graph.merge_vote),
+    # ttach's temperature sharpening, t = 0.5
+    "tsharpen": Merge(lambda p, views: views.mean(np.sqrt(p)), tta_graph.merge_tsharpen),
+}
+MERGE_MODES = tuple(MERGES)
+
+
+def _merge_rule(mode: str) -> Merge:
+    if mode not in MERGES:
+        raise ConfigError(f"unknown --tta_merge {mode!r}", f"use one of {', '.join(MERGE_MODES)}")
+    return MERGES[mode]
+
+
 def merge(probs: np.ndarray, owners: np.ndarray | None, n: int, mode: str) -> np.ndarray:
     """Per sample, combine its views' probabilities into one distribution (rows sum to 1).
 
     owners[i] is the sample of row i; None means whole-batch views stacked in order."""
-    if owners is None:
-        return _merge_blocks(probs.reshape(len(probs) // n, n, -1), mode)
-    out = np.zeros((n, probs.shape[1]), dtype=np.float64)
-    counts = np.bincount(owners, minlength=n).astype(np.float64)[:, None]
-    p = probs.astype(np.float64)
-    if mode == "mean":
-        np.add.at(out, owners, p)
-        out /= counts
-    elif mode == "gmean":
-        np.add.at(out, owners, np.log(np.clip(p, 1e-12, 1)))
-        out = np.exp(out / counts)
-    elif mode == "max":
-        out[:] = -np.inf
-        np.maximum.at(out, owners, p)
-    elif mode == "tsharpen":  # ttach's temperature sharpening, t = 0.5
-        np.add.at(out, owners, np.sqrt(p))
-        out /= counts
-    elif mode == "vote":
-        mean = np.zeros_like(out)
-        np.add.at(out, owners, np.eye(p.shape[1])[p.argmax(1)])
-        np.add.at(mean, owners, p)
-        out = out / counts + 1e-6 * mean / counts  # ties go to the higher mean probability
-    else:
-        raise ConfigError(f"unknown --tta_merge {mode!r}", f"use one of {', '.join(MERGE_MODES)}")
-    return (out / out.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-def _merge_blocks(p: np.ndarray, mode: str) -> np.ndarray:
-    """The same rules when every sample has the same views: p is (views, n, classes)."""
-    p = p.astype(np.float64)
-    if mode == "mean":
-        out = p.mean(0)
-    elif mode == "gmean":
-        out = np.exp(np.log(np.clip(p, 1e-12, 1)).mean(0))
-    elif mode == "max":
-        out = p.max(0)
-    elif mode == "tsharpen":
-        out = np.sqrt(p).mean(0)
-    elif mode == "vote":
-        out = np.eye(p.shape[2])[p.argmax(2)].mean(0) + 1e-6 * p.mean(0)
-    else:
-        raise ConfigError(f"unknown --tta_merge {mode!r}", f"use one of {', '.join(MERGE_MODES)}")
+    out = _merge_rule(mode).numpy(probs.astype(np.float64), _Views(n, owners))
     return (out / out.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
@@ -490,7 +546,7 @@ class TTARunner:
         """Plain predictions (timed), then TTA (timed): on every sample, or with `threshold`
         only on samples whose plain top probability is below it (TTA time then includes the
         plain pass)."""
-        from inference import batches_of
+        from runtime import batches_of
 
         started = time.perf_counter()
         plain = np.concatenate([self.predict(b) for b in batches_of(x, self.batch_size)])

@@ -137,38 +137,52 @@ def add_vectors(nodes: GraphNodes, x: str, vectors: np.ndarray) -> str:
 # ----------------------------------------------------------------------------- merging
 
 
-def merge_views(nodes: GraphNodes, probabilities: str, views: int, classes: int, mode: str,
-                output: str) -> str:
-    """(views × N, classes) stacked view-major → (N, classes), rows summing to 1; the same rules
-    as tta.merge."""
-    p = nodes.op("Reshape", [probabilities, nodes.const([views, -1, classes])])
-    over_views = nodes.const([0])
+# (nodes, view probabilities (views, N, classes), classes, output name) → merged (N, classes)
+# with rows summing to 1; tta.MERGES pairs each with its numpy twin
+GraphMerge = Callable[[GraphNodes, str, int, str], str]
 
-    def mean_of(tensor: str) -> str:
-        return nodes.op("ReduceMean", [tensor, over_views], keepdims=0)
 
-    if mode == "mean":
-        merged = mean_of(p)
-    elif mode == "gmean":
-        clipped = nodes.op("Clip", [p, nodes.const(1e-12, np.float32),
-                                    nodes.const(1.0, np.float32)])
-        merged = nodes.op("Exp", [mean_of(nodes.op("Log", [clipped]))])
-    elif mode == "max":
-        merged = nodes.op("ReduceMax", [p, over_views], keepdims=0)
-    elif mode == "tsharpen":
-        merged = mean_of(nodes.op("Sqrt", [p]))
-    elif mode == "vote":  # share of views voting each class; ties go to the higher mean
-        winners = nodes.op("ArgMax", [p], axis=2, keepdims=0)
-        votes = nodes.op("OneHot", [winners, nodes.const([classes]),
-                                    nodes.const([0.0, 1.0], np.float32)], axis=-1)
-        tie_break = nodes.op("Mul", [mean_of(p), nodes.const(1e-6, np.float32)])
-        merged = nodes.op("Add", [mean_of(votes), tie_break])
-    else:
-        raise ValueError(f"unknown merge mode {mode!r}")
-    if mode == "mean":  # a mean of distributions is one: two nodes fewer at batch 1
-        return nodes.op("Identity", [merged], output=output)
+def _mean_over_views(nodes: GraphNodes, tensor: str, output: str | None = None) -> str:
+    return nodes.op("ReduceMean", [tensor, nodes.const([0])], output, keepdims=0)
+
+
+def _normalized(nodes: GraphNodes, merged: str, output: str) -> str:
     total = nodes.op("ReduceSum", [merged, nodes.const([1])], keepdims=1)
     return nodes.op("Div", [merged, total], output=output)
+
+
+def merge_mean(nodes: GraphNodes, p: str, classes: int, output: str) -> str:
+    return _mean_over_views(nodes, p, output)  # a mean of distributions sums to 1 already
+
+
+def merge_gmean(nodes: GraphNodes, p: str, classes: int, output: str) -> str:
+    clipped = nodes.op("Clip", [p, nodes.const(1e-12, np.float32), nodes.const(1.0, np.float32)])
+    log_mean = _mean_over_views(nodes, nodes.op("Log", [clipped]))
+    return _normalized(nodes, nodes.op("Exp", [log_mean]), output)
+
+
+def merge_max(nodes: GraphNodes, p: str, classes: int, output: str) -> str:
+    return _normalized(nodes, nodes.op("ReduceMax", [p, nodes.const([0])], keepdims=0), output)
+
+
+def merge_vote(nodes: GraphNodes, p: str, classes: int, output: str) -> str:
+    """The share of views voting each class; ties go to the higher mean."""
+    winners = nodes.op("ArgMax", [p], axis=2, keepdims=0)
+    votes = nodes.op("OneHot", [winners, nodes.const([classes]),
+                                nodes.const([0.0, 1.0], np.float32)], axis=-1)
+    tie_break = nodes.op("Mul", [_mean_over_views(nodes, p), nodes.const(1e-6, np.float32)])
+    return _normalized(nodes, nodes.op("Add", [_mean_over_views(nodes, votes), tie_break]), output)
+
+
+def merge_tsharpen(nodes: GraphNodes, p: str, classes: int, output: str) -> str:
+    return _normalized(nodes, _mean_over_views(nodes, nodes.op("Sqrt", [p])), output)
+
+
+def merge_views(nodes: GraphNodes, probabilities: str, views: int, classes: int,
+                rule: GraphMerge, output: str) -> str:
+    """(views × N, classes) stacked view-major → (N, classes) by `rule`."""
+    p = nodes.op("Reshape", [probabilities, nodes.const([views, -1, classes])])
+    return rule(nodes, p, classes, output)
 
 
 # ----------------------------------------------------------------------------- assembly
@@ -179,7 +193,7 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def with_tta(model: onnx.ModelProto, view_builders: Sequence[ViewBuilder], views: int,
-             classes: int, merge_mode: str) -> onnx.ModelProto:
+             classes: int, merge: GraphMerge) -> onnx.ModelProto:
     """A copy of `model` that takes the same input and returns merged TTA probabilities: the
     plain input and every builder's views concatenated along the batch axis, the model run once
     on them, and the views merged per sample. Raises ValueError if the graph cannot host it."""
@@ -198,7 +212,7 @@ def with_tta(model: onnx.ModelProto, view_builders: Sequence[ViewBuilder], views
     for node in graph.node:
         node.input[:] = [renamed.get(name, name) for name in node.input]
         node.output[:] = [renamed.get(name, name) for name in node.output]
-    merge_views(back, VIEW_PROBABILITIES, views, classes, merge_mode, PROBABILITIES)
+    merge_views(back, VIEW_PROBABILITIES, views, classes, merge, PROBABILITIES)
     model_nodes = list(graph.node)
     del graph.node[:]
     graph.node.extend(front.nodes + model_nodes + back.nodes)

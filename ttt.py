@@ -20,7 +20,6 @@ parameters in (no session is rebuilt, no state lives in the session).
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from metrics import accuracy, entropy
+from runtime import batches_of, best_of
 from tta_graph import GraphNodes
 from utils import LOG, ConfigError
 
@@ -225,18 +226,11 @@ class Tent:
 def ttt_batches(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
     """Batches for adaptation; a last batch under half the size joins the one before, because
     statistics of a handful of samples are noise."""
-    from inference import batches_of
-
     batches = batches_of(x, batch_size)
     if len(batches) > 1 and len(batches[-1]) < batch_size / 2:
         tail = x[(len(batches) - 2) * batch_size:]
         batches = batches[:-2] + batches_of(tail, len(tail))
     return batches
-
-
-def entropy(probabilities: np.ndarray) -> np.ndarray:
-    p = np.clip(probabilities, 1e-12, 1)
-    return -(p * np.log(p)).sum(1)
 
 
 def collapse_reason(adapted: np.ndarray, source: Callable[[], np.ndarray]) -> str | None:
@@ -356,22 +350,6 @@ class TTTResult:
 TIMING_PASSES = 3
 
 
-def _best_of(passes: int, run: Callable[[], object]) -> tuple[float, object]:
-    """(shortest time of `passes` calls, the first call's result): the results are identical,
-    the timing noise is not."""
-    times, first = [], None
-    for k in range(passes):
-        started = time.perf_counter()
-        result = run()
-        times.append(time.perf_counter() - started)
-        first = result if k == 0 else first
-    return min(times), first
-
-
-def _accuracy(probabilities: np.ndarray, y: np.ndarray) -> float:
-    return float((probabilities.argmax(1) == y).mean())
-
-
 def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callable,
                  tent: Tent | None, x: np.ndarray, y: np.ndarray, preprocessing: dict
                  ) -> TTTResult:
@@ -390,18 +368,18 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
         tent.reset()
     for name, severity, data in cases:
         batches = ttt_batches(data, settings.batch_size)
-        plain_seconds, plain = _best_of(TIMING_PASSES, lambda: np.concatenate(
+        plain_seconds, plain = best_of(TIMING_PASSES, lambda: np.concatenate(
             [predict(b) for b in batches]))
-        row = {"name": name, "severity": severity, "accuracy_source": _accuracy(plain, y),
+        row = {"name": name, "severity": severity, "accuracy_source": accuracy(plain, y),
                "accuracy_bn": None, "accuracy_tent": None, "cost_ratio_bn": None,
                "cost_ratio_tent": None}
         for method in settings.methods:
             tent_or_none = tent if method == "tent" else None
             passes = 1 if method == "tent" else TIMING_PASSES  # tent's torch steps dominate
-            seconds, adapted = _best_of(passes, lambda: adapt_and_predict(
+            seconds, adapted = best_of(passes, lambda: adapt_and_predict(
                 graph, method, data, settings.batch_size, settings.mode, settings.bn_prior,
                 settings.reset_every, tent_or_none))
-            row[f"accuracy_{method}"] = _accuracy(adapted.probabilities, y)
+            row[f"accuracy_{method}"] = accuracy(adapted.probabilities, y)
             row[f"cost_ratio_{method}"] = round(seconds / max(plain_seconds, 1e-9), 3)
             resets[method] += adapted.resets
         LOG.info("ttt %s%s: source %.4f%s", name, f" (severity {severity})" if severity else "",

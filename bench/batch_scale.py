@@ -1,12 +1,12 @@
 """Batch inference at scale: flat memory, lean start, and end-to-end speed against the model.
 
-    python bench/batch_scale.py [--rows 100000,1000000] [--batch_size 4096]
+    python bench/batch_scale.py [--rows 100000,1000000] [--batch_size 4096] [--sms PATH]
 
-Trains a tabular model (builtin:breast_cancer, 30 features) and a text model (SMS spam, or
-generated texts without ../shared), writes generated CSVs of each size, and runs
-`inference.py --input CSV --output preds.csv` as a subprocess on each: peak RSS (GNU time) and
-end-to-end rows/s. Then the raw session.run throughput of the same graph at the same batch size
-on rows encoded beforehand, the start-up time of `inference.py --help`, and whether a
+Trains a tabular model (builtin:breast_cancer, 30 features) and a text model (the SMS Spam
+Collection TSV given with --sms PATH; skipped without it), writes generated CSVs of each size,
+and runs `inference.py --input CSV --output preds.csv` as a subprocess on each: peak RSS (GNU
+time) and end-to-end rows/s. Then the raw session.run throughput of the same graph at the same
+batch size on rows encoded beforehand, the start-up time of `inference.py --help`, and whether a
 prediction run imports torch or dspy.
 
 Goals: peak RSS at the largest size within 10% of the smallest; end-to-end ≥ 80% of raw
@@ -25,8 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from common import REPO, Config, quiet_single_thread, train_bundle
-
-SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
 
 
 def write_tabular(path: Path, rows: int, features: list[str], seed: int = 0) -> None:
@@ -65,12 +63,12 @@ def run_inference(model: Path, data: Path, batch_size: int) -> tuple[float, floa
 def raw_throughput(model: Path, data: Path, batch_size: int, rows: int = 100_000) -> float:
     """session.run rows/s on rows read and encoded beforehand, same graph and batch size."""
     from config import Config as RunConfig
-    from inference import batches_of, create_session
-    from stream import StreamOptions, input_chunks
-    from utils import read_manifest, BundlePaths
+    from batch import BatchOptions, input_chunks
+    from bundle import BundlePaths, read_manifest
+    from runtime import batches_of, create_session
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
-    chunks = input_chunks(manifest, StreamOptions(str(data), rows))
+    chunks = input_chunks(manifest, BatchOptions(str(data), "out.csv", rows))
     x = next(iter(chunks)).x
     session = create_session(str(model), RunConfig().cpu_runtime())
     name = session.get_inputs()[0].name
@@ -102,6 +100,8 @@ def main() -> None:
     parser.add_argument("--rows", default="100000,1000000")
     parser.add_argument("--batch_size", type=int, default=4096, help="tabular batch size")
     parser.add_argument("--text_batch_size", type=int, default=256)
+    parser.add_argument("--sms", help="the SMS Spam Collection TSV (label<TAB>text); "
+                        "without it the text case is skipped")
     args = parser.parse_args()
     sizes = [int(r) for r in args.rows.split(",")]
     quiet_single_thread()
@@ -113,15 +113,16 @@ def main() -> None:
     features = dataset.preprocessing["feature_names"]
     cases.append(("tabular (30 features)", paths.onnx,
                   lambda p, n: write_tabular(p, n, features), args.batch_size))
-    if SMS.exists():
-        texts = [line.split("\t", 1)[-1] for line in SMS.read_text(errors="replace").splitlines()]
-        config = Config(model_type="text_classifier", dataset_path=str(SMS), epochs=3,
+    if args.sms:
+        texts = [line.split("\t", 1)[-1]
+                 for line in Path(args.sms).read_text(errors="replace").splitlines()]
+        config = Config(model_type="text_classifier", dataset_path=args.sms, epochs=3,
                         no_progress=True, output_model=str(work / "text" / "model.onnx"))
         _, _, paths, _ = train_bundle(config)
         cases.append(("text (SMS)", paths.onnx, lambda p, n: write_texts(p, n, texts),
                       args.text_batch_size))
     else:
-        print(f"text: skipped, {SMS} not found")
+        print("text: skipped; pass --sms PATH (the SMS Spam Collection TSV)", file=sys.stderr)
     for name, model, write, batch_size in cases:
         print(f"\n{name}, batch {batch_size}:")
         results = []

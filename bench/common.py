@@ -9,7 +9,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from config import Config  # noqa: E402
-from utils import BundlePaths, quiet_library_loggers, setup_logging  # noqa: E402
+from bundle import BundlePaths
+from utils import quiet_library_loggers, setup_logging  # noqa: E402
 
 
 def quiet_single_thread() -> None:

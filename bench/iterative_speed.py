@@ -2,9 +2,10 @@
 
     python bench/iterative_speed.py [--passes 16] [--epochs 20] [--seeds 5]
         [--train_augment false] [--weight_decay 0] [--only timing|seeds] [--data digits,sms]
+        [--sms PATH]
 
-Trains the digits CNN and (with ../shared/data/sms_spam.tsv) the SMS text classifier as
-pipeline.py does. For each: accuracy, NLL and ECE of a single pass and of MC-dropout with K
+Trains the digits CNN and (with --sms PATH, the SMS Spam Collection TSV) the SMS text classifier
+as pipeline.py does. For each: accuracy, NLL and ECE of a single pass and of MC-dropout with K
 passes; then, in turns on the same batches of 1 and of 64 samples, the time of K passes with the
 python backend (K session.run calls), the batched backend (K copies in one run) and the loop
 backend (an ONNX Loop, one run), and each one's speed-up over python.
@@ -28,16 +29,15 @@ import onnx
 
 from common import REPO, Config, quiet_single_thread, run_cases, train_bundle
 
-SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
 CASES = {"digits": ("digits CNN", "image_classifier", "builtin:digits"),
-         "sms": ("SMS text", "text_classifier", str(SMS))}
+         "sms": ("SMS text", "text_classifier", "")}  # the path comes from --sms
 BACKENDS = ("python", "batched", "loop")
 
 
 def measure(name: str, model_type: str, dataset_path: str, passes: int, epochs: int,
             runs: int) -> None:
     import iterative as it
-    from inference import batches_of, create_session, interleaved_timings, session_runner
+    from runtime import batches_of, create_session, session_runner, time_runners
 
     config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
                     no_progress=True, output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
@@ -67,7 +67,7 @@ def measure(name: str, model_type: str, dataset_path: str, passes: int, epochs: 
     for size in (1, 64):
         sized = batches_of(x, size)
         runners = [lambda b, s=samplers[k]: s([b]) for k in BACKENDS]
-        times = [float(np.median(t)) * 1e3 for t in interleaved_timings(runners, sized, runs)]
+        times = [float(np.median(t)) * 1e3 for t in time_runners(runners, sized, runs).seconds]
         print(f"{size:>5} " + " ".join(f"{t:>11.4f}" for t in times)
               + f" {times[0] / times[1]:>10.2f} {times[0] / times[2]:>8.2f}")
 
@@ -75,7 +75,8 @@ def measure(name: str, model_type: str, dataset_path: str, passes: int, epochs: 
 def calibration_over_seeds(name: str, model_type: str, dataset_path: str, passes: int,
                            epochs: int, seeds: int, training: dict) -> None:
     import iterative as it
-    from inference import batches_of, create_session, session_runner
+    import metrics
+    from runtime import batches_of, create_session, session_runner
 
     print(f"\n{name}: calibration over {seeds} seeds, K = {passes} (batched backend)")
     print(f"{'seed':>4} {'test':>5} {'accuracy':>8} {'ECE single':>10} {'ECE MC':>8} "
@@ -95,7 +96,7 @@ def calibration_over_seeds(name: str, model_type: str, dataset_path: str, passes
             create_session(graph.SerializeToString(), config.cpu_runtime(), it.MC_SESSION_ARGS),
             it.PASSES_OUTPUT))
         plain, mc = np.concatenate([single(b) for b in batches]), sampler(batches).mean
-        low, high = it.ece_change_interval(plain, mc, y, seed=seed)
+        low, high = metrics.ece_change_interval(plain, mc, y, seed=seed)
         one, many = (it.calibration_row(name, p, y, 1, 1, 1) for name, p in
                      (("single", plain), ("mc", mc)))
         changes.append(many["ece"] - one["ece"])
@@ -118,11 +119,19 @@ def main() -> None:
     parser.add_argument("--weight_decay", type=float, default=Config.weight_decay,
                         help="for --seeds: AdamW weight decay")
     parser.add_argument("--data", default="digits,sms", help="which of digits,sms to run")
+    parser.add_argument("--sms", help="the SMS Spam Collection TSV (label<TAB>text); "
+                        "without it the SMS case is skipped")
     parser.add_argument("--only", choices=("timing", "seeds"),
                         help="run only the timing part or only the calibration over seeds")
     args = parser.parse_args()
     quiet_single_thread()
-    cases = [CASES[name] for name in args.data.split(",")]
+    names = args.data.split(",")
+    if "sms" in names and not args.sms:
+        import sys
+
+        print("SMS text: skipped; pass --sms PATH (the SMS Spam Collection TSV)", file=sys.stderr)
+        names.remove("sms")
+    cases = [CASES[name][:2] + (args.sms,) if name == "sms" else CASES[name] for name in names]
     if args.only != "seeds":
         run_cases(cases, measure, args.passes, args.epochs, args.runs)
     if args.seeds > 1 and args.only != "timing":

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from common import Config, quiet_single_thread, train_bundle
-from utils import read_manifest
+from bundle import read_manifest
 
 
 def digits_table(folder: Path) -> str:

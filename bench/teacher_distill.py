@@ -1,14 +1,15 @@
 """An LM teacher's labels for a text student: student accuracy without and with them, one run.
 
-    python bench/teacher_distill.py [--labelled 500] [--unlabeled 3000]
-    python bench/teacher_distill.py --teacher_lm openai/MODEL --teacher_api_base http://localhost:8000/v1
+    python bench/teacher_distill.py --data sms_spam.tsv [--labelled 500] [--unlabeled 3000]
+    python bench/teacher_distill.py --data sms_spam.tsv --teacher_lm openai/MODEL \
+        --teacher_api_base http://localhost:8000/v1
 
-Splits the SMS Spam Collection (../shared/data/sms_spam.tsv) into a small labelled set, texts
-whose labels are hidden (the teacher labels them) and a large test file, then runs pipeline.py
-with --teacher_lm. Without --teacher_lm it starts a scripted stand-in on localhost (spam = a
-money, prize or call-to-action word, or a 5+ digit number): a weak teacher, not an LM, for
-machines without one. Prints the report's teacher section and how many of the teacher's labels
-match the hidden ones.
+Splits the SMS Spam Collection (a TSV, label<TAB>text, given with --data PATH) into a small
+labelled set, texts whose labels are hidden (the teacher labels them) and a large test file,
+then runs pipeline.py with --teacher_lm. Without --teacher_lm it starts a scripted stand-in on
+localhost (spam = a money, prize or call-to-action word, or a 5+ digit number): a weak teacher,
+not an LM, for machines without one. Prints the report's teacher section and how many of the
+teacher's labels match the hidden ones.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def run_pipeline(folder: Path, args, api_base: str | None, teacher_lm: str) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "sms_spam.tsv"))
+    parser.add_argument("--data", help="the SMS Spam Collection TSV (label<TAB>text)")
     parser.add_argument("--labelled", type=int, default=500)
     parser.add_argument("--unlabeled", type=int, default=3000)
     parser.add_argument("--epochs", type=int, default=20)
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--teacher_lm")
     parser.add_argument("--teacher_api_base")
     args = parser.parse_args()
+    if not args.data:
+        print("skipped: pass --data PATH (the SMS Spam Collection TSV)", file=sys.stderr)
+        return
     if not Path(args.data).exists():
         raise SystemExit(f"{args.data} not found: pass --data")
     folder = Path(tempfile.mkdtemp())

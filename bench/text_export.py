@@ -1,6 +1,6 @@
 """Text model: PyTorch vs ONNX Runtime agreement and latency, measured side by side in one run.
 
-    python bench/text_export.py                      # ../shared/data/sms_spam.tsv
+    python bench/text_export.py --data sms_spam.tsv  # the SMS Spam Collection
     python bench/text_export.py --data my.tsv --label_column 0 --text_column 1 --epochs 10
 
 Trains the text classifier as pipeline.py does, exports and validates it, then on the test split
@@ -25,17 +25,19 @@ def p50_ms(samples: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "sms_spam.tsv"))
+    parser.add_argument("--data", help="a text TSV, e.g. the SMS Spam Collection (label<TAB>text)")
     parser.add_argument("--label_column", default="0")
     parser.add_argument("--text_column", default="1")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=200, help="timed runs per batch size")
     args = parser.parse_args()
+    if not args.data:
+        parser.exit(0, "skipped: pass --data PATH (e.g. the SMS Spam Collection TSV)\n")
 
     quiet_single_thread()
     import torch
 
-    from inference import batches_of, create_session
+    from runtime import batches_of, create_session
     from models import WithProbabilities
 
     out = Path(tempfile.mkdtemp(prefix="bench_text_"))

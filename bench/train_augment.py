@@ -20,8 +20,8 @@ from common import Config, quiet_single_thread, train_bundle
 
 
 def score(dataset_path: str, augment: bool, epochs: int, seed: int) -> list[float]:
-    import iterative as it
-    from inference import batches_of, create_session, session_runner
+    import metrics
+    from runtime import batches_of, create_session, session_runner
     from shifts import CORRUPTIONS
 
     config = Config(dataset_path=dataset_path, epochs=epochs, seed=seed, train_augment=augment,
@@ -33,8 +33,7 @@ def score(dataset_path: str, augment: bool, epochs: int, seed: int) -> list[floa
                                           np.random.default_rng(seed))
     clean = np.concatenate([run(b) for b in batches_of(x, 64)])
     shifted = np.concatenate([run(b) for b in batches_of(moved, 64)])
-    return [float((clean.argmax(1) == y).mean()), it.nll(clean, y),
-            float((shifted.argmax(1) == y).mean())]
+    return [metrics.accuracy(clean, y), metrics.nll(clean, y), metrics.accuracy(shifted, y)]
 
 
 def compare(name: str, dataset_path: str, epochs: int, seeds: int) -> None:

@@ -1,11 +1,11 @@
 """Batched TTA vs a per-view loop, measured side by side in one run.
 
-    python bench/tta_speed.py [--epochs 10] [--threads 1]
+    python bench/tta_speed.py [--epochs 10] [--threads 1] [--sms PATH]
 
 Trains three models and gives each 4 views: the digits CNN (plain, hflip, vflip, rot180), the
-SMS text classifier (plain and three token_dropout masks; skipped without
-../shared/data/sms_spam.tsv) and the breast_cancer MLP (plain and three jitters). Then times, in
-turns on the same batches of 1 and of 64 samples:
+SMS text classifier (plain and three token_dropout masks; the SMS Spam Collection TSV given
+with --sms PATH, skipped without it) and the breast_cancer MLP (plain and three jitters). Then
+times, in turns on the same batches of 1 and of 64 samples:
 
   plain      one session.run of the batch (no TTA)
   graph      the pipeline's TTA: views, model and merge in one ONNX graph, one session.run
@@ -28,9 +28,8 @@ import numpy as np
 from common import REPO, Config, quiet_single_thread, run_cases, train_bundle
 
 VIEWS = 4
-SMS = REPO.parent / "shared" / "data" / "sms_spam.tsv"
 CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot180"),
-         ("SMS text", "text_classifier", str(SMS),
+         ("SMS text", "text_classifier", "",  # the path comes from --sms
           "token_dropout:0.1,token_dropout:0.15,token_dropout:0.2"),
          ("breast_cancer MLP", "tabular_classifier", "builtin:breast_cancer",
           "jitter:0.1,jitter:0.2,jitter:0.3")]
@@ -38,10 +37,11 @@ CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot18
 
 def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: int, runs: int,
             threads: int) -> None:
-    from inference import (batches_of, create_session, interleaved_timings, session_runner,
-                           tta_runner)
+    from inference import tta_runner
+    from runtime import time_runners
+    from runtime import batches_of, create_session, session_runner
     from tta import TTARunner, merge
-    from utils import read_manifest
+    from bundle import read_manifest
 
     config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
                     no_progress=True, num_threads=threads, tta_transforms=specs,
@@ -70,7 +70,7 @@ def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: i
         quadruple = {id(b): np.ascontiguousarray(np.concatenate([b] * VIEWS)) for b in batches}
         floor = lambda b: predict(quadruple[id(b)])  # noqa: E731
         graph.batch_size = numpy_views.batch_size = size
-        times = interleaved_timings([predict, graph, numpy_views, loop, floor], batches, runs)
+        times = time_runners([predict, graph, numpy_views, loop, floor], batches, runs).seconds
         plain_ms, graph_ms, numpy_ms, loop_ms, floor_ms = (float(np.median(t)) * 1e3
                                                            for t in times)
         cost = graph_ms / plain_ms
@@ -84,9 +84,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--runs", type=int, default=200, help="timed turns per batch size")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--sms", help="the SMS Spam Collection TSV (label<TAB>text); "
+                        "without it the SMS case is skipped")
     args = parser.parse_args()
     quiet_single_thread()
-    run_cases(CASES, measure, args.epochs, args.runs, args.threads)
+    cases = [case[:2] + (args.sms,) + case[3:] if case[0] == "SMS text" else case
+             for case in CASES if case[0] != "SMS text" or args.sms]
+    if not args.sms:
+        import sys
+
+        print("SMS text: skipped; pass --sms PATH (the SMS Spam Collection TSV)", file=sys.stderr)
+    run_cases(cases, measure, args.epochs, args.runs, args.threads)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,11 @@ SHIFTS = ["gaussian_noise", "contrast", "blur"]
 
 
 def measure(name: str, dataset_path: str, epochs: int, batch_size: int, runs: int) -> None:
-    from inference import create_session, interleaved_timings, session_runner
+    from runtime import time_runners
+    from runtime import create_session, session_runner
     from ttt import AdaptationGraph, Tent, TTTSettings, evaluate_ttt
-    from utils import format_ttt, read_manifest
+    from bundle import read_manifest
+    from report import format_ttt
 
     config = Config(dataset_path=dataset_path, epochs=epochs, no_progress=True,
                     output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
@@ -55,7 +57,7 @@ def measure(name: str, dataset_path: str, epochs: int, batch_size: int, runs: in
           f"{'met' if clean_drop <= 1 else 'NOT met'}")
     x = dataset.test.x
     batches = [np.ascontiguousarray(x[i:i + 256]) for i in range(0, len(x) - 255, 256)] or [x]
-    plain, adapt = interleaved_timings([predict, lambda b: graph.run(b, 0.0, {})], batches, runs)
+    plain, adapt = time_runners([predict, lambda b: graph.run(b, 0.0, {})], batches, runs).seconds
     ratio = float(np.median(adapt) / np.median(plain))
     print(f"batch {len(batches[0])}: plain p50 {np.median(plain) * 1e3:.3f} ms, bn adapt+predict "
           f"p50 {np.median(adapt) * 1e3:.3f} ms: {ratio:.2f}x (goal ≤ 3x: "

@@ -16,7 +16,7 @@ from conftest import assert_clean_failure, run_cli
 
 
 def test_ece_and_abstention_match_hand_computations():
-    from iterative import accuracy_at_coverage, expected_calibration_error, nll
+    from metrics import accuracy_at_coverage, expected_calibration_error, nll
 
     p = np.array([[0.95, 0.05], [0.58, 0.42], [0.3, 0.7], [0.55, 0.45]])
     y = np.array([0, 1, 1, 0])
@@ -41,7 +41,7 @@ def naive_ece(p, y, bins=15):
 
 
 def test_binned_ece_matches_the_bin_by_bin_formula_on_edges_too():
-    from iterative import expected_calibration_error
+    from metrics import expected_calibration_error
 
     rng = np.random.default_rng(0)
     for classes in (2, 3, 10):
@@ -53,7 +53,8 @@ def test_binned_ece_matches_the_bin_by_bin_formula_on_edges_too():
 
 
 def test_ece_interval_and_verdict_tell_a_real_gain_from_noise():
-    from iterative import calibration_row, calibration_verdict, ece_change_interval
+    from iterative import calibration_row, calibration_verdict
+    from metrics import ece_change_interval
 
     rng = np.random.default_rng(1)
     y = rng.integers(0, 2, 400)

@@ -50,7 +50,7 @@ def test_transform_specs(spec, kind):
 @given(st.one_of(text, st.lists(st.sampled_from(
     ["cpu", "cuda", "tensorrt", "CUDAExecutionProvider", "gpu", "dml", " ", ""])).map(",".join)))
 def test_provider_lists(value):
-    from config import parse_ep_options, parse_providers
+    from runtime import parse_ep_options, parse_providers
 
     try:
         providers = parse_providers(value)
@@ -72,7 +72,7 @@ manifest_keys = st.sampled_from(["format", "format_version", "model_type", "labe
 @FAST
 @given(st.dictionaries(manifest_keys, json_values, max_size=10), st.booleans())
 def test_manifests(fields, real_format):
-    from utils import BundlePaths, read_manifest
+    from bundle import BundlePaths, read_manifest
 
     if real_format:
         fields.update(format="ttc-model-bundle", format_version=1)
@@ -108,7 +108,7 @@ cell = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(str),
 @FAST
 @given(st.lists(st.lists(cell, min_size=3, max_size=3), min_size=1, max_size=30))
 def test_random_csvs_through_the_batch_reader(rows):
-    from stream import StreamOptions, TableReader
+    from batch import BatchOptions, TableReader
 
     manifest = {"model_type": "tabular_classifier", "labels": ["a", "b"], "dataset": {},
                 "preprocessing": {"kind": "tabular", "columns": [
@@ -123,7 +123,7 @@ def test_random_csvs_through_the_batch_reader(rows):
             writer.writerow(["h", "w", "c"])
             writer.writerows(rows)
         try:
-            chunks = list(TableReader(path, manifest, StreamOptions(str(path), 7)))
+            chunks = list(TableReader(path, manifest, BatchOptions(str(path), "out.csv", 7)))
         except PipelineError as err:
             assert err.exit_code in (2, 3)
             return

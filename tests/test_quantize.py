@@ -141,7 +141,7 @@ def test_fp16_graph_is_validated_and_only_used_on_a_gpu_provider(wine_bundle):
 
 def test_iobinding_runner_matches_session_run(digits_bundle):
     """The IOBinding path used on CUDA, exercised on the CPU device: same probabilities."""
-    from inference import iobinding_runner, session_runner
+    from runtime import iobinding_runner, session_runner
 
     session = ort.InferenceSession(str(digits_bundle["model"]), providers=["CPUExecutionProvider"])
     x = (load_digits().images[:7] / 16.0).astype(np.float32)[:, None]

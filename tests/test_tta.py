@@ -183,6 +183,56 @@ def test_merge_rules_match_hand_computed_values():
     np.testing.assert_allclose(irregular, [[0.4, 0.6], [0.2, 0.8]], atol=1e-6)
 
 
+def test_every_tta_merge_choice_is_a_merge_rule_and_others_exit_2():
+    from config import FIELDS
+    from tta import merge
+    from utils import ConfigError
+
+    probs = np.array([[0.6, 0.4], [0.2, 0.8], [0.2, 0.8], [0.4, 0.6]], dtype=np.float32)
+    choices = FIELDS["tta_merge"].metadata["choices"]
+    for mode in choices:
+        for owners in (None, np.array([0, 1, 0, 1])):
+            np.testing.assert_allclose(merge(probs, owners, 2, mode).sum(1), 1, atol=1e-6)
+    with pytest.raises(ConfigError) as err:
+        merge(probs, None, 2, "median")
+    assert err.value.exit_code == 2 and all(mode in err.value.hint for mode in choices)
+
+
+@pytest.mark.parametrize("kind,pre,x", [
+    ("image", IMAGE, np.random.default_rng(8).random((2, *IMAGE_SHAPE)).astype(np.float32)),
+    ("text", {**TEXT, "max_length": 8},
+     np.array([[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 0, 0, 0, 0, 0, 0]])),
+    ("tabular", TABULAR, np.array([[1.0, 2.0, 1.0], [2.0, 3.0, 0.0]], dtype=np.float32)),
+])
+def test_every_transform_the_error_lists_is_in_the_help_and_builds_its_example(kind, pre, x):
+    """The list of valid transforms, the --tta_transforms help and the builders agree."""
+    import re
+
+    from config import FIELDS
+    from tta import expand, parse_transform_specs, views_per_sample
+    from utils import ConfigError
+
+    with pytest.raises(ConfigError) as unknown:
+        parse_transform_specs("no_such_transform", kind)
+    listed = unknown.value.hint.removeprefix("valid: ").split(", ")
+    assert listed[0] == "identity" and len(listed) > 1
+    for entry in listed:
+        name = entry.removesuffix(":X")
+        assert re.search(rf"\b{name}\b", FIELDS["tta_transforms"].metadata["help"]), name
+        spec = name
+        if entry.endswith(":X"):  # the out-of-range error gives an example: build that
+            with pytest.raises(ConfigError) as out_of_range:
+                parse_transform_specs(f"{name}:nan", kind)
+            spec = out_of_range.value.hint.removeprefix("e.g. ")
+        transforms = build(spec, pre)
+        stacked, owners = expand(x, transforms)
+        np.testing.assert_array_equal(stacked[: len(x)], x)
+        if owners is None:
+            assert len(stacked) == len(x) * views_per_sample(transforms), spec
+        else:  # windows: a view per window of the long text, none for the short one
+            assert len(owners) == len(stacked) and list(owners[len(x):]) == [0] * 7, spec
+
+
 def test_adaptive_threshold_only_touches_uncertain_samples():
     from tta import TTARunner
 

@@ -114,7 +114,7 @@ def test_tabular_corruptions_touch_numeric_features_only():
 @pytest.fixture(scope="module")
 def adaptation(digits_bundle):
     from ttt import AdaptationGraph
-    from utils import BundlePaths, read_manifest
+    from bundle import BundlePaths, read_manifest
 
     paths = BundlePaths.from_model_path(digits_bundle["model"])
     manifest = read_manifest(paths)
@@ -126,7 +126,8 @@ def adaptation(digits_bundle):
 
 
 def test_tent_lowers_entropy_and_episodic_mode_restores_the_outputs_exactly(adaptation):
-    from ttt import Tent, adapt_and_predict, entropy
+    from metrics import entropy
+    from ttt import Tent, adapt_and_predict
     from shifts import corrupt
 
     paths, manifest, graph, x = adaptation

@@ -1,0 +1,248 @@
+"""The model bundle: its files (model.onnx, model.json, model.pt and the extra graphs, all named
+after --output_model) and its manifest's schema — built by training, filled by export and
+quantization, validated before anything in it is used, and read by every later stage.
+
+No torch here: inference reads bundles.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from utils import ExportError, sha256_of, staged_files
+
+BUNDLE_FORMAT = "ttc-model-bundle"
+BUNDLE_FORMAT_VERSION = 1
+OUTPUT_NAMES = ("logits", "probabilities")  # every graph's outputs, (batch, classes) float32
+
+
+@dataclass(frozen=True)
+class BundlePaths:
+    """The files of one model bundle, all sharing the stem of `--output_model`."""
+
+    onnx: Path
+    manifest: Path
+    weights: Path
+
+    @classmethod
+    def from_model_path(cls, model_path: str | Path) -> "BundlePaths":
+        onnx_path = Path(model_path)
+        if onnx_path.suffix != ".onnx":
+            onnx_path = onnx_path.with_suffix(".onnx")
+        return cls(onnx=onnx_path, manifest=onnx_path.with_suffix(".json"),
+                   weights=onnx_path.with_suffix(".pt"))
+
+    @property
+    def int8(self) -> Path:
+        return self.onnx.with_suffix(".int8.onnx")
+
+    @property
+    def fp16(self) -> Path:
+        return self.onnx.with_suffix(".fp16.onnx")
+
+    @property
+    def bn(self) -> Path:
+        """The graph with its BatchNorm nodes kept, for test-time adaptation."""
+        return self.onnx.with_suffix(".bn.onnx")
+
+    def variant(self, key: str) -> Path:
+        """The graph file of a variant: "onnx" (fp32), "int8", "fp16", or of an extra graph:
+        "bn" (BatchNorm adaptation), "mc" (MC-dropout), "ensemble"."""
+        if key == "onnx":
+            return self.onnx
+        return self.onnx.with_suffix(f".{key}.onnx")
+
+
+def read_manifest(paths: BundlePaths) -> dict:
+    """Load and sanity-check a bundle manifest; any problem is an ExportError (exit 4)."""
+    if not paths.manifest.is_file():
+        raise ExportError(f"bundle manifest {paths.manifest} not found",
+                          "train first (pipeline.py or train.py) with --output_model "
+                          f"{paths.onnx}")
+    try:
+        manifest = json.loads(paths.manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"bundle manifest {paths.manifest} is not valid JSON ({err})",
+                          "re-create the bundle with pipeline.py") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise ExportError(f"{paths.manifest} is not a model bundle manifest",
+                          "pass the .onnx written by pipeline.py or export.py")
+    if manifest.get("format_version") != BUNDLE_FORMAT_VERSION:
+        raise ExportError(f"{paths.manifest} has format version {manifest.get('format_version')!r}, "
+                          f"this tool reads version {BUNDLE_FORMAT_VERSION}",
+                          "re-create the bundle with this version of the tool")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise ExportError(f"{paths.manifest} is not a valid manifest: {problem}",
+                          "re-create the bundle with pipeline.py")
+    return manifest
+
+
+MANIFEST_KEYS = {"format", "format_version", "created", "model_type", "labels", "input",
+                 "outputs", "preprocessing", "architecture", "dataset", "training", "export",
+                 "quantization", "fp16", "extra_graphs", "files"}
+MODEL_KINDS = {"image_classifier": "image", "text_classifier": "text",
+               "tabular_classifier": "tabular"}
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest's shape (keys, types, ranges), checked before anything in
+    it is used; None when it is sound."""
+    unknown = sorted(set(manifest) - MANIFEST_KEYS)
+    if unknown:
+        return f"unknown keys {unknown[:5]}"
+    for key in ("model_type", "labels", "input", "preprocessing", "architecture"):
+        if key not in manifest:
+            return f"the key {key!r} is missing"
+    kind = MODEL_KINDS.get(manifest["model_type"]) if isinstance(manifest["model_type"], str) \
+        else None
+    if kind is None:
+        return f"model_type {manifest['model_type']!r} is not one of {sorted(MODEL_KINDS)}"
+    labels = manifest["labels"]
+    if not (isinstance(labels, list) and len(labels) >= 2 and
+            all(isinstance(v, str) for v in labels) and len(set(labels)) == len(labels)):
+        return "labels must be a list of 2 or more distinct strings"
+    spec = manifest["input"]
+    if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and
+            isinstance(spec.get("shape"), list)):
+        return "input must name the graph input and its shape"
+    pre = manifest["preprocessing"]
+    if not isinstance(pre, dict) or pre.get("kind") != kind:
+        return f"preprocessing must be a {kind} preprocessing for a {manifest['model_type']}"
+    if not isinstance(manifest["architecture"], dict) or \
+            not isinstance(manifest["architecture"].get("name"), str):
+        return "architecture must name the network"
+    files = manifest.get("files") or {}
+    if not isinstance(files, dict) or not isinstance(files.get("sha256", {}), dict):
+        return "files must map names and sha256 hashes"
+    for key, name in files.items():
+        if key != "sha256" and name is not None and (
+                not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")):
+            return f"files.{key} must be a bare file name, not {name!r}"
+    for key, digest in files.get("sha256", {}).items():
+        if not (isinstance(digest, str) and len(digest) == 64 and
+                all(c in "0123456789abcdef" for c in digest)):
+            return f"files.sha256.{key} is not a sha256 hex digest"
+    return None
+
+
+def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "onnx") -> Path:
+    """The graph file of `variant` ("onnx" fp32, or "int8"), refused if missing or from another
+    run than its manifest."""
+    files = manifest.get("files") or {}
+    expected = (files.get("sha256") or {}).get(variant)
+    path = paths.variant(variant)
+    fix = {"onnx": f"python export.py --output_model {paths.onnx}",
+           "int8": f"python quantize.py --output_model {paths.onnx} --quantize auto",
+           "fp16": f"python quantize.py --output_model {paths.onnx} --fp16 true",
+           "bn": f"python export.py --output_model {paths.onnx}",
+           "mc": f"python export.py --output_model {paths.onnx}",
+           "ensemble": f"python pipeline.py ... --ensemble_size N --output_model {paths.onnx}"
+           }[variant]
+    if not files.get(variant) or not expected:
+        what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph",
+                "bn": "BatchNorm adaptation graph (bundles exported before test-time training "
+                      "existed lack it)",
+                "mc": "MC-dropout graph (a model without dropout, or a bundle exported before "
+                      "MC-dropout existed, has none)",
+                "ensemble": "ensemble graph (train one with --ensemble_size N)"}[variant]
+        raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
+    if not path.is_file():
+        raise ExportError(f"model file {path} not found", f"run: {fix}")
+    if sha256_of(path) != expected:
+        raise ExportError(f"{path} does not match its manifest {paths.manifest.name} "
+                          "(sha256 differs: the files come from different runs or were modified)",
+                          f"re-run: {fix}")
+    problem = external_data_problem(path)
+    if problem:
+        raise ExportError(f"{path} refused: {problem}",
+                          "keep a model's external data files in its own folder")
+    return path
+
+
+def external_data_problem(path: Path) -> str | None:
+    """Why an ONNX file's external data is unsafe to load (a location outside its folder, so
+    a crafted model could read any file), or None. A file that does not parse is left to ONNX
+    Runtime's own error."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - truncated or foreign: reported when a session loads it
+        return None
+    folder = path.parent.resolve()
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if not (folder / location).resolve().is_relative_to(folder):
+            return f"tensor {tensor.name!r} reads external data from {location!r}, outside {folder}"
+    return None
+
+
+def _all_tensors(graph: Any) -> Iterator[Any]:
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _all_tensors(sub)
+
+
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def new_manifest(*, model_type: str, labels: list[str], input_spec: dict, preprocessing: dict,
+                 architecture: dict, dataset: dict, training: dict) -> dict:
+    """A manifest as training knows it; export (record_export) adds the graphs and their
+    hashes, quantization (record_variant) its variants."""
+    outputs = [{"name": name, "shape": ["batch", len(labels)], "dtype": "float32"}
+               for name in OUTPUT_NAMES]
+    return {"format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model_type": model_type, "labels": labels, "input": input_spec, "outputs": outputs,
+            "preprocessing": preprocessing, "architecture": architecture, "dataset": dataset,
+            "training": training, "export": None, "quantization": None, "extra_graphs": {},
+            "files": {"onnx": None, "weights": None, "sha256": {}}}
+
+
+def manifest_text(manifest: dict) -> str:
+    return json.dumps(manifest, indent=2) + "\n"
+
+
+def record_weights(manifest: dict, paths: BundlePaths, digest: str) -> None:
+    manifest["files"].update(weights=paths.weights.name, sha256={"weights": digest})
+
+
+def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict[str, dict],
+                  hashes: dict[str, str]) -> None:
+    """The export figures, and every graph file with its sha256 (`extras`: the extra graphs'
+    manifest entries by key: bn, mc, ensemble)."""
+    manifest["export"] = export
+    manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
+                         "sha256": {"onnx": hashes["onnx"], "weights": hashes["weights"]}}
+    manifest["extra_graphs"] = {}
+    for key, info in extras.items():
+        manifest["files"][key] = paths.variant(key).name
+        manifest["files"]["sha256"][key] = hashes[key]
+        manifest["extra_graphs"][key] = {"file": paths.variant(key).name, **info}
+
+
+def record_variant(paths: BundlePaths, manifest: dict, key: str, data: bytes,
+                   section: dict) -> None:
+    """Write a variant graph ("int8", "fp16") and the manifest that names it by hash, staged
+    together (graph first, manifest last)."""
+    with staged_files() as stage:
+        digest = sha256_of(stage(paths.variant(key), lambda tmp: tmp.write_bytes(data)))
+        manifest["quantization" if key == "int8" else key] = section
+        manifest["files"][key] = paths.variant(key).name
+        manifest["files"]["sha256"][key] = digest
+        stage(paths.manifest, lambda tmp: tmp.write_text(manifest_text(manifest),
+                                                          encoding="utf-8"))

@@ -1,0 +1,352 @@
+"""ONNX Runtime, the way every stage runs a model: sessions on the requested execution providers
+(with an honest fallback), provider options, IOBinding on GPUs, batching, and timing.
+
+A leaf module: it imports nothing of this project but utils (errors, logging) and preprocess
+(padding), so export, quantize, the test-time methods and inference all run models the same way.
+No torch here.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from preprocess import trim_padding
+from utils import (LOG, ConfigError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
+                   stdout_to_stderr)
+
+if TYPE_CHECKING:  # onnxruntime is imported where a session is made: config.py imports this
+    import onnxruntime as ort
+
+STATE_INPUT, STATE_OUTPUT = "state", "state_out"  # a recurrent graph's state in and out
+
+# ----------------------------------------------------------------------------- providers
+
+# Short names for ONNX Runtime execution providers; full names are accepted too.
+EP_ALIASES = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "trt": "TensorrtExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "rocm": "ROCMExecutionProvider",
+}
+
+# Provider options we check by name (ONNX Runtime ignores or rejects misspelt ones at run time);
+# other providers' options pass through unchecked.
+EP_OPTION_KEYS = {
+    "CUDAExecutionProvider": ("device_id", "gpu_mem_limit", "arena_extend_strategy",
+                              "cudnn_conv_algo_search", "do_copy_in_default_stream",
+                              "cudnn_conv_use_max_workspace", "enable_cuda_graph"),
+    "TensorrtExecutionProvider": ("device_id", "trt_fp16_enable", "trt_int8_enable",
+                                  "trt_engine_cache_enable", "trt_engine_cache_path",
+                                  "trt_max_workspace_size", "trt_timing_cache_enable",
+                                  "trt_timing_cache_path", "trt_builder_optimization_level"),
+    "CPUExecutionProvider": ("use_arena",),
+}
+CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
+def parse_providers(text: str) -> list[str]:
+    """'cuda,cpu' -> full ONNX Runtime provider names, in priority order, CPU always last."""
+    names: list[str] = []
+    for raw in str(text).split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        full = EP_ALIASES.get(item.lower())
+        if full is None and item in EP_ALIASES.values():
+            full = item
+        if full is None:
+            valid = ", ".join(sorted(set(EP_ALIASES)))
+            raise ConfigError(f"unknown execution provider {item!r} in --ep",
+                              f"use one or more of: {valid} (comma-separated, highest priority first)")
+        if full not in names:
+            names.append(full)
+    if not names:
+        raise ConfigError("--ep is empty", "use e.g. --ep cpu or --ep cuda,cpu")
+    if "CPUExecutionProvider" in names:
+        names.remove("CPUExecutionProvider")
+    return names + ["CPUExecutionProvider"]
+
+
+def parse_ep_options(text: str | None, providers: Sequence[str]) -> dict[str, dict[str, str]]:
+    """--ep_options as JSON ({"cuda": {"device_id": 0}} or, for the first provider, {"device_id":
+    0}) or a key=value list ("cuda.device_id=0,tensorrt.trt_fp16_enable=true"; a key without a
+    provider goes to the first one). Returns {full provider name: {key: string value}}."""
+    import json
+
+    if not text:
+        return {}
+    pairs: list[tuple[str | None, str, object]] = []
+    if text.strip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--ep_options is not valid JSON ({err.msg} at column {err.colno})",
+                              'e.g. --ep_options \'{"cuda": {"device_id": 0}}\'') from None
+        for key, value in data.items():
+            if isinstance(value, dict):
+                pairs += [(key, k, v) for k, v in value.items()]
+            else:
+                pairs.append((None, key, value))
+    else:
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--ep_options item {item!r} is not key=value",
+                                  "e.g. --ep_options cuda.device_id=0,cuda.gpu_mem_limit=2000000000")
+            provider, _, name = key.strip().rpartition(".")
+            pairs.append((provider or None, name, value.strip()))
+    options: dict[str, dict[str, str]] = {}
+    for provider, key, value in pairs:
+        full = parse_providers(provider)[0] if provider else providers[0]
+        if full not in providers:
+            raise ConfigError(f"--ep_options names {full}, which --ep does not request",
+                              "add it to --ep or drop its options")
+        allowed = EP_OPTION_KEYS.get(full)
+        if allowed is not None and key not in allowed:
+            raise ConfigError(f"--ep_options: unknown option {key!r} for {full}",
+                              f"valid: {', '.join(allowed)}")
+        text_value = str(value).lower() if isinstance(value, bool) else str(value)
+        if key == "cudnn_conv_algo_search" and text_value.upper() not in CUDNN_SEARCH:
+            raise ConfigError(f"--ep_options: cudnn_conv_algo_search {value!r}",
+                              f"use one of {', '.join(CUDNN_SEARCH)}")
+        options.setdefault(full, {})[key] = text_value
+    trt = options.get("TensorrtExecutionProvider", {})
+    if "trt_engine_cache_path" in trt:  # a cache path means: keep engines between cron runs
+        trt.setdefault("trt_engine_cache_enable", "true")
+    return options
+
+
+@dataclass
+class RuntimeOptions:
+    """How ONNX Runtime sessions are made: providers, their options, threads."""
+
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    provider_options: dict[str, dict[str, str]] = field(default_factory=dict)
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    execution_mode: str = "sequential"
+    strict: bool = False
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def create_session(model: str | bytes, runtime: RuntimeOptions,
+                   session_args: dict | None = None) -> ort.InferenceSession:
+    """An ORT session with all graph optimisations, on the first usable of `runtime.providers`.
+
+    onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
+    and silently runs on CPU. We capture those errors, compare the active providers with the
+    request, and say in one WARNING which provider is inactive and why (exit 5 with `strict`).
+    """
+    import onnxruntime as ort
+
+    strict = runtime.strict
+    available = ort.get_available_providers()
+    missing = [p for p in runtime.providers if p not in available]
+    if missing:
+        fallback(f"{', '.join(missing)} not in this onnxruntime build (it has "
+                 f"{', '.join(available)})", strict)
+    usable = [p for p in runtime.providers if p in available] or ["CPUExecutionProvider"]
+    with_options = [(p, runtime.provider_options.get(p, {})) for p in usable]
+    cache = runtime.provider_options.get("TensorrtExecutionProvider", {}).get("trt_engine_cache_path")
+    if cache:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = runtime.intra_op_threads
+    options.inter_op_num_threads = runtime.inter_op_threads
+    options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if runtime.execution_mode == "parallel"
+                              else ort.ExecutionMode.ORT_SEQUENTIAL)
+    options.log_severity_level = 0 if debug_enabled() else 3
+    try:
+        # ORT's Python layer print()s provider errors to stdout: keep them off our stdout.
+        if debug_enabled():
+            with stdout_to_stderr():
+                session = ort.InferenceSession(model, options, providers=with_options,
+                                               **(session_args or {}))
+            ort_errors: list[str] = []
+        else:
+            with captured_stderr() as ort_errors, stdout_to_stderr():
+                session = ort.InferenceSession(model, options, providers=with_options,
+                                               **(session_args or {}))
+    except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
+        name = model if isinstance(model, str) else "the exported graph"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ExportError(f"ONNX Runtime cannot load {name}: {first}",
+                          "the file may be truncated or not an ONNX model; re-run export.py "
+                          "or pipeline.py") from None
+    inactive = [p for p in usable if p not in session.get_providers()]
+    if inactive:
+        fallback(f"{', '.join(inactive)} could not start: {provider_failure_reason(ort_errors)}; "
+                 f"running on {', '.join(session.get_providers())}", strict)
+    return session
+
+
+_WARNED: set[str] = set()  # fallbacks already reported in this process (one run)
+
+
+def fallback(message: str, strict: bool) -> None:
+    """A requested provider cannot run: exit 5 with `strict`, else one WARNING per run (a
+    pipeline run makes a session for validation, quantization, inference and each method)."""
+    if strict:
+        raise RuntimeFailure(f"execution provider fallback: {message}",
+                             "fix the provider's drivers, or drop --strict_ep to allow fallback")
+    if message not in _WARNED:
+        _WARNED.add(message)
+        LOG.warning("execution provider fallback: %s", message)
+
+
+def provider_failure_reason(lines: Sequence[str]) -> str:
+    """The most telling line of ONNX Runtime's provider errors, without colours and prefixes."""
+    clean = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in lines]
+    for key in ("cannot open shared object", "Failed to load", "Error", "error"):
+        for line in clean:
+            if key in line:
+                return line.split("FAIL : ", 1)[-1].split("] ", 1)[-1][:400]
+    return "its libraries or drivers are missing (no details from ONNX Runtime)"
+
+
+def batches_of(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Contiguous batches; token ids lose the padding columns no text in the batch needs."""
+    out = [np.ascontiguousarray(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    if x.ndim == 2 and x.dtype == np.int64:
+        out = [np.ascontiguousarray(trim_padding(b)) for b in out]
+    return out
+
+# ----------------------------------------------------------------------------- running
+
+
+GPU_DEVICES = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
+
+
+def session_device(session: ort.InferenceSession) -> str | None:
+    """The device IOBinding should use: "cuda" when a CUDA-type provider runs the session."""
+    return GPU_DEVICES.get(session.get_providers()[0])
+
+
+def iobinding_runner(session: ort.InferenceSession, device: str, device_id: int = 0,
+                     output: str = "probabilities") -> Callable[[np.ndarray], np.ndarray]:
+    """Run through IOBinding: the input is copied to `device` once and the output is allocated
+    there by ORT, instead of session.run's own copies (what matters on CUDA)."""
+    import onnxruntime as ort
+
+    name = session.get_inputs()[0].name
+    binding = session.io_binding()
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(batch, device,
+                                                                           device_id))
+        binding.bind_output(output, device, device_id)
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]
+
+    return run
+
+
+def session_runner(session: ort.InferenceSession, output: str = "probabilities",
+                   state_passes: int = 1) -> Callable[[np.ndarray], np.ndarray]:
+    """A batch → probabilities; through IOBinding when a GPU provider runs the session. A graph
+    with a `state` input is run `state_passes` times, fed its own `state_out` (zeros first)."""
+    state = state_input(session)
+    if state is not None:
+        name = session.get_inputs()[0].name
+
+        def run_with_state(batch: np.ndarray) -> np.ndarray:
+            current = np.zeros((len(batch), *state), dtype=np.float32)
+            for _ in range(state_passes):
+                probabilities, current = session.run([output, STATE_OUTPUT],
+                                                     {name: batch, STATE_INPUT: current})
+            return probabilities
+
+        return run_with_state
+    device = session_device(session)
+    if device is not None:
+        provider = session.get_providers()[0]
+        options = session.get_provider_options().get(provider, {})
+        return iobinding_runner(session, device, int(options.get("device_id", 0)), output)
+    name = session.get_inputs()[0].name
+    return lambda batch: session.run([output], {name: batch})[0]
+
+
+def state_input(session: ort.InferenceSession) -> list[int] | None:
+    """The per-sample shape of a recurrent graph's `state` input, or None."""
+    for graph_input in session.get_inputs()[1:]:
+        if graph_input.name == STATE_INPUT:
+            shape = graph_input.shape[1:]
+            if not all(isinstance(d, int) for d in shape):
+                raise ExportError(f"the state input's shape {graph_input.shape} is not fixed "
+                                  "after the batch axis", "export the state with a fixed size")
+            return shape
+    return None
+
+
+def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
+                  output: str = "probabilities") -> np.ndarray:
+    run = session_runner(session, output=output)
+    return np.concatenate([run(batch) for batch in batches_of(x, batch_size)])
+
+# ----------------------------------------------------------------------------- timing
+
+WARMUP_RUNS = 3
+MIN_TIMED_RUNS = 30
+MIN_TIMING_SECONDS = 0.3
+
+
+@dataclass
+class Timings:
+    """Seconds of every timed call, per runner, and the samples in each call's batch."""
+
+    seconds: list[list[float]]
+    samples: list[int]
+
+    def percentile_ms(self, runner: int, q: float) -> float:
+        return round(float(np.percentile(self.seconds[runner], q)) * 1e3, 4)
+
+    def throughput(self, runner: int) -> float:
+        return round(sum(self.samples) / float(np.sum(self.seconds[runner])), 1)
+
+
+def time_runners(runners: Sequence[Callable[[np.ndarray], object]],
+                 batches: Sequence[np.ndarray], runs: int = MIN_TIMED_RUNS,
+                 warmup: int = WARMUP_RUNS) -> Timings:
+    """The one way this tool times models: the runners take turns on the same batches, so that
+    machine noise hits all of them alike, after `warmup` untimed turns; at least `runs` turns
+    and MIN_TIMING_SECONDS (sub-millisecond models need many turns for a stable p50), at most
+    20 × `runs`."""
+    seconds: list[list[float]] = [[] for _ in runners]
+    samples: list[int] = []
+    started = time.perf_counter()
+    i = 0
+    while i < runs + warmup or (time.perf_counter() - started < MIN_TIMING_SECONDS
+                                and i < 20 * runs + warmup):
+        batch = batches[i % len(batches)]
+        for k, run in enumerate(runners):
+            start = time.perf_counter()
+            run(batch)
+            if i >= warmup:
+                seconds[k].append(time.perf_counter() - start)
+        if i >= warmup:
+            samples.append(len(batch))
+        i += 1
+    return Timings(seconds, samples)
+
+
+def best_of(repeats: int, run: Callable[[], object]) -> tuple[float, object]:
+    """(shortest time of `repeats` calls, the first call's result), for whole passes over a
+    split whose result does not change between calls but whose timing noise does."""
+    times, first = [], None
+    for k in range(repeats):
+        started = time.perf_counter()
+        result = run()
+        times.append(time.perf_counter() - started)
+        first = result if k == 0 else first
+    return min(times), first
