@@ -6,7 +6,7 @@ memory), to a temporary file moved into place at the end.
 Inputs: an image file, a folder of images (recursive; a first-level folder named like a class is
 that image's label), a CSV/TSV/JSON/JSONL table (text, tabular features, or image paths), or "-"
 for one text per line on stdin. A row that cannot be used (an undecodable image, a non-numeric
-feature, an empty text) becomes an error row, not a failed run. numpy, pandas and Pillow only.
+feature, a missing image path) becomes an error row, not a failed run. numpy, pandas and Pillow only.
 """
 from __future__ import annotations
 
@@ -176,17 +176,14 @@ class TableReader:
                                    self.manifest["preprocessing"])
             chunk.errors += [(i, "missing image path") for i, ok in zip(ids, usable) if not ok]
             return chunk
-        if self.kind == "text":
-            texts = list(joined_texts(frame, inputs))
-            usable = [t != "" for t in texts]
-            x = self.tokenizer.encode_batch(_kept(texts, usable)) if any(usable) else None
-            reasons = [None if ok else "empty text" for ok in usable]
-        else:
-            x, reasons = self.encoder.encode(frame[inputs].rename(columns=self.renamed))
-            usable = [r is None for r in reasons]
-            x = x[np.array(usable, dtype=bool)] if any(usable) else None
+        if self.kind == "text":  # an empty text is predicted too (its tokens: [UNK])
+            return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, inputs))),
+                         labels)
+        x, reasons = self.encoder.encode(frame[inputs].rename(columns=self.renamed))
+        usable = [r is None for r in reasons]
         errors = [(i, r) for i, r in zip(ids, reasons) if r is not None]
-        return Chunk(_kept(ids, usable), x, _kept(labels, usable) if labels else None, errors)
+        return Chunk(_kept(ids, usable), x[np.array(usable, dtype=bool)] if any(usable) else None,
+                     _kept(labels, usable) if labels else None, errors)
 
 
 def _kept(values: Sequence, keep: Sequence[bool]) -> list:
@@ -198,30 +195,22 @@ def _kept(values: Sequence, keep: Sequence[bool]) -> list:
 
 def stdin_chunks(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None = None
                  ) -> Iterator[Chunk]:
-    """One text per line; a blank line is an error row, as an empty text is in a table."""
+    """One text per line (a blank line is an empty text)."""
     if manifest["preprocessing"]["kind"] != "text":
         raise ConfigError("--input - reads one text per line, and this is a "
                           f"{manifest['model_type']}", "give a file or folder as --input")
     tokenizer = Tokenizer.from_manifest(manifest["preprocessing"])
-    lines: list[str] = []
+    texts: list[str] = []
     row = 0
-
-    def encoded() -> Chunk:
-        ids = [str(row + i + 1) for i in range(len(lines))]
-        texts = [line.strip() for line in lines]
-        usable = [t != "" for t in texts]
-        x = tokenizer.encode_batch(_kept(texts, usable)) if any(usable) else None
-        return Chunk(_kept(ids, usable), x,
-                     errors=[(i, "empty text") for i, ok in zip(ids, usable) if not ok])
-
     for line in stream or sys.stdin:
-        lines.append(line.rstrip("\r\n"))
-        if len(lines) == chunk_rows:
-            yield encoded()
-            row += len(lines)
-            lines = []
-    if lines:
-        yield encoded()
+        texts.append(line.rstrip("\r\n"))
+        if len(texts) == chunk_rows:
+            yield Chunk([str(row + i + 1) for i in range(len(texts))],
+                        tokenizer.encode_batch(texts))
+            row += len(texts)
+            texts = []
+    if texts:
+        yield Chunk([str(row + i + 1) for i in range(len(texts))], tokenizer.encode_batch(texts))
 
 
 def input_chunks(manifest: dict, options: BatchOptions) -> Iterator[Chunk]:

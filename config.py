@@ -76,238 +76,253 @@ def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Seque
 @dataclass
 class Config:
     # data
-    model_type: str = opt("image_classifier", "what to train", "data", choices=MODEL_TYPES)
+    model_type: str = opt("image_classifier", "what to train", "data", choices=MODEL_TYPES,
+        scripts="PT")
     dataset_path: str | None = opt(
         None, "images: builtin:digits, a folder ROOT/<class>/*.png (optionally with train/ val/ "
         "test/ subfolders), or a table of image paths and labels; text and tabular: a "
         "CSV/TSV/JSON/JSONL file, or builtin:iris, builtin:wine, builtin:breast_cancer",
-        "data", metavar="PATH")
+        "data", metavar="PATH", scripts="PTEQI")
     dataset_format: str | None = opt(None, "table format, overriding the file extension",
-                                     "data", choices=TABLE_FORMAT_NAMES)
+                                     "data", choices=TABLE_FORMAT_NAMES, scripts="PTI")
     has_header: str = opt("auto", "whether a CSV/TSV file's first row is a header; auto "
-                          "detects it", "data", type=str.lower, choices=("auto", "true", "false"))
+                          "detects it", "data", type=str.lower, choices=("auto", "true", "false"),
+                              scripts="PT")
     label_column: str | None = opt(None, "label column (name or 0-based position; default: "
-                                   "detected)", "data", metavar="COL")
+                                   "detected)", "data", metavar="COL", scripts="PTI")
     text_column: str | None = opt(None, "text column(s) for text_classifier, joined with a space "
                                   "when several, e.g. 1,2 or title,description (default: "
-                                  "detected)", "data", metavar="COLS")
+                                  "detected)", "data", metavar="COLS", scripts="PTI")
     feature_columns: str | None = opt(None, "feature columns for tabular_classifier, e.g. "
                                       "0,1,2 or age,income (default: all but the label)",
-                                      "data", metavar="COLS")
+                                      "data", metavar="COLS", scripts="PT")
     image_column: str | None = opt(None, "image-path column of a table of images (name or "
                                    "0-based position; default: detected)", "data",
-                                   metavar="COL")
+                                   metavar="COL", scripts="PTI")
     val_path: str | None = opt(None, "a separate validation file (same columns); default: "
-                               "split from the data", "data", metavar="PATH")
+                               "split from the data", "data", metavar="PATH", scripts="PT")
     test_path: str | None = opt(None, "a separate test file (same columns); default: split "
-                                "from the data", "data", metavar="PATH")
+                                "from the data", "data", metavar="PATH", scripts="PT")
     image_size: tuple[int, int] | None = opt(
         None, "resize images to this size, e.g. 32 or 24,32 (height,width); default: the most "
         "common size in the data, capped at 64 pixels per side", "data", type=parse_image_size,
-        metavar="SIZE")
+        metavar="SIZE", scripts="PT")
     channels: int | None = opt(None, "1 (grayscale) or 3 (RGB); default: 1 if every image is "
-                               "grayscale, else 3", "data", type=int, choices=(1, 3))
+                               "grayscale, else 3", "data", type=int, choices=(1, 3), scripts="PT")
     max_vocab: int = opt(20000, "text: vocabulary size (word unigrams and bigrams seen at least "
-                         "twice in training, most frequent first)", "data", type=int, metavar="N")
+                         "twice in training, most frequent first)", "data", type=int, metavar="N",
+                             scripts="PT")
     max_length: int = opt(256, "text: most token ids per text (unigrams, then bigrams)", "data",
-                          type=int, metavar="N")
+                          type=int, metavar="N", scripts="PT")
     val_fraction: float = opt(0.15, "fraction of the data held out for validation (best-epoch "
-                              "selection) when the dataset has no val split", "data", type=float)
+                              "selection) when the dataset has no val split", "data", type=float,
+                                  scripts="PT")
     test_fraction: float = opt(0.15, "fraction of the data held out for the final test when the "
-                               "dataset has no test split", "data", type=float)
+                               "dataset has no test split", "data", type=float, scripts="PT")
     seed: int = opt(0, "seed for the split, initialisation, augmentation and shuffling", "data",
-                    type=int)
+                    type=int, scripts="PTI")
     # training
     epochs: int = opt(20, "training epochs (the best epoch on the validation split is kept)",
-                      "training", type=int)
+                      "training", type=int, scripts="PT")
     batch_size: int = opt(64, "batch size for training, validation and inference", "training",
-                          type=int)
+                          type=int, scripts="PTEQI")
     learning_rate: float = opt(3e-3, "AdamW peak learning rate of the one-cycle schedule (warm-up, then cosine decay)", "training",
-                               type=float, metavar="LR")
-    weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float)
+                               type=float, metavar="LR", scripts="PT")
+    weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float, scripts="PT")
     train_augment: bool = opt(True, "light random shifts of training images (images only)",
-                              "training", type=parse_bool, metavar="BOOL")
+                              "training", type=parse_bool, metavar="BOOL", scripts="PT")
     lr_candidates: str | None = opt(None, "candidate search: comma-separated peak learning "
                                     "rates to train, e.g. 1e-3,3e-3,1e-2; the candidate with the "
                                     "best validation score (dspy.Evaluate) is kept (default: "
-                                    "--learning_rate only)", "training", metavar="LIST")
+                                    "--learning_rate only)", "training", metavar="LIST",
+                                        scripts="PT")
     num_candidates: int = opt(1, "candidate search: seeds per learning rate (--seed, --seed+1, "
                               "...), each a fresh initialisation and data order", "training",
-                              type=int, metavar="N")
+                              type=int, metavar="N", scripts="PT")
     # LM teacher (text)
     teacher_lm: str | None = opt(None, "text: a language model that labels --unlabeled_path for "
                                  "the student to learn from; any model string dspy.LM accepts, "
                                  "e.g. openai/gpt-4o-mini or, for a local OpenAI-compatible "
                                  "server, openai/MODEL with --teacher_api_base", "teacher",
-                                 metavar="MODEL")
+                                 metavar="MODEL", scripts="PT")
     teacher_api_base: str | None = opt(None, "the teacher's endpoint, e.g. "
                                        "http://localhost:8000/v1 (API keys come from the "
                                        "provider's usual variable, e.g. OPENAI_API_KEY)",
-                                       "teacher", metavar="URL")
+                                       "teacher", metavar="URL", scripts="PT")
     unlabeled_path: str | None = opt(None, "texts for the teacher to label: a .txt file (one "
                                      "text per line) or a CSV/TSV/JSON/JSONL table with the "
-                                     "training data's text column(s)", "teacher", metavar="PATH")
+                                     "training data's text column(s)", "teacher", metavar="PATH",
+                                         scripts="PT")
     teacher_program: str = opt("predict", "the DSPy program over text -> label: predict "
                                "(dspy.Predict) or cot (dspy.ChainOfThought)", "teacher",
-                               choices=("predict", "cot"))
+                               choices=("predict", "cot"), scripts="PT")
     teacher_demos: int = opt(4, "few-shot demonstrations BootstrapFewShot compiles into the "
                              "teacher's prompt from the labelled training split (0: zero-shot)",
-                             "teacher", type=int, metavar="N")
+                             "teacher", type=int, metavar="N", scripts="PT")
     teacher_threads: int = opt(4, "teacher calls in flight at once", "teacher", type=int,
-                               metavar="N")
+                               metavar="N", scripts="PT")
     teacher_timeout: float = opt(60.0, "seconds one teacher call may take before it fails",
-                                 "teacher", type=float, metavar="S")
+                                 "teacher", type=float, metavar="S", scripts="PT")
     teacher_retries: int = opt(3, "retries of a failed teacher call (with backoff) before the "
-                               "run stops with exit 5", "teacher", type=int, metavar="N")
+                               "run stops with exit 5", "teacher", type=int, metavar="N",
+                                   scripts="PT")
     teacher_val_limit: int = opt(500, "validation texts the teacher labels to measure its "
-                                 "accuracy (0: all)", "teacher", type=int, metavar="N")
+                                 "accuracy (0: all)", "teacher", type=int, metavar="N",
+                                     scripts="PT")
     teacher_cache: bool = opt(True, "cache teacher answers on disk (DSPy's cache: "
                               "$DSPY_CACHEDIR, else ~/.dspy_cache), so a rerun costs no calls",
-                              "teacher", type=parse_bool, metavar="BOOL")
+                              "teacher", type=parse_bool, metavar="BOOL", scripts="PT")
     # export
-    opset: int = opt(18, "ONNX opset version", "export", type=int)
+    opset: int = opt(18, "ONNX opset version", "export", type=int, scripts="PE")
     validate_atol: float = opt(1e-4, "largest allowed absolute difference between ONNX Runtime and PyTorch outputs on "
                                "held-out samples; above it the export fails (exit 4)", "export",
-                               type=float, metavar="ATOL")
+                               type=float, metavar="ATOL", scripts="PE")
     # quantization
     quantize: str = opt("none", "int8 quantization of the exported graph: dynamic (MatMul/Gemm), "
                         "static (QDQ, per-channel, calibrated on training data), auto (static "
                         "for convolutional models, else dynamic)", "quantization",
-                        choices=QUANTIZE_MODES)
+                        choices=QUANTIZE_MODES, scripts="PQ")
     calibration_size: int = opt(256, "training samples used to calibrate static quantization",
-                                "quantization", type=int, metavar="N")
+                                "quantization", type=int, metavar="N", scripts="PQ")
     calibration_method: str = opt("minmax", "static calibration method", "quantization",
-                                  choices=("minmax", "entropy", "percentile"))
+                                  choices=("minmax", "entropy", "percentile"), scripts="PQ")
     max_accuracy_drop: float = opt(0.01, "largest test-accuracy loss allowed for int8; beyond "
                                    "it (or if int8 is slower) inference uses fp32",
-                                   "quantization", type=float, metavar="FRACTION")
+                                   "quantization", type=float, metavar="FRACTION", scripts="PQ")
     fp16: bool = opt(False, "also write an fp16 graph (inputs and outputs stay fp32) for GPU "
                      "providers, validated and timed against fp32; inference.py: run it",
-                     "quantization", type=parse_bool, metavar="BOOL")
+                     "quantization", type=parse_bool, metavar="BOOL", scripts="PQI")
     quantized: bool = opt(False, "inference.py: run the bundle's int8 graph (model.int8.onnx) "
-                          "instead of fp32", "quantization", type=parse_bool, metavar="BOOL")
+                          "instead of fp32", "quantization", type=parse_bool, metavar="BOOL",
+                              scripts="I")
     force_quantized: bool = opt(False, "use the int8 graph for inference even when it is slower "
                                 "or less accurate", "quantization", type=parse_bool,
-                                metavar="BOOL")
+                                metavar="BOOL", scripts="PQ")
     # test-time compute
     tta: bool = opt(False, "test-time augmentation on the ONNX model (and, unless "
                     "--train_augment false, training on the same transforms)", "ttc",
-                    type=parse_bool, metavar="BOOL")
+                    type=parse_bool, metavar="BOOL", scripts="PTI")
     tta_transforms: str = opt("", "comma-separated TTA transforms, name or name:param. image: "
                               "identity, hflip (flip), vflip, rot90, rot180, rot270, rotate:DEG, "
                               "shift:PX, crop:FRACTION, scale:FACTOR, brightness:DELTA, "
                               "contrast:FACTOR; text: token_dropout:P, window:N; tabular: "
                               "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1)",
-                              "ttc", metavar="LIST")
+                              "ttc", metavar="LIST", scripts="PTI")
     tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
-                         choices=("mean", "gmean", "max", "vote", "tsharpen"))
+                         choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PI")
     tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
                                       "plain top probability is below this", "ttc", type=float,
-                                      metavar="P")
+                                      metavar="P", scripts="PI")
     ttt: bool = opt(False, "test-time training on the ONNX model: adapt BatchNorm to each test "
-                    "batch of --batch_size samples", "ttc", type=parse_bool, metavar="BOOL")
+                    "batch of --batch_size samples", "ttc", type=parse_bool, metavar="BOOL",
+                        scripts="PI")
     ttt_method: str = opt("bn", "bn: re-estimate BatchNorm statistics (ONNX Runtime only); "
                           "tent: also minimise prediction entropy over the BatchNorm affine "
                           "parameters (PyTorch); all: both, side by side", "ttc",
-                          choices=("bn", "tent", "all"))
+                          choices=("bn", "tent", "all"), scripts="PI")
     ttt_mode: str = opt("episodic", "episodic: every batch starts from the bundle's parameters; "
                         "online: adaptation carries over from batch to batch", "ttc",
-                        choices=("episodic", "online"))
+                        choices=("episodic", "online"), scripts="PI")
     ttt_reset_every: int = opt(0, "online mode: back to the bundle's parameters every N batches "
                                "(0: only when the collapse guard fires)", "ttc", type=int,
-                               metavar="N")
+                               metavar="N", scripts="PI")
     ttt_bn_prior: float = opt(0.0, "bn: weight of the stored statistics, in samples: a batch of "
                               "n uses n/(n+N) of its own statistics (0: batch statistics only)",
-                              "ttc", type=float, metavar="N")
-    ttt_iterations: int = opt(1, "tent: Adam steps per test batch", "ttc", type=int, metavar="N")
+                              "ttc", type=float, metavar="N", scripts="PI")
+    ttt_iterations: int = opt(1, "tent: Adam steps per test batch", "ttc", type=int, metavar="N",
+        scripts="PI")
     ttt_learning_rate: float = opt(1e-3, "tent: Adam learning rate", "ttc", type=float,
-                                   metavar="LR")
+                                   metavar="LR", scripts="PI")
     eval_shift: str | None = opt(None, "with --ttt true, also evaluate on corrupted copies of the "
                                  "test split. image: gaussian_noise, contrast, blur, shift, "
                                  "brightness; tabular: feature_noise, feature_scale", "ttc",
-                                 metavar="LIST")
+                                 metavar="LIST", scripts="PI")
     shift_severity: int = opt(3, "severity of the --eval_shift corruptions, 1 to 5", "ttc",
-                              type=int, choices=(1, 2, 3, 4, 5))
+                              type=int, choices=(1, 2, 3, 4, 5), scripts="PI")
     iterative: str = opt("none", "iterative inference, reported with calibration (NLL, ECE, "
                          "accuracy when abstaining on the 10 percent most uncertain) next to a single pass: mc_dropout (K passes "
                          "with dropout on), ensemble (the bundle's ensemble graph, or the "
                          "bundles of --ensemble), state (feed a graph's state_out back into its "
                          "state input K times)", "ttc",
-                         choices=("none", "mc_dropout", "ensemble", "state"))
+                         choices=("none", "mc_dropout", "ensemble", "state"), scripts="PI")
     iterations: int = opt(16, "passes K for --iterative mc_dropout and state", "ttc", type=int,
-                          metavar="K")
+                          metavar="K", scripts="PI")
     iterative_backend: str = opt("batched", "how the K passes run: python (a loop of "
                                  "session.run; the only one that stops early), batched (K copies "
                                  "stacked in one run), loop (an ONNX Loop, one run)", "ttc",
-                                 choices=("python", "batched", "loop"))
+                                 choices=("python", "batched", "loop"), scripts="PI")
     iterative_tol: float | None = opt(None, "python backend: stop once the running mean's top-1 "
                                       "is unchanged and its largest change is below this for "
                                       "--iterative_patience passes", "ttc", type=float,
-                                      metavar="EPS")
+                                      metavar="EPS", scripts="PI")
     iterative_patience: int = opt(2, "passes the early-stopping test must hold in a row", "ttc",
-                                  type=int, metavar="N")
+                                  type=int, metavar="N", scripts="PI")
     ensemble: str | None = opt(None, "inference.py: more bundles (model.onnx paths, comma-"
                                "separated) to average with --model; same labels and "
-                               "preprocessing", "ttc", metavar="LIST")
+                               "preprocessing", "ttc", metavar="LIST", scripts="I")
     ensemble_size: int = opt(1, "pipeline.py: train N models (seeds --seed, --seed+1, ...) and "
                              "write them as one ensemble graph, model.ensemble.onnx", "ttc",
-                             type=int, metavar="N")
+                             type=int, metavar="N", scripts="P")
     # runtime
     ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
                   "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
-                  "openvino, coreml, rocm", "runtime", metavar="LIST")
+                  "openvino, coreml, rocm", "runtime", metavar="LIST", scripts="PQI")
     benchmark: bool = opt(False, "add a benchmark table: PyTorch eager fp32 (pipeline.py), ONNX "
                           "Runtime fp32 and int8 (when quantized), with size, accuracy, latency "
                           "at batch 1 and throughput; always on when an int8 graph exists",
-                          "runtime", type=parse_bool, metavar="BOOL")
+                          "runtime", type=parse_bool, metavar="BOOL", scripts="PI")
     strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
                           "execution provider cannot run", "runtime", type=parse_bool,
-                          metavar="BOOL")
+                          metavar="BOOL", scripts="PI")
     ep_options: str | None = opt(None, "provider options as JSON or key=value list, e.g. "
                                  "cuda.device_id=0,cuda.gpu_mem_limit=2000000000 or "
                                  "tensorrt.trt_fp16_enable=true,tensorrt.trt_engine_cache_path="
                                  "trt_cache (engines then persist between runs)", "runtime",
-                                 metavar="OPTIONS")
+                                 metavar="OPTIONS", scripts="PQI")
     intra_op_threads: int | None = opt(None, "ONNX Runtime threads within an operator "
                                        "(default: --num_threads)", "runtime", type=int,
-                                       metavar="N")
+                                       metavar="N", scripts="PI")
     inter_op_threads: int = opt(1, "ONNX Runtime threads across operators (parallel execution "
-                                "mode only)", "runtime", type=int, metavar="N")
+                                "mode only)", "runtime", type=int, metavar="N", scripts="PI")
     execution_mode: str = opt("sequential", "ONNX Runtime execution mode", "runtime",
-                              choices=("sequential", "parallel"))
+                              choices=("sequential", "parallel"), scripts="PI")
     num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
                            "(1 is fastest for small models on busy machines)", "runtime",
-                           type=int, metavar="N")
+                           type=int, metavar="N", scripts="PTEQI")
     # batch inference (inference.py)
     input: str | None = opt(None, "inference.py: predict new data instead of evaluating the test "
                             "split: an image file, a folder of images (recursive), a "
                             "CSV/TSV/JSON/JSONL table, or - for one text per line on stdin",
-                            "batch", metavar="INPUT")
+                            "batch", metavar="INPUT", scripts="I")
     output: str | None = opt(None, "where --input's predictions go: .csv or .jsonl (written to a "
                              "temporary file, moved into place at the end)", "batch",
-                             metavar="PATH")
+                             metavar="PATH", scripts="I")
     errors: str | None = opt(None, "list the rows that could not be predicted (id, reason) in "
-                             "this CSV", "batch", metavar="PATH")
+                             "this CSV", "batch", metavar="PATH", scripts="I")
     allow_errors: bool = opt(False, "exit 0 even when some rows could not be predicted",
-                             "batch", type=parse_bool, metavar="BOOL")
+                             "batch", type=parse_bool, metavar="BOOL", scripts="I")
     top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
-                     "batch", type=int, metavar="K")
+                     "batch", type=int, metavar="K", scripts="I")
     chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "
-                          "whatever the input's size)", "batch", type=int, metavar="N")
+                          "whatever the input's size)", "batch", type=int, metavar="N",
+                              scripts="I")
     json: bool = opt(False, "print the run's report as JSON on stdout instead of the summary",
-                     "batch", type=parse_bool, metavar="BOOL")
+                     "batch", type=parse_bool, metavar="BOOL", scripts="I")
     quiet: bool = opt(False, "print nothing but errors", "batch", type=parse_bool,
-                      metavar="BOOL")
+                      metavar="BOOL", scripts="I")
     # output
     output_model: str | None = opt(None, "where to write the model bundle: PATH.onnx plus "
                                    "PATH.json (manifest) and PATH.pt (weights)", "output",
-                                   metavar="PATH.onnx")
+                                   metavar="PATH.onnx", scripts="PTEQI")
     report_json: str | None = opt(None, "write the final report as JSON to PATH ('-' prints it "
-                                  "on stdout instead of the summary)", "output", metavar="PATH")
+                                  "on stdout instead of the summary)", "output", metavar="PATH",
+                                      scripts="PTEQI")
     log_level: str = opt("INFO", "log verbosity on stderr; DEBUG also shows library logs and "
-                         "tracebacks", "output", type=str.upper, choices=LOG_LEVELS)
+                         "tracebacks", "output", type=str.upper, choices=LOG_LEVELS,
+                             scripts="PTEQI")
     no_progress: bool = opt(False, "hide progress bars (they only show when stderr is a "
-                            "terminal anyway)", "output", type=parse_bool, metavar="BOOL")
+                            "terminal anyway)", "output", type=parse_bool, metavar="BOOL",
+                                scripts="PTEQI")
 
     # ------------------------------------------------------------------ checks
 

@@ -201,7 +201,7 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
     else:  # state: the bundle's session fed its state K times
         if state_input(session) is None:
             raise RuntimeFailure("--iterative state needs a graph with a 'state' input and a "
-                                 "'state_out' output", "see README, Iterative inference")
+                                 "'state_out' output", "see docs/test-time-compute.md, Iterative inference")
         looped = session_runner(session, state_passes=config.iterations)
         seconds, probs = best_of(1, lambda: np.concatenate([looped(b) for b in batches]))
         rows.append(it.calibration_row("state_feedback", probs, y, seconds, single_seconds,

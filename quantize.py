@@ -30,7 +30,7 @@ from utils import LOG, ExportError, exit_cli, run_cli, stdout_to_stderr
 # features, the -1e4 padding fill before text max-pooling) or an embedding Gather costs accuracy
 # or speed (measured: breast_cancer 0.95 → 0.72, SMS 0.988 → 0.866 when every op was quantized).
 STATIC_OPS = ("Conv", "MatMul", "Gemm")
-# Dynamic only on MatMul: dynamic Conv becomes ConvInteger (~11x slower, DESIGN.md §6), and ORT's
+# Dynamic only on MatMul: dynamic Conv becomes ConvInteger (~11x slower, measured here), and ORT's
 # dynamic quantizer has no Gemm at all, so Gemm with constant weights is first rewritten as
 # MatMul + Add (torch.nn.Linear exports as Gemm: without this nothing would be quantized).
 DYNAMIC_OPS = ("MatMul",)
