@@ -9,10 +9,14 @@ import argparse
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from runtime import RuntimeOptions, parse_ep_options, parse_providers
 from utils import ConfigError
+
+if TYPE_CHECKING:
+    from tta import TTAOptions
+    from ttt import TTTSettings
 
 MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
 QUANTIZE_MODES = ("none", "dynamic", "static", "auto")
@@ -65,11 +69,15 @@ def parse_image_size(text: str) -> tuple[int, int]:
     return numbers[0], numbers[1]
 
 
+SCRIPTS = {"P": "pipeline", "T": "train", "E": "export", "Q": "quantize", "I": "inference"}
+
+
 def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Sequence | None = None,
-        metavar: str | None = None, flags: Sequence[str] = ()) -> Any:
-    """A Config field with everything argparse needs in its metadata."""
+        metavar: str | None = None, scripts: str) -> Any:
+    """A Config field with everything argparse needs in its metadata, and the scripts that take
+    it (letters of SCRIPTS: "PTI" = pipeline.py, train.py and inference.py)."""
     meta = {"help": help, "group": group, "type": type, "choices": choices, "metavar": metavar,
-            "flags": tuple(flags)}
+            "scripts": tuple(SCRIPTS[letter] for letter in scripts)}
     return field(default=default, metadata=meta)
 
 
@@ -95,7 +103,7 @@ class Config:
                                   "detected)", "data", metavar="COLS", scripts="PTI")
     feature_columns: str | None = opt(None, "feature columns for tabular_classifier, e.g. "
                                       "0,1,2 or age,income (default: all but the label)",
-                                      "data", metavar="COLS", scripts="PT")
+                                      "data", metavar="COLS", scripts="PTI")
     image_column: str | None = opt(None, "image-path column of a table of images (name or "
                                    "0-based position; default: detected)", "data",
                                    metavar="COL", scripts="PTI")
@@ -327,46 +335,50 @@ class Config:
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> "Config":
-        """Check every value; raise ConfigError (exit 2) naming the flag and the fix."""
-        _positive("epochs", self.epochs)
-        _positive("batch_size", self.batch_size)
-        _positive("learning_rate", self.learning_rate)
-        if self.weight_decay < 0:
-            _bad("weight_decay", self.weight_decay, "use 0 or a small positive number like 1e-4")
-        if not 0 < self.val_fraction < 1:
-            _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.15")
-        if not 0 < self.test_fraction < 1:
-            _bad("test_fraction", self.test_fraction, "use a fraction between 0 and 1, e.g. 0.15")
+        """Check every value, group by group; raise ConfigError (exit 2) naming the flag and
+        the fix."""
+        self._validate_data()
+        self._validate_training()
+        self._validate_teacher()
+        self._validate_export_and_quantization()
+        self._validate_test_time_compute()
+        self._validate_batch()
+        self._validate_runtime()
+        self._validate_paths()
+        return self
+
+    def _validate_data(self) -> None:
+        for name in ("val_fraction", "test_fraction"):
+            if not 0 < getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "use a fraction between 0 and 1, e.g. 0.15")
         if self.val_fraction + self.test_fraction > 0.8:
             raise ConfigError(f"--val_fraction + --test_fraction = "
-                              f"{self.val_fraction + self.test_fraction:g} leaves too little to train on",
-                              "keep their sum at 0.8 or less")
+                              f"{self.val_fraction + self.test_fraction:g} leaves too little to "
+                              "train on", "keep their sum at 0.8 or less")
+        if self.max_vocab < 3:
+            _bad("max_vocab", self.max_vocab, "use at least 3 (padding, unknown and one word)")
+        _positive("max_length", self.max_length)
+
+    def _validate_training(self) -> None:
+        for name in ("epochs", "batch_size", "learning_rate", "num_candidates", "ensemble_size"):
+            _positive(name, getattr(self, name))
+        if self.weight_decay < 0:
+            _bad("weight_decay", self.weight_decay, "use 0 or a small positive number like 1e-4")
+        self.learning_rates()
+
+    def _validate_export_and_quantization(self) -> None:
         if not 7 <= self.opset <= 23:
             _bad("opset", self.opset, "use an opset between 7 and 23 (18 is the default)")
         _positive("validate_atol", self.validate_atol)
-        _positive("ttt_iterations", self.ttt_iterations)
-        _positive("ttt_learning_rate", self.ttt_learning_rate)
-        _positive("iterations", self.iterations)
-        _positive("iterative_patience", self.iterative_patience)
-        _positive("ensemble_size", self.ensemble_size)
-        _positive("top_k", self.top_k)
-        _positive("num_candidates", self.num_candidates)
-        self.learning_rates()
-        self._validate_teacher()
-        _positive("chunk_rows", self.chunk_rows)
-        if self.output and Path(self.output).suffix.lower() not in (".csv", ".jsonl"):
-            _bad("output", self.output, "give a path ending in .csv or .jsonl")
-        if self.input and not self.output:
-            raise ConfigError("--input needs --output", "add --output preds.csv")
+        _positive("calibration_size", self.calibration_size)
+        if not 0 <= self.max_accuracy_drop <= 1:
+            _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
 
-        if self.ensemble_size > 1 and self.iterative == "none":
-            self.iterative = "ensemble"  # a trained ensemble is measured against one model
-        if self.iterative_tol is not None and self.iterative_tol <= 0:
-            _bad("iterative_tol", self.iterative_tol, "use a small positive number like 1e-3")
-        if self.iterative_tol is not None and self.iterative_backend != "python":
-            raise ConfigError("--iterative_tol needs --iterative_backend python (the batched "
-                              "and loop backends run all passes at once)",
-                              "add --iterative_backend python, or drop --iterative_tol")
+    def _validate_test_time_compute(self) -> None:
+        for name in ("ttt_iterations", "ttt_learning_rate", "iterations", "iterative_patience"):
+            _positive(name, getattr(self, name))
+        if self.tta_threshold is not None and not 0 < self.tta_threshold <= 1:
+            _bad("tta_threshold", self.tta_threshold, "use a probability in (0, 1]")
         if self.ttt_bn_prior < 0:
             _bad("ttt_bn_prior", self.ttt_bn_prior, "use 0 (batch statistics only) or a sample "
                  "count such as 16")
@@ -377,15 +389,24 @@ class Config:
                  "more (64 is the default)")
         if self.eval_shift and not self.ttt:
             raise ConfigError("--eval_shift measures test-time training", "add --ttt true")
-        _positive("calibration_size", self.calibration_size)
-        if self.tta_threshold is not None and not 0 < self.tta_threshold <= 1:
-            _bad("tta_threshold", self.tta_threshold, "use a probability in (0, 1]")
+        if self.ensemble_size > 1 and self.iterative == "none":
+            self.iterative = "ensemble"  # a trained ensemble is measured against one model
+        if self.iterative_tol is not None and self.iterative_tol <= 0:
+            _bad("iterative_tol", self.iterative_tol, "use a small positive number like 1e-3")
+        if self.iterative_tol is not None and self.iterative_backend != "python":
+            raise ConfigError("--iterative_tol needs --iterative_backend python (the batched "
+                              "and loop backends run all passes at once)",
+                              "add --iterative_backend python, or drop --iterative_tol")
 
-        if not 0 <= self.max_accuracy_drop <= 1:
-            _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
-        if self.max_vocab < 3:
-            _bad("max_vocab", self.max_vocab, "use at least 3 (padding, unknown and one word)")
-        _positive("max_length", self.max_length)
+    def _validate_batch(self) -> None:
+        _positive("top_k", self.top_k)
+        _positive("chunk_rows", self.chunk_rows)
+        if self.output and Path(self.output).suffix.lower() not in (".csv", ".jsonl"):
+            _bad("output", self.output, "give a path ending in .csv or .jsonl")
+        if self.input and not self.output:
+            raise ConfigError("--input needs --output", "add --output preds.csv")
+
+    def _validate_runtime(self) -> None:
         if self.num_threads < 0:
             _bad("num_threads", self.num_threads, "use 0 (library default) or a positive count")
         parse_ep_options(self.ep_options, parse_providers(self.ep))
@@ -393,8 +414,6 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 0:
                 _bad(name, value, "use 0 (library default) or a positive count")
-        self._validate_paths()
-        return self
 
     def learning_rates(self) -> list[float]:
         """--lr_candidates as floats (default: [--learning_rate])."""
@@ -465,6 +484,23 @@ class Config:
 
             parse_shift_names(self.eval_shift, model_type.split("_")[0])
 
+    def tta_options(self) -> "TTAOptions":
+        """What test-time augmentation takes from the flags."""
+        from tta import TTAOptions
+
+        return TTAOptions(self.tta_transforms, self.tta_merge, self.tta_threshold,
+                          self.batch_size, self.seed)
+
+    def ttt_settings(self, kind: str) -> "TTTSettings":
+        """What test-time training takes from the flags, for a model of preprocessing `kind`."""
+        from shifts import parse_shift_names
+        from ttt import TTTSettings
+
+        return TTTSettings(self.ttt_method, self.ttt_mode, self.ttt_iterations,
+                           self.ttt_learning_rate, self.ttt_bn_prior, self.ttt_reset_every,
+                           self.batch_size, parse_shift_names(self.eval_shift, kind),
+                           self.shift_severity, self.seed, self.num_threads)
+
     def providers(self) -> list[str]:
         return parse_providers(self.ep)
 
@@ -482,16 +518,28 @@ class Config:
         """The session settings for validation and quantization, which compare on the CPU."""
         return RuntimeOptions(intra_op_threads=self.runtime().intra_op_threads)
 
+    def names(self) -> list[str]:
+        """The flags of the script that parsed this Config (every field when none did)."""
+        script = getattr(self, "script", None)
+        return flags_for(script) if script else [f.name for f in fields(self)]
+
     def as_dict(self) -> dict:
+        """The resolved settings of this script's flags (the report's config section)."""
         data = asdict(self)
         if self.image_size is not None:
             data["image_size"] = list(self.image_size)
-        return data
+        return {name: data[name] for name in self.names()}
 
-    def summary_lines(self, names: Sequence[str]) -> list[str]:
+    def summary_lines(self) -> list[str]:
         data = self.as_dict()
-        width = max(len(n) for n in names)
-        return [f"  {name:<{width}} = {data[name]!r}" for name in names]
+        width = max(len(n) for n in data)
+        return [f"  {'*' if value != _default(name) else ' '} {name:<{width}} = {value!r}"
+                for name, value in data.items()]
+
+
+def _default(name: str) -> Any:
+    default = FIELDS[name].default
+    return list(default) if isinstance(default, tuple) else default
 
 
 def _positive(name: str, value: float) -> None:
@@ -516,11 +564,18 @@ class OneLineParser(argparse.ArgumentParser):
 FIELDS = {f.name: f for f in fields(Config)}
 
 
-def build_parser(prog: str, description: str, names: Sequence[str], *, required: Sequence[str] = (),
+def flags_for(script: str) -> list[str]:
+    """The Config fields a script takes ("pipeline", "train", ...), in declaration order."""
+    return [f.name for f in fields(Config) if script in f.metadata["scripts"]]
+
+
+def build_parser(script: str, description: str, *, required: Sequence[str] = (),
                  epilog: str = "", aliases: dict[str, Sequence[str]] | None = None
                  ) -> OneLineParser:
-    """An argparse parser exposing the Config fields `names`, grouped as in GROUPS."""
-    parser = OneLineParser(prog=prog, description=description, epilog=epilog,
+    """An argparse parser for `script` ("pipeline", ...) exposing its Config fields, grouped as
+    in GROUPS."""
+    names = flags_for(script)
+    parser = OneLineParser(prog=f"{script}.py", description=description, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for key, title in GROUPS.items():
@@ -534,6 +589,8 @@ def build_parser(prog: str, description: str, names: Sequence[str], *, required:
                                   "required": name in required}
         if meta["type"] is not None:
             kwargs["type"] = meta["type"]
+        if meta["type"] is parse_bool:  # --tta alone means --tta true
+            kwargs.update(nargs="?", const=True)
         if meta["choices"] is not None:
             kwargs["choices"] = meta["choices"]
         if meta["metavar"] is not None:
@@ -552,18 +609,15 @@ def _help_with_default(text: str, default: Any) -> str:
 
 
 def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Config:
-    """Parse argv into a Config; flags not given keep the dataclass defaults."""
+    """Parse argv into a Config; flags not given keep the dataclass defaults. The Config
+    remembers which script's flags it holds (its summary and report list only those)."""
     namespace = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    return Config(**vars(namespace))
+    config = Config(**vars(namespace))
+    config.script = parser.prog.removesuffix(".py")
+    return config
 
 
-BATCH_ONLY = ("input", "output", "errors", "allow_errors", "top_k", "chunk_rows", "json", "quiet")
-PIPELINE_FLAGS = [f.name for f in fields(Config)
-                  if f.name not in ("quantized", "ensemble", *BATCH_ONLY)]
-
-
-def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-              names: Sequence[str]) -> Config:
+def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Config:
     """Parse, set up logging, validate, and log the configuration summary (stderr)."""
     from utils import LOG, setup_logging
 
@@ -572,16 +626,17 @@ def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         config.log_level, config.no_progress = "ERROR", True
     setup_logging(config.log_level)
     config.validate()
-    LOG.info("configuration:\n%s", "\n".join(config.summary_lines(names)))
+    LOG.info("configuration (* = not the default):\n%s", "\n".join(config.summary_lines()))
     return config
 
 
 def markdown_reference() -> str:
-    """README's flag tables, one per group, from the same metadata argparse uses
-    (a test keeps README in step: python -c "import config; print(config.markdown_reference())")."""
+    """docs/cli.md's flag tables, one per group, from the same metadata argparse uses (a test
+    keeps docs/cli.md in step: python -c "import config; print(config.markdown_reference())")."""
     out = []
+    letters = {name: letter for letter, name in SCRIPTS.items()}
     for group, title in GROUPS.items():
-        out += [f"**{title}**", "", "| flag | default | meaning |", "|---|---|---|"]
+        out += [f"**{title}**", "", "| flag | default | scripts | meaning |", "|---|---|---|---|"]
         for f in fields(Config):
             meta = f.metadata
             if meta.get("group") != group:
@@ -592,6 +647,7 @@ def markdown_reference() -> str:
                 default = ",".join(map(str, default))
             meaning = meta["help"] + (f"; one of: {', '.join(map(str, meta['choices']))}"
                                       if meta.get("choices") else "")
-            out.append(f"| `--{f.name}` | `{default}` | {meaning} |")
+            scripts = "".join(letters[s] for s in meta["scripts"])
+            out.append(f"| `--{f.name}` | `{default}` | {scripts} | {meaning} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"

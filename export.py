@@ -369,10 +369,6 @@ def export_section(result: ExportResult) -> dict:
 
 # ----------------------------------------------------------------------------- CLI
 
-EXPORT_FLAGS = ["output_model", "dataset_path", "opset", "validate_atol", "batch_size",
-                "num_threads", "report_json", "log_level", "no_progress"]
-
-
 def load_held_out(config: Config, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
     """Validation samples for a bundle on disk: its test split, decoded as at training time."""
     data = load_bundle_dataset(manifest, config.dataset_path, ("val", "test"),
@@ -382,12 +378,12 @@ def load_held_out(config: Config, manifest: dict) -> tuple[np.ndarray, np.ndarra
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "export.py", "Export the weights train.py wrote to ONNX, slim, check and validate them "
-        "against PyTorch on held-out data, and complete the bundle.", EXPORT_FLAGS,
+        "export", "Export the weights train.py wrote to ONNX, slim, check and validate them "
+        "against PyTorch on held-out data, and complete the bundle.",
         required=["output_model"],
         epilog="example:\n  python train.py --dataset_path builtin:digits --output_model "
                "runs/digits/model.onnx\n  python export.py --output_model runs/digits/model.onnx")
-    config = start_cli(parser, argv, EXPORT_FLAGS)
+    config = start_cli(parser, argv)
     quiet_library_loggers()
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
     from iterative import MCSampler
-    from tta import TTARunner
+    from runtime import RuntimeOptions
+    from tta import TTAOptions, TTARunner
+    from ttt import AdaptationGraph, Tent, TTTSettings
 
 @dataclass
 class Variant:
@@ -126,21 +128,21 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         timed_batches=len(timings.samples))
 
 
-def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict, config: Config
-               ) -> TTARunner:
+def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
+               options: TTAOptions, runtime: RuntimeOptions) -> TTARunner:
     """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
     on the same providers) where the transforms allow, else numpy views around `session`."""
     import onnx
 
     from tta import TTARunner, build_transforms, tta_model
 
-    transforms = build_transforms(config.tta_transforms, manifest["preprocessing"], config.seed)
-    model = tta_model(onnx.load(str(model_path)), transforms, config.tta_merge,
+    transforms = build_transforms(options.transforms, manifest["preprocessing"], options.seed)
+    model = tta_model(onnx.load(str(model_path)), transforms, options.merge,
                       len(manifest["labels"]))
     merged = None
     if model is not None:
-        merged = session_runner(create_session(model.SerializeToString(), config.runtime()))
-    return TTARunner(session_runner(session), transforms, config.tta_merge, config.batch_size,
+        merged = session_runner(create_session(model.SerializeToString(), runtime))
+    return TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
                      merged)
 
 
@@ -149,22 +151,10 @@ def run_ttt(config: Config, paths: BundlePaths, manifest: dict,
             ) -> dict:
     """Test-time training on the bundle's adaptation graph, on the test split and its corrupted
     copies; `predict` (the chosen graph, unadapted) is the baseline. torch only for tent."""
-    import onnx
+    from ttt import evaluate_ttt
 
-    from shifts import parse_shift_names
-    from ttt import AdaptationGraph, Tent, TTTSettings, evaluate_ttt
-
-    settings = TTTSettings(config.ttt_method, config.ttt_mode, config.ttt_iterations,
-                           config.ttt_learning_rate, config.ttt_bn_prior, config.ttt_reset_every,
-                           config.batch_size,
-                           parse_shift_names(config.eval_shift, manifest["preprocessing"]["kind"]),
-                           config.shift_severity, config.seed)
-    model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn")))
-    graph = AdaptationGraph(model, lambda m: create_session(m, config.runtime()))
-    tent = None
-    if "tent" in settings.methods:
-        tent = Tent(manifest, paths.weights, graph.layers, config.ttt_learning_rate,
-                    config.ttt_iterations, config.num_threads)
+    settings = config.ttt_settings(manifest["preprocessing"]["kind"])
+    graph, tent = adaptation(settings, paths, manifest, config.runtime())
     result = evaluate_ttt(settings, graph, predict, tent, *test, manifest["preprocessing"])
     for warning in result.warnings:
         LOG.warning("test-time training: %s", warning)
@@ -269,7 +259,8 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     if config.tta:
         from tta import evaluate_tta
 
-        tta = evaluate_tta(tta_runner(session, model_path, manifest, config), test, val,
+        tta = evaluate_tta(tta_runner(session, model_path, manifest, config.tta_options(),
+                                      config.runtime()), test, val,
                            config.tta_threshold)
         (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
         report["tta"] = tta.report_section()
@@ -298,7 +289,8 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
                           f"{' and '.join(asked)}", "keep one of them")
     size = config.batch_size
     if config.tta:
-        runner = tta_runner(session, model_path, manifest, config)
+        runner = tta_runner(session, model_path, manifest, config.tta_options(),
+                            config.runtime())
         return (lambda x: (runner(x), {})), []
     if config.ttt:
         return ttt_predictor(config, paths, manifest), []
@@ -309,23 +301,33 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
     return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size)]), {})), []
 
 
-def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
+def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
+               runtime: RuntimeOptions) -> tuple[AdaptationGraph, Tent | None]:
+    """The bundle's adaptation graph, and Tent's PyTorch copy when a method needs it."""
     import onnx
 
-    from ttt import AdaptationGraph, OnlineCarry, Tent, adapt_and_predict
+    from ttt import AdaptationGraph, Tent
+
+    graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn"))),
+                            lambda m: create_session(m, runtime))
+    tent = (Tent(manifest, paths.weights, graph.layers, settings.learning_rate,
+                 settings.iterations, settings.num_threads)
+            if "tent" in settings.methods else None)
+    return graph, tent
+
+
+def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
+    from ttt import OnlineCarry, adapt_and_predict
 
     if config.ttt_method == "all":
         raise ConfigError("--ttt_method all compares methods on the test split; predictions "
                           "need one", "use --ttt_method bn or tent with --input")
-    graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn"))),
-                            lambda m: create_session(m, config.runtime()))
-    tent = (Tent(manifest, paths.weights, graph.layers, config.ttt_learning_rate,
-                 config.ttt_iterations, config.num_threads)
-            if config.ttt_method == "tent" else None)
+    settings = config.ttt_settings(manifest["preprocessing"]["kind"])
+    graph, tent = adaptation(settings, paths, manifest, config.runtime())
     carry = OnlineCarry()  # online adaptation goes on from chunk to chunk of the input
-    return lambda x: (adapt_and_predict(graph, config.ttt_method, x, config.batch_size,
-                                        config.ttt_mode, config.ttt_bn_prior,
-                                        config.ttt_reset_every, tent, carry).probabilities, {})
+    return lambda x: (adapt_and_predict(graph, settings.method, x, settings.batch_size,
+                                        settings.mode, settings.bn_prior, settings.reset_every,
+                                        tent, carry).probabilities, {})
 
 
 def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
@@ -368,27 +370,14 @@ def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 
-INFERENCE_FLAGS = ["output_model", "input", "output", "errors", "allow_errors", "top_k",
-                   "chunk_rows", "json", "quiet", "label_column", "text_column", "image_column",
-                   "dataset_format", "dataset_path", "quantized", "fp16", "tta", "tta_transforms",
-                   "tta_merge", "tta_threshold", "ttt", "ttt_method", "ttt_mode",
-                   "ttt_reset_every", "ttt_bn_prior", "ttt_iterations", "ttt_learning_rate",
-                   "eval_shift", "shift_severity", "iterative", "iterations",
-                   "iterative_backend", "iterative_tol", "iterative_patience", "ensemble",
-                   "seed", "benchmark", "batch_size", "ep",
-                   "ep_options", "strict_ep", "num_threads", "intra_op_threads",
-                   "inter_op_threads", "execution_mode", "report_json", "log_level",
-                   "no_progress"]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "inference.py", "Evaluate a model bundle with ONNX Runtime on the test split of its "
+        "inference", "Evaluate a model bundle with ONNX Runtime on the test split of its "
         "dataset (or of --dataset_path): accuracy, latency p50/p95 and throughput.",
-        INFERENCE_FLAGS, required=["output_model"], aliases={"output_model": ["--model"]},
+        required=["output_model"], aliases={"output_model": ["--model"]},
         epilog="example:\n  python inference.py --model runs/digits/model.onnx --batch_size 64 "
                "--ep cpu --report_json runs/digits/inference.json")
-    config = start_cli(parser, argv, INFERENCE_FLAGS)
+    config = start_cli(parser, argv)
 
     def stages(report: dict) -> None:
         paths = BundlePaths.from_model_path(config.output_model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from config import PIPELINE_FLAGS, build_parser, start_cli
+from config import build_parser, start_cli
 from bundle import BundlePaths
 from report import run_with_report
 from utils import LOG, exit_cli, run_cli
@@ -72,10 +72,10 @@ def train_ensemble_members(config, dataset, first) -> list:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "pipeline.py", "Train an image, text or tabular classifier, export it to a validated ONNX "
-        "model bundle, and measure it with ONNX Runtime.", PIPELINE_FLAGS,
+        "pipeline", "Train an image, text or tabular classifier, export it to a validated ONNX "
+        "model bundle, and measure it with ONNX Runtime.",
         required=["dataset_path", "output_model"], epilog=EXAMPLE)
-    config = start_cli(parser, argv, PIPELINE_FLAGS)
+    config = start_cli(parser, argv)
     config.validate_tta(config.model_type)
 
     from data import DataOptions, load_dataset  # pandas and numpy, no torch

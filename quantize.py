@@ -283,19 +283,13 @@ def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: 
 
 # ----------------------------------------------------------------------------- CLI
 
-QUANTIZE_FLAGS = ["output_model", "dataset_path", "quantize", "calibration_size",
-                  "calibration_method", "max_accuracy_drop", "force_quantized", "fp16", "ep",
-                  "ep_options", "batch_size", "num_threads", "report_json", "log_level",
-                  "no_progress"]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "quantize.py", "Quantize an exported bundle to int8 (model.int8.onnx), validate it on the "
-        "test split and time it against fp32.", QUANTIZE_FLAGS, required=["output_model"],
+        "quantize", "Quantize an exported bundle to int8 (model.int8.onnx), validate it on the "
+        "test split and time it against fp32.", required=["output_model"],
         epilog="example:\n  python quantize.py --output_model runs/digits/model.onnx "
                "--quantize static --calibration_size 256")
-    config = start_cli(parser, argv, QUANTIZE_FLAGS)
+    config = start_cli(parser, argv)
 
     def stages(report: dict) -> None:
         from data import load_bundle_dataset

@@ -52,7 +52,7 @@ def read_table(path: Path, fmt: str | None = None, has_header: str = "auto",
     import pandas as pd
 
     frames = list(iter_table(path, fmt, has_header, named_columns))
-    frame = pd.concat(frames) if len(frames) > 1 else frames[0]
+    frame = pd.concat(frames) if len(frames) > 1 else frames[0] if frames else pd.DataFrame()
     if frame.empty:
         raise DataError(f"{path} has no data rows", "add rows of data")
     return frame
@@ -93,7 +93,7 @@ def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
 
 
 def _csv_options(kind: str) -> dict:
-    return {"sep": "," if kind == "csv" else "\t", "header": None, "encoding": "utf-8-sig",
+    return {"sep": "," if kind == "csv" else "\t", "encoding": "utf-8-sig",
             "skip_blank_lines": True, "keep_default_na": False, "na_values": sorted(MISSING),
             "quoting": csv.QUOTE_MINIMAL if kind == "csv" else csv.QUOTE_NONE}
 
@@ -103,21 +103,18 @@ def _delimited_chunks(path: Path, kind: str, has_header: str, named_columns: Seq
     import pandas as pd
 
     options = _csv_options(kind)
-    sample = pd.read_csv(path, nrows=HEADER_SAMPLE_ROWS + 1, dtype=str, **options)
+    sample = pd.read_csv(path, header=None, nrows=HEADER_SAMPLE_ROWS + 1, dtype=str, **options)
     header = {"true": True, "false": False}.get(has_header)
     if header is None:
         header = looks_like_header(sample, named_columns)
     names = (unique_names(sample.iloc[0].fillna("").astype(str)) if header
              else [str(i) for i in range(sample.shape[1])])
     typed = set(numeric_columns)
-    dtype = {i: str for i, name in enumerate(names) if name not in typed}
-    reader = pd.read_csv(path, dtype=dtype, chunksize=chunk_rows or None, **options)
+    reader = pd.read_csv(path, header=0 if header else None, names=names,
+                         dtype={name: str for name in names if name not in typed},
+                         chunksize=chunk_rows or None, **options)
     rows = 0
     for chunk in ([reader] if chunk_rows is None else reader):
-        if header and rows == 0:
-            chunk = chunk.iloc[1:]
-        chunk = chunk.reindex(columns=range(len(names)))  # ragged rows: missing cells
-        chunk.columns = names
         chunk.index = pd.RangeIndex(rows, rows + len(chunk))
         rows += len(chunk)
         yield chunk.dropna(how="all")

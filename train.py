@@ -459,27 +459,14 @@ def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
 
 # ----------------------------------------------------------------------------- CLI
 
-DATA_FLAGS = ["model_type", "dataset_path", "dataset_format", "has_header", "label_column",
-              "text_column", "feature_columns", "image_column", "val_path", "test_path",
-              "image_size", "channels", "max_vocab", "max_length", "val_fraction",
-              "test_fraction", "seed"]
-TEACHER_FLAGS = ["teacher_lm", "teacher_api_base", "unlabeled_path", "teacher_program",
-                 "teacher_demos", "teacher_threads", "teacher_timeout", "teacher_retries",
-                 "teacher_val_limit", "teacher_cache"]
-TRAIN_FLAGS = DATA_FLAGS + TEACHER_FLAGS + [
-    "epochs", "batch_size", "learning_rate", "weight_decay", "lr_candidates", "num_candidates",
-    "train_augment", "tta", "tta_transforms", "num_threads", "output_model", "report_json",
-    "log_level", "no_progress"]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "train.py", "Train a classifier and write its weights (PATH.pt) and manifest "
-        "(PATH.json); export.py turns them into PATH.onnx.", TRAIN_FLAGS,
+        "train", "Train a classifier and write its weights (PATH.pt) and manifest "
+        "(PATH.json); export.py turns them into PATH.onnx.",
         required=["dataset_path", "output_model"],
         epilog="example:\n  python train.py --dataset_path builtin:digits "
                "--output_model runs/digits/model.onnx --epochs 20")
-    config = start_cli(parser, argv, TRAIN_FLAGS)
+    config = start_cli(parser, argv)
     config.validate_tta(config.model_type)
     quiet_library_loggers()
     set_torch_threads(config.num_threads)

@@ -503,6 +503,17 @@ class TTAOutcome:
     views: int  # views per sample (plain included), as run
 
 
+@dataclass(frozen=True)
+class TTAOptions:
+    """What TTA takes from the flags (Config.tta_options)."""
+
+    transforms: str
+    merge: str
+    threshold: float | None
+    batch_size: int
+    seed: int
+
+
 @dataclass
 class TTARunner:
     """How TTA runs: `merged` runs the TTA graph (views, model and merge in one session.run);

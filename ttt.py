@@ -321,6 +321,7 @@ class TTTSettings:
     shifts: list[str]
     severity: int
     seed: int
+    num_threads: int = 1  # tent's PyTorch threads
 
     @property
     def methods(self) -> list[str]:

@@ -50,7 +50,8 @@ def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: i
     session = create_session(str(paths.onnx), config.cpu_runtime())
     predict = session_runner(session)
     x, y = dataset.test.x, dataset.test.y
-    graph = tta_runner(session, paths.onnx, read_manifest(paths), config)
+    graph = tta_runner(session, paths.onnx, read_manifest(paths), config.tta_options(),
+                       config.runtime())
     assert graph.backend == "onnx_graph"
     numpy_views = TTARunner(predict, graph.transforms, "mean", len(x))
 

@@ -112,13 +112,13 @@ def test_texts_alone_map_onto_the_trained_columns(tmp_path):
 
 
 def mixed_table_rows(n: int, seed: int) -> list[list[str]]:
-    """Numeric cells with missing markers ('NA', '?', ''), a categorical column whose
+    """Numeric cells with missing markers ('NA', '?', ''), a categorical column most of whose
     categories look like numbers, and a label."""
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
-        size, plan = rng.normal(), str(rng.integers(1, 4))
-        label = "big" if size + (plan == "3") > 0.5 else "small"
+        size, plan = rng.normal(), str(rng.choice(["1", "2", "3", "gold"]))
+        label = "big" if size + (plan in ("3", "gold")) > 0.5 else "small"
         cell = f"{size:.3f}" if rng.random() > 0.15 else str(rng.choice(["NA", "?", ""]))
         rows.append([cell, f"{rng.normal():.2f}", plan, label])
     return rows
@@ -132,7 +132,8 @@ def test_tabular_is_served_as_trained(tmp_path):
                              "--dataset_path", train, "--test_path", test, *FAST_TRAINING)
     manifest = json.loads(bundle["model"].with_suffix(".json").read_text())
     plan = next(c for c in manifest["preprocessing"]["columns"] if c["name"] == "plan")
-    assert plan == {"name": "plan", "type": "categorical", "categories": ["1", "2", "3"]}
+    assert plan == {"name": "plan", "type": "categorical",
+                    "categories": ["1", "2", "3", "gold"]}
     report, served = serve(bundle, test, tmp_path)
     assert_same_predictions(bundle, served, report, row_id)
 
