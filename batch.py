@@ -6,7 +6,8 @@ memory), to a temporary file moved into place at the end.
 Inputs: an image file, a folder of images (recursive; a first-level folder named like a class is
 that image's label), a CSV/TSV/JSON/JSONL table (text, tabular features, or image paths), or "-"
 for one text per line on stdin. A row that cannot be used (an undecodable image, a non-numeric
-feature, a missing image path) becomes an error row, not a failed run. numpy, pandas and Pillow only.
+feature, a missing image path) becomes an error row, not a failed run. numpy, pandas and Pillow
+only.
 """
 from __future__ import annotations
 

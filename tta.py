@@ -13,7 +13,6 @@ nodes, one entry of MERGES.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
@@ -23,6 +22,7 @@ import onnx
 
 import tta_graph
 from preprocess import PAD_ID, trim_padding
+from runtime import batches_of, best_of
 from tta_graph import GraphNodes, ViewBuilder
 from utils import LOG, ConfigError
 
@@ -557,18 +557,18 @@ class TTARunner:
         """Plain predictions (timed), then TTA (timed): on every sample, or with `threshold`
         only on samples whose plain top probability is below it (TTA time then includes the
         plain pass)."""
-        from runtime import batches_of
-
-        started = time.perf_counter()
-        plain = np.concatenate([self.predict(b) for b in batches_of(x, self.batch_size)])
-        seconds_plain = time.perf_counter() - started
+        seconds_plain, plain = best_of(1, lambda: np.concatenate(
+            [self.predict(b) for b in batches_of(x, self.batch_size)]))
         triggered = (plain.max(1) < threshold) if threshold is not None else np.ones(len(x), bool)
         merged = plain.copy()
         rows = np.flatnonzero(triggered)
-        started = time.perf_counter()
-        if len(rows):
-            merged[rows] = self(x[rows])
-        seconds = time.perf_counter() - started + (seconds_plain if threshold is not None else 0)
+
+        def augment_triggered() -> None:
+            if len(rows):
+                merged[rows] = self(x[rows])
+
+        seconds, _ = best_of(1, augment_triggered)
+        seconds += seconds_plain if threshold is not None else 0
         return TTAOutcome(merged, plain, triggered, seconds, seconds_plain,
                           views_per_sample(self.transforms))
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import REPO, Config, quiet_single_thread, run_cases, train_bundle
+from common import Config, quiet_single_thread, run_cases, train_bundle
 
 CASES = {"digits": ("digits CNN", "image_classifier", "builtin:digits"),
          "sms": ("SMS text", "text_classifier", "")}  # the path comes from --sms

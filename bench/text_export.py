@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import REPO, Config, quiet_single_thread, train_bundle
+from common import Config, quiet_single_thread, train_bundle
 
 
 def p50_ms(samples: list[float]) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import REPO, Config, quiet_single_thread, run_cases, train_bundle
+from common import Config, quiet_single_thread, run_cases, train_bundle
 
 VIEWS = 4
 CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot180"),
