@@ -3,7 +3,8 @@
     python inference.py --model runs/digits/model.onnx
 
 evaluates the test split of the dataset recorded in the bundle (or --dataset_path, split the same
-way). This path imports neither torch nor dspy.
+way), with test-time augmentation, test-time training or iterative inference when asked; with
+--input it predicts new data (batch.py). This path imports neither torch nor dspy.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_c
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+    from batch import Predictor
     from iterative import MCSampler
     from runtime import RuntimeOptions
     from tta import TTAOptions, TTARunner
     from ttt import AdaptationGraph, Tent, TTTSettings
+
 
 @dataclass
 class Variant:
@@ -117,7 +120,9 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
     score = accuracy(predict_proba(session, x, config.batch_size), y)
     batches = batches_of(x, config.batch_size)
-    timings = time_runners([session_runner(session)], batches, max(30, len(batches)))
+    # at least 30 batches and one whole pass; one variant, so no floor on the time spent
+    timings = time_runners([session_runner(session)], batches, max(30, len(batches)),
+                           min_seconds=0)
     return InferenceResult(
         providers_requested=config.providers(), providers_active=session.get_providers(),
         provider_options=config.runtime().provider_options,
@@ -274,8 +279,6 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
 
 
 # ----------------------------------------------------------------------------- batch inference
-
-Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 
 
 def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,

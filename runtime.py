@@ -317,16 +317,16 @@ class Timings:
 
 def time_runners(runners: Sequence[Callable[[np.ndarray], object]],
                  batches: Sequence[np.ndarray], runs: int = MIN_TIMED_RUNS,
-                 warmup: int = WARMUP_RUNS) -> Timings:
+                 warmup: int = WARMUP_RUNS, min_seconds: float = MIN_TIMING_SECONDS) -> Timings:
     """The one way this tool times models: the runners take turns on the same batches, so that
     machine noise hits all of them alike, after `warmup` untimed turns; at least `runs` turns
-    and MIN_TIMING_SECONDS (sub-millisecond models need many turns for a stable p50), at most
-    20 × `runs`."""
+    and `min_seconds` (when several sub-millisecond variants are compared, a stable p50 needs
+    many turns), at most 20 × `runs`."""
     seconds: list[list[float]] = [[] for _ in runners]
     samples: list[int] = []
     started = time.perf_counter()
     i = 0
-    while i < runs + warmup or (time.perf_counter() - started < MIN_TIMING_SECONDS
+    while i < runs + warmup or (time.perf_counter() - started < min_seconds
                                 and i < 20 * runs + warmup):
         batch = batches[i % len(batches)]
         for k, run in enumerate(runners):

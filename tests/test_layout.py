@@ -84,3 +84,13 @@ def test_nothing_refers_outside_the_repository():
                         for word in ("../shared", "DESIGN.md", '/ "shared"'))
                  and p.name != "test_layout.py"]
     assert offenders == []
+
+
+def test_readme_is_short_and_its_doc_links_resolve():
+    import re
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    assert readme.count("```bash") >= 2 and ".venv/bin/python -m pytest -q" in readme
+    links = re.findall(r"\]\((docs/[^)#]+)", readme)
+    assert links and all((REPO / link).is_file() for link in links), links

@@ -84,26 +84,30 @@ def row_id(training_id: str) -> str:
     return str(int(training_id.rsplit(":", 1)[1]) + 1)
 
 
-def test_multi_column_text_is_served_as_trained(tmp_path):
-    train = write_csv(tmp_path / "news.csv", news_rows(240, seed=0))
-    test = write_csv(tmp_path / "news_test.csv", news_rows(60, seed=1))
-    bundle = pipeline_bundle(tmp_path / "run", "--model_type", "text_classifier",
+@pytest.fixture(scope="module")
+def news_bundle(tmp_path_factory) -> dict:
+    """A text model trained on title + description (columns 1,2 of a headerless CSV)."""
+    folder = tmp_path_factory.mktemp("news")
+    train = write_csv(folder / "news.csv", news_rows(240, seed=0))
+    test = write_csv(folder / "news_test.csv", news_rows(60, seed=1))
+    bundle = pipeline_bundle(folder / "run", "--model_type", "text_classifier",
                              "--dataset_path", train, "--test_path", test, "--label_column", "0",
                              "--text_column", "1,2", "--epochs", "8", "--no_progress", "true")
-    manifest = json.loads(bundle["model"].with_suffix(".json").read_text())
+    return {**bundle, "test": test}
+
+
+def test_multi_column_text_is_served_as_trained(news_bundle, tmp_path):
+    manifest = json.loads(news_bundle["model"].with_suffix(".json").read_text())
     assert manifest["dataset"]["columns"] == {"label": "0", "inputs": ["1", "2"]}
-    assert bundle["report"]["inference"]["accuracy"] > 0.9  # both columns carry the topic
-    report, served = serve(bundle, test, tmp_path)
-    assert_same_predictions(bundle, served, report, row_id)
+    assert news_bundle["report"]["inference"]["accuracy"] > 0.9  # both columns carry the topic
+    report, served = serve(news_bundle, news_bundle["test"], tmp_path)
+    assert_same_predictions(news_bundle, served, report, row_id)
 
 
-def test_texts_alone_map_onto_the_trained_columns(tmp_path):
+def test_texts_alone_map_onto_the_trained_columns(news_bundle, tmp_path):
     """A headerless file of just the two text columns (no label) is served as title +
     description, not as whichever column looks longest."""
-    train = write_csv(tmp_path / "news.csv", news_rows(240, seed=0))
-    bundle = pipeline_bundle(tmp_path / "run", "--model_type", "text_classifier",
-                             "--dataset_path", train, "--label_column", "0", "--text_column",
-                             "1,2", "--epochs", "8", "--no_progress", "true")
+    bundle = news_bundle
     rows = news_rows(60, seed=2)
     unlabeled = write_csv(tmp_path / "texts.csv", [row[1:] for row in rows])
     _, served = serve(bundle, unlabeled, tmp_path)
