@@ -111,8 +111,10 @@ def test_texts_alone_map_onto_the_trained_columns(news_bundle, tmp_path):
     rows = news_rows(60, seed=2)
     unlabeled = write_csv(tmp_path / "texts.csv", [row[1:] for row in rows])
     _, served = serve(bundle, unlabeled, tmp_path)
-    accuracy = np.mean([served[str(k + 1)] == row[0] for k, row in enumerate(rows)])
-    assert accuracy > 0.9  # one column alone would get the other half of the rows wrong
+    right = np.array([served[str(k + 1)] == row[0] for k, row in enumerate(rows)])
+    # the topic is in the title of the odd rows, in the description of the even ones: served on
+    # one column alone, half the rows would fall to chance (1 in 3)
+    assert right[1::2].mean() >= 0.75 and right[0::2].mean() >= 0.75, right
 
 
 def mixed_table_rows(n: int, seed: int) -> list[list[str]]:
