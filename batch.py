@@ -167,16 +167,8 @@ class TableReader:
     def _encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
         inputs = self.columns.inputs
         if self.kind == "image":
-            base = self.path.parent
-            cells = list(frame[inputs[0]])
-            usable = [c == c for c in cells]  # a missing path is NaN
-            paths = [Path(str(v)) if Path(str(v)).is_absolute() else base / str(v)
-                     for v, ok in zip(cells, usable) if ok]
-            chunk = _decode_images(paths, _kept(ids, usable), _kept(labels or [None] * len(ids),
-                                                                    usable),
-                                   self.manifest["preprocessing"])
-            chunk.errors += [(i, "missing image path") for i, ok in zip(ids, usable) if not ok]
-            return chunk
+            return self._decode_image_paths(list(frame[inputs[0]]), ids,
+                                            labels or [None] * len(ids))
         if self.kind == "text":  # an empty text is predicted too (its tokens: [UNK])
             return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, inputs))),
                          labels)
@@ -185,6 +177,18 @@ class TableReader:
         errors = [(i, r) for i, r in zip(ids, reasons) if r is not None]
         return Chunk(_kept(ids, usable), x[np.array(usable, dtype=bool)] if any(usable) else None,
                      _kept(labels, usable) if labels else None, errors)
+
+
+    def _decode_image_paths(self, cells: list, ids: list[str], labels: list[str | None]
+                            ) -> Chunk:
+        """Image paths relative to the table; a missing path (NaN) is an error row."""
+        usable = [cell == cell for cell in cells]
+        paths = [Path(str(cell)) if Path(str(cell)).is_absolute() else self.path.parent / str(cell)
+                 for cell, ok in zip(cells, usable) if ok]
+        chunk = _decode_images(paths, _kept(ids, usable), _kept(labels, usable),
+                               self.manifest["preprocessing"])
+        chunk.errors += [(i, "missing image path") for i, ok in zip(ids, usable) if not ok]
+        return chunk
 
 
 def _kept(values: Sequence, keep: Sequence[bool]) -> list:

@@ -51,8 +51,7 @@ def read_table(path: Path, fmt: str | None = None, has_header: str = "auto",
     indexed by data row (0-based); see iter_table."""
     import pandas as pd
 
-    frames = list(iter_table(path, fmt, has_header, named_columns))
-    frame = pd.concat(frames) if len(frames) > 1 else frames[0] if frames else pd.DataFrame()
+    frame = next(iter_table(path, fmt, has_header, named_columns), pd.DataFrame())  # one chunk
     if frame.empty:
         raise DataError(f"{path} has no data rows", "add rows of data")
     return frame
