@@ -97,9 +97,29 @@ def image_folder_chunks(root: Path, manifest: dict, chunk_rows: int) -> Iterator
 
     files = list(image_files(root))
     for start in range(0, len(files), chunk_rows):
-        batch = files[start:start + chunk_rows]
-        yield _decode_images(batch, [str(p) for p in batch], [label_of(p) for p in batch],
-                             manifest["preprocessing"])
+        batch = [p for p in files[start:start + chunk_rows] if utf8_name(p)]
+        chunk = _decode_images(batch, [str(p) for p in batch], [label_of(p) for p in batch],
+                               manifest["preprocessing"])
+        chunk.errors += [(printable_name(p), "the file name is not valid UTF-8; rename the file")
+                         for p in files[start:start + chunk_rows] if not utf8_name(p)]
+        yield chunk
+
+
+def utf8_name(path: Path) -> bool:
+    """Can the path be written to a UTF-8 output? (Linux hands undecodable bytes of a file name
+    to Python as lone surrogates, which no UTF-8 writer accepts.)"""
+    try:
+        str(path).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def printable_name(path: Path) -> str:
+    """A path's bytes as UTF-8 text, undecodable bytes as \\xNN escapes."""
+    import os
+
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 # ----------------------------------------------------------------------------- tables
@@ -159,6 +179,8 @@ class TableReader:
                                 self._named_columns(), self.options.chunk_rows, numeric):
             if self.columns is None:
                 self.columns = self._choose_columns(frame)
+            if frame.empty:  # a header alone
+                continue
             ids = [str(i + 1) for i in frame.index]  # 1-based data rows, header excluded
             label = self.columns.label
             labels = label_texts(frame[label]) if label else None
@@ -390,23 +412,33 @@ def predict_input(options: BatchOptions, manifest: dict, predict: Predictor,
                 known = [(i, index.get(t)) for i, t in enumerate(chunk.labels) if t is not None]
                 run.labeled += len(known)
                 run.correct += sum(probabilities[i].argmax() == k for i, k in known)
-        if writer is None:
-            PredictionWriter(handle, fmt, labels, top_k, False, extra_names)
-    run.seconds = round(time.perf_counter() - started, 3)
+        run.seconds = round(time.perf_counter() - started, 3)
+        report["predictions"] = run.report_section()
+        if run.predicted == 0:  # raised inside the block: the previous output stays as it was
+            _fail_without_predictions(run, options, error_rows)
     if options.errors:
         write_errors(options.errors, error_rows)
-    report["predictions"] = run.report_section()
     LOG.info("predicted %d of %d rows into %s (%.0f rows/s)%s", run.predicted, run.rows,
              options.output, run.predicted / max(run.seconds, 1e-9),
              f", {run.failed} failed" if run.failed else "")
-    if run.rows == 0:
-        raise DataError(f"{options.input} has no rows to predict", "check the input")
     if run.failed and not options.allow_errors:
         where = (f"listed in {options.errors}" if options.errors
                  else "add --errors PATH to list them")
         raise DataError(f"{run.failed} of {run.rows} rows could not be predicted ({where}); the "
                         f"other predictions are in {options.output}",
                         "fix those rows, or pass --allow_errors true")
+
+
+def _fail_without_predictions(run: BatchRun, options: BatchOptions,
+                              error_rows: Sequence[tuple[str, str]]) -> None:
+    if run.rows == 0:
+        raise DataError(f"{options.input} has no rows to predict; {options.output} was left "
+                        "as it was", "check the input (a header alone is no rows)")
+    if options.errors:
+        write_errors(options.errors, error_rows)
+    where = f"listed in {options.errors}" if options.errors else "add --errors PATH to list them"
+    raise DataError(f"none of the {run.rows} rows of {options.input} could be predicted "
+                    f"({where}); {options.output} was left as it was", "fix those rows")
 
 
 def write_errors(path: str, rows: Sequence[tuple[str, str]]) -> None:

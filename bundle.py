@@ -48,6 +48,14 @@ class BundlePaths:
         """The graph with its BatchNorm nodes kept, for test-time adaptation."""
         return self.onnx.with_suffix(".bn.onnx")
 
+    GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble")
+
+    def files(self) -> dict[str, Path]:
+        """Every file a bundle may hold, by what it is."""
+        return {"manifest": self.manifest, "weights": self.weights,
+                **{f"{key} graph" if key != "onnx" else "graph": self.variant(key)
+                   for key in self.GRAPH_KEYS}}
+
     def variant(self, key: str) -> Path:
         """The graph file of a variant: "onnx" (fp32), "int8", "fp16", or of an extra graph:
         "bn" (BatchNorm adaptation), "mc" (MC-dropout), "ensemble"."""
@@ -156,23 +164,98 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
         raise ExportError(f"{path} does not match its manifest {paths.manifest.name} "
                           "(sha256 differs: the files come from different runs or were modified)",
                           f"re-run: {fix}")
-    problem = external_data_problem(path)
+    model = _parsed_graph(path)
+    if model is None:  # truncated or foreign: reported when a session loads it
+        return path
+    problem = external_data_problem(model, path)
     if problem:
         raise ExportError(f"{path} refused: {problem}",
                           "keep a model's external data files in its own folder")
+    problem = contract_problem(model, manifest)
+    if problem:
+        raise ExportError(f"{paths.manifest} does not match the graph {path.name}: {problem} "
+                          "(the manifest was edited, or comes from another run)",
+                          "restore the manifest written with the graph, or re-create the "
+                          "bundle with pipeline.py")
     return path
 
 
-def external_data_problem(path: Path) -> str | None:
-    """Why an ONNX file's external data is unsafe to load (a location outside its folder, so
-    a crafted model could read any file), or None. A file that does not parse is left to ONNX
-    Runtime's own error."""
+def _parsed_graph(path: Path) -> Any:
     import onnx
 
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - truncated or foreign: reported when a session loads it
+        return onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - any parse failure: not a graph we can inspect
         return None
+
+
+CONTRACT_KEY = "bundle.contract_sha256"  # graph metadata: what the graph was exported for
+
+
+def contract_digest(manifest: dict) -> str:
+    """A fingerprint of what a graph's numbers mean: its labels, input and preprocessing."""
+    import hashlib
+
+    text = json.dumps([manifest["labels"], manifest["input"], manifest["preprocessing"]],
+                      sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def stamp_contract(model: Any, manifest: dict) -> Any:
+    """Record the manifest's contract_digest in a graph's metadata (export and quantize do, so
+    an edited manifest is caught before ONNX Runtime fails on it, or worse, does not)."""
+    kept = [p for p in model.metadata_props if p.key != CONTRACT_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = CONTRACT_KEY, contract_digest(manifest)
+    return model
+
+
+def contract_problem(model: Any, manifest: dict) -> str | None:
+    """What in the manifest contradicts the graph: its input name or shape, its number of
+    classes, or (graphs stamped at export) any edit of labels, input or preprocessing."""
+    inputs = {i.name: _static_dims(i) for i in model.graph.input}
+    spec = manifest["input"]
+    if spec["name"] not in inputs:
+        return f"the graph has no input {spec['name']!r} (its inputs: {sorted(inputs)})"
+    expected = _expected_input_dims(manifest)
+    actual = inputs[spec["name"]][1:]
+    for position, (want, have) in enumerate(zip(expected, actual), start=1):
+        if want is not None and have is not None and want != have:
+            return (f"input {spec['name']!r} dimension {position} is {have} in the graph and "
+                    f"{want} by the manifest's preprocessing")
+    classes = {o.name: _static_dims(o)[-1] for o in model.graph.output if o.name in OUTPUT_NAMES
+               and len(_static_dims(o)) == 2}
+    for name, count in classes.items():
+        if count is not None and count != len(manifest["labels"]):
+            return f"the graph's {name} has {count} classes and the manifest {len(manifest['labels'])} labels"
+    stamped = {p.key: p.value for p in model.metadata_props}.get(CONTRACT_KEY)
+    if stamped and stamped != contract_digest(manifest):
+        return "its labels, input or preprocessing differ from those the graph was exported for"
+    return None
+
+
+def _static_dims(value_info: Any) -> list[int | None]:
+    dims = value_info.type.tensor_type.shape.dim
+    return [d.dim_value if d.HasField("dim_value") else None for d in dims]
+
+
+def _expected_input_dims(manifest: dict) -> list[int | None]:
+    """The input's dimensions after the batch, as the manifest's preprocessing implies."""
+    pre = manifest["preprocessing"]
+    if pre.get("kind") == "image" and isinstance(pre.get("image_size"), list):
+        return [pre.get("channels"), *pre["image_size"]]
+    if pre.get("kind") == "tabular" and isinstance(pre.get("feature_names"), list):
+        return [len(pre["feature_names"])]
+    return []
+
+
+def external_data_problem(model: Any, path: Path) -> str | None:
+    """Why an ONNX file's external data is unsafe to load (a location outside its folder, so
+    a crafted model could read any file), or None."""
+    import onnx
+
     folder = path.parent.resolve()
     for tensor in _all_tensors(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
@@ -239,6 +322,9 @@ def record_variant(paths: BundlePaths, manifest: dict, key: str, data: bytes,
                    section: dict) -> None:
     """Write a variant graph ("int8", "fp16") and the manifest that names it by hash, staged
     together (graph first, manifest last)."""
+    import onnx
+
+    data = stamp_contract(onnx.load_model_from_string(data), manifest).SerializeToString()
     with staged_files() as stage:
         digest = sha256_of(stage(paths.variant(key), lambda tmp: tmp.write_bytes(data)))
         manifest["quantization" if key == "int8" else key] = section

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from runtime import RuntimeOptions, parse_ep_options, parse_providers
-from utils import ConfigError
+from utils import ConfigError, DataError, check_paths
 
 if TYPE_CHECKING:
     from tta import TTAOptions
@@ -73,11 +73,13 @@ SCRIPTS = {"P": "pipeline", "T": "train", "E": "export", "Q": "quantize", "I": "
 
 
 def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Sequence | None = None,
-        metavar: str | None = None, scripts: str) -> Any:
+        metavar: str | None = None, scripts: str, help_for: dict[str, str] | None = None) -> Any:
     """A Config field with everything argparse needs in its metadata, and the scripts that take
-    it (letters of SCRIPTS: "PTI" = pipeline.py, train.py and inference.py)."""
+    it (letters of SCRIPTS: "PTI" = pipeline.py, train.py and inference.py); `help_for` words
+    the help differently for some scripts (by letter)."""
     meta = {"help": help, "group": group, "type": type, "choices": choices, "metavar": metavar,
-            "scripts": tuple(SCRIPTS[letter] for letter in scripts)}
+            "scripts": tuple(SCRIPTS[letter] for letter in scripts),
+            "help_for": {SCRIPTS[letter]: text for letter, text in (help_for or {}).items()}}
     return field(default=default, metadata=meta)
 
 
@@ -321,7 +323,11 @@ class Config:
     # output
     output_model: str | None = opt(None, "where to write the model bundle: PATH.onnx plus "
                                    "PATH.json (manifest) and PATH.pt (weights)", "output",
-                                   metavar="PATH.onnx", scripts="PTEQI")
+                                   metavar="PATH.onnx", scripts="PTEQI", help_for={
+        "E": "the bundle to export: reads PATH.json and PATH.pt, writes PATH.onnx and its "
+             "extra graphs",
+        "Q": "the bundle to quantize: reads PATH.onnx, adds PATH.int8.onnx / PATH.fp16.onnx",
+        "I": "the bundle to read: PATH.onnx with its manifest PATH.json beside it"})
     report_json: str | None = opt(None, "write the final report as JSON to PATH ('-' prints it "
                                   "on stdout instead of the summary)", "output", metavar="PATH",
                                       scripts="PTEQI")
@@ -471,6 +477,39 @@ class Config:
                      "ending in .onnx")
         if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
             _bad("report_json", self.report_json, "it is a folder; give a file path")
+        reads, writes = self.files_read_and_written()
+        for flag, path in reads.items():
+            if flag.startswith("--") and " " not in flag and not path.exists():
+                raise DataError(f"{flag} {path} does not exist", "check the path")
+        if self.model_type == "image_classifier" and (self.val_path or self.test_path):
+            raise ConfigError("--val_path and --test_path are for text and tabular tables; "
+                              "images take their splits from folders",
+                              "lay the images out as ROOT/train/<class>/, ROOT/val/<class>/ and "
+                              "ROOT/test/<class>/ and pass --dataset_path ROOT")
+        check_paths(reads, writes)
+
+    READ_FLAGS = ("dataset_path", "val_path", "test_path", "unlabeled_path", "input")
+    WRITE_FLAGS = ("output", "errors", "report_json")
+
+    def files_read_and_written(self) -> tuple[dict[str, Path], dict[str, Path]]:
+        """Every file this script reads and every file it writes, keyed by the flag that names
+        it: pipeline.py and train.py write the --output_model bundle, export.py and quantize.py
+        add to it, inference.py reads it (and the --ensemble bundles)."""
+        from bundle import BundlePaths
+
+        reads = {f"--{flag}": Path(value) for flag in self.READ_FLAGS
+                 if (value := getattr(self, flag)) and value != "-"
+                 and not value.startswith("builtin:")}
+        writes = {f"--{flag}": Path(value) for flag in self.WRITE_FLAGS
+                  if (value := getattr(self, flag)) and value != "-"}
+        if self.output_model:
+            bundle = {f"--output_model (the bundle's {what})": path for what, path in
+                      BundlePaths.from_model_path(self.output_model).files().items()}
+            (reads if getattr(self, "script", None) == "inference" else writes).update(bundle)
+        for i, member in enumerate(p.strip() for p in (self.ensemble or "").split(",")):
+            if member:
+                reads[f"--ensemble (bundle {i + 1})"] = Path(member)
+        return reads, writes
 
     def validate_tta(self, model_type: str) -> None:
         """--tta_transforms and --eval_shift against the model type (known from the flags, or
@@ -585,7 +624,8 @@ def build_parser(script: str, description: str, *, required: Sequence[str] = (),
         meta = FIELDS[name].metadata
         default = FIELDS[name].default
         flags = [f"--{name}", *((aliases or {}).get(name, ()))]
-        kwargs: dict[str, Any] = {"dest": name, "help": _help_with_default(meta["help"], default),
+        text = meta["help_for"].get(script, meta["help"])
+        kwargs: dict[str, Any] = {"dest": name, "help": _help_with_default(text, default),
                                   "required": name in required}
         if meta["type"] is not None:
             kwargs["type"] = meta["type"]

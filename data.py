@@ -2,7 +2,8 @@
 
 - image_classifier: builtin:digits, image folders, tables of image paths. Everything becomes
   float32 NCHW pixels in [0, 1] at one size and channel count; the per-channel normalisation
-  lives inside the model graph, so a deployed .onnx needs only decode → resize → /255.
+  lives inside the model graph, so a deployed .onnx needs only decode → resize → scale (/255
+  for 8-bit images; preprocess.decode_image_file scales every Pillow mode by its range).
 - text_classifier: a table with text column(s) and a label; texts become int64 token ids.
 - tabular_classifier: builtin:iris/wine/breast_cancer or a table of features and a label;
   rows become float32 features (NaN where missing; imputed and standardised inside the graph).
@@ -19,8 +20,8 @@ from typing import Sequence
 import numpy as np
 
 from preprocess import GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, image_files
-from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, joined_texts,
-                    label_texts, read_table, split_spec)
+from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
+                    joined_texts, label_texts, read_table, split_spec)
 from utils import LOG, DataError, progress
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
@@ -110,7 +111,7 @@ class Dataset:
     given_splits: bool
     options: DataOptions
     skipped: list[str] = field(default_factory=list)
-    dropped_rows: int = 0
+    dropped: list[dict] = field(default_factory=list)  # dropped_rows() records
     columns: Columns | None = None  # a table's label and input columns, as resolved
 
     @property
@@ -131,7 +132,8 @@ class Dataset:
                    "val": self.counts["val"], "test": self.counts["test"],
                    "given_splits": self.given_splits,
                    "skipped_images": len(self.skipped) if self.model_type == "image_classifier"
-                   else None, "dropped_rows": self.dropped_rows}
+                   else None, "dropped_rows": sum(d["count"] for d in self.dropped),
+                   "dropped_reasons": self.dropped}
         pre = self.preprocessing
         if pre["kind"] == "image":
             section.update(image_size=pre["image_size"], channels=pre["channels"])
@@ -182,7 +184,8 @@ def load_bundle_dataset(manifest: dict, path: str | None, splits: Sequence[str],
 def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,
                        labels: Sequence[str] | None = None,
                        splits: Sequence[str] = SPLITS) -> Dataset:
-    items, given, builtin_pixels, columns = _list_items(options)
+    listing = _list_items(options)
+    items, builtin_pixels = listing.items, listing.builtin_pixels
     trained = labels is not None
     labels = list(labels) if trained else _sorted_labels(i.label for i in items if i.split == "train")
     _check_labels({i.label for i in items}, labels, options.path, trained)
@@ -208,31 +211,40 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
         counts[split] = len(data)
     return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
                    splits=decoded,
-                   counts={s: counts.get(s, 0) for s in SPLITS}, given_splits=given,
-                   options=options, skipped=skipped, columns=columns)
+                   counts={s: counts.get(s, 0) for s in SPLITS},
+                   given_splits=listing.given_splits, options=options, skipped=skipped,
+                   dropped=listing.dropped, columns=listing.columns)
 
 
 # ----------------------------------------------------------------------------- listing
 
 
-def _list_items(options: DataOptions
-                ) -> tuple[list[_Item], bool, np.ndarray | None, Columns | None]:
-    """All samples with their labels and split; built-in data also returns its pixel array, a
-    table of image paths its columns."""
+@dataclass
+class _Listing:
+    """All samples with their labels and splits, before decoding."""
+
+    items: list[_Item]
+    given_splits: bool = False
+    builtin_pixels: np.ndarray | None = None  # builtin:digits' pixel array
+    columns: Columns | None = None  # a table of image paths
+    dropped: list[dict] = field(default_factory=list)
+
+
+def _list_items(options: DataOptions) -> _Listing:
     if options.path == "builtin:digits":
         pixels, items = _builtin_digits()
         _assign_splits(items, options.val_fraction, options.test_fraction, options.seed)
-        return items, False, pixels, None
+        return _Listing(items, builtin_pixels=pixels)
     root = Path(options.path)
     if not root.exists():
         raise DataError(f"dataset path {root} does not exist",
                         "check the path, or use --dataset_path builtin:digits")
     if root.is_dir():
-        return (*_list_folder(root, options), None, None)
+        return _Listing(*_list_folder(root, options))
     if options.dataset_format or root.suffix.lower() in TABLE_FORMATS:
-        items, columns = _list_table(root, options)
+        items, columns, dropped = _list_table(root, options)
         _assign_splits(items, options.val_fraction, options.test_fraction, options.seed)
-        return items, False, None, columns
+        return _Listing(items, columns=columns, dropped=dropped)
     raise DataError(f"cannot read {root}: expected a folder or a "
                     f"{'/'.join(sorted(TABLE_FORMATS))} file",
                     "pass an image folder ROOT/<class>/*.png or a table of image paths")
@@ -279,27 +291,30 @@ def _list_folder(root: Path, options: DataOptions) -> tuple[list[_Item], bool]:
     return items, given
 
 
-def _list_table(path: Path, options: DataOptions) -> tuple[list[_Item], Columns]:
+def _list_table(path: Path, options: DataOptions) -> tuple[list[_Item], Columns, list[dict]]:
     named = [s for s in (options.image_column, options.label_column) if s]
     frame = read_table(path, options.dataset_format, options.has_header, named)
     columns = detect_columns(frame, "image", path, options.label_column, options.image_column)
     image_col = columns.inputs[0]
-    labels = label_texts(frame[columns.label])
-    missing = [lab is None or path_cell != path_cell
-               for lab, path_cell in zip(labels, frame[image_col])]
-    if any(missing):
-        LOG.warning("dropped %d rows of %s with a missing image path or label", sum(missing),
-                    path)
+    import pandas as pd
+
+    labels = pd.Series(label_texts(frame[columns.label]), index=frame.index, dtype=object)
+    no_path = frame[image_col].isna() | (frame[image_col].astype(str).str.strip() == "")
+    dropped = [dropped_rows(path, "missing label", frame.index[labels.isna()]),
+               dropped_rows(path, "missing image path", frame.index[no_path & labels.notna()])]
+    keep = labels.notna() & ~no_path
     base = path.parent
-    return [_Item(source=(base / str(img)).resolve() if not Path(str(img)).is_absolute()
-                  else Path(str(img)), label=lab)
-            for img, lab, gone in zip(frame[image_col], labels, missing) if not gone], columns
+    items = [_Item(source=(base / str(img)).resolve() if not Path(str(img)).is_absolute()
+                   else Path(str(img)), label=lab)
+             for img, lab in zip(frame[image_col][keep], labels[keep])]
+    return items, columns, [d for d in dropped if d["count"]]
 
 
 def _sorted_labels(values) -> list[str]:
+    """Class names in order: numerically when every one is a number, else as text."""
     unique = set(values)
-    if all(v.lstrip("-").isdigit() for v in unique):
-        return sorted(unique, key=int)
+    if all(is_number(v) for v in unique):
+        return sorted(unique, key=float)
     return sorted(unique)
 
 
@@ -358,7 +373,7 @@ def _derive_preprocessing(items: list[_Item], builtin_pixels: np.ndarray | None,
         data_size, data_channels, note = tuple(builtin_pixels.shape[2:]), 1, "1/16 (builtin:digits)"
     else:
         data_size, data_channels = _scan_image_headers([i for i in items if i.split == "train"])
-        note = "1/255"
+        note = "by image mode: 8-bit /255, 16-bit /65535 (docs/data.md)"
     size = options.image_size or _capped(data_size)
     if options.image_size is None and size != data_size:
         LOG.info("images are %dx%d; training at %dx%d (set --image_size to change)",
@@ -453,7 +468,7 @@ class _TableSplits:
     inputs: dict[str, object]  # list[str] of texts, or a DataFrame of features
     ids: dict[str, list[str]]
     given: bool
-    dropped: int
+    dropped: list[dict]
     columns: Columns
 
 
@@ -480,7 +495,7 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
                         "add rows, pass --test_path, or raise --test_fraction")
     return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
                    splits=encoded, counts={s: len(table.labels[s]) for s in SPLITS},
-                   given_splits=table.given, options=options, dropped_rows=table.dropped,
+                   given_splits=table.given, options=options, dropped=table.dropped,
                    columns=table.columns)
 
 
@@ -498,14 +513,20 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
             parts[split] = _clean_rows(frame, _same_columns(frame, main, columns, Path(extra)),
                                        text, Path(extra), store_as=columns.inputs)
     main_frame = parts["main"]
+    if main_frame.empty:
+        reasons = "; ".join(f"{d['count']} with {_a(d['reason'])}"
+                            for d in main_frame.attrs["dropped"])
+        raise DataError(f"no usable rows in {path}: {reasons or 'no data rows'}",
+                        "a row needs a label cell and (text) a text; check --label_column and "
+                        f"--{'text_column' if text else 'feature_columns'}")
     missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in parts}
     assigned = assign_splits(list(main_frame["__label__"]), missing.get("val", 0.0),
                              missing.get("test", 0.0), options.seed)
-    frames = {s: main_frame[[a == s for a in assigned]] for s in SPLITS}
+    frames = {s: main_frame.loc[np.array([a == s for a in assigned], dtype=bool)] for s in SPLITS}
     for split in ("val", "test"):
         if split in parts:
             frames[split] = parts[split]
-    dropped = sum(int(f.attrs.get("dropped", 0)) for f in parts.values())
+    dropped = [d for f in parts.values() for d in f.attrs["dropped"]]
     return _TableSplits(
         labels={s: list(f["__label__"]) for s, f in frames.items()},
         inputs={s: list(f["__text__"]) if text else f.drop(columns="__label__")
@@ -549,27 +570,44 @@ def _same_columns(frame, main, columns: Columns, path: Path) -> Columns:
 
 
 def _clean_rows(frame, columns: Columns, text: bool, path, store_as: list[str] | None = None):
-    """Rows with a missing label (or an empty text) are dropped with one WARNING.
+    """Rows with an empty label cell (or, for text, every text cell empty) are dropped, with one
+    WARNING per reason; `attrs["dropped"]` holds the dropped_rows() records.
 
     Features are kept under the training file's column names (`store_as`) so that a split file
     matched by position encodes like the training file."""
     import pandas as pd
 
-    out = pd.DataFrame({"__label__": label_texts(frame[columns.label])}, index=frame.index)
-    keep = out["__label__"].notna()
+    out = pd.DataFrame({"__label__": label_texts(frame[columns.label])}, index=frame.index,
+                       dtype=object)
+    no_label = out["__label__"].isna()
+    no_text = pd.Series(False, index=frame.index)
     if text:
         out["__text__"] = joined_texts(frame, columns.inputs)
-        keep &= out["__text__"] != ""
+        no_text = (out["__text__"] == "") & ~no_label
     else:
         for column, name in zip(columns.inputs, store_as or columns.inputs):
             out[name] = frame[column]
-    dropped = int((~keep).sum())
-    if dropped:
-        what = "a missing label or an empty text" if text else "a missing label"
-        LOG.warning("dropped %d rows of %s with %s", dropped, path, what)
-    out = out[keep]
-    out.attrs.update(dropped=dropped, source=str(path))
+    dropped = [dropped_rows(path, "missing label", frame.index[no_label]),
+               dropped_rows(path, "empty text", frame.index[no_text])]
+    out = out[~(no_label | no_text)]
+    out.attrs.update(dropped=[d for d in dropped if d["count"]], source=str(path))
     return out
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def dropped_rows(path, reason: str, rows) -> dict:
+    """A record of rows left out of a data set (the report's `dataset.dropped_reasons`), with
+    one WARNING naming the file, the reason and the first rows (numbered like inference.py's
+    row ids: 1 is the first data row, the header excluded)."""
+    first = [int(r) + 1 for r in list(rows)[:10]]
+    if len(rows):
+        more = f" and {len(rows) - len(first)} more" if len(rows) > len(first) else ""
+        LOG.warning("dropped %d rows of %s with %s (rows %s%s)", len(rows), path, _a(reason),
+                    ", ".join(map(str, first)), more)
+    return {"file": str(path), "reason": reason, "count": int(len(rows)), "first_rows": first}
 
 
 def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> dict:

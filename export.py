@@ -11,25 +11,30 @@ import copy
 import io
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import onnx
-import torch
 
 from config import Config, build_parser, start_cli
 from data import load_bundle_dataset
 from metrics import top1_agreement
 from runtime import RuntimeOptions, create_session
-from models import WithProbabilities, load_weights
 from preprocess import PAD_ID, trim_padding
-from bundle import BundlePaths, manifest_text, read_manifest, record_export
+from bundle import BundlePaths, manifest_text, read_manifest, record_export, stamp_contract
 from report import run_with_report
-from utils import (ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers, run_cli,
-                   sha256_of, staged_files, stdout_to_stderr)
+from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
+                   run_cli, sha256_of, staged_files, stdout_to_stderr)
+
+if TYPE_CHECKING:  # torch loads only once flags are parsed: --help stays instant
+    import torch
 
 MIN_CHECK_SAMPLES = 32
 MAX_CHECK_SAMPLES = 64
+# Logits this large are a diverged model: float32 rounding alone then exceeds any sensible
+# --validate_atol (a healthy classifier's logits stay within a few tens).
+DIVERGED_LOGIT = 1e4
+RETRAIN = "retrain with a lower --learning_rate (e.g. 1e-3)"
 
 
 @dataclass
@@ -73,6 +78,9 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
     keep_modes=True exports each module in its own train/eval mode (MC-dropout), not all in eval.
 
     The exporter's progress prints go to stderr."""
+    import torch
+    from models import WithProbabilities
+
     wrapper = WithProbabilities(net) if keep_modes else WithProbabilities(net).eval()
     sample = torch.from_numpy(np.ascontiguousarray(example))
     dynamic = {axis: torch.export.Dim(name) for axis, name in enumerate(input_spec["shape"])
@@ -148,22 +156,29 @@ def validation_probes(samples: np.ndarray, kind: str) -> dict[str, np.ndarray]:
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
                        kind: str, atol: float, batch_size: int, num_threads: int) -> NumericCheck:
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
+    import torch
+    from models import WithProbabilities
+
     session = create_session(model.SerializeToString(), RuntimeOptions(intra_op_threads=num_threads))
     input_name = session.get_inputs()[0].name
     wrapper = WithProbabilities(net).eval()
     large = max(2, min(len(samples), batch_size))
     batch_sizes = sorted({1, 7, large})
     probes = validation_probes(samples, kind)
-    max_diff, agreement = 0.0, 1.0
+    max_diff, agreement, largest_logit = 0.0, 1.0, 0.0
     outputs: dict[str, list[np.ndarray]] = {}
     for name, probe in probes.items():
         with torch.no_grad():
             expected = [t.numpy() for t in wrapper(torch.from_numpy(probe))]
+        require_finite_outputs(net, probe, expected[0], "PyTorch")
         for size in batch_sizes:
             got = [np.concatenate(parts) for parts in zip(*(
                 session.run(None, {input_name: probe[i:i + size]})
                 for i in range(0, len(probe), size)))]
+            require_finite_outputs(net, probe, got[0], "ONNX Runtime")
             max_diff = max(max_diff, *(float(np.abs(g - e).max()) for g, e in zip(got, expected)))
+            largest_logit = max(largest_logit, float(np.abs(got[0]).max()),
+                                float(np.abs(expected[0]).max()))
             agreement = min(agreement, top1_agreement(got[0], expected[0]))
         outputs[name] = got
     padding_diff = None
@@ -175,12 +190,53 @@ def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np
                               "written", "report this: pooling must ignore padding")
     check = NumericCheck(max_diff, agreement, len(samples), batch_sizes, list(probes), padding_diff)
     if not max_diff <= atol:
+        hint = (f"the model's logits reach {largest_logit:.3g}: its weights likely diverged "
+                f"in training, and no tolerance fixes that; {RETRAIN}"
+                if largest_logit >= DIVERGED_LOGIT else
+                "raise --validate_atol if this difference is acceptable")
         raise ExportError(f"numeric check failed: max |onnx - torch| = {max_diff:.3g} > "
                           f"--validate_atol {atol:g} (top-1 agreement {agreement:.1%} on "
                           f"{len(samples)} held-out samples, batch sizes {batch_sizes}); "
-                          "the bundle was not written",
-                          "raise --validate_atol if this difference is acceptable")
+                          "the bundle was not written", hint)
     return check
+
+
+def require_finite_outputs(net: torch.nn.Module, probe: np.ndarray, logits: np.ndarray,
+                           engine: str) -> None:
+    """NaN or inf outputs are never a tolerance question (and NaN compares as no difference at
+    all): infinite inputs are a data error (exit 3); otherwise the weights are non-finite or so
+    large that they overflow, i.e. training diverged (exit 4)."""
+    import torch
+
+    bad_rows = ~np.isfinite(logits).all(axis=1)
+    if not bad_rows.any():
+        return
+    what = "nan" if np.isnan(logits).any() else "inf"
+    shown = f"{int(bad_rows.sum())} of {len(logits)} held-out samples"
+    if np.issubdtype(probe.dtype, np.floating):
+        bad_inputs = np.isinf(probe).reshape(len(probe), -1).any(axis=1)
+        if bad_inputs.any() and not (bad_rows & ~bad_inputs).any():
+            count = int(bad_inputs.sum())
+            samples_hold = "1 held-out sample holds" if count == 1 else \
+                f"{count} held-out samples hold"
+            raise DataError(f"{samples_hold} an infinite value (inf, 1e400, or a number beyond "
+                            f"float32's ±3.4e38), and the model's outputs on them are not finite "
+                            f"({what}); the bundle was not written",
+                            "remove those rows, or empty those cells so that they count as "
+                            "missing")
+    broken = [name for name, tensor in net.state_dict().items()
+              if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if broken:
+        cause = (f"its weights are not finite (in {', '.join(broken[:3])}): training likely "
+                 "diverged")
+    else:
+        largest = max((float(t.abs().max()) for t in net.state_dict().values()
+                       if t.is_floating_point() and t.numel()), default=0.0)
+        cause = (f"its weights are likely diverged (largest |weight| {largest:.3g}) and "
+                 "overflow float32")
+    raise ExportError(f"the model produces non-finite outputs ({what}) in {engine} on {shown}: "
+                      f"{cause}; the bundle was not written",
+                      f"a tolerance cannot fix this: {RETRAIN}")
 
 
 def export_example(samples: np.ndarray, kind: str) -> np.ndarray:
@@ -245,6 +301,10 @@ def _max_diff_to(graph: onnx.ModelProto, reference: onnx.ModelProto, samples: np
 
 
 def _require_close(diff: float, what: str, config: Config) -> None:
+    if not np.isfinite(diff):  # NaN or inf outputs: no tolerance covers them
+        raise ExportError(f"the {what} gives non-finite outputs ({diff:g} difference to the "
+                          "exported graph): a model's weights likely diverged in training; the "
+                          "bundle was not written", f"a tolerance cannot fix this: {RETRAIN}")
     if not diff <= config.validate_atol:
         raise ExportError(f"the {what} differs from the exported graph by {diff:.3g} > "
                           f"--validate_atol {config.validate_atol:g}; the bundle was not written",
@@ -256,6 +316,8 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     """The graph test-time training adapts: exported unoptimised and not slimmed, so that its
     BatchNormalization nodes survive (the deployable graph has them folded into Conv/Gemm).
     Checked against the deployable graph on the same samples; None without BatchNorm."""
+    import torch
+
     if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
         return None
     kind = manifest["preprocessing"]["kind"]
@@ -280,6 +342,8 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     exported as usual but not slimmed (onnxslim drops Dropout). With ONNX Runtime's default
     optimisations (EliminateDropout) it must equal the deployable graph: that checks the rest
     of it. None without dropout."""
+    import torch
+
     dropouts = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if not dropouts:
         return None
@@ -307,6 +371,9 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
                           manifest: dict) -> ExtraGraph:
     """Every member exported and slimmed like model.onnx, merged into one graph that returns
     their mean (iterative.ensemble_model); checked against the mean of the PyTorch members."""
+    import torch
+    from models import WithProbabilities
+
     from iterative import ensemble_model
 
     kind = manifest["preprocessing"]["kind"]
@@ -336,6 +403,8 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
     """Weights, graphs and the manifest that names them by hash, all written to temporary
     files first and then moved into place, manifest last (utils.StagedFiles): a run killed
     while writing leaves the previous bundle as it was."""
+    import torch
+
     paths, manifest = result.paths, result.manifest
     extras = extras or {}
     weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
@@ -344,8 +413,10 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
         hashes = {"weights": sha256_of(stage(paths.weights,
                                              lambda tmp: tmp.write_bytes(weights.getvalue())))}
         for key, extra in extras.items():
+            graph = stamp_contract(extra.model, manifest)
             hashes[key] = sha256_of(stage(paths.variant(key),
-                                          lambda tmp, m=extra.model: onnx.save_model(m, str(tmp))))
+                                          lambda tmp, m=graph: onnx.save_model(m, str(tmp))))
+        stamp_contract(model, manifest)
         staged_onnx = stage(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
         hashes["onnx"] = sha256_of(staged_onnx)
         result.size_bytes = staged_onnx.stat().st_size
@@ -357,6 +428,8 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
 
 def export_section(result: ExportResult) -> dict:
     """The manifest's record of how model.onnx was made and checked."""
+    import torch
+
     return {
         "exporter": f"torch.onnx.export (dynamo) torch {torch.__version__}",
         "slimmer": "onnxslim", "opset": result.opset, "checker": "passed (full_check)",
@@ -384,6 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python train.py --dataset_path builtin:digits --output_model "
                "runs/digits/model.onnx\n  python export.py --output_model runs/digits/model.onnx")
     config = start_cli(parser, argv)
+    import torch
+
+    from models import load_weights
+
     quiet_library_loggers()
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)

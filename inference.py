@@ -385,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stages(report: dict) -> None:
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
+        require_onnx_in_bundle(paths, manifest)  # graph and manifest agree, before any data
         config.validate_tta(manifest["model_type"])
         if config.input:
             predict_new_data(config, paths, report)

@@ -58,7 +58,7 @@ def train_ensemble_members(config, dataset, first) -> list:
     learning rate the candidate search chose for the first."""
     from dataclasses import replace
 
-    from train import train_classifier
+    from program import train_classifier
 
     members = []
     for k in range(1, config.ensemble_size):
@@ -90,11 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from export import export_bundle
         from inference import run_on_bundle
         from quantize import fp16_bundle, quantize_bundle
-        from train import build_manifest, set_torch_threads, train_stage
+        from program import set_torch_threads  # imports torch and DSPy
+        from train import build_manifest, cap_batch_size, train_stage
         from utils import quiet_library_loggers
 
         quiet_library_loggers()  # after DSPy's import, which resets loggers
         set_torch_threads(config.num_threads)
+        cap_batch_size(config, dataset)
         trained, dataset = train_stage(config, dataset, report)
         members = train_ensemble_members(config, dataset, trained)
         manifest = build_manifest(config, trained, dataset, report.get("teacher"))

@@ -10,11 +10,15 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tables import IMAGE_EXTENSIONS, category_cells, numeric_cells
+from tables import IMAGE_EXTENSIONS, category_cells, numeric_cells, numeric_share
+from utils import LOG
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 PAD_ID, UNK_ID = 0, 1
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
@@ -23,7 +27,11 @@ _LONG_NUMBER = re.compile(r"^\d{5,}$")
 
 # ----------------------------------------------------------------------------- images
 
-GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L"}
+GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F", "P;L"}
+# Decoded as numbers and scaled by the mode's range (docs/data.md#pixel-values-per-image-mode);
+# every other mode is 8-bit per channel and goes through Pillow's convert("L" | "RGB") and /255.
+HIGH_BIT_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
+_INT_FULL_SCALES = (255, 65535, 2**31 - 1)  # 8-, 16- and (signed) 32-bit
 
 
 def image_files(root: Path) -> Iterator[Path]:
@@ -43,15 +51,70 @@ def decode_image_file(path: Path, preprocessing: dict) -> np.ndarray:
     from PIL import Image, ImageOps
 
     height, width = preprocessing["image_size"]
+    channels = preprocessing["channels"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(path) as img:
+            high_bit = img.mode in HIGH_BIT_MODES
+            declared = _declared_full_scale(img) if high_bit else None  # before the tags go
             img = ImageOps.exif_transpose(img) or img
-            img = img.convert("L" if preprocessing["channels"] == 1 else "RGB")
-            if img.size != (width, height):
-                img = img.resize((width, height), Image.Resampling.BILINEAR)
-            pixels = np.asarray(img, dtype=np.float32) / 255.0
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+            if high_bit:
+                pixels = _high_bit_pixels(img, declared, (width, height))
+            else:
+                pixels = _eight_bit_pixels(img, channels, (width, height))
+    if pixels.ndim == 3:
+        return pixels.transpose(2, 0, 1)
+    return np.repeat(pixels[None], channels, axis=0)
+
+
+def _eight_bit_pixels(img: Image.Image, channels: int, size: tuple[int, int]) -> np.ndarray:
+    """(H, W) or (H, W, 3) in [0, 1]: Pillow's convert (ITU-R 601-2 luma to gray), resize, /255."""
+    from PIL import Image
+
+    img = img.convert("L" if channels == 1 else "RGB")
+    if img.size != size:
+        img = img.resize(size, Image.Resampling.BILINEAR)
+    return np.asarray(img, dtype=np.float32) / 255.0
+
+
+def _high_bit_pixels(img: Image.Image, full_scale: float | None,
+                     size: tuple[int, int]) -> np.ndarray:
+    """(H, W) in [0, 1] from a 16-bit, 32-bit or float gray image, resized as floats so no
+    precision is lost to an 8-bit intermediate."""
+    from PIL import Image
+
+    values = np.asarray(img, dtype=np.float32)
+    scale = full_scale or _full_scale_by_max(values)
+    pixels = np.nan_to_num(values / np.float32(scale), nan=0.0, posinf=1.0, neginf=0.0)
+    if img.size != size:
+        pixels = np.asarray(Image.fromarray(pixels).resize(size, Image.Resampling.BILINEAR))
+    return np.clip(pixels, 0.0, 1.0, dtype=np.float32)
+
+
+def _declared_full_scale(img: Image.Image) -> float | None:
+    """The value that means white in a high-bit-depth image, when its mode or file says so."""
+    if img.mode.startswith("I;16"):
+        return 65535.0
+    if img.mode == "F":
+        return 1.0  # floats carry no integer range: taken as [0, 1] already
+    if img.format == "TIFF" and img.tag_v2.get(258):  # BitsPerSample, SampleFormat (2: signed)
+        bits, signed = _first(img.tag_v2[258]), _first(img.tag_v2.get(339)) == 2
+        return float(2 ** (bits - 1) - 1 if signed else 2**bits - 1)
+    if img.format in ("PNG", "PPM"):  # older Pillow opens 16-bit PNG gray as "I"; PPM rescales
+        return 65535.0
+    return None
+
+
+def _full_scale_by_max(values: np.ndarray) -> int:
+    """An "I" image whose file declares no depth: the smallest of 8-, 16- and 32-bit full scale
+    that holds its brightest pixel (a fixed ladder, not a per-image stretch)."""
+    brightest = float(values.max(initial=0.0))
+    return next((s for s in _INT_FULL_SCALES if brightest <= s), _INT_FULL_SCALES[-1])
+
+
+def _first(value):
+    """A TIFF tag's first value (Pillow gives some as tuples)."""
+    return value[0] if isinstance(value, tuple) and value else value
 
 
 # ----------------------------------------------------------------------------- text
@@ -151,20 +214,8 @@ class TabularEncoder:
 
     @classmethod
     def fit(cls, frame) -> "TabularEncoder":
-        import pandas as pd
-
-        columns = []
-        for name in frame.columns:
-            values = frame[name]
-            present = values[values.notna() & (values.astype(str).str.strip() != "")]
-            numeric = pd.to_numeric(present, errors="coerce")
-            if len(present) == 0 or numeric.notna().mean() >= 0.95:
-                columns.append({"name": str(name), "type": "numeric"})
-            else:
-                counts = present.astype(str).str.strip().value_counts()
-                top = sorted(counts.index[:MAX_CATEGORIES])
-                columns.append({"name": str(name), "type": "categorical", "categories": top})
-        return cls(columns)
+        """Each column numeric or categorical, by _fit_column's rule."""
+        return cls([_fit_column(str(name), frame[name]) for name in frame.columns])
 
     @property
     def feature_names(self) -> list[str]:
@@ -222,3 +273,30 @@ class TabularEncoder:
     @classmethod
     def from_manifest(cls, spec: dict) -> "TabularEncoder":
         return cls(columns=spec["columns"])
+
+
+NUMERIC_SHARE = 0.95  # a column with at least this share of numbers is numeric
+
+
+def _fit_column(name: str, values) -> dict:
+    """Numeric when nearly every present cell is a number, or when most are and their distinct
+    values are too many for a one-hot encoding; else categorical. A mostly-numeric column never
+    changes type silently: a WARNING names it, the count of non-numbers and what was done."""
+    share, not_numbers = numeric_share(values)
+    examples = ", ".join(repr(e[:20]) for e in sorted(set(not_numbers))[:3])
+    numbers = numeric_cells(values)[0]
+    distinct_numbers = np.unique(numbers[~np.isnan(numbers)]).size
+    if share >= NUMERIC_SHARE or (share >= 0.5 and distinct_numbers > MAX_CATEGORIES):
+        if not_numbers:
+            LOG.warning("feature column %r: %d training cells are not numbers (e.g. %s); it is "
+                        "numeric and they count as missing; fix or empty them", name,
+                        len(not_numbers), examples)
+        return {"name": name, "type": "numeric"}
+    if share >= 0.5:
+        LOG.warning("feature column %r: %.0f%% of its cells are numbers, %d are not (e.g. %s); "
+                    "it is encoded as categories (one-hot, %d most frequent values); if it is "
+                    "numeric, fix or empty those cells", name, 100 * share, len(not_numbers),
+                    examples, MAX_CATEGORIES)
+    counts = category_cells(values).dropna().value_counts()
+    return {"name": name, "type": "categorical",
+            "categories": sorted(counts.index[:MAX_CATEGORIES])}

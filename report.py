@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, PipelineError,
@@ -84,6 +85,11 @@ def format_summary(report: dict) -> str:
         for key, label in keys:
             if data.get(key) is not None:
                 lines.append(f"  {label:<26} {_fmt(data[key])}")
+        if section == "dataset":
+            lines += [f"  {'':<26} {d['count']} with {d['reason']} in {Path(d['file']).name} "
+                      f"(rows {', '.join(map(str, d['first_rows']))}"
+                      f"{', ...' if d['count'] > len(d['first_rows']) else ''})"
+                      for d in data.get("dropped_reasons") or []]
         if section == "train" and data.get("candidates"):
             lines += format_candidates(data["candidates"], data["chosen_candidate"])
     if report.get("benchmark"):

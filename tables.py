@@ -20,16 +20,21 @@ from utils import DataError
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",
                  ".jsonl": "jsonl", ".ndjson": "jsonl"}
 FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LABEL_NAMES = ("label", "labels", "class", "target", "category", "y", "sentiment", "intent")
 TEXT_NAMES = ("text", "message", "sms", "sentence", "review", "content", "body", "comment",
               "tweet", "document", "title", "description", "question", "utterance")
 IMAGE_NAMES = ("image", "image_path", "path", "file", "filename", "filepath", "img")
 HEADER_WORDS = set(LABEL_NAMES + TEXT_NAMES + IMAGE_NAMES + ("id", "name", "feature"))
-MISSING = frozenset({"", "nan", "NaN", "NA", "N/A", "null", "None"})  # a missing cell, anywhere
-NUMERIC_MISSING = MISSING | {"?"}  # also missing where a number is expected (UCI's habit)
+# A label, text or image-path cell is missing only when it is empty: `NA` is North America and
+# `None` a class name. In a feature column these markers mean missing too (`?` where a number is
+# expected, UCI's habit).
+EMPTY = frozenset({""})
+MISSING = frozenset({"", "nan", "NaN", "NA", "N/A", "null", "None"})
+NUMERIC_MISSING = MISSING | {"?"}
 HEADER_SAMPLE_ROWS = 1000  # header detection looks at this many rows, whatever the chunk size
-_INTEGRAL = re.compile(r"[+-]?\d+(\.0*)?")
+_INTEGER = re.compile(r"[+-]?\d+")
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def table_format(path: Path, override: str | None = None) -> str:
@@ -60,9 +65,10 @@ def read_table(path: Path, fmt: str | None = None, has_header: str = "auto",
 def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
                named_columns: Sequence[str] = (), chunk_rows: int | None = None,
                numeric_columns: Sequence[str] = ()) -> Iterator:
-    """DataFrames of `chunk_rows` rows (all rows when None): cells are strings, missing cells
-    (MISSING) are NaN, rows with every cell missing are left out, the index is the data row
-    (0-based, header excluded), and columns are named by the header or "0", "1", ... .
+    """DataFrames of `chunk_rows` rows (all rows when None): cells are strings, empty cells are
+    NaN (and NUMERIC_MISSING markers in `numeric_columns`), rows with every cell empty are left
+    out, the index is the data row (0-based, header excluded), and columns are named by the
+    header or "0", "1", ... .
 
     Whether a CSV/TSV's first row is a header is decided once, on its first HEADER_SAMPLE_ROWS
     rows (`named_columns`, names the user or the bundle gave, count as evidence). The
@@ -93,7 +99,7 @@ def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
 
 def _csv_options(kind: str) -> dict:
     return {"sep": "," if kind == "csv" else "\t", "encoding": "utf-8-sig",
-            "skip_blank_lines": True, "keep_default_na": False, "na_values": sorted(MISSING),
+            "skip_blank_lines": True, "keep_default_na": False, "na_values": sorted(EMPTY),
             "quoting": csv.QUOTE_MINIMAL if kind == "csv" else csv.QUOTE_NONE}
 
 
@@ -109,6 +115,8 @@ def _delimited_chunks(path: Path, kind: str, has_header: str, named_columns: Seq
     names = (unique_names(sample.iloc[0].fillna("").astype(str)) if header
              else [str(i) for i in range(sample.shape[1])])
     typed = set(numeric_columns)
+    options["na_values"] = {name: sorted(NUMERIC_MISSING if name in typed else EMPTY)
+                            for name in names}
     reader = pd.read_csv(path, header=0 if header else None, names=names,
                          dtype={name: str for name in names if name not in typed},
                          chunksize=chunk_rows or None, **options)
@@ -121,6 +129,12 @@ def _delimited_chunks(path: Path, kind: str, has_header: str, named_columns: Seq
 
 def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
     import pandas as pd
+
+    first = _first_character(path) if kind == "json" else "["
+    if first not in ("[", ""):
+        raise DataError(f"{path} holds a JSON {'object' if first == '{' else 'value'}, not an "
+                        "array of records", 'write it as [{"text": ..., "label": ...}, '
+                        "...], or one record per line as .jsonl")
 
     if kind == "jsonl" and chunk_rows:
         frames = pd.read_json(path, lines=True, dtype=False, encoding="utf-8-sig",
@@ -135,7 +149,17 @@ def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
         frame.columns = unique_names(frame.columns)
         frame.index = pd.RangeIndex(rows, rows + len(frame))
         rows += len(frame)
-        yield frame.where(frame.notna() & ~frame.isin(MISSING)).dropna(how="all")
+        yield frame.where(frame.notna() & ~frame.isin(EMPTY)).dropna(how="all")
+
+
+def _first_character(path: Path) -> str:
+    """The first character of a text file that is not white space or a BOM ("" if none)."""
+    with open(path, encoding="utf-8-sig") as handle:
+        while block := handle.read(4096):
+            stripped = block.lstrip()
+            if stripped:
+                return stripped[0]
+    return ""
 
 
 def _cell_text(value) -> str | None:
@@ -344,20 +368,41 @@ def _find(frame, name: str) -> str | None:
 
 def joined_texts(frame, columns: Sequence[str]):
     """The text of each row: its `columns` joined with a space (missing cells empty), stripped."""
+    import pandas as pd
+
+    if frame.empty:
+        return pd.Series([], index=frame.index, dtype=object)
     return frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
 
 
 def label_text(value) -> str | None:
-    """A label cell as a class name: stripped; numbers written as whole floats ("1.0", 1.0)
-    name the same class as "1"; None when the cell is missing or blank."""
+    """A label cell as a class name: stripped; None only when empty or blank (`NA`, `None`,
+    `null` are class names). A number names one class however it is written: `1`, `1.0`,
+    `+1`, `01` and `1e0` are class "1", `0.50` and `.5` class "0.5"."""
     if value is None or (isinstance(value, float) and value != value):
         return None
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
     text = str(value).strip()
-    if _INTEGRAL.fullmatch(text) and "." in text:
-        text = text.split(".")[0].lstrip("+") or "0"
-    return text or None
+    if not text:
+        return None
+    if _INTEGER.fullmatch(text):
+        return str(int(text))  # exact at any length (ids)
+    if _NUMBER.fullmatch(text):
+        return canonical_number(float(text)) or text
+    return text
+
+
+def is_number(text: str) -> bool:
+    """A decimal number as a class name or cell may spell it (not inf or nan)."""
+    return bool(_NUMBER.fullmatch(text.strip()))
+
+
+def canonical_number(number: float) -> str | None:
+    """The one spelling of a number used as a class name (None for inf/nan)."""
+    if number != number or number in (float("inf"), float("-inf")):
+        return None
+    if number.is_integer() and abs(number) < 1e15:
+        return str(int(number))
+    return repr(number)
 
 
 def label_texts(values) -> list[str | None]:
@@ -379,5 +424,20 @@ def numeric_cells(values) -> tuple[np.ndarray, np.ndarray]:
 
 
 def category_cells(values) -> "object":
-    """A categorical column's cells as the text one-hot encoding compares (stripped)."""
-    return values.astype(str).str.strip()
+    """A categorical column's cells as the text one-hot encoding compares: stripped, MISSING
+    markers as NaN (no category)."""
+    text = values.astype(str).str.strip()
+    return text.where(values.notna() & ~text.isin(MISSING))
+
+
+def numeric_share(values) -> tuple[float, list[str]]:
+    """Of a feature column's present cells (not NUMERIC_MISSING), the share that are numbers,
+    and the cells that are not: how TabularEncoder decides numeric or categorical."""
+    import pandas as pd
+
+    present = category_cells(values).dropna()
+    present = present[~present.isin(NUMERIC_MISSING)]
+    if len(present) == 0:
+        return 1.0, []
+    numbers = pd.to_numeric(present, errors="coerce").notna()
+    return float(numbers.mean()), list(present[~numbers])

@@ -60,6 +60,13 @@ class ExportError(PipelineError):
     exit_code = EXIT_EXPORT
 
 
+class TrainingError(PipelineError):
+    """The model itself is unusable: training diverged (a loss or weights that are no longer
+    finite numbers). Exit 4, the code of every model failure (export, validation, bundle)."""
+
+    exit_code = EXIT_EXPORT
+
+
 class RuntimeFailure(PipelineError):
     exit_code = EXIT_RUNTIME
 
@@ -307,3 +314,52 @@ def sha256_of(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Do two paths name one file: equal once resolved (symlinks followed, also for a file not
+    yet written), or the same inode (hard links)?"""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_paths(reads: dict[str, Path], writes: dict[str, Path]) -> None:
+    """Before any work: no output may be an input or another output, and every output must be
+    writable. Keys name where a path came from ("--report_json", "the bundle's manifest ...");
+    raises ConfigError (exit 2)."""
+    names = list(writes)
+    for i, name in enumerate(names):
+        path = writes[name]
+        for other, other_path in [*reads.items(), *((n, writes[n]) for n in names[i + 1:])]:
+            if same_file(path, other_path):
+                raise ConfigError(f"{name} {path} is the same file as {other} {other_path}; "
+                                  "nothing was read or written",
+                                  f"give {name.split()[0]} a path of its own")
+        problem = unwritable(path)
+        if problem:
+            raise ConfigError(f"{name} {path} cannot be written: {problem}",
+                              "choose a writable location")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be created or replaced (None: it can). A missing folder is fine when
+    it can be created: the nearest existing one must be a writable folder."""
+    if path.is_dir():
+        return "it is a folder"
+    folder = path.parent
+    while not folder.exists():
+        if folder.is_symlink():  # a dangling link
+            return f"{folder} is a broken symbolic link"
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return None

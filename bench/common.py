@@ -17,7 +17,7 @@ def quiet_single_thread() -> None:
     setup_logging("ERROR")
     import torch
 
-    import train  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
+    import program  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
 
     quiet_library_loggers()
     torch.set_num_threads(1)
@@ -27,7 +27,8 @@ def train_bundle(config: Config):
     """Train and export; returns (dataset, trained model, bundle paths, export result)."""
     from data import DataOptions, load_dataset
     from export import export_bundle
-    from train import build_manifest, train_classifier
+    from program import train_classifier
+    from train import build_manifest
 
     dataset = load_dataset(DataOptions.from_config(config))
     trained = train_classifier(config, dataset)

@@ -29,8 +29,12 @@ def test_text_csv_with_header_bom_and_bad_rows(text_bundle):
     """text_bundle's CSV (conftest): topic_texts() with a BOM, a blank line and two bad rows."""
     run, report = text_bundle["run"], text_bundle["report"]
     assert report["dataset"]["dropped_rows"] == 2
+    assert [(d["reason"], d["count"], d["first_rows"]) for d in report["dataset"]["dropped_reasons"]
+            ] == [("missing label", 1, [6]), ("empty text", 1, [5])]  # 1-based data rows
     assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(topic_texts())
-    assert len([l for l in run.stderr.splitlines() if "WARNING" in l and "dropped 2 rows" in l]) == 1
+    warnings = [l for l in run.stderr.splitlines() if "WARNING" in l and "dropped 1 rows" in l]
+    assert len(warnings) == 2 and "missing label (rows 6)" in warnings[0]
+    assert "with 1 with missing label" not in run.stdout and "missing label in texts.csv (rows 6)" in run.stdout
     assert report["inference"]["accuracy"] >= 0.8
     assert report["export"]["padding_max_diff"] <= 1e-4
     assert set(report["export"]["probes"]) == {"held_out", "length_1", "padded"}

@@ -1,0 +1,514 @@
+"""The PyTorch model inside a DSPy program, and the DSPy teleprompters that train it.
+
+ClassifierProgram (a dspy.Module whose model is a torch network), WeightTrainer (a Teleprompter
+that fits its weights: AdamW, one-cycle, the best epoch on validation), CandidateSearch (one
+WeightTrainer per learning rate and seed, the best kept by dspy.Evaluate), and the checks that
+stop a training run whose data or weights are not finite. train.py and pipeline.py call
+train_classifier; importing this module imports torch and dspy.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import dspy
+import numpy as np
+import torch
+import torch.nn.functional as F
+from dspy.teleprompt import Teleprompter
+from torch import nn
+
+from config import Config
+from data import Dataset, Split
+from models import architecture_for, build_model, count_parameters
+from preprocess import Tokenizer
+from tta import build_transforms, random_augment
+from metrics import accuracy
+from utils import LOG, DataError, TrainingError, progress, stdout_to_stderr
+
+# The DSPy program's input field per preprocessing kind: text programs take the raw text.
+PROGRAM_INPUT = {"image": "image", "text": "text", "tabular": "features"}
+
+
+# ----------------------------------------------------------------------------- the DSPy program
+
+
+class ClassifierProgram(dspy.Module):
+    """A DSPy program whose 'model' is a torch network: an image, a text or a feature row in,
+    label and confidence out. Text programs tokenize inside, so the program is text -> label."""
+
+    def __init__(self, net: nn.Module, labels: Sequence[str], input_field: str,
+                 tokenizer: Tokenizer | None = None) -> None:
+        super().__init__()
+        self.net = net
+        self.labels = list(labels)
+        self.input_field = input_field
+        self.tokenizer = tokenizer
+
+    def encode(self, values: Sequence) -> np.ndarray:
+        """Program inputs → the network's input array."""
+        if self.tokenizer is not None:
+            return self.tokenizer.encode_batch(values)
+        return np.stack(values)
+
+    def forward(self, **inputs) -> dspy.Prediction:
+        probabilities = self.predict_proba(self.encode([inputs[self.input_field]]))[0]
+        best = int(probabilities.argmax())
+        return dspy.Prediction(label=self.labels[best], confidence=float(probabilities[best]))
+
+    def predict_proba(self, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        self.net.eval()
+        with torch.no_grad():
+            chunks = [torch.softmax(self.net(torch.from_numpy(pixels[i:i + batch_size])), -1)
+                      for i in range(0, len(pixels), batch_size)]
+        return torch.cat(chunks).numpy()
+
+
+def to_examples(split: Split, labels: Sequence[str], field: str) -> list[dspy.Example]:
+    values = split.raw if split.raw is not None else split.x
+    return [dspy.Example(**{field: v, "label": labels[y]}).with_inputs(field)
+            for v, y in zip(values, split.y)]
+
+
+def label_match(example: dspy.Example, prediction: dspy.Prediction, trace=None) -> bool:
+    return example.label == prediction.label
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+def random_shift(pixels: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Shift each image by up to `max_shift` whole pixels per axis, replicating the border."""
+    n, _, height, width = pixels.shape
+    shifts = torch.randint(-max_shift, max_shift + 1, (n, 2), generator=generator).float()
+    theta = torch.zeros(n, 2, 3)
+    theta[:, 0, 0] = theta[:, 1, 1] = 1.0
+    theta[:, 0, 2] = -2.0 * shifts[:, 0] / width
+    theta[:, 1, 2] = -2.0 * shifts[:, 1] / height
+    grid = F.affine_grid(theta, list(pixels.shape), align_corners=False)
+    return F.grid_sample(pixels, grid, mode="nearest", padding_mode="border", align_corners=False)
+
+
+def recalibrate_batchnorm(net: nn.Module, x: torch.Tensor, batch_size: int,
+                          max_samples: int = 4096) -> None:
+    """Re-estimate BatchNorm running statistics for the current weights on clean training data.
+
+    The running averages lag the weights (momentum 0.1): on small datasets with few steps they
+    are far off, and eval-mode accuracy collapses although training accuracy is perfect.
+    """
+    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    saved = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the batches below
+    net.train()
+    with torch.no_grad():
+        for start in range(0, min(len(x), max_samples), batch_size):
+            batch = x[start:start + batch_size]
+            if len(batch) > 1:
+                net(batch)
+    for m, momentum in zip(norms, saved):
+        m.momentum = momentum
+    net.eval()
+
+
+def example_rate(learning_rate: float) -> str:
+    """A learning rate to suggest after `learning_rate` diverged: 1e-3, or a tenth of it when it
+    was already that low, written short ("1e-3")."""
+    mantissa, exponent = f"{min(1e-3, learning_rate / 10):.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+class TrainingDiverged(TrainingError):
+    """A candidate's training stopped because its loss or weights stopped being finite."""
+
+    def __init__(self, epoch: int, batch: int, what: str, learning_rate: float,
+                 seed: int) -> None:
+        self.epoch, self.batch, self.what = epoch, batch, what
+        self.learning_rate, self.seed = learning_rate, seed
+        super().__init__(f"training diverged at epoch {epoch}, batch {batch}: {what} (learning "
+                         f"rate {learning_rate:g}, seed {seed})",
+                         f"lower --learning_rate (e.g. {example_rate(learning_rate)})")
+
+
+def nonfinite_tensors(net: nn.Module) -> list[str]:
+    """The parameters and buffers (BatchNorm statistics) of `net` holding a NaN or an inf."""
+    return [name for name, tensor in net.state_dict().items()
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+
+
+def _sample_name(ident: str) -> str:
+    """A split's sample id as a user finds it: a table row `PATH:INDEX` (0-based) becomes
+    `NAME row N`, numbered like inference.py's row ids (1 = the first data row, header
+    excluded); an image keeps its file name."""
+    source, _, index = str(ident).rpartition(":")
+    if source and index.isdigit():
+        return f"{Path(source).name} row {int(index) + 1}"
+    return Path(str(ident)).name
+
+
+def check_finite_inputs(dataset: Dataset) -> None:
+    """Refuse data the network cannot learn from before training starts: an infinite feature
+    (a cell such as `inf` or `1e400`, or a number beyond float32's ±3.4e38) or a non-finite
+    pixel would make the loss NaN, which would then read as divergence. NaN is a missing feature
+    in a table (imputed inside the graph), so only ±inf counts there."""
+    kind = dataset.preprocessing["kind"]
+    if kind == "text":  # token ids
+        return
+    counts: list[str] = []
+    columns: set[int] = set()
+    examples: list[str] = []
+    total = 0
+    for name, split in dataset.splits.items():
+        x = split.x
+        if len(x) == 0 or not np.issubdtype(x.dtype, np.floating):
+            continue
+        if kind != "tabular" and np.isfinite(x.sum(dtype=np.float64)):
+            continue  # the usual case, without a mask as large as the images
+        bad = np.isinf(x) if kind == "tabular" else ~np.isfinite(x)
+        rows = np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))
+        if not len(rows):
+            continue
+        total += len(rows)
+        counts.append(f"{len(rows)} in the {name} split")
+        examples += [_sample_name(split.ids[i]) for i in rows[:3 - len(examples)]]
+        if kind == "tabular":
+            columns.update(np.flatnonzero(bad.any(axis=0)).tolist())
+    if not total:
+        return
+    where = f"e.g. {', '.join(examples)}" if examples else ""
+    if kind == "tabular":
+        names = [dataset.preprocessing["feature_names"][c] for c in sorted(columns)]
+        shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+        rows_hold = "1 row holds" if total == 1 else f"{total} rows hold"
+        raise DataError(f"{rows_hold} an infinite value (inf, 1e400, or a number beyond "
+                        f"float32's ±3.4e38) in the numeric column(s) {shown}: "
+                        f"{', '.join(counts)} ({where})",
+                        "remove those rows, or empty those cells so that they count as missing")
+    images_hold = "1 image holds" if total == 1 else f"{total} images hold"
+    raise DataError(f"{images_hold} non-finite pixel values (nan or inf): {', '.join(counts)} "
+                    f"({where})", "remove or re-save those images")
+
+
+@dataclass
+class EpochRecord:
+    epoch: int
+    loss: float
+    train_accuracy: float  # running, on augmented batches in train mode
+    val_accuracy: float  # dspy.Evaluate on the validation split
+    seconds: float
+
+
+class WeightTrainer(Teleprompter):
+    """A DSPy optimizer for a program's torch weights: AdamW with a one-cycle schedule.
+
+    Each epoch is scored by dspy.Evaluate on the validation set; the best epoch's weights win.
+    A loss that is not finite (checked every batch) or weights that are not (checked every epoch
+    and at the end) stop it with TrainingDiverged (exit 4).
+    """
+
+    def __init__(self, metric: Callable, *, epochs: int, batch_size: int, learning_rate: float,
+                 weight_decay: float, augment: bool, seed: int, show_progress: bool = True,
+                 view_transforms: Sequence = ()) -> None:
+        super().__init__()
+        # TTA transforms to train on (their random forms), so that test-time views are in
+        # distribution.
+        self.view_transforms = list(view_transforms)
+        self.view_rng = np.random.default_rng(seed)
+        self.metric = metric
+        self.epochs, self.batch_size = epochs, batch_size
+        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.augment, self.seed, self.show_progress = augment, seed, show_progress
+        self.history: list[EpochRecord] = []
+        self.best_epoch = 0
+        self.batches_run = 0  # in the current epoch
+
+    def compile(self, student: ClassifierProgram, *, trainset: list[dspy.Example],
+                teacher=None, valset: list[dspy.Example] | None = None,
+                **kwargs) -> ClassifierProgram:
+        program = copy.deepcopy(student)
+        x, y = self._stack(program, trainset)
+        evaluate = dspy.Evaluate(devset=valset or trainset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        generator = torch.Generator().manual_seed(self.seed)
+        steps_per_epoch = max(1, len(x) // self.batch_size + (len(x) % self.batch_size > 1))
+        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
+                                      weight_decay=self.weight_decay)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.learning_rate, total_steps=self.epochs * steps_per_epoch)
+        max_shift = max(1, round(min(x.shape[2:]) / 8)) if self.augment else 0
+        best_score, best_state = -1.0, None
+        for epoch in range(1, self.epochs + 1):
+            started = time.perf_counter()
+            loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule, generator,
+                                               max_shift, epoch)
+            recalibrate_batchnorm(program.net, x[torch.randperm(len(x), generator=generator)],
+                                  self.batch_size)
+            self._check_weights(program.net, epoch)
+            with stdout_to_stderr():
+                score = evaluate(program).score / 100.0
+            record = EpochRecord(epoch, loss, accuracy, score, round(time.perf_counter() - started, 3))
+            self.history.append(record)
+            LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
+                     self.epochs, loss, accuracy, score, record.seconds)
+            if score >= best_score:  # ties: the later epoch, further into the annealing
+                best_score, self.best_epoch = score, epoch
+                best_state = copy.deepcopy(program.net.state_dict())
+        program.net.load_state_dict(best_state)
+        program.net.eval()
+        self._check_weights(program.net, self.best_epoch)
+        return program
+
+    def _check_weights(self, net: nn.Module, epoch: int) -> None:
+        """Once per epoch (after the BatchNorm statistics are re-estimated) and at the end."""
+        broken = nonfinite_tensors(net)
+        if broken:
+            shown = ", ".join(broken[:3]) + (" ..." if len(broken) > 3 else "")
+            raise TrainingDiverged(epoch, self.batches_run,
+                                   f"the weights became non-finite (in {shown})",
+                                   self.learning_rate, self.seed)
+
+    @staticmethod
+    def _stack(program: ClassifierProgram, examples: list[dspy.Example]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = {label: i for i, label in enumerate(program.labels)}
+        x = torch.from_numpy(program.encode([ex[program.input_field] for ex in examples]))
+        y = torch.tensor([index[ex.label] for ex in examples], dtype=torch.long)
+        return x, y
+
+    def _train_epoch(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, schedule,
+                     generator: torch.Generator, max_shift: int, epoch: int) -> tuple[float, float]:
+        net.train()
+        order = torch.randperm(len(x), generator=generator)
+        batches = [order[i:i + self.batch_size] for i in range(0, len(x), self.batch_size)]
+        if len(batches) > 1 and len(batches[-1]) == 1:  # BatchNorm needs 2+ samples
+            batches.pop()
+        total_loss, correct, seen = 0.0, 0, 0
+        bar = progress(batches, desc=f"epoch {epoch}/{self.epochs}", enabled=self.show_progress)
+        for number, batch in enumerate(bar, 1):
+            self.batches_run = number
+            inputs = x[batch]
+            if self.augment:
+                inputs = random_shift(inputs, max_shift, generator)
+            if self.view_transforms:
+                inputs = torch.from_numpy(random_augment(inputs.numpy(), self.view_transforms,
+                                                         self.view_rng))
+            logits = net(inputs)
+            loss = F.cross_entropy(logits, y[batch])
+            value = loss.detach().item()
+            if not math.isfinite(value):  # the inputs are finite (check_finite_inputs)
+                bar.close()
+                raise TrainingDiverged(epoch, number, f"the loss became {value}",
+                                       self.learning_rate, self.seed)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total_loss += value * len(batch)
+            correct += int((logits.argmax(1) == y[batch]).sum())
+            seen += len(batch)
+            bar.set_postfix(loss=f"{total_loss / seen:.4f}")
+        return total_loss / seen, correct / seen
+
+
+@dataclass
+class Candidate:
+    """One trained candidate of the search and its validation figures."""
+
+    index: int
+    learning_rate: float
+    seed: int
+    val_accuracy: float  # dspy.Evaluate score on the validation split, as a fraction
+    val_loss: float  # mean cross-entropy on the validation split (breaks accuracy ties)
+    best_epoch: int
+    seconds: float
+
+
+class CandidateSearch(Teleprompter):
+    """Like DSPy's random-search optimizers, over weight training: compile one WeightTrainer per
+    (learning rate, seed) candidate, score each compiled program with dspy.Evaluate on the
+    validation set and keep the best. Ties go to the lower validation loss: small validation
+    sets tie often, and the loss still tells the candidates apart. A candidate whose training
+    diverges is skipped with a WARNING (`diverged`); the search fails only when all do."""
+
+    def __init__(self, metric: Callable, make_student: Callable[[int], ClassifierProgram],
+                 make_trainer: Callable[[float, int], WeightTrainer],
+                 learning_rates: Sequence[float], seeds: Sequence[int]) -> None:
+        super().__init__()
+        self.metric, self.make_student, self.make_trainer = metric, make_student, make_trainer
+        self.grid = [(lr, seed) for lr in learning_rates for seed in seeds]
+        self.candidates: list[Candidate] = []
+        self.diverged: list[dict] = []  # candidates whose training diverged (skipped)
+        self.chosen = 0
+        self.chosen_trainer: WeightTrainer | None = None
+
+    def compile(self, student: ClassifierProgram | None = None, *, trainset: list[dspy.Example],
+                teacher=None, valset: list[dspy.Example] | None = None,
+                **kwargs) -> ClassifierProgram:
+        devset = valset or trainset
+        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        best: tuple[float, float] | None = None
+        best_program = None
+        for index, (learning_rate, seed) in enumerate(self.grid):
+            started = time.perf_counter()
+            if len(self.grid) > 1:
+                LOG.info("candidate %d of %d: learning rate %g, seed %d", index + 1,
+                         len(self.grid), learning_rate, seed)
+            trainer = self.make_trainer(learning_rate, seed)
+            try:
+                program = trainer.compile(self.make_student(seed), trainset=trainset,
+                                          valset=devset)
+            except TrainingDiverged as err:
+                if len(self.grid) == 1:
+                    raise
+                self._skip(index, err)
+                continue
+            with stdout_to_stderr():
+                score = evaluate(program).score / 100.0
+            loss = validation_loss(program, devset)
+            self.candidates.append(Candidate(index, learning_rate, seed, score, loss,
+                                             trainer.best_epoch,
+                                             round(time.perf_counter() - started, 3)))
+            if best is None or (score, -loss) > best:
+                best, best_program = (score, -loss), program
+                self.chosen, self.chosen_trainer = index, trainer
+        if best_program is None:  # every candidate diverged
+            first = self.diverged[0]
+            rates = ", ".join(f"{r:g}" for r in dict.fromkeys(d["learning_rate"]
+                                                              for d in self.diverged))
+            raise TrainingError(f"training diverged for all {len(self.grid)} candidates "
+                                f"(learning rates {rates}); the first {first['reason']}",
+                                "lower --lr_candidates (e.g. "
+                                f"{example_rate(min(lr for lr, _ in self.grid))})")
+        if len(self.grid) > 1:
+            chosen = self.chosen_candidate
+            LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val accuracy "
+                     "%.4f)", chosen.index + 1, len(self.grid), chosen.learning_rate, chosen.seed,
+                     chosen.val_accuracy)
+        return best_program
+
+    @property
+    def chosen_candidate(self) -> Candidate:
+        return next(c for c in self.candidates if c.index == self.chosen)
+
+    def _skip(self, index: int, err: TrainingDiverged) -> None:
+        reason = (f"diverged at epoch {err.epoch}, batch {err.batch}: {err.what}")
+        LOG.warning("candidate %d of %d (learning rate %g, seed %d) %s; skipped, the search "
+                    "goes on", index + 1, len(self.grid), err.learning_rate, err.seed, reason)
+        self.diverged.append({"index": index, "learning_rate": err.learning_rate,
+                              "seed": err.seed, "reason": reason})
+
+
+def validation_loss(program: ClassifierProgram, devset: list[dspy.Example]) -> float:
+    x, y = WeightTrainer._stack(program, devset)
+    probabilities = program.predict_proba(x.numpy())
+    picked = probabilities[np.arange(len(y)), y.numpy()]
+    return float(-np.log(np.clip(picked, 1e-12, None)).mean())
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+@dataclass
+class TrainedModel:
+    """What training hands to export: the best network and everything the manifest needs."""
+
+    net: nn.Module
+    labels: list[str]
+    architecture: dict
+    preprocessing: dict
+    history: list[EpochRecord] = field(default_factory=list)
+    best_epoch: int = 0
+    train_accuracy: float = 0.0
+    val_accuracy: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0
+    learning_rate: float = 0.0
+    seed: int = 0
+    candidates: list[Candidate] = field(default_factory=list)
+    chosen_candidate: int = 0
+    diverged_candidates: list[dict] = field(default_factory=list)  # skipped by the search
+
+    def report_section(self) -> dict:
+        searched = len(self.candidates) + len(self.diverged_candidates) > 1
+        return {"epochs_run": len(self.history), "best_epoch": self.best_epoch,
+                "train_accuracy": self.train_accuracy, "val_accuracy": self.val_accuracy,
+                "seconds": self.seconds, "samples": self.samples,
+                "learning_rate": self.learning_rate, "seed": self.seed,
+                "num_parameters": self.architecture.get("num_parameters"),
+                "candidates": [vars(c) for c in self.candidates] if searched else None,
+                "chosen_candidate": self.chosen_candidate if searched else None,
+                "diverged_candidates": self.diverged_candidates if searched else None}
+
+
+def set_torch_threads(num_threads: int) -> None:
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
+    """Build the network for this data, wrap it in the DSPy program, compile it with
+    CandidateSearch (one WeightTrainer per learning rate and seed; one candidate by default)."""
+    started = time.perf_counter()
+    check_finite_inputs(dataset)
+    kind = dataset.preprocessing["kind"]
+    architecture = architecture_for(dataset.preprocessing, len(dataset.labels))
+    field = PROGRAM_INPUT[kind]
+    tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
+
+    def make_student(seed: int) -> ClassifierProgram:
+        torch.manual_seed(seed)
+        net = build_model(architecture, dataset.preprocessing)
+        return ClassifierProgram(net, dataset.labels, field, tokenizer)
+
+    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
+    LOG.info("training %s (%d parameters) on %d samples, validating on %d",
+             architecture["name"], architecture["num_parameters"], len(dataset.train),
+             len(dataset.val))
+    if len(dataset.val) == 0:
+        LOG.warning("the validation split is empty: the best epoch is chosen on the training "
+                    "split; add data or raise --val_fraction")
+    views = (build_transforms(config.tta_transforms, dataset.preprocessing)
+             if config.tta and config.train_augment else [])
+    if views:
+        LOG.info("training on the TTA transforms too: %s", ", ".join(t.spec for t in views))
+
+    def make_trainer(learning_rate: float, seed: int) -> WeightTrainer:
+        return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
+                             learning_rate=learning_rate, weight_decay=config.weight_decay,
+                             augment=config.train_augment and kind == "image", seed=seed,
+                             show_progress=not config.no_progress, view_transforms=views)
+
+    search = CandidateSearch(label_match, make_student, make_trainer, config.learning_rates(),
+                             [config.seed + k for k in range(config.num_candidates)])
+    try:
+        program = search.compile(trainset=to_examples(dataset.train, dataset.labels, field),
+                                 valset=to_examples(dataset.val, dataset.labels, field))
+    except TrainingDiverged as err:  # one candidate only: say which flag set its rate
+        if config.lr_candidates:
+            err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
+        raise
+    trainer, chosen = search.chosen_trainer, search.chosen_candidate
+    train_accuracy = accuracy(program.predict_proba(dataset.train.x), dataset.train.y)
+    return TrainedModel(net=program.net, labels=dataset.labels, architecture=architecture,
+                        preprocessing=dataset.preprocessing, history=trainer.history,
+                        best_epoch=trainer.best_epoch, train_accuracy=train_accuracy,
+                        val_accuracy=trainer.history[trainer.best_epoch - 1].val_accuracy,
+                        seconds=round(time.perf_counter() - started, 3),
+                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
+                        seed=chosen.seed, candidates=search.candidates,
+                        chosen_candidate=search.chosen, diverged_candidates=search.diverged)
+
+
+def split_accuracy(net: nn.Module, split: Split) -> float | None:
+    if len(split) == 0:
+        return None
+    program = ClassifierProgram(net, [], "")
+    return accuracy(program.predict_proba(split.x), split.y)
