@@ -7,6 +7,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -335,3 +336,68 @@ def test_a_batch_size_above_the_data_is_capped_once(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     capped = [line for line in run.stderr.splitlines() if "--batch_size 100000" in line]
     assert len(capped) == 1 and "WARNING" in capped[0], run.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- the whole table
+
+
+def bad_input_sweep(tmp: Path, bundle: Path) -> list[tuple[str, list[object], int]]:
+    """One instance of each class of bad input in docs/deploy.md's table that fails fast."""
+    files = {"empty.csv": b"", "latin1.csv": "text,label\ncaf\xe9,a\n".encode("latin-1"),
+             "broken.json": b"[{\"text\": ", "data.xyz": b"1,2\n", "one.csv": b"text,label\n"
+             + b"rain today,weather\n" * 10, "header.csv": b"text,label\n",
+             "object.json": b'{"text": "x", "label": "y"}', "ok.csv": b"text,label\n"
+             + b"rain today,weather\nsun and goal,sports\n" * 10,
+             "no_labels.csv": b"text,label\n" + b"rain today,\n" * 10}
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    (tmp / "no_images").mkdir()
+    (tmp / "bad_manifest").mkdir()
+    shutil.copy(bundle / "model.onnx", tmp / "bad_manifest" / "model.onnx")
+    (tmp / "bad_manifest" / "model.json").write_text("{not json")
+    (tmp / "truncated").mkdir()
+    for name in ("model.json", "model.pt"):
+        shutil.copy(bundle / name, tmp / "truncated" / name)
+    (tmp / "truncated" / "model.onnx").write_bytes((bundle / "model.onnx").read_bytes()[:300])
+    text = ["pipeline.py", "--model_type", "text_classifier", "--output_model",
+            tmp / "m" / "model.onnx", "--dataset_path"]
+    serve = ["inference.py", "--model", bundle / "model.onnx", "--output", tmp / "p.csv",
+             "--input"]
+    return [
+        ("missing dataset", [*text, tmp / "nope.csv"], 3),
+        ("empty table", [*text, tmp / "empty.csv"], 3),
+        ("not UTF-8", [*text, tmp / "latin1.csv"], 3),
+        ("unparsable JSON", [*text, tmp / "broken.json"], 3),
+        ("unknown file type", [*text, tmp / "data.xyz"], 3),
+        ("missing column", [*text, tmp / "ok.csv", "--label_column", "topic"], 3),
+        ("one class", [*text, tmp / "one.csv"], 3),
+        ("header only", [*text, tmp / "header.csv"], 3),
+        ("JSON object", [*text, tmp / "object.json"], 3),
+        ("every label empty", [*text, tmp / "no_labels.csv"], 3),
+        ("folder without images", ["pipeline.py", "--dataset_path", tmp / "no_images",
+                                   "--output_model", tmp / "m" / "model.onnx"], 3),
+        ("bad flag value", [*text, tmp / "ok.csv", "--epochs", "-1"], 2),
+        ("output over the dataset", [*text, tmp / "ok.csv", "--report_json", tmp / "ok.csv"], 2),
+        ("missing --input", [*serve, tmp / "nope.csv"], 3),
+        ("header-only --input", [*serve, tmp / "header.csv"], 3),
+        ("manifest not JSON", ["inference.py", "--model", tmp / "bad_manifest" / "model.onnx"], 4),
+        ("manifest missing", ["inference.py", "--model", tmp / "m2" / "model.onnx"], 4),
+        ("truncated graph", ["inference.py", "--model", tmp / "truncated" / "model.onnx"], 4),
+    ]
+
+
+def test_no_bad_input_ends_in_unexpected(text_bundle, tmp_path):
+    for name, command, code in bad_input_sweep(tmp_path, text_bundle["dir"]):
+        run = run_cli(*command)
+        assert "unexpected" not in run.stderr, (name, run.stderr[-1500:])
+        assert run.returncode == code, (name, run.returncode, run.stderr[-1500:])
+        assert len(run.error_lines()) == 1 and "Traceback" not in run.stderr, name
+
+
+def test_the_bad_input_table_names_tests_that_exist():
+    table = (Path(__file__).parent.parent / "docs" / "deploy.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "test_" in line]
+    assert len(rows) >= 30
+    for row in rows:
+        for name in re.findall(r"test_\w+", row.split("|")[-2]):
+            assert (Path(__file__).parent / f"{name}.py").is_file(), (name, row)
