@@ -25,6 +25,19 @@ BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabul
                     "builtin:wine": "tabular_classifier",
                     "builtin:breast_cancer": "tabular_classifier"}
 TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
+# --arch names per model type, the default first (models.ARCHITECTURES builds each; a test keeps
+# the two in step, since config.py must not import torch).
+ARCHS = {"image_classifier": ("small_cnn",), "text_classifier": ("bag", "cnn", "transformer"),
+         "tabular_classifier": ("mlp", "resmlp")}
+# Networks without BatchNorm: test-time training (bn statistics, Tent over BatchNorm affine
+# parameters) has nothing to adapt in them.
+ARCHS_WITHOUT_BATCHNORM = {"transformer": "its normalisation is LayerNorm"}
+
+
+def no_batchnorm_error(arch: str) -> ConfigError:
+    return ConfigError(f"--ttt adapts BatchNorm layers, and --arch {arch} has none "
+                       f"({ARCHS_WITHOUT_BATCHNORM[arch]}); Tent over LayerNorm is not built yet",
+                       "drop --ttt, or train --arch bag or cnn for test-time training")
 
 GROUPS = {
     "data": "data",
@@ -136,6 +149,11 @@ class Config:
                       "training", type=int, scripts="PT")
     batch_size: int = opt(64, "batch size for training, validation and inference", "training",
                           type=int, scripts="PTEQI")
+    arch: str | None = opt(None, "the network: images small_cnn; text bag (mean/max-pooled "
+                           "embeddings), cnn (1-D convolutions, Kim 2014), transformer (a small "
+                           "encoder with a padding mask); tabular mlp, resmlp (residual MLP) "
+                           "(default: the first of the model type)", "training",
+                           metavar="NAME", scripts="PT")
     learning_rate: float = opt(3e-3, "AdamW peak learning rate of the one-cycle schedule (warm-up, then cosine decay)", "training",
                                type=float, metavar="LR", scripts="PT")
     weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float, scripts="PT")
@@ -371,6 +389,9 @@ class Config:
         if self.weight_decay < 0:
             _bad("weight_decay", self.weight_decay, "use 0 or a small positive number like 1e-4")
         self.learning_rates()
+        names = ARCHS.get(self.model_type, ())
+        if self.arch is not None and self.arch not in names:
+            _bad("arch", self.arch, f"a {self.model_type} takes one of: {', '.join(names)}")
 
     def _validate_export_and_quantization(self) -> None:
         if not 7 <= self.opset <= 23:
@@ -390,6 +411,8 @@ class Config:
                  "count such as 16")
         if self.ttt_reset_every < 0:
             _bad("ttt_reset_every", self.ttt_reset_every, "use 0 (never) or a batch count")
+        if self.ttt and self.arch in ARCHS_WITHOUT_BATCHNORM:
+            raise no_batchnorm_error(self.arch)
         if self.ttt and self.batch_size < 2:
             _bad("batch_size", self.batch_size, "test-time training adapts to batches: use 2 or "
                  "more (64 is the default)")

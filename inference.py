@@ -309,8 +309,12 @@ def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
     """The bundle's adaptation graph, and Tent's PyTorch copy when a method needs it."""
     import onnx
 
+    from config import ARCHS_WITHOUT_BATCHNORM, no_batchnorm_error
     from ttt import AdaptationGraph, Tent
 
+    arch = manifest["architecture"].get("arch")
+    if arch in ARCHS_WITHOUT_BATCHNORM:
+        raise no_batchnorm_error(arch)
     graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn"))),
                             lambda m: create_session(m, runtime))
     tent = (Tent(manifest, paths.weights, graph.layers, settings.learning_rate,

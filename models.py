@@ -121,12 +121,144 @@ class TabularMLP(nn.Module):
         return self.classifier(self.body((x - self.mean) / self.std))
 
 
-ARCHITECTURE_FOR_KIND = {"image": image_architecture, "text": text_architecture,
-                         "tabular": tabular_architecture}
+# ----------------------------------------------------------------------------- more text nets
 
 
-def architecture_for(preprocessing: dict, num_classes: int) -> dict:
-    return ARCHITECTURE_FOR_KIND[preprocessing["kind"]](preprocessing, num_classes)
+def text_cnn_architecture(preprocessing: dict, num_classes: int) -> dict:
+    return {"name": "TextCNN", "vocab_size": preprocessing["vocab_size"],
+            "num_classes": num_classes, "embedding_dim": 64, "kernel_sizes": [3, 4, 5],
+            "filters": 64, "dropout": 0.3}
+
+
+class TextCNN(nn.Module):
+    """Kim (2014): embedding → 1-D convolutions of widths 3, 4, 5 → max over time → BatchNorm →
+    Linear.
+
+    Padding never changes a prediction: the padding embedding is exactly zero (padding_idx), the
+    convolutions zero-pad by width − 1 on both sides, and the max runs only over windows that
+    touch a real token, so extra padding adds windows that are masked out and nothing else."""
+
+    def __init__(self, vocab_size: int, num_classes: int, embedding_dim: int = 64,
+                 kernel_sizes: list[int] | None = None, filters: int = 64, dropout: float = 0.3,
+                 **_: object) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=0)
+        self.convs = nn.ModuleList(nn.Conv1d(embedding_dim, filters, k, padding=k - 1)
+                                   for k in kernel_sizes or [3, 4, 5])
+        self.norm = nn.BatchNorm1d(filters * len(self.convs))
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(filters * len(self.convs), num_classes)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        real = (token_ids != 0).sum(dim=1, keepdim=True)  # (N, 1); a text has ≥ 1 real token
+        x = self.embedding(token_ids).transpose(1, 2)  # (N, E, L)
+        pooled = []
+        for conv in self.convs:
+            y = torch.relu(conv(x))  # (N, F, L + k − 1)
+            width = conv.kernel_size[0]
+            position = torch.arange(y.shape[-1], device=y.device).unsqueeze(0)
+            touches_text = (position < real + width - 1).unsqueeze(1)
+            pooled.append(y.masked_fill(~touches_text, -1e4).max(dim=-1).values)
+        x = self.norm(torch.cat(pooled, dim=1))
+        return self.classifier(self.dropout(x))
+
+
+def text_transformer_architecture(preprocessing: dict, num_classes: int) -> dict:
+    return {"name": "TextTransformer", "vocab_size": preprocessing["vocab_size"],
+            "num_classes": num_classes, "max_positions": int(preprocessing["max_length"]),
+            "d_model": 64, "heads": 4, "layers": 2, "feedforward": 128, "dropout": 0.1}
+
+
+class TextTransformer(nn.Module):
+    """Token and learned position embeddings → nn.TransformerEncoder (pre-norm) with a padding
+    mask → mean over real tokens → LayerNorm → Linear. No BatchNorm: `--ttt_method bn` does not
+    apply (the adaptation graph keeps BatchNorm nodes, and there are none)."""
+
+    def __init__(self, vocab_size: int, num_classes: int, max_positions: int = 256,
+                 d_model: int = 64, heads: int = 4, layers: int = 2, feedforward: int = 128,
+                 dropout: float = 0.1, **_: object) -> None:
+        super().__init__()
+        self.max_positions = max_positions
+        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=0)
+        self.positions = nn.Embedding(max_positions, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, feedforward, dropout,
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(d_model, num_classes)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        padding = token_ids == 0
+        # Padding beyond the tokenizer's max_length (a padded batch) shares the last position:
+        # it is masked anyway.
+        position = torch.arange(token_ids.shape[1], device=token_ids.device).clamp(
+            max=self.max_positions - 1)
+        x = self.embedding(token_ids) + self.positions(position).unsqueeze(0)
+        x = self.encoder(x, src_key_padding_mask=padding)
+        keep = (~padding).unsqueeze(-1).to(x.dtype)
+        x = (x * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        return self.classifier(self.dropout(self.norm(x)))
+
+
+# ----------------------------------------------------------------------------- more tabular nets
+
+
+def tabular_resmlp_architecture(preprocessing: dict, num_classes: int) -> dict:
+    return {"name": "TabularResMLP", "num_features": len(preprocessing["feature_names"]),
+            "num_classes": num_classes, "width": 128, "blocks": 2, "dropout": 0.1}
+
+
+class TabularResMLP(nn.Module):
+    """The ResNet baseline of Gorishniy et al. (2021), "Revisiting Deep Learning Models for
+    Tabular Data": impute → standardise → Linear → residual blocks [BN-Linear-ReLU-Dropout-Linear]
+    → BN-ReLU → Linear. The skip connections let it go deeper than the plain MLP without
+    training getting harder, and it was their strongest simple baseline."""
+
+    def __init__(self, num_features: int, num_classes: int, width: int = 128, blocks: int = 2,
+                 dropout: float = 0.1, median: list[float] | None = None,
+                 mean: list[float] | None = None, std: list[float] | None = None,
+                 **_: object) -> None:
+        super().__init__()
+        self.register_buffer("median", torch.tensor(median or [0.0] * num_features).view(1, -1))
+        self.register_buffer("mean", torch.tensor(mean or [0.0] * num_features).view(1, -1))
+        self.register_buffer("std", torch.tensor(std or [1.0] * num_features).view(1, -1))
+        self.stem = nn.Linear(num_features, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm1d(width), nn.Linear(width, 2 * width), nn.ReLU(),
+                          nn.Dropout(dropout), nn.Linear(2 * width, width), nn.Dropout(dropout))
+            for _ in range(blocks))
+        self.head = nn.Sequential(nn.BatchNorm1d(width), nn.ReLU())
+        self.classifier = nn.Linear(width, num_classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = torch.where(torch.isnan(features), self.median, features)
+        x = self.stem((x - self.mean) / self.std)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.classifier(self.head(x))
+
+
+# ----------------------------------------------------------------------------- choosing one
+
+# --arch → the function that sizes that network for the data (config.ARCHS lists the same
+# names per model type, default first).
+ARCHITECTURES = {"small_cnn": image_architecture, "bag": text_architecture,
+                 "cnn": text_cnn_architecture, "transformer": text_transformer_architecture,
+                 "mlp": tabular_architecture, "resmlp": tabular_resmlp_architecture}
+ARCH_KIND = {"small_cnn": "image", "bag": "text", "cnn": "text", "transformer": "text",
+             "mlp": "tabular", "resmlp": "tabular"}
+DEFAULT_ARCH = {"image": "small_cnn", "text": "bag", "tabular": "mlp"}
+
+
+def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = None) -> dict:
+    """The manifest's description of the `arch` network (default: the kind's first) for this
+    data; build_model turns it into a module."""
+    kind = preprocessing["kind"]
+    arch = arch or DEFAULT_ARCH[kind]
+    if ARCH_KIND.get(arch) != kind:
+        raise ValueError(f"--arch {arch} is not a {kind} network")
+    return {**ARCHITECTURES[arch](preprocessing, num_classes), "arch": arch}
 
 
 def input_spec(preprocessing: dict) -> dict:
@@ -155,13 +287,16 @@ class WithProbabilities(nn.Module):
         return logits, torch.softmax(logits, dim=-1)
 
 
-ARCHITECTURES = {"SmallCNN": SmallCNN, "TextClassifier": TextClassifier,
-                 "TabularMLP": TabularMLP}
+# A manifest's architecture["name"] → its module (bundles written before --arch have no
+# "arch" key, and their names are here too).
+NETWORKS = {"SmallCNN": SmallCNN, "TextClassifier": TextClassifier, "TextCNN": TextCNN,
+            "TextTransformer": TextTransformer, "TabularMLP": TabularMLP,
+            "TabularResMLP": TabularResMLP}
 
 
 def build_model(architecture: dict, preprocessing: dict) -> nn.Module:
     """A fresh network for a manifest's architecture (load `model.pt` into it afterwards)."""
-    cls = ARCHITECTURES[architecture["name"]]
+    cls = NETWORKS[architecture["name"]]
     stats = {k: preprocessing.get(k) for k in ("mean", "std", "median")}
     return cls(**architecture, **stats)
 

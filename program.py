@@ -442,6 +442,7 @@ class TrainedModel:
                 "train_accuracy": self.train_accuracy, "val_accuracy": self.val_accuracy,
                 "seconds": self.seconds, "samples": self.samples,
                 "learning_rate": self.learning_rate, "seed": self.seed,
+                "arch": self.architecture.get("arch"), "network": self.architecture["name"],
                 "num_parameters": self.architecture.get("num_parameters"),
                 "candidates": [vars(c) for c in self.candidates] if searched else None,
                 "chosen_candidate": self.chosen_candidate if searched else None,
@@ -459,7 +460,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     started = time.perf_counter()
     check_finite_inputs(dataset)
     kind = dataset.preprocessing["kind"]
-    architecture = architecture_for(dataset.preprocessing, len(dataset.labels))
+    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch)
     field = PROGRAM_INPUT[kind]
     tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
 
