@@ -3,7 +3,7 @@ side in one run: parameters, seconds per epoch, test accuracy, ONNX Runtime fp32
 batch 1 and at --batch_size, ORT's speed-up over PyTorch eager at batch 1, and int8's speed-up
 over fp32 (with the quantizer's verdict).
 
-    python bench/archs.py --sms ../shared/data/sms_spam.tsv [--epochs 20] [--out runs/bench_archs]
+    python bench/archs.py --sms DATA/sms_spam.tsv [--epochs 20] [--out runs/bench_archs]
 
 Each row is a `pipeline.py` run as a user would type it (1 thread); its report JSON is read back.
 """
