@@ -28,7 +28,8 @@ from models import architecture_for, build_model, count_parameters
 from preprocess import Tokenizer
 from tta import build_transforms, random_augment
 from metrics import accuracy
-from utils import LOG, DataError, TrainingError, progress, stdout_to_stderr
+from utils import (LOG, DataError, TrainingError, progress, raise_if_interrupted,
+                   stdout_to_stderr)
 
 # The DSPy program's input field per preprocessing kind: text programs take the raw text.
 PROGRAM_INPUT = {"image": "image", "text": "text", "tabular": "features"}
@@ -253,6 +254,7 @@ class WeightTrainer(Teleprompter):
             self._check_weights(program.net, epoch)
             with stdout_to_stderr():
                 score = evaluate(program).score / 100.0
+            raise_if_interrupted()
             record = EpochRecord(epoch, loss, accuracy, score, round(time.perf_counter() - started, 3))
             self.history.append(record)
             LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
@@ -372,6 +374,7 @@ class CandidateSearch(Teleprompter):
                 continue
             with stdout_to_stderr():
                 score = evaluate(program).score / 100.0
+            raise_if_interrupted()
             loss = validation_loss(program, devset)
             self.candidates.append(Candidate(index, learning_rate, seed, score, loss,
                                              trainer.best_epoch,

@@ -156,8 +156,20 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
                 dynamic_ncols=True)
 
 
+_INTERRUPTED = False
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
+    global _INTERRUPTED
+    _INTERRUPTED = True
     raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Re-raise a SIGINT/SIGTERM that a library swallowed: dspy.Evaluate's executor turns
+    Ctrl-C into a cancelled evaluation, and training would go on. Call between steps."""
+    if _INTERRUPTED:
+        raise KeyboardInterrupt
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
@@ -166,6 +178,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     A traceback is printed only at --log_level DEBUG.
     """
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup)
+        signal.signal(signal.SIGINT, _raise_interrupt)
     prog = Path(sys.argv[0]).name
     try:
         return main(argv)
