@@ -116,6 +116,12 @@ def wait_for(predicate, timeout: float = 300, step: float = 0.02) -> bool:
     return False
 
 
+def as_from_a_terminal() -> None:
+    """Ctrl-C as a terminal delivers it: a runner started in the background (nohup, `&`)
+    hands its children SIGINT ignored, and a run that inherits that rightly keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_a_run_stopped_or_killed_in_training_leaves_the_bundle(digits_bundle, tmp_path, sig):
     """SIGTERM and SIGINT: exit 130, temporary files removed. SIGKILL: the bundle unchanged."""
@@ -125,7 +131,8 @@ def test_a_run_stopped_or_killed_in_training_leaves_the_bundle(digits_bundle, tm
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, str(REPO / "pipeline.py"), "--dataset_path",
                                  "builtin:digits", "--output_model", str(model), "--epochs",
-                                 "200"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+                                 "200"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=as_from_a_terminal)
         assert wait_for(lambda: "epoch 2/200" in log.read_text())
         proc.send_signal(sig)
         code = proc.wait(timeout=120)
