@@ -501,9 +501,10 @@ class Config:
         if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
             _bad("report_json", self.report_json, "it is a folder; give a file path")
         reads, writes = self.files_read_and_written()
-        for flag, path in reads.items():
-            if flag.startswith("--") and " " not in flag and not path.exists():
-                raise DataError(f"{flag} {path} does not exist", "check the path")
+        for flag in self.READ_FLAGS:
+            path = reads.get(f"--{flag}")
+            if path is not None and not path.exists():
+                raise DataError(f"--{flag} {path} does not exist", "check the path")
         if self.model_type == "image_classifier" and (self.val_path or self.test_path):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",
