@@ -48,11 +48,17 @@ class BundlePaths:
         """The graph with its BatchNorm nodes kept, for test-time adaptation."""
         return self.onnx.with_suffix(".bn.onnx")
 
+    @property
+    def model_def(self) -> Path:
+        """The copy of a --model_def network's Python file."""
+        return self.onnx.with_suffix(".def.py")
+
     GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble")
 
     def files(self) -> dict[str, Path]:
         """Every file a bundle may hold, by what it is."""
         return {"manifest": self.manifest, "weights": self.weights,
+                "model definition": self.model_def,
                 **{f"{key} graph" if key != "onnx" else "graph": self.variant(key)
                    for key in self.GRAPH_KEYS}}
 
@@ -315,6 +321,21 @@ def record_weights(manifest: dict, paths: BundlePaths, digest: str) -> None:
     manifest["files"].update(weights=paths.weights.name, sha256={"weights": digest})
 
 
+def model_def_source(manifest: dict) -> Path | None:
+    """The --model_def file a UserNetwork manifest needs in its bundle (registered in
+    models._MODEL_SOURCES by whoever built the network), or None for the built-in networks."""
+    if manifest["architecture"].get("name") != "UserNetwork":
+        return None
+    from models import model_source  # torch: only --model_def bundles get here
+
+    return model_source(manifest["architecture"])
+
+
+def record_model_def(manifest: dict, paths: BundlePaths, digest: str) -> None:
+    manifest["files"]["model_def"] = paths.model_def.name
+    manifest["files"]["sha256"]["model_def"] = digest
+
+
 def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict[str, dict],
                   hashes: dict[str, str]) -> None:
     """The export figures, and every graph file with its sha256 (`extras`: the extra graphs'
@@ -322,6 +343,8 @@ def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict
     manifest["export"] = export
     manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
                          "sha256": {"onnx": hashes["onnx"], "weights": hashes["weights"]}}
+    if "model_def" in hashes:
+        record_model_def(manifest, paths, hashes["model_def"])
     manifest["extra_graphs"] = {}
     for key, info in extras.items():
         manifest["files"][key] = paths.variant(key).name

@@ -27,17 +27,25 @@ BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabul
 TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
 # --arch names per model type, the default first (models.ARCHITECTURES builds each; a test keeps
 # the two in step, since config.py must not import torch).
-ARCHS = {"image_classifier": ("small_cnn",), "text_classifier": ("bag", "cnn", "transformer"),
+ARCHS = {"image_classifier": ("small_cnn", "resnet18", "resnet34", "mobilenet_v3_small",
+                              "efficientnet_b0"),
+         "text_classifier": ("bag", "cnn", "transformer"),
          "tabular_classifier": ("mlp", "resmlp")}
-# Networks without BatchNorm: test-time training (bn statistics, Tent over BatchNorm affine
-# parameters) has nothing to adapt in them.
-ARCHS_WITHOUT_BATCHNORM = {"transformer": "its normalisation is LayerNorm"}
+# torchvision networks: --pretrained loads their ImageNet weights.
+TORCHVISION_ARCHS = ARCHS["image_classifier"][1:]
+# Networks without a Dropout layer: MC-dropout has no masks to sample in them.
+ARCHS_WITHOUT_DROPOUT = ("resnet18", "resnet34")
+# Networks without BatchNorm, and what they normalise with instead: `--ttt_method bn`
+# (BatchNorm statistics) has nothing to adapt in them; tent adapts that normalisation's affine
+# parameters (ttt.py), on model.onnx itself.
+ARCHS_WITHOUT_BATCHNORM = {"transformer": "LayerNorm"}
 
 
 def no_batchnorm_error(arch: str) -> ConfigError:
-    return ConfigError(f"--ttt adapts BatchNorm layers, and --arch {arch} has none "
-                       f"({ARCHS_WITHOUT_BATCHNORM[arch]}); Tent over LayerNorm is not built yet",
-                       "drop --ttt, or train --arch bag or cnn for test-time training")
+    norm = ARCHS_WITHOUT_BATCHNORM[arch]
+    return ConfigError(f"--ttt_method bn re-estimates BatchNorm statistics, and --arch {arch} "
+                       f"has none (its normalisation is {norm})",
+                       f"use --ttt_method tent, which adapts the {norm} affine parameters")
 
 GROUPS = {
     "data": "data",
@@ -149,11 +157,28 @@ class Config:
                       "training", type=int, scripts="PT")
     batch_size: int = opt(64, "batch size for training, validation and inference", "training",
                           type=int, scripts="PTEQI")
-    arch: str | None = opt(None, "the network: images small_cnn; text bag (mean/max-pooled "
+    arch: str | None = opt(None, "the network: images small_cnn, or torchvision's resnet18, "
+                           "resnet34, mobilenet_v3_small, efficientnet_b0 (a stride-1 stem for "
+                           "images of 64 pixels or less); text bag (mean/max-pooled "
                            "embeddings), cnn (1-D convolutions, Kim 2014), transformer (a small "
                            "encoder with a padding mask); tabular mlp, resmlp (residual MLP) "
                            "(default: the first of the model type)", "training",
                            metavar="NAME", scripts="PT")
+    model_def: str | None = opt(None, "your own network: FILE.py:FACTORY, where FACTORY("
+                                "num_classes=..., input_spec=...) returns an nn.Module. This "
+                                "imports FILE.py, running its code; the bundle keeps a copy",
+                                "training", metavar="FILE:FN", scripts="PT")
+    init_weights: str | None = opt(None, "start from these weights (.safetensors, or a torch "
+                                   "state dict, read with weights_only): tensors load where "
+                                   "name and shape match; the report counts loaded, skipped "
+                                   "and missing", "training", metavar="PATH", scripts="PT")
+    pretrained: bool = opt(False, "torchvision archs: start from torchvision's ImageNet weights, "
+                           "read from the torch hub cache ($TORCH_HOME/hub/checkpoints; never "
+                           "downloaded)", "training", type=parse_bool, metavar="BOOL",
+                           scripts="PT")
+    freeze_epochs: int = opt(0, "train only the classifier head (the last nn.Linear) for the "
+                             "first N epochs, then the whole network", "training", type=int,
+                             metavar="N", scripts="PT")
     learning_rate: float = opt(3e-3, "AdamW peak learning rate of the one-cycle schedule (warm-up, then cosine decay)", "training",
                                type=float, metavar="LR", scripts="PT")
     weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float, scripts="PT")
@@ -241,12 +266,14 @@ class Config:
     tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
                                       "plain top probability is below this", "ttc", type=float,
                                       metavar="P", scripts="PI")
-    ttt: bool = opt(False, "test-time training on the ONNX model: adapt BatchNorm to each test "
-                    "batch of --batch_size samples", "ttc", type=parse_bool, metavar="BOOL",
+    ttt: bool = opt(False, "test-time training on the ONNX model: adapt its normalisation "
+                    "layers (BatchNorm; LayerNorm for tent) to each test batch of --batch_size "
+                    "samples", "ttc", type=parse_bool, metavar="BOOL",
                         scripts="PI")
     ttt_method: str = opt("bn", "bn: re-estimate BatchNorm statistics (ONNX Runtime only); "
                           "tent: also minimise prediction entropy over the BatchNorm affine "
-                          "parameters (PyTorch); all: both, side by side", "ttc",
+                          "parameters, or LayerNorm/GroupNorm's in a network without BatchNorm "
+                          "(PyTorch); all: both, side by side", "ttc",
                           choices=("bn", "tent", "all"), scripts="PI")
     ttt_mode: str = opt("episodic", "episodic: every batch starts from the bundle's parameters; "
                         "online: adaptation carries over from batch to batch", "ttc",
@@ -263,7 +290,8 @@ class Config:
                                    metavar="LR", scripts="PI")
     eval_shift: str | None = opt(None, "with --ttt true, also evaluate on corrupted copies of the "
                                  "test split. image: gaussian_noise, contrast, blur, shift, "
-                                 "brightness; tabular: feature_noise, feature_scale", "ttc",
+                                 "brightness; text: unknown_tokens, token_deletion; tabular: "
+                                 "feature_noise, feature_scale", "ttc",
                                  metavar="LIST", scripts="PI")
     shift_severity: int = opt(3, "severity of the --eval_shift corruptions, 1 to 5", "ttc",
                               type=int, choices=(1, 2, 3, 4, 5), scripts="PI")
@@ -392,6 +420,37 @@ class Config:
         names = ARCHS.get(self.model_type, ())
         if self.arch is not None and self.arch not in names:
             _bad("arch", self.arch, f"a {self.model_type} takes one of: {', '.join(names)}")
+        self._validate_network_source()
+
+    def _validate_network_source(self) -> None:
+        """--model_def, --init_weights, --pretrained and --freeze_epochs."""
+        if self.model_def is not None:
+            self.model_def_parts()
+            if self.arch is not None:
+                raise ConfigError("--model_def and --arch both name the network",
+                                  "drop one of them")
+        if self.pretrained:
+            if self.arch not in TORCHVISION_ARCHS:
+                raise ConfigError("--pretrained loads torchvision's ImageNet weights, for "
+                                  f"--arch {', '.join(TORCHVISION_ARCHS)}",
+                                  "add one of those archs, or use --init_weights PATH")
+            if self.init_weights:
+                raise ConfigError("--pretrained and --init_weights both name starting weights",
+                                  "drop one of them")
+        if self.freeze_epochs < 0:
+            _bad("freeze_epochs", self.freeze_epochs, "use 0 (off) or an epoch count")
+        if self.iterative == "mc_dropout" and self.arch in ARCHS_WITHOUT_DROPOUT:
+            raise ConfigError(f"--iterative mc_dropout samples dropout masks, and --arch "
+                              f"{self.arch} has no Dropout layer",
+                              "use --iterative ensemble --ensemble_size 3, or an arch with "
+                              "dropout (small_cnn, mobilenet_v3_small, efficientnet_b0)")
+
+    def model_def_parts(self) -> tuple[Path, str]:
+        """--model_def FILE.py:FACTORY as (file, factory name)."""
+        path, _, factory = (self.model_def or "").rpartition(":")
+        if not path or not factory.isidentifier():
+            _bad("model_def", self.model_def, "expected FILE.py:FACTORY, e.g. mynet.py:build")
+        return Path(path), factory
 
     def _validate_export_and_quantization(self) -> None:
         if not 7 <= self.opset <= 23:
@@ -411,7 +470,7 @@ class Config:
                  "count such as 16")
         if self.ttt_reset_every < 0:
             _bad("ttt_reset_every", self.ttt_reset_every, "use 0 (never) or a batch count")
-        if self.ttt and self.arch in ARCHS_WITHOUT_BATCHNORM:
+        if self.ttt and self.ttt_method == "bn" and self.arch in ARCHS_WITHOUT_BATCHNORM:
             raise no_batchnorm_error(self.arch)
         if self.ttt and self.batch_size < 2:
             _bad("batch_size", self.batch_size, "test-time training adapts to batches: use 2 or "
@@ -512,7 +571,8 @@ class Config:
                               "ROOT/test/<class>/ and pass --dataset_path ROOT")
         check_paths(reads, writes)
 
-    READ_FLAGS = ("dataset_path", "val_path", "test_path", "unlabeled_path", "input")
+    READ_FLAGS = ("dataset_path", "val_path", "test_path", "unlabeled_path", "input",
+                  "init_weights", "model_def")
     WRITE_FLAGS = ("output", "errors", "report_json")
 
     def files_read_and_written(self) -> tuple[dict[str, Path], dict[str, Path]]:
@@ -524,6 +584,8 @@ class Config:
         reads = {f"--{flag}": Path(value) for flag in self.READ_FLAGS
                  if (value := getattr(self, flag)) and value != "-"
                  and not value.startswith("builtin:")}
+        if self.model_def:
+            reads["--model_def"] = self.model_def_parts()[0]
         writes = {f"--{flag}": Path(value) for flag in self.WRITE_FLAGS
                   if (value := getattr(self, flag)) and value != "-"}
         if self.output_model:

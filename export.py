@@ -21,7 +21,8 @@ from data import load_bundle_dataset
 from metrics import top1_agreement
 from runtime import RuntimeOptions, create_session
 from preprocess import PAD_ID, trim_padding
-from bundle import BundlePaths, manifest_text, read_manifest, record_export, stamp_contract
+from bundle import (BundlePaths, manifest_text, model_def_source, read_manifest, record_export,
+                    stamp_contract)
 from report import run_with_report
 from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of, staged_files, stdout_to_stderr)
@@ -315,10 +316,12 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
                             config: Config, manifest: dict) -> ExtraGraph | None:
     """The graph test-time training adapts: exported unoptimised and not slimmed, so that its
     BatchNormalization nodes survive (the deployable graph has them folded into Conv/Gemm).
-    Checked against the deployable graph on the same samples; None without BatchNorm."""
+    Checked against the deployable graph on the same samples. None without BatchNorm: tent then
+    adapts the LayerNorm/GroupNorm nodes of the deployable graph itself (check_norms_adaptable)."""
     import torch
 
     if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        check_norms_adaptable(net, slimmed)
         return None
     kind = manifest["preprocessing"]["kind"]
     output_names = [o["name"] for o in manifest["outputs"]]
@@ -334,6 +337,29 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     return ExtraGraph(graph, {"purpose": "test-time training: BatchNorm nodes kept "
                               "(unoptimised export, constant-folded, not slimmed)",
                               "batchnorm_layers": layers, "max_abs_diff": diff})
+
+
+def check_norms_adaptable(net: torch.nn.Module, slimmed: onnx.ModelProto) -> None:
+    """For a network without BatchNorm: whether tent can adapt model.onnx's LayerNorm and
+    GroupNorm layers, i.e. every such PyTorch layer has a node whose scale and bias are
+    initializers holding its values (measured: the exporter and onnxslim keep
+    nn.LayerNorm as one LayerNormalization node, its parameters named as in the state_dict).
+    A WARNING when not: the bundle still serves, only --ttt refuses it."""
+    import torch
+
+    from ttt import affine_norm_model, paired_norm_modules
+    from utils import PipelineError
+
+    if not any(isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) for m in net.modules()):
+        return
+    try:
+        _, layers = affine_norm_model(slimmed)
+        paired_norm_modules(net, layers)
+    except PipelineError as err:
+        LOG.warning("test-time training (tent) cannot adapt this graph: %s", err.one_line())
+        return
+    LOG.info("no BatchNorm, so no adaptation graph: tent adapts the %d LayerNorm/GroupNorm "
+             "layers of the exported graph itself", len(layers))
 
 
 def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
@@ -353,6 +379,7 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     for module in sampling.modules():
         if isinstance(module, torch.nn.Dropout):
             module.train()
+            module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
     graph = export_graph(sampling, export_example(samples, kind), config.opset,
                          manifest["input"], output_names, keep_modes=True)
     check_graph(graph)
@@ -409,9 +436,14 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
     extras = extras or {}
     weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
     torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, weights)
+    source = model_def_source(manifest)
     with staged_files() as stage:
         hashes = {"weights": sha256_of(stage(paths.weights,
                                              lambda tmp: tmp.write_bytes(weights.getvalue())))}
+        if source is not None:
+            text = source.read_bytes()
+            hashes["model_def"] = sha256_of(stage(paths.model_def,
+                                                  lambda tmp: tmp.write_bytes(text)))
         for key, extra in extras.items():
             graph = stamp_contract(extra.model, manifest)
             hashes[key] = sha256_of(stage(paths.variant(key),

@@ -306,21 +306,53 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
 
 def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
                runtime: RuntimeOptions) -> tuple[AdaptationGraph, Tent | None]:
-    """The bundle's adaptation graph, and Tent's PyTorch copy when a method needs it."""
+    """The graph test-time training adapts, and Tent's PyTorch copy when a method needs it: a
+    network with BatchNorm adapts the bundle's model.bn.onnx; one without, model.onnx itself,
+    whose LayerNorm/GroupNorm nodes keep their parameters, with tent only (bn alone is exit 2;
+    with `all` it is reported not applicable)."""
     import onnx
 
-    from config import ARCHS_WITHOUT_BATCHNORM, no_batchnorm_error
     from ttt import AdaptationGraph, Tent
 
-    arch = manifest["architecture"].get("arch")
-    if arch in ARCHS_WITHOUT_BATCHNORM:
-        raise no_batchnorm_error(arch)
-    graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, "bn"))),
+    variant = "onnx" if require_ttt_method_applies(settings.method, manifest) else "bn"
+    graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, variant))),
                             lambda m: create_session(m, runtime))
     tent = (Tent(manifest, paths.weights, graph.layers, settings.learning_rate,
                  settings.iterations, settings.num_threads)
             if "tent" in settings.methods else None)
     return graph, tent
+
+
+def without_batchnorm(manifest: dict) -> bool:
+    """Whether the bundle's network has no BatchNorm: an --arch known to have none
+    (config.ARCHS_WITHOUT_BATCHNORM), or a bundle whose export listed its extra graphs without
+    model.bn.onnx (export writes it wherever BatchNorm exists). A bundle from before the extra
+    graphs counts as having BatchNorm: its missing model.bn.onnx is exit 4 with the command that
+    adds it."""
+    from config import ARCHS_WITHOUT_BATCHNORM
+
+    extra = manifest.get("extra_graphs")
+    return (manifest["architecture"].get("arch") in ARCHS_WITHOUT_BATCHNORM
+            or (extra is not None and "bn" not in extra
+                and "bn" not in (manifest.get("files") or {})))
+
+
+def require_ttt_method_applies(method: str, manifest: dict) -> bool:
+    """Whether the bundle's network has no BatchNorm; then `--ttt_method bn` alone is exit 2
+    (checked before any data is read)."""
+    from config import ARCHS_WITHOUT_BATCHNORM, no_batchnorm_error
+
+    if not without_batchnorm(manifest):
+        return False
+    arch = manifest["architecture"].get("arch")
+    if method == "bn" and arch in ARCHS_WITHOUT_BATCHNORM:
+        raise no_batchnorm_error(arch)
+    if method == "bn":
+        raise ConfigError("--ttt_method bn re-estimates BatchNorm statistics, and this bundle's "
+                          "network has none (its export wrote no model.bn.onnx)",
+                          "use --ttt_method tent, which adapts LayerNorm and GroupNorm affine "
+                          "parameters")
+    return True
 
 
 def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
@@ -391,6 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = read_manifest(paths)
         require_onnx_in_bundle(paths, manifest)  # graph and manifest agree, before any data
         config.validate_tta(manifest["model_type"])
+        if config.ttt:
+            require_ttt_method_applies(config.ttt_method, manifest)
         if config.input:
             predict_new_data(config, paths, report)
             return

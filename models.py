@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from utils import ExportError, atomic_write, sha256_of
+from utils import ConfigError, ExportError, atomic_write, sha256_of
 
 
 def image_architecture(preprocessing: dict, num_classes: int) -> dict:
@@ -239,14 +240,208 @@ class TabularResMLP(nn.Module):
         return self.classifier(self.head(x))
 
 
+# ----------------------------------------------------------------------------- torchvision nets
+
+# --arch → the torchvision builder's name and the ImageNet weights enum --pretrained loads.
+TORCHVISION_ARCHS = {"resnet18": "ResNet18_Weights", "resnet34": "ResNet34_Weights",
+                     "mobilenet_v3_small": "MobileNet_V3_Small_Weights",
+                     "efficientnet_b0": "EfficientNet_B0_Weights"}
+# The ImageNet stem (a stride-2 7×7 conv and a max-pool for ResNets, a stride-2 first conv for
+# the others) shrinks a 32-pixel image to 8 before the first block. At this side or below the
+# first conv keeps the resolution (stride 1, ResNets: 3×3 and no max-pool), as the CIFAR
+# adaptation of ResNet-18 does.
+SMALL_STEM_MAX_SIDE = 64
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def torchvision_architecture(arch: str) -> Callable[[dict, int], dict]:
+    def describe(preprocessing: dict, num_classes: int) -> dict:
+        height, width = preprocessing["image_size"]
+        return {"name": "TorchvisionNet", "torchvision": arch,
+                "in_channels": preprocessing["channels"], "image_size": [height, width],
+                "num_classes": num_classes,
+                "small_stem": min(height, width) <= SMALL_STEM_MAX_SIDE,
+                "normalization": "data"}
+    return describe
+
+
+def _first_conv_path(body: nn.Module) -> tuple[nn.Module, str]:
+    """(parent module, attribute) of a torchvision classifier's first convolution."""
+    if hasattr(body, "conv1"):  # ResNet
+        return body, "conv1"
+    return body.features[0], "0"  # MobileNetV3, EfficientNet: Conv2dNormActivation
+
+
+def _adapt_stem(body: nn.Module, in_channels: int, small: bool) -> None:
+    """The first conv for `in_channels` inputs; for small images stride 1 (ResNets: a 3×3 conv
+    and no max-pool)."""
+    parent, name = _first_conv_path(body)
+    conv: nn.Conv2d = getattr(parent, name)
+    if hasattr(body, "maxpool") and small:
+        setattr(parent, name, nn.Conv2d(in_channels, conv.out_channels, 3, 1, 1, bias=False))
+        body.maxpool = nn.Identity()
+        return
+    if in_channels == conv.in_channels and not small:
+        return
+    setattr(parent, name, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size,
+                                    1 if small else conv.stride, conv.padding, bias=False))
+
+
+class TorchvisionNet(nn.Module):
+    """A torchvision classifier (weights=None) behind the same normalisation as SmallCNN:
+    pixels in [0, 1] → (x − mean) / std → the torchvision network, whose state-dict keys sit
+    under `body.` with torchvision's own names (so torchvision checkpoints load by name).
+    `normalization`: "data" (the training split's statistics) or "imagenet" (--pretrained)."""
+
+    def __init__(self, torchvision: str, in_channels: int, num_classes: int,
+                 small_stem: bool, normalization: str = "data",
+                 mean: list[float] | None = None, std: list[float] | None = None,
+                 **_: object) -> None:
+        super().__init__()
+        import torchvision as tv  # 3 s to import: only for these networks
+
+        if normalization == "imagenet":  # grayscale: the channel mean of ImageNet's statistics
+            mean = IMAGENET_MEAN if in_channels == 3 else [sum(IMAGENET_MEAN) / 3]
+            std = IMAGENET_STD if in_channels == 3 else [sum(IMAGENET_STD) / 3]
+        self.register_buffer("mean", torch.tensor(mean or [0.0] * in_channels).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std or [1.0] * in_channels).view(1, -1, 1, 1))
+        self.body = tv.models.get_model(torchvision, weights=None, num_classes=num_classes)
+        _adapt_stem(self.body, in_channels, small_stem)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.body((pixels - self.mean) / self.std)
+
+
+# ----------------------------------------------------------------------------- your own module
+
+# sha256 of a --model_def file → where this process read it (the user's file while training,
+# the bundle's copy afterwards): build_model imports the factory from there.
+_MODEL_SOURCES: dict[str, Path] = {}
+
+
+def register_model_source(path: Path, expected: str | None = None) -> str:
+    """Remember a --model_def file by its sha256 (and refuse one whose hash is not `expected`)."""
+    digest = sha256_of(path)
+    if expected and digest != expected:
+        raise ExportError(f"{path} does not match its manifest (sha256 differs)",
+                          "restore the model definition written with the bundle, or re-create "
+                          "the bundle with pipeline.py")
+    _MODEL_SOURCES[digest] = path
+    return digest
+
+
+def model_source(architecture: dict) -> Path:
+    """The --model_def file of a UserNetwork architecture, as registered in this process."""
+    digest = architecture["model_def"]["sha256"]
+    if digest not in _MODEL_SOURCES:
+        raise ExportError("the bundle's model definition was not found",
+                          "keep the bundle's .def.py next to its model.json")
+    return _MODEL_SOURCES[digest]
+
+
+def factory_input_spec(preprocessing: dict) -> dict:
+    """What a --model_def factory is told about its input: the graph input (models.input_spec)
+    and the sizes a network is built from."""
+    spec = input_spec(preprocessing)
+    kind = preprocessing["kind"]
+    if kind == "image":
+        spec.update(channels=preprocessing["channels"], image_size=list(preprocessing["image_size"]))
+    elif kind == "text":
+        spec.update(vocab_size=preprocessing["vocab_size"], max_length=preprocessing["max_length"])
+    else:
+        spec.update(num_features=len(preprocessing["feature_names"]))
+    return {"kind": kind, **spec}
+
+
+def user_architecture(path: Path, factory: str, preprocessing: dict, num_classes: int) -> dict:
+    """The manifest's description of a --model_def network (the bundle keeps the file)."""
+    digest = register_model_source(path)
+    return {"name": "UserNetwork", "arch": "model_def", "num_classes": num_classes,
+            "model_def": {"file": path.name, "factory": factory, "sha256": digest},
+            "input_spec": factory_input_spec(preprocessing)}
+
+
+def import_factory(path: Path, factory: str) -> Callable:
+    """Import the user's file (running its code) and return its `factory`; any failure is one
+    ConfigError line."""
+    import importlib.util
+    import sys
+
+    from utils import stdout_to_stderr
+
+    name = f"model_def_{sha256_of(path)[:16]}"
+    module = sys.modules.get(name)
+    if module is None:
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            with stdout_to_stderr():
+                spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's code: any error is theirs
+            raise ConfigError(f"--model_def {path}: importing it failed: {_one_line(err)}",
+                              f"run `python {path}` to see the traceback") from None
+        sys.modules[name] = module
+    built = getattr(module, factory, None)
+    if not callable(built):
+        raise ConfigError(f"--model_def {path} has no function {factory!r}",
+                          f"define {factory}(num_classes, input_spec) returning an nn.Module")
+    return built
+
+
+def _one_line(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+class UserNetwork(nn.Module):
+    """Your nn.Module behind the normalisation every network here does itself: images
+    standardised by the training split's per-channel mean and std, tables imputed with the
+    training medians (NaN = missing) and standardised, token ids as they are (0 = padding). Its
+    state-dict keys sit under `module.`."""
+
+    def __init__(self, num_classes: int, model_def: dict, input_spec: dict,
+                 mean: list[float] | None = None, std: list[float] | None = None,
+                 median: list[float] | None = None, **_: object) -> None:
+        super().__init__()
+        self.kind = input_spec["kind"]
+        width = (input_spec.get("channels") if self.kind == "image"
+                 else input_spec.get("num_features") or 0)
+        shape = (1, -1, 1, 1) if self.kind == "image" else (1, -1)
+        self.register_buffer("mean", torch.tensor(mean or [0.0] * width).view(*shape))
+        self.register_buffer("std", torch.tensor(std or [1.0] * width).view(*shape))
+        self.register_buffer("median", torch.tensor(median or [0.0] * width).view(*shape))
+        factory = import_factory(model_source({"model_def": model_def}), model_def["factory"])
+        try:
+            module = factory(num_classes=num_classes, input_spec=dict(input_spec))
+        except Exception as err:  # noqa: BLE001 - the user's code
+            raise ConfigError(f"--model_def {model_def['file']}:{model_def['factory']} failed: "
+                              f"{_one_line(err)}", "fix the factory") from None
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"--model_def {model_def['file']}:{model_def['factory']} returned "
+                              f"a {type(module).__name__}, not a torch.nn.Module",
+                              "return the network (an nn.Module)")
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "image":
+            x = (x - self.mean) / self.std
+        elif self.kind == "tabular":
+            x = torch.where(torch.isnan(x), self.median, x)
+            x = (x - self.mean) / self.std
+        return self.module(x)
+
+
 # ----------------------------------------------------------------------------- choosing one
 
 # --arch → the function that sizes that network for the data (config.ARCHS lists the same
 # names per model type, default first).
-ARCHITECTURES = {"small_cnn": image_architecture, "bag": text_architecture,
-                 "cnn": text_cnn_architecture, "transformer": text_transformer_architecture,
+ARCHITECTURES = {"small_cnn": image_architecture,
+                 **{arch: torchvision_architecture(arch) for arch in TORCHVISION_ARCHS},
+                 "bag": text_architecture, "cnn": text_cnn_architecture,
+                 "transformer": text_transformer_architecture,
                  "mlp": tabular_architecture, "resmlp": tabular_resmlp_architecture}
-ARCH_KIND = {"small_cnn": "image", "bag": "text", "cnn": "text", "transformer": "text",
+ARCH_KIND = {**{arch: "image" for arch in ("small_cnn", *TORCHVISION_ARCHS)},
+             "bag": "text", "cnn": "text", "transformer": "text",
              "mlp": "tabular", "resmlp": "tabular"}
 DEFAULT_ARCH = {"image": "small_cnn", "text": "bag", "tabular": "mlp"}
 
@@ -291,7 +486,8 @@ class WithProbabilities(nn.Module):
 # "arch" key, and their names are here too).
 NETWORKS = {"SmallCNN": SmallCNN, "TextClassifier": TextClassifier, "TextCNN": TextCNN,
             "TextTransformer": TextTransformer, "TabularMLP": TabularMLP,
-            "TabularResMLP": TabularResMLP}
+            "TabularResMLP": TabularResMLP, "TorchvisionNet": TorchvisionNet,
+            "UserNetwork": UserNetwork}
 
 
 def build_model(architecture: dict, preprocessing: dict) -> nn.Module:
@@ -299,6 +495,19 @@ def build_model(architecture: dict, preprocessing: dict) -> nn.Module:
     cls = NETWORKS[architecture["name"]]
     stats = {k: preprocessing.get(k) for k in ("mean", "std", "median")}
     return cls(**architecture, **stats)
+
+
+def register_bundle_model_source(manifest: dict, folder: Path) -> None:
+    """The bundle's copy of its --model_def file, checked against the manifest's sha256."""
+    name = (manifest.get("files") or {}).get("model_def")
+    if not name:
+        raise ExportError("the bundle's manifest names no model definition file",
+                          "re-create the bundle with pipeline.py --model_def")
+    path = folder / name
+    if not path.is_file():
+        raise ExportError(f"the bundle's model definition {path} is missing",
+                          "keep the .def.py written with the bundle next to its model.json")
+    register_model_source(path, manifest["architecture"]["model_def"]["sha256"])
 
 
 def count_parameters(net: nn.Module) -> int:
@@ -314,16 +523,20 @@ def save_weights(net: nn.Module, path: Path) -> str:
 
 
 def load_weights(manifest: dict, path: Path) -> nn.Module:
-    """Rebuild the manifest's network and load `model.pt` into it (weights_only: never unpickle)."""
-    expected = (manifest.get("files") or {}).get("sha256", {}).get("weights")
+    """Rebuild the manifest's network and load `model.pt` into it (weights_only: never unpickle).
+    A --model_def network imports the bundle's copy of its file (which runs that code)."""
+    files = manifest.get("files") or {}
+    expected = files.get("sha256", {}).get("weights")
     if not path.is_file():
         raise ExportError(f"weights file {path} not found", "re-run train.py or pipeline.py")
     if expected and sha256_of(path) != expected:
         raise ExportError(f"{path} does not match its manifest (sha256 differs)",
                           "re-run train.py or pipeline.py to write a consistent bundle")
+    if manifest["architecture"].get("name") == "UserNetwork":
+        register_bundle_model_source(manifest, path.parent)
+    net = build_model(manifest["architecture"], manifest["preprocessing"])
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        net = build_model(manifest["architecture"], manifest["preprocessing"])
         net.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - any failure here means an unusable file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]

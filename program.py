@@ -24,11 +24,13 @@ from torch import nn
 
 from config import Config
 from data import Dataset, Split
-from models import architecture_for, build_model, count_parameters
+from models import architecture_for, build_model, count_parameters, user_architecture
 from preprocess import Tokenizer
+from transfer import (Transfer, head_parameters, init_from_file, init_from_pretrained,
+                      require_pretrained_file)
 from tta import build_transforms, random_augment
 from metrics import accuracy
-from utils import (LOG, DataError, TrainingError, progress, raise_if_interrupted,
+from utils import (LOG, ConfigError, DataError, TrainingError, progress, raise_if_interrupted,
                    stdout_to_stderr)
 
 # The DSPy program's input field per preprocessing kind: text programs take the raw text.
@@ -216,8 +218,9 @@ class WeightTrainer(Teleprompter):
 
     def __init__(self, metric: Callable, *, epochs: int, batch_size: int, learning_rate: float,
                  weight_decay: float, augment: bool, seed: int, show_progress: bool = True,
-                 view_transforms: Sequence = ()) -> None:
+                 view_transforms: Sequence = (), freeze_epochs: int = 0) -> None:
         super().__init__()
+        self.freeze_epochs = freeze_epochs  # epochs that train the classifier head alone
         # TTA transforms to train on (their random forms), so that test-time views are in
         # distribution.
         self.view_transforms = list(view_transforms)
@@ -247,6 +250,7 @@ class WeightTrainer(Teleprompter):
         best_score, best_state = -1.0, None
         for epoch in range(1, self.epochs + 1):
             started = time.perf_counter()
+            self._freeze_body(program.net, epoch <= self.freeze_epochs)
             loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule, generator,
                                                max_shift, epoch)
             recalibrate_batchnorm(program.net, x[torch.randperm(len(x), generator=generator)],
@@ -266,6 +270,15 @@ class WeightTrainer(Teleprompter):
         program.net.eval()
         self._check_weights(program.net, self.best_epoch)
         return program
+
+    def _freeze_body(self, net: nn.Module, frozen: bool) -> None:
+        """--freeze_epochs: gradients for the head only (a parameter without a gradient is
+        left alone by AdamW, weight decay included), then for everything."""
+        if not self.freeze_epochs:
+            return
+        net.requires_grad_(not frozen)
+        for parameter in head_parameters(net):
+            parameter.requires_grad_(True)
 
     def _check_weights(self, net: nn.Module, epoch: int) -> None:
         """Once per epoch (after the BatchNorm statistics are re-estimated) and at the end."""
@@ -438,6 +451,8 @@ class TrainedModel:
     candidates: list[Candidate] = field(default_factory=list)
     chosen_candidate: int = 0
     diverged_candidates: list[dict] = field(default_factory=list)  # skipped by the search
+    transfer: Transfer | None = None  # --init_weights / --pretrained
+    freeze_epochs: int = 0
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1
@@ -449,7 +464,9 @@ class TrainedModel:
                 "num_parameters": self.architecture.get("num_parameters"),
                 "candidates": [vars(c) for c in self.candidates] if searched else None,
                 "chosen_candidate": self.chosen_candidate if searched else None,
-                "diverged_candidates": self.diverged_candidates if searched else None}
+                "diverged_candidates": self.diverged_candidates if searched else None,
+                "init_weights": self.transfer.report_section() if self.transfer else None,
+                "freeze_epochs": self.freeze_epochs}
 
 
 def set_torch_threads(num_threads: int) -> None:
@@ -463,19 +480,30 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     started = time.perf_counter()
     check_finite_inputs(dataset)
     kind = dataset.preprocessing["kind"]
-    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch)
+    architecture = network_architecture(config, dataset)
     field = PROGRAM_INPUT[kind]
     tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
+    transfers: list[Transfer] = []
 
     def make_student(seed: int) -> ClassifierProgram:
         torch.manual_seed(seed)
         net = build_model(architecture, dataset.preprocessing)
+        transfer = starting_weights(config, net)
+        if transfer is not None and not transfers:
+            transfers.append(transfer)
         return ClassifierProgram(net, dataset.labels, field, tokenizer)
 
-    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
+    first = make_student(config.seed).net
+    check_output_shape(first, dataset, config)
+    architecture["num_parameters"] = count_parameters(first)
     LOG.info("training %s (%d parameters) on %d samples, validating on %d",
-             architecture["name"], architecture["num_parameters"], len(dataset.train),
-             len(dataset.val))
+             architecture.get("arch") or architecture["name"], architecture["num_parameters"],
+             len(dataset.train), len(dataset.val))
+    if config.freeze_epochs:
+        head_parameters(first)  # a network without a head to train alone fails now
+        if not (config.init_weights or config.pretrained):
+            LOG.warning("--freeze_epochs %d without --init_weights or --pretrained trains the "
+                        "head on randomly initialised features", config.freeze_epochs)
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
@@ -488,7 +516,8 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
         return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
                              learning_rate=learning_rate, weight_decay=config.weight_decay,
                              augment=config.train_augment and kind == "image", seed=seed,
-                             show_progress=not config.no_progress, view_transforms=views)
+                             show_progress=not config.no_progress, view_transforms=views,
+                             freeze_epochs=config.freeze_epochs)
 
     search = CandidateSearch(label_match, make_student, make_trainer, config.learning_rates(),
                              [config.seed + k for k in range(config.num_candidates)])
@@ -508,7 +537,53 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
                         seconds=round(time.perf_counter() - started, 3),
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
-                        chosen_candidate=search.chosen, diverged_candidates=search.diverged)
+                        chosen_candidate=search.chosen, diverged_candidates=search.diverged,
+                        transfer=transfers[0] if transfers else None,
+                        freeze_epochs=config.freeze_epochs)
+
+
+def network_architecture(config: Config, dataset: Dataset) -> dict:
+    """The manifest's architecture: --model_def's network, or --arch's (default per type);
+    --pretrained switches a torchvision network to ImageNet's normalisation."""
+    if config.model_def:
+        path, factory = config.model_def_parts()
+        return user_architecture(path.resolve(), factory, dataset.preprocessing,
+                                 len(dataset.labels))
+    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch)
+    if config.pretrained:
+        require_pretrained_file(config.arch)  # before any training: exit 3 with the path
+        architecture["normalization"] = "imagenet"
+    return architecture
+
+
+def starting_weights(config: Config, net: nn.Module) -> Transfer | None:
+    """--init_weights or --pretrained into a freshly built network."""
+    if config.init_weights:
+        return init_from_file(net, Path(config.init_weights))
+    if config.pretrained:
+        return init_from_pretrained(net, config.arch)
+    return None
+
+
+def check_output_shape(net: nn.Module, dataset: Dataset, config: Config) -> None:
+    """A --model_def network must map a batch to one logit per class."""
+    if not config.model_def or len(dataset.train) == 0:
+        return
+    sample = torch.from_numpy(np.ascontiguousarray(dataset.train.x[:2]))
+    try:
+        with torch.no_grad():
+            logits = net.eval()(sample)
+    except Exception as err:  # noqa: BLE001 - the user's forward
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConfigError(f"--model_def {config.model_def}: its forward failed on a batch of "
+                          f"{tuple(sample.shape)} {sample.dtype}: {first}",
+                          "make forward take the input_spec the factory was given") from None
+    expected = (len(sample), len(dataset.labels))
+    if not torch.is_tensor(logits) or tuple(logits.shape) != expected:
+        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
+        raise ConfigError(f"--model_def {config.model_def}: forward returned {shape} for a "
+                          f"batch of {len(sample)}; expected {expected} (one logit per class)",
+                          "return logits of shape (batch, num_classes)")
 
 
 def split_accuracy(net: nn.Module, split: Split) -> float | None:

@@ -1,8 +1,9 @@
 """A shift suite: corrupted copies of a test split, to measure test-time training under
 distribution shift (after Hendrycks & Dietterich's common corruptions). numpy only.
 
-Images are NCHW in [0, 1]; tabular rows are raw features (NaN stays NaN). Every corruption takes
-a severity 1-5 and is seeded, so a run is reproducible.
+Images are NCHW in [0, 1]; tabular rows are raw features (NaN stays NaN); texts are token ids,
+right-padded (the tokenizer's padding and unknown ids come from the manifest). Every corruption
+takes a severity 1-5 and is seeded, so a run is reproducible.
 """
 from __future__ import annotations
 
@@ -82,10 +83,36 @@ def feature_scale(x: np.ndarray, severity: int, pre: dict, rng: np.random.Genera
     return (x * factors).astype(np.float32)
 
 
+TOKEN_RATES = [0.1, 0.2, 0.3, 0.45, 0.6]  # the share of a text's tokens hit, per severity
+
+
+def unknown_tokens(x: np.ndarray, severity: int, pre: dict, rng: np.random.Generator
+                   ) -> np.ndarray:
+    """Each real token becomes the unknown id with a probability: typos, slang and new words
+    the training vocabulary does not cover."""
+    hit = (x != pre.get("pad_id", 0)) & (rng.random(x.shape) < TOKEN_RATES[severity - 1])
+    return np.where(hit, pre.get("unk_id", 1), x).astype(x.dtype)
+
+
+def token_deletion(x: np.ndarray, severity: int, pre: dict, rng: np.random.Generator
+                   ) -> np.ndarray:
+    """Each real token deleted with a probability and the rest closing up, every text keeping
+    its first token: terser texts, words missing."""
+    pad = pre.get("pad_id", 0)
+    real = x != pad
+    keep = real & (rng.random(x.shape) >= TOKEN_RATES[severity - 1])
+    keep[:, 0] = real[:, 0]
+    order = np.argsort(~keep, axis=1, kind="stable")  # kept tokens first, in their order
+    out = np.take_along_axis(x, order, axis=1)
+    out[~np.take_along_axis(keep, order, axis=1)] = pad
+    return out
+
+
 CORRUPTIONS: dict[str, dict[str, Corruption]] = {
     "image": {"gaussian_noise": gaussian_noise, "contrast": contrast, "blur": blur,
               "shift": shift, "brightness": brightness},
     "tabular": {"feature_noise": feature_noise, "feature_scale": feature_scale},
+    "text": {"unknown_tokens": unknown_tokens, "token_deletion": token_deletion},
 }
 
 

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from config import Config, build_parser, start_cli
 from data import Dataset, DataOptions, load_dataset
-from bundle import BundlePaths, manifest_text, new_manifest, record_weights
+from bundle import (BundlePaths, manifest_text, model_def_source, new_manifest,
+                    record_model_def, record_weights)
 from report import run_with_report
-from utils import LOG, atomic_write_text, exit_cli, quiet_library_loggers, run_cli
+from utils import (LOG, atomic_write, atomic_write_text, exit_cli, quiet_library_loggers,
+                   run_cli, sha256_of)
 
 if TYPE_CHECKING:  # torch and dspy load only once flags are parsed: --help stays instant
     import dspy
@@ -112,6 +114,11 @@ def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
 
     manifest = build_manifest(config, trained, dataset, teacher)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))
+    source = model_def_source(manifest)
+    if source is not None:  # the bundle keeps the --model_def file: export and Tent rebuild from it
+        text = source.read_bytes()
+        atomic_write(paths.model_def, lambda tmp: tmp.write_bytes(text))
+        record_model_def(manifest, paths, sha256_of(paths.model_def))
     atomic_write_text(paths.manifest, manifest_text(manifest))
     return manifest
 

@@ -1,18 +1,25 @@
 """Test-time training on a deployed ONNX model: BatchNorm re-estimation (`bn`, Schneider et al.
 2020) and Tent (`tent`, Wang et al. 2021, after DequanWang/tent), episodic or online.
 
-Both adapt the bundle's adaptation graph (model.bn.onnx: the BatchNorm nodes the deployable graph
-folds away), rewritten here so that every BatchNormalization normalises with its input's batch
-statistics blended with its stored statistics, w = n / (n + N) for a batch of n samples and a
-prior of N samples (--ttt_bn_prior; N = 0: batch statistics only). The blended statistics are
-graph outputs; the stored statistics and the affine parameters are graph inputs with the
-bundle's values as defaults, so one session.run adapts and predicts and a run can feed other
-parameters in (no session is rebuilt, no state lives in the session).
+A network with BatchNorm is adapted through the bundle's adaptation graph (model.bn.onnx: the
+BatchNorm nodes the deployable graph folds away), rewritten here so that every
+BatchNormalization normalises with its input's batch statistics blended with its stored
+statistics, w = n / (n + N) for a batch of n samples and a prior of N samples (--ttt_bn_prior;
+N = 0: batch statistics only). The blended statistics are graph outputs; the stored statistics
+and the affine parameters are graph inputs with the bundle's values as defaults, so one
+session.run adapts and predicts and a run can feed other parameters in (no session is rebuilt,
+no state lives in the session).
+
+A network without BatchNorm (the text transformer) is adapted through model.onnx itself: its
+LayerNormalization and GroupNormalization nodes survive export and slimming whole, so their scale
+and bias initializers become graph inputs with the bundle's values as defaults. bn has nothing to
+adapt there (LayerNorm keeps no statistics) and is reported as not applicable.
 
 - bn runs in ONNX Runtime only; torch is never imported.
-- tent minimises the mean prediction entropy over the BatchNorm affine parameters of a PyTorch
-  copy rebuilt from model.pt (Adam, --ttt_iterations steps per batch); the adapted parameters
-  are fed into the ONNX graph, which gives the predictions.
+- tent minimises the mean prediction entropy over the affine parameters of the BatchNorm layers
+  (or, in a network without BatchNorm, of the LayerNorm and GroupNorm layers) of a PyTorch copy
+  rebuilt from model.pt (Adam, --ttt_iterations steps per batch); the adapted parameters are fed
+  into the ONNX graph, which gives the predictions.
 - episodic: every batch starts from the bundle's parameters. online: the adapted statistics
   (bn) or parameters (tent) carry over to the next batch, reset every --ttt_reset_every batches
   and, with a WARNING, when the predictions collapse.
@@ -20,9 +27,10 @@ parameters in (no session is rebuilt, no state lives in the session).
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import onnx
@@ -31,7 +39,10 @@ from onnx import TensorProto, helper, numpy_helper
 from metrics import accuracy, entropy
 from runtime import batches_of, best_of
 from tta_graph import GraphNodes
-from utils import LOG, ConfigError
+from utils import LOG, ConfigError, ExportError
+
+if TYPE_CHECKING:  # torch loads only for tent
+    import torch
 
 PRIOR = "ttt_bn_prior"  # graph input: the prior strength N
 SOURCE_PRIOR = 1e12  # a prior so strong that the stored statistics win: the unadapted model
@@ -131,6 +142,111 @@ def _blended_statistics(nodes: GraphNodes, x: str, layer: BNLayer, rank: int
             blend(batch_var, layer.var, layer.adapted_var))
 
 
+# ----------------------------------------------------------------------------- LayerNorm, GroupNorm
+
+# ONNX normalisation nodes whose affine parameters tent adapts in a network without BatchNorm,
+# and the name of their PyTorch module.
+AFFINE_NORMS = {"LayerNormalization": "LayerNorm", "GroupNormalization": "GroupNorm"}
+
+
+@dataclass(frozen=True)
+class AffineNorm:
+    """One LayerNormalization or GroupNormalization node: the graph inputs that feed its scale
+    and bias (None: the node has no bias), the name the exporter gave its scale (the state_dict
+    name, unless the slimmer merged equal constants) and the bundle's values."""
+
+    op_type: str
+    scale: str
+    bias: str | None
+    exported_scale: str
+    scale_value: np.ndarray = field(compare=False, repr=False)
+    bias_value: np.ndarray | None = field(compare=False, repr=False)
+
+
+def affine_norm_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[AffineNorm]]:
+    """The graph with the scale and bias initializers of every LayerNormalization and
+    GroupNormalization node made graph inputs (the bundle's values stay their defaults). A
+    parameter the node shares with another (onnxslim merges equal constants, such as the ones
+    and zeros of layers that never moved) gets a copy of its own first, so that each layer is
+    fed separately. ConfigError (exit 2) when there is no such node."""
+    out = copy.deepcopy(model)
+    graph = out.graph
+    initializers = {i.name: i for i in graph.initializer}
+    uses = Counter(name for node in graph.node for name in node.input)
+    layers: list[AffineNorm] = []
+    for node in graph.node:
+        if node.op_type not in AFFINE_NORMS or node.domain not in ("", "ai.onnx"):
+            continue
+        exported_scale, names = node.input[1], []
+        for slot in (1, 2):
+            name = node.input[slot] if len(node.input) > slot else ""
+            if name and name not in initializers:
+                raise ConfigError(f"{node.op_type} node {node.name!r} takes computed parameters",
+                                  "re-export the bundle with this version's export.py")
+            if name and uses[name] > 1:  # shared: this node gets its own copy
+                own = f"{name}.ttt{len(graph.initializer)}"
+                graph.initializer.append(numpy_helper.from_array(
+                    numpy_helper.to_array(initializers[name]), own))
+                node.input[slot] = own
+                initializers[own] = graph.initializer[-1]
+                name = own
+            names.append(name or None)
+        scale, bias = names
+        layers.append(AffineNorm(
+            node.op_type, scale, bias, exported_scale, numpy_helper.to_array(initializers[scale]),
+            numpy_helper.to_array(initializers[bias]) if bias else None))
+    if not layers:
+        raise ConfigError("this model has no BatchNorm layers and no LayerNorm or GroupNorm "
+                          "ones: test-time training adapts their statistics (bn) or affine "
+                          "parameters (tent)", "use a model with one of them, or run without "
+                          "--ttt")
+    inputs = {i.name for i in graph.input}
+    for name in (n for layer in layers for n in (layer.scale, layer.bias) if n and n not in inputs):
+        init = initializers[name]
+        graph.input.append(helper.make_tensor_value_info(name, init.data_type, list(init.dims)))
+    onnx.checker.check_model(out)
+    return out, layers
+
+
+def paired_norm_modules(net: torch.nn.Module, layers: list[AffineNorm]
+                        ) -> list[torch.nn.Module]:
+    """The PyTorch LayerNorm or GroupNorm module behind each graph layer: by the exporter's
+    state_dict names where they name one module per layer, else in order. Either way the count,
+    the shapes and the values must agree (the graph's defaults are model.pt's parameters):
+    ExportError (exit 4) otherwise."""
+    import torch
+
+    modules = [(name, m) for name, m in net.named_modules()
+               if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm))
+               and getattr(m, "weight", None) is not None]
+    if len(modules) != len(layers):
+        raise ExportError(f"model.pt has {len(modules)} LayerNorm/GroupNorm layers with affine "
+                          f"parameters and model.onnx {len(layers)} LayerNormalization/"
+                          "GroupNormalization nodes", "re-export the bundle with export.py")
+    by_name = {key: m for name, m in modules for key in (f"net.{name}.weight", f"{name}.weight")}
+    named = [by_name.get(layer.exported_scale) for layer in layers]
+    chosen = (named if None not in named and len({id(m) for m in named}) == len(named)
+              else [m for _, m in modules])
+    for layer, module in zip(layers, chosen):
+        _require_same_parameters(layer, module)
+    return chosen
+
+
+def _require_same_parameters(layer: AffineNorm, module: torch.nn.Module) -> None:
+    pairs = [(layer.scale_value, module.weight)]
+    if (layer.bias is None) != (module.bias is None):
+        raise ExportError(f"the {layer.op_type} node of {layer.exported_scale!r} and its PyTorch "
+                          "layer disagree on having a bias", "re-export the bundle with export.py")
+    if module.bias is not None:
+        pairs.append((layer.bias_value, module.bias))
+    for value, parameter in pairs:
+        expected = parameter.detach().numpy()
+        if value.shape != expected.shape or not np.allclose(value, expected, rtol=0, atol=1e-6):
+            raise ExportError(f"the {layer.op_type} parameters {layer.exported_scale!r} of "
+                              "model.onnx differ from model.pt's (shape or values)",
+                              "re-export the bundle with export.py")
+
+
 def patched_model(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
     """A copy of the (unrewritten) adaptation graph with some initializers replaced: adapted
     statistics or affine parameters written into an ordinary inference graph."""
@@ -143,33 +259,72 @@ def patched_model(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx
 
 
 class AdaptationGraph:
-    """A session of the adaptation graph: a batch and parameters in, probabilities and adapted
-    statistics out. Sessions hold no adapted state, so callers can share one."""
+    """A session of the adaptation graph: a batch and parameters in, probabilities (and, with
+    BatchNorm, adapted statistics) out. Sessions hold no adapted state, so callers can share one.
+
+    A graph with BatchNormalization nodes is rewritten by adaptation_model (bn and tent adapt
+    BatchNorm, as always); one without, by affine_norm_model (tent adapts LayerNorm/GroupNorm,
+    bn does not apply: `not_applicable` says why)."""
 
     def __init__(self, model: onnx.ModelProto, make_session: Callable[[bytes], object]) -> None:
         self.source = model
-        rewritten, self.layers = adaptation_model(model)
+        self.batchnorm = any(n.op_type == "BatchNormalization" for n in model.graph.node)
+        if self.batchnorm:
+            rewritten, self.layers = adaptation_model(model)
+        else:
+            rewritten, self.layers = affine_norm_model(model)
         self.session = make_session(rewritten.SerializeToString())
         self.input_name = model.graph.input[0].name
-        self.outputs = ["probabilities"] + [n for layer in self.layers
+        self.outputs = ["probabilities"] + [n for layer in self.layers if self.batchnorm
                                             for n in (layer.adapted_mean, layer.adapted_var)]
+
+    @property
+    def normalisation(self) -> str:
+        """What the graph normalises with: BatchNorm, LayerNorm, GroupNorm or both of the last."""
+        if self.batchnorm:
+            return "BatchNorm"
+        return " and ".join(dict.fromkeys(AFFINE_NORMS[layer.op_type] for layer in self.layers))
+
+    @property
+    def not_applicable(self) -> dict[str, str]:
+        """Each method that cannot adapt this graph, with the reason."""
+        if self.batchnorm:
+            return {}
+        return {"bn": f"the network has no BatchNorm layers (its normalisation is "
+                      f"{self.normalisation})"}
+
+    def applicable(self, methods: list[str]) -> list[str]:
+        """`methods` less those that do not apply; ConfigError (exit 2) when none is left."""
+        kept = [m for m in methods if m not in self.not_applicable]
+        if not kept:
+            raise ConfigError(f"--ttt_method {methods[0]} does not apply: "
+                              f"{self.not_applicable[methods[0]]}",
+                              f"use --ttt_method tent, which adapts the {self.normalisation} "
+                              "affine parameters")
+        return kept
 
     def run(self, x: np.ndarray, prior: float, params: dict[str, np.ndarray]
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(probabilities, {stored-statistic name: adapted value}) for one batch."""
-        feed = {self.input_name: x, PRIOR: np.array([prior], np.float32), **params}
+        """(probabilities, {stored-statistic name: adapted value}) for one batch; without
+        BatchNorm there are no statistics and `prior` is ignored."""
+        feed = {self.input_name: x, **params}
+        if self.batchnorm:
+            feed[PRIOR] = np.array([prior], np.float32)
         probabilities, *stats = self.session.run(self.outputs, feed)
-        names = [n for layer in self.layers for n in (layer.mean, layer.var)]
+        names = [n for layer in self.layers if self.batchnorm for n in (layer.mean, layer.var)]
         return probabilities, dict(zip(names, stats))
 
 
 class Tent:
-    """Entropy minimisation over the BatchNorm affine parameters of a PyTorch copy of the
-    network, with batch statistics (Wang et al. 2021; configure, collect, adapt, reset as in
-    DequanWang/tent's tent.py). `adapt` returns the parameters under the ONNX graph's names."""
+    """Entropy minimisation over normalisation affine parameters of a PyTorch copy of the
+    network (Wang et al. 2021; configure, collect, adapt, reset as in DequanWang/tent's tent.py):
+    with BNLayer layers, those of BatchNorm, which normalises with batch statistics; with
+    AffineNorm layers (a network without BatchNorm), those of LayerNorm and GroupNorm, which need
+    no configuring since they keep no statistics. The rest of the network stays in eval mode
+    (dropout off). `adapt` returns the parameters under the ONNX graph's names."""
 
-    def __init__(self, manifest: dict, weights: Path, layers: list[BNLayer], learning_rate: float,
-                 steps: int, num_threads: int = 1) -> None:
+    def __init__(self, manifest: dict, weights: Path, layers: list[BNLayer] | list[AffineNorm],
+                 learning_rate: float, steps: int, num_threads: int = 1) -> None:
         import torch
 
         from models import load_weights
@@ -182,27 +337,38 @@ class Tent:
         self.torch, self.steps, self.learning_rate = torch, steps, learning_rate
         self.net = load_weights(manifest, weights).eval()
         self.net.requires_grad_(False)
-        self.norms = [m for m in self.net.modules()
-                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if len(self.norms) != len(layers):
-            raise ConfigError(f"model.pt has {len(self.norms)} BatchNorm layers, the adaptation "
+        if all(isinstance(layer, BNLayer) for layer in layers):
+            norms = self._batchnorm_modules(layers)
+        else:
+            norms = paired_norm_modules(self.net, layers)
+        for norm in norms:
+            norm.requires_grad_(True)
+        # (graph input name, torch parameter) for every adapted tensor
+        self.pairs = [(name, parameter) for norm, layer in zip(norms, layers)
+                      for name, parameter in ((layer.scale, norm.weight), (layer.bias, norm.bias))
+                      if parameter is not None]
+        self.initial = [parameter.detach().clone() for _, parameter in self.pairs]
+        self.reset()
+
+    def _batchnorm_modules(self, layers: list[BNLayer]) -> list[torch.nn.Module]:
+        """The BatchNorm modules, in order, set to normalise with batch statistics."""
+        norms = [m for m in self.net.modules()
+                 if isinstance(m, self.torch.nn.modules.batchnorm._BatchNorm)]
+        if len(norms) != len(layers):
+            raise ConfigError(f"model.pt has {len(norms)} BatchNorm layers, the adaptation "
                               f"graph {len(layers)}", "re-export the bundle")
-        for norm in self.norms:  # batch statistics in the forward, gradients for the affine
+        for norm in norms:  # batch statistics in the forward, gradients for the affine
             norm.train()
             norm.track_running_stats = False
             norm.running_mean = norm.running_var = None
-            norm.requires_grad_(True)
-        self.names = [(layer.scale, layer.bias) for layer in layers]
-        self.initial = [(n.weight.detach().clone(), n.bias.detach().clone()) for n in self.norms]
-        self.reset()
+        return norms
 
     def reset(self) -> None:
         with self.torch.no_grad():
-            for norm, (weight, bias) in zip(self.norms, self.initial):
-                norm.weight.copy_(weight)
-                norm.bias.copy_(bias)
-        params = [p for n in self.norms for p in (n.weight, n.bias)]
-        self.optimizer = self.torch.optim.Adam(params, lr=self.learning_rate, betas=(0.9, 0.999))
+            for (_, parameter), value in zip(self.pairs, self.initial):
+                parameter.copy_(value)
+        self.optimizer = self.torch.optim.Adam([p for _, p in self.pairs], lr=self.learning_rate,
+                                               betas=(0.9, 0.999))
 
     def adapt(self, x: np.ndarray) -> dict[str, np.ndarray]:
         batch = self.torch.from_numpy(np.ascontiguousarray(x))
@@ -216,8 +382,7 @@ class Tent:
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The current affine parameters, under the ONNX graph's names."""
-        return {name: p.detach().numpy().copy() for norm, names in zip(self.norms, self.names)
-                for name, p in zip(names, (norm.weight, norm.bias))}
+        return {name: p.detach().numpy().copy() for name, p in self.pairs}
 
 
 # ----------------------------------------------------------------------------- running
@@ -277,13 +442,15 @@ def adapt_and_predict(graph: AdaptationGraph, method: str, x: np.ndarray, batch_
                       carry: OnlineCarry | None = None) -> Adaptation:
     """Run `method` over x batch by batch. Episodic: every batch from the bundle's parameters.
     Online: statistics (bn) or affine parameters (tent) carry over, across calls too when the
-    caller passes the same `carry`."""
+    caller passes the same `carry`; a fresh carry starts from the bundle's parameters (tent's
+    too, which live in the Tent object)."""
+    graph.applicable([method])
     carry = carry if carry is not None else OnlineCarry()
     state: dict[str, np.ndarray] = carry.state
     out, resets = [], 0
     for i, batch in enumerate(ttt_batches(x, batch_size), start=carry.batches):
         carry.batches = i + 1
-        if mode == "episodic" or (reset_every and i and i % reset_every == 0):
+        if mode == "episodic" or i == 0 or (reset_every and i % reset_every == 0):
             state = {}
             if tent is not None:
                 tent.reset()
@@ -342,6 +509,7 @@ class TTTResult:
     mean_shifted: dict | None
     resets: dict
     verdict: str = ""
+    not_applicable: dict = field(default_factory=dict)  # method → why it cannot adapt this graph
     warnings: list[str] = field(default_factory=list)
 
     def report_section(self) -> dict:
@@ -354,14 +522,18 @@ TIMING_PASSES = 3
 def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callable,
                  tent: Tent | None, x: np.ndarray, y: np.ndarray, preprocessing: dict
                  ) -> TTTResult:
-    """Accuracy without adaptation and with each method, on the clean test split and on every
-    corrupted copy of it; cost = adaptation time / plain inference time on the same batches."""
+    """Accuracy without adaptation and with each method that applies to the graph, on the clean
+    test split and on every corrupted copy of it; cost = adaptation time / plain inference time
+    on the same batches. A method asked for that does not apply (bn without BatchNorm) keeps
+    null figures and its reason in `not_applicable`."""
     from shifts import corrupt
+
+    methods = graph.applicable(settings.methods)
 
     cases = [("clean", 0, x)] + [(name, settings.severity,
                                   corrupt(x, name, settings.severity, preprocessing, settings.seed))
                                  for name in settings.shifts]
-    rows, resets = [], {m: 0 for m in settings.methods}
+    rows, resets = [], {m: 0 for m in methods}
     graph.run(x[: settings.batch_size], 0.0, {})  # warm-up both: first runs allocate
     predict(x[: settings.batch_size])
     if tent is not None:
@@ -374,7 +546,7 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
         row = {"name": name, "severity": severity, "accuracy_source": accuracy(plain, y),
                "accuracy_bn": None, "accuracy_tent": None, "cost_ratio_bn": None,
                "cost_ratio_tent": None}
-        for method in settings.methods:
+        for method in methods:
             tent_or_none = tent if method == "tent" else None
             passes = 1 if method == "tent" else TIMING_PASSES  # tent's torch steps dominate
             seconds, adapted = best_of(passes, lambda: adapt_and_predict(
@@ -385,7 +557,7 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
             resets[method] += adapted.resets
         LOG.info("ttt %s%s: source %.4f%s", name, f" (severity {severity})" if severity else "",
                  row["accuracy_source"], "".join(f", {m} {row[f'accuracy_{m}']:.4f}"
-                                                 for m in settings.methods))
+                                                 for m in methods))
         rows.append(row)
     clean, shifted = rows[0], rows[1:]
     mean_shifted = None
@@ -396,8 +568,10 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
     result = TTTResult(settings.method, settings.mode, settings.iterations, settings.bn_prior,
                        settings.learning_rate, settings.batch_size, settings.severity,
                        {k: v for k, v in clean.items() if k not in ("name", "severity")},
-                       shifted, mean_shifted, resets)
-    result.verdict, result.warnings = _verdict(result, settings.methods)
+                       shifted, mean_shifted, resets,
+                       not_applicable={m: why for m, why in graph.not_applicable.items()
+                                       if m in settings.methods})
+    result.verdict, result.warnings = _verdict(result, methods)
     return result
 
 
@@ -418,4 +592,5 @@ def _verdict(result: TTTResult, methods: list[str]) -> tuple[str, list[str]]:
             warnings.append(f"{method} lowers clean accuracy by {-clean_change * 100:.1f} "
                             "points; try a larger --batch_size or --ttt_bn_prior (e.g. 16)")
         parts.append(text)
+    parts += [f"{method} does not apply: {why}" for method, why in result.not_applicable.items()]
     return "; ".join(parts), warnings

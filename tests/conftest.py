@@ -25,8 +25,9 @@ class Run:
         return [line for line in self.stderr.splitlines() if "error:" in line]
 
 
-def run_cli(script: str, *args: str, timeout: int = 600, **popen: object) -> Run:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def run_cli(script: str, *args: str, timeout: int = 600, extra_env: dict | None = None,
+            **popen: object) -> Run:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(extra_env or {}))
     proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout, **popen)
     return Run(proc.returncode, proc.stdout, proc.stderr)

@@ -231,7 +231,8 @@ def test_shifts_of_another_model_type_exit_2(tmp_path):
     texts.write_text("".join(f"good day {i}\tpos\nbad day {i}\tneg\n" for i in range(20)))
     run = run_cli("pipeline.py", "--model_type", "text_classifier", "--dataset_path", texts,
                   "--output_model", tmp_path / "t.onnx", "--ttt", "true", "--eval_shift", "blur")
-    assert_clean_failure(run, 2, "no corruptions for text models")
+    assert_clean_failure(run, 2, "unknown --eval_shift corruption 'blur' for text models",
+                         "unknown_tokens, token_deletion")
 
 
 def test_pipeline_tabular_ttt_under_feature_shift(wine_bundle):
