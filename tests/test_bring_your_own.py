@@ -282,3 +282,35 @@ def test_model_def_and_arch_together_are_refused(tmp_path):
                   "--model_def", f"{tmp_path / 'mynet.py'}:build", "--output_model",
                   tmp_path / "m.onnx")
     assert_clean_failure(run, 2, "--model_def and --arch both name the network")
+
+
+TABULAR_DEF = '''
+from torch import nn
+
+
+def build(num_classes, input_spec):
+    return nn.Sequential(nn.Linear(input_spec["num_features"], 16), nn.ReLU(),
+                         nn.Linear(16, num_classes))
+'''
+
+
+def test_model_def_for_tables_through_the_stage_clis(tmp_path):
+    """train.py writes the bundle's copy of the file, export.py rebuilds from it; the wrapper
+    imputes missing features inside the graph, so a NaN cell still gives a prediction."""
+    source = tmp_path / "tabnet.py"
+    source.write_text(TABULAR_DEF)
+    model = tmp_path / "bundle" / "model.onnx"
+    run = run_cli("train.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  "builtin:wine", "--model_def", f"{source}:build", *ONE_EPOCH,
+                  "--output_model", model)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "bundle" / "model.def.py").read_text() == TABULAR_DEF
+    source.unlink()
+    run = run_cli("export.py", "--output_model", model)
+    assert run.returncode == 0, run.stderr[-3000:]
+    manifest = json.loads((tmp_path / "bundle" / "model.json").read_text())
+    assert manifest["files"]["model_def"] == "model.def.py"
+    rows = np.full((2, len(manifest["preprocessing"]["feature_names"])), 13.0, np.float32)
+    rows[1, :5] = np.nan
+    probabilities = onnx_probabilities(model, rows)
+    assert np.isfinite(probabilities).all() and probabilities.shape == (2, 3)
