@@ -33,6 +33,11 @@ ARCHS = {"image_classifier": ("small_cnn", "resnet18", "resnet34", "mobilenet_v3
          "tabular_classifier": ("mlp", "resmlp")}
 # torchvision networks: --pretrained loads their ImageNet weights.
 TORCHVISION_ARCHS = ARCHS["image_classifier"][1:]
+# --validate_atol's default, and the networks that need a looser one: EfficientNet-B0's float32
+# rounding differs between PyTorch and ONNX Runtime by 1.7e-4 on trained digits logits (top-1
+# agreement 100%), above 1e-4, and every other network stays well under it.
+VALIDATE_ATOL = 1e-4
+VALIDATE_ATOL_FOR_ARCH = {"efficientnet_b0": 1e-3}
 # Networks without a Dropout layer: MC-dropout has no masks to sample in them.
 ARCHS_WITHOUT_DROPOUT = ("resnet18", "resnet34")
 # Networks without BatchNorm, and what they normalise with instead: `--ttt_method bn`
@@ -227,9 +232,12 @@ class Config:
                               "teacher", type=parse_bool, metavar="BOOL", scripts="PT")
     # export
     opset: int = opt(18, "ONNX opset version", "export", type=int, scripts="PE")
-    validate_atol: float = opt(1e-4, "largest allowed absolute difference between ONNX Runtime and PyTorch outputs on "
-                               "held-out samples; above it the export fails (exit 4)", "export",
-                               type=float, metavar="ATOL", scripts="PE")
+    validate_atol: float | None = opt(None, "largest allowed absolute difference between ONNX "
+                                      "Runtime and PyTorch outputs on held-out samples; above "
+                                      "it the export fails (exit 4) (default: 1e-4; 1e-3 for "
+                                      "efficientnet_b0, whose float32 rounding over 80 layers "
+                                      "passes 1e-4)", "export", type=float, metavar="ATOL",
+                                      scripts="PE")
     # quantization
     quantize: str = opt("none", "int8 quantization of the exported graph: dynamic (MatMul/Gemm), "
                         "static (QDQ, per-channel, calibrated on training data), auto (static "
@@ -455,7 +463,8 @@ class Config:
     def _validate_export_and_quantization(self) -> None:
         if not 7 <= self.opset <= 23:
             _bad("opset", self.opset, "use an opset between 7 and 23 (18 is the default)")
-        _positive("validate_atol", self.validate_atol)
+        if self.validate_atol is not None:
+            _positive("validate_atol", self.validate_atol)
         _positive("calibration_size", self.calibration_size)
         if not 0 <= self.max_accuracy_drop <= 1:
             _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")

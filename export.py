@@ -240,6 +240,15 @@ def require_finite_outputs(net: torch.nn.Module, probe: np.ndarray, logits: np.n
                       f"a tolerance cannot fix this: {RETRAIN}")
 
 
+def validation_tolerance(config: Config, manifest: dict) -> float:
+    """--validate_atol, or the default for the manifest's network."""
+    from config import VALIDATE_ATOL, VALIDATE_ATOL_FOR_ARCH
+
+    if config.validate_atol is not None:
+        return config.validate_atol
+    return VALIDATE_ATOL_FOR_ARCH.get(manifest["architecture"].get("arch"), VALIDATE_ATOL)
+
+
 def export_example(samples: np.ndarray, kind: str) -> np.ndarray:
     """Two real samples: with a batch (or length) of 1 the exporter would fix that axis."""
     example = samples[:2]
@@ -255,6 +264,7 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
                   members: Sequence[torch.nn.Module] = ()) -> ExportResult:
     """Export → slim → check → validate; only a model that passes every step is written."""
     started = time.perf_counter()
+    config.validate_atol = validation_tolerance(config, manifest)
     net = net.eval()
     output_names = [o["name"] for o in manifest["outputs"]]
     kind = manifest["preprocessing"]["kind"]

@@ -82,6 +82,13 @@ def test_an_imagenet_stem_for_large_images_and_mc_dropout_refused_without_dropou
     small = TorchvisionNet("mobilenet_v3_small", in_channels=1, num_classes=4, small_stem=True)
     assert small.body.features[0][0].stride == (1, 1)
     assert small.body.features[0][0].in_channels == 1
+    from config import Config
+    from export import validation_tolerance
+
+    for arch, atol in (("efficientnet_b0", 1e-3), ("resnet18", 1e-4), (None, 1e-4)):
+        assert validation_tolerance(Config(), {"architecture": {"arch": arch}}) == atol
+    assert validation_tolerance(Config(validate_atol=5e-5),
+                                {"architecture": {"arch": "efficientnet_b0"}}) == 5e-5
     run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--arch", "resnet18",
                   "--iterative", "mc_dropout", "--output_model", tmp_path / "m.onnx")
     assert_clean_failure(run, 2, "--arch resnet18 has no Dropout layer")
