@@ -24,7 +24,7 @@ import numpy as np
 from preprocess import TabularEncoder, Tokenizer, decode_image_file, image_files
 from tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     serving_columns, split_spec, table_format)
-from utils import LOG, ConfigError, DataError, atomic_write_stream, progress
+from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
 
 ROLES = {"text": "text", "tabular": "feature", "image": "image"}  # preprocessing kind → inputs
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
@@ -78,7 +78,7 @@ def _decode_images(paths: Sequence[Path], ids: Sequence[str], labels: Sequence[s
         try:
             pixels.append(decode_image_file(path, preprocessing))
         except Exception as err:  # noqa: BLE001 - any decoder failure is this row's error
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            reason = first_line(err)
             errors.append((ident, f"unreadable image: {reason}"))
             continue
         kept_ids.append(ident)

@@ -22,7 +22,7 @@ import numpy as np
 from preprocess import GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, image_files
 from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_spec)
-from utils import LOG, DataError, progress
+from utils import LOG, DataError, progress, first_line
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
                   "builtin:breast_cancer": "load_breast_cancer"}
@@ -428,7 +428,7 @@ def _decode_split(items: list[_Item], labels: list[str], preprocessing: dict,
             try:
                 pixels = decode_image_file(item.source, preprocessing)
             except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
-                reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                reason = first_line(err)
                 LOG.warning("skipped unreadable image %s: %s", item.source, reason)
                 skipped.append(str(item.source))
                 continue

@@ -25,7 +25,7 @@ from bundle import (BundlePaths, manifest_text, model_def_source, read_manifest,
                     stamp_contract)
 from report import run_with_report
 from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
-                   run_cli, sha256_of, staged_files, stdout_to_stderr)
+                   run_cli, sha256_of, staged_files, stdout_to_stderr, first_line)
 
 if TYPE_CHECKING:  # torch loads only once flags are parsed: --help stays instant
     import torch
@@ -94,7 +94,7 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
                 external_data=False, dynamo=True, optimize=optimize, verbose=debug_enabled())
         return program.model_proto
     except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",
                           "try the default --opset 18, or --log_level DEBUG for details") from None
 
@@ -121,7 +121,7 @@ def check_graph(model: onnx.ModelProto) -> None:
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as err:  # noqa: BLE001 - ValidationError and shape-inference errors
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         raise ExportError(f"onnx.checker rejected the exported graph: {first}",
                           "rerun with --log_level DEBUG and report it") from None
 

@@ -13,7 +13,26 @@ from typing import Callable
 import torch
 from torch import nn
 
-from utils import ConfigError, ExportError, atomic_write, sha256_of
+from utils import ConfigError, ExportError, atomic_write, sha256_of, first_line
+
+
+# The training split's statistics each network normalises with, as buffers (saved in model.pt and
+# folded into the graph); before they are known, the identity.
+IDENTITY_STATISTICS = {"mean": 0.0, "std": 1.0, "median": 0.0}
+
+
+def register_statistics(net: nn.Module, width: int, shape: tuple[int, ...],
+                        **statistics: list[float] | None) -> None:
+    """Register `mean`, `std` and/or `median` buffers of `width` values, viewed as `shape`."""
+    for name, values in statistics.items():
+        net.register_buffer(name, torch.tensor(values or [IDENTITY_STATISTICS[name]] * width)
+                            .view(*shape))
+
+
+def standardised_features(net: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """A table's features with NaN (missing) imputed by the training medians, standardised."""
+    x = torch.where(torch.isnan(features), net.median, features)
+    return (x - net.mean) / net.std
 
 
 def image_architecture(preprocessing: dict, num_classes: int) -> dict:
@@ -40,8 +59,7 @@ class SmallCNN(nn.Module):
                  mean: list[float] | None = None, std: list[float] | None = None,
                  **_: object) -> None:
         super().__init__()
-        self.register_buffer("mean", torch.tensor(mean or [0.0] * in_channels).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.tensor(std or [1.0] * in_channels).view(1, -1, 1, 1))
+        register_statistics(self, in_channels, (1, -1, 1, 1), mean=mean, std=std)
         layers: list[nn.Module] = []
         channels = in_channels
         for stage, width in enumerate(widths):
@@ -105,9 +123,7 @@ class TabularMLP(nn.Module):
                  mean: list[float] | None = None, std: list[float] | None = None,
                  **_: object) -> None:
         super().__init__()
-        self.register_buffer("median", torch.tensor(median or [0.0] * num_features).view(1, -1))
-        self.register_buffer("mean", torch.tensor(mean or [0.0] * num_features).view(1, -1))
-        self.register_buffer("std", torch.tensor(std or [1.0] * num_features).view(1, -1))
+        register_statistics(self, num_features, (1, -1), median=median, mean=mean, std=std)
         layers: list[nn.Module] = []
         width = num_features
         for size in hidden:
@@ -118,8 +134,7 @@ class TabularMLP(nn.Module):
         self.classifier = nn.Linear(width, num_classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        x = torch.where(torch.isnan(features), self.median, features)
-        return self.classifier(self.body((x - self.mean) / self.std))
+        return self.classifier(self.body(standardised_features(self, features)))
 
 
 # ----------------------------------------------------------------------------- more text nets
@@ -221,9 +236,7 @@ class TabularResMLP(nn.Module):
                  mean: list[float] | None = None, std: list[float] | None = None,
                  **_: object) -> None:
         super().__init__()
-        self.register_buffer("median", torch.tensor(median or [0.0] * num_features).view(1, -1))
-        self.register_buffer("mean", torch.tensor(mean or [0.0] * num_features).view(1, -1))
-        self.register_buffer("std", torch.tensor(std or [1.0] * num_features).view(1, -1))
+        register_statistics(self, num_features, (1, -1), median=median, mean=mean, std=std)
         self.stem = nn.Linear(num_features, width)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.BatchNorm1d(width), nn.Linear(width, 2 * width), nn.ReLU(),
@@ -233,8 +246,7 @@ class TabularResMLP(nn.Module):
         self.classifier = nn.Linear(width, num_classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        x = torch.where(torch.isnan(features), self.median, features)
-        x = self.stem((x - self.mean) / self.std)
+        x = self.stem(standardised_features(self, features))
         for block in self.blocks:
             x = x + block(x)
         return self.classifier(self.head(x))
@@ -303,8 +315,7 @@ class TorchvisionNet(nn.Module):
         if normalization == "imagenet":  # grayscale: the channel mean of ImageNet's statistics
             mean = IMAGENET_MEAN if in_channels == 3 else [sum(IMAGENET_MEAN) / 3]
             std = IMAGENET_STD if in_channels == 3 else [sum(IMAGENET_STD) / 3]
-        self.register_buffer("mean", torch.tensor(mean or [0.0] * in_channels).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.tensor(std or [1.0] * in_channels).view(1, -1, 1, 1))
+        register_statistics(self, in_channels, (1, -1, 1, 1), mean=mean, std=std)
         self.body = tv.models.get_model(torchvision, weights=None, num_classes=num_classes)
         _adapt_stem(self.body, in_channels, small_stem)
 
@@ -389,8 +400,9 @@ def import_factory(path: Path, factory: str) -> Callable:
 
 
 def _one_line(err: BaseException) -> str:
-    text = (str(err).strip().splitlines() or [""])[0][:200]
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+    """The user's exception as `Type: message` (its type alone when it has no message)."""
+    text = first_line(err, 200)
+    return f"{type(err).__name__}: {text}" if text != type(err).__name__ else text
 
 
 class UserNetwork(nn.Module):
@@ -407,9 +419,7 @@ class UserNetwork(nn.Module):
         width = (input_spec.get("channels") if self.kind == "image"
                  else input_spec.get("num_features") or 0)
         shape = (1, -1, 1, 1) if self.kind == "image" else (1, -1)
-        self.register_buffer("mean", torch.tensor(mean or [0.0] * width).view(*shape))
-        self.register_buffer("std", torch.tensor(std or [1.0] * width).view(*shape))
-        self.register_buffer("median", torch.tensor(median or [0.0] * width).view(*shape))
+        register_statistics(self, width, shape, mean=mean, std=std, median=median)
         factory = import_factory(model_source({"model_def": model_def}), model_def["factory"])
         try:
             module = factory(num_classes=num_classes, input_spec=dict(input_spec))
@@ -426,8 +436,7 @@ class UserNetwork(nn.Module):
         if self.kind == "image":
             x = (x - self.mean) / self.std
         elif self.kind == "tabular":
-            x = torch.where(torch.isnan(x), self.median, x)
-            x = (x - self.mean) / self.std
+            x = standardised_features(self, x)
         return self.module(x)
 
 
@@ -539,7 +548,7 @@ def load_weights(manifest: dict, path: Path) -> nn.Module:
         state = torch.load(path, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - any failure here means an unusable file
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         raise ExportError(f"cannot load weights {path}: {first}",
                           "re-run train.py or pipeline.py") from None
     return net.eval()

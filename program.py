@@ -31,7 +31,7 @@ from transfer import (Transfer, head_parameters, init_from_file, init_from_pretr
 from tta import build_transforms, random_augment
 from metrics import accuracy
 from utils import (LOG, ConfigError, DataError, TrainingError, progress, raise_if_interrupted,
-                   stdout_to_stderr)
+                   stdout_to_stderr, first_line)
 
 # The DSPy program's input field per preprocessing kind: text programs take the raw text.
 PROGRAM_INPUT = {"image": "image", "text": "text", "tabular": "features"}
@@ -574,7 +574,7 @@ def check_output_shape(net: nn.Module, dataset: Dataset, config: Config) -> None
         with torch.no_grad():
             logits = net.eval()(sample)
     except Exception as err:  # noqa: BLE001 - the user's forward
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        first = first_line(err, 200)
         raise ConfigError(f"--model_def {config.model_def}: its forward failed on a batch of "
                           f"{tuple(sample.shape)} {sample.dtype}: {first}",
                           "make forward take the input_spec the factory was given") from None

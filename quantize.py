@@ -24,7 +24,7 @@ from runtime import (RuntimeOptions, batches_of, create_session, predict_proba, 
                      time_runners)
 from bundle import BundlePaths, read_manifest, record_variant, require_onnx_in_bundle
 from report import run_with_report
-from utils import LOG, ExportError, exit_cli, run_cli, stdout_to_stderr
+from utils import LOG, ExportError, exit_cli, run_cli, stdout_to_stderr, first_line
 
 # Static QDQ only around the weight-heavy ops: quantizing the in-graph preprocessing (raw
 # features, the -1e4 padding fill before text max-pooling) or an embedding Gather costs accuracy
@@ -243,7 +243,7 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, tes
                                          train_x, config)
             int8_bytes = quantized.read_bytes()
         except Exception as err:  # noqa: BLE001 - the quantizer fails in many ways
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            first = first_line(err)
             raise ExportError(f"{mode} quantization failed: {first}",
                               "try --quantize dynamic, or --quantize none") from None
     result = measure_against_fp32(paths.onnx, int8_bytes, config.cpu_runtime(), test_x, test_y,

@@ -17,7 +17,7 @@ import numpy as np
 
 from preprocess import trim_padding
 from utils import (LOG, ConfigError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
-                   stdout_to_stderr)
+                   stdout_to_stderr, first_line)
 
 if TYPE_CHECKING:  # onnxruntime is imported where a session is made: config.py imports this
     import onnxruntime as ort
@@ -180,7 +180,7 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
                                                **(session_args or {}))
     except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
         name = model if isinstance(model, str) else "the exported graph"
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         raise ExportError(f"ONNX Runtime cannot load {name}: {first}",
                           "the file may be truncated or not an ONNX model; re-run export.py "
                           "or pipeline.py") from None

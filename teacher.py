@@ -34,7 +34,8 @@ from data import Dataset, Split  # noqa: E402
 from preprocess import Tokenizer  # noqa: E402
 from tables import (TEXT_NAMES, find_by_name, joined_texts, longest_text_column,  # noqa: E402
                     read_table, resolve_all, split_spec)
-from utils import LOG, ConfigError, DataError, RuntimeFailure, progress, stdout_to_stderr  # noqa: E402
+from utils import (LOG, ConfigError, DataError, RuntimeFailure, first_line,  # noqa: E402
+                   progress, stdout_to_stderr)
 
 MAX_BOOTSTRAP_ERRORS = 5
 ENDPOINT_HINT = ("check --teacher_lm and --teacher_api_base, that the server is up, and the "
@@ -126,7 +127,7 @@ def ask_teacher(program: dspy.Module, lm: dspy.LM, texts: Sequence[str], classes
 
 
 def endpoint_failure(lm: dspy.LM, err: BaseException) -> RuntimeFailure:
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    first = first_line(err)
     return RuntimeFailure(f"the teacher LM {lm.model} failed: {first[:300]}", ENDPOINT_HINT)
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from utils import ConfigError, DataError, sha256_of
+from models import IDENTITY_STATISTICS
+from utils import ConfigError, DataError, first_line, sha256_of
 
 # Buffers that hold this run's data statistics, not learned weights: never overwritten.
-DATA_STATISTICS = ("mean", "std", "median")
+DATA_STATISTICS = tuple(IDENTITY_STATISTICS)
 PREFIXES = ("", "module.", "body.", "net.", "model.", "module.body.")
 SHOWN = 10  # keys listed per kind in the report
 
@@ -56,7 +57,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure: not a weight file we can read
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        first = first_line(err, 200)
         raise DataError(f"cannot read weights {path}: {first}",
                         "pass a .safetensors file or a torch state dict (torch.save("
                         "model.state_dict(), PATH))") from None

@@ -48,6 +48,11 @@ class PipelineError(Exception):
         return f"{text}; {self.hint}" if self.hint else text
 
 
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """An exception's message as one line (its first), or its type's name when it has none."""
+    return ((str(err).strip().splitlines() or [type(err).__name__])[0])[:limit]
+
+
 class ConfigError(PipelineError):
     exit_code = EXIT_USAGE
 
