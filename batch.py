@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from preprocess import TabularEncoder, Tokenizer, decode_image_file, image_files
+from preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     serving_columns, split_spec, table_format)
 from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
@@ -134,7 +134,7 @@ class TableReader:
         self.role = ROLES[self.kind]
         self.fmt = table_format(path, options.dataset_format)
         self.recorded = manifest.get("dataset") or {}
-        self.tokenizer = Tokenizer.from_manifest(manifest["preprocessing"]) \
+        self.tokenizer = text_tokenizer(manifest["preprocessing"]) \
             if self.kind == "text" else None
         self.encoder = TabularEncoder.from_manifest(manifest["preprocessing"]) \
             if self.kind == "tabular" else None
@@ -226,7 +226,7 @@ def stdin_chunks(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None =
     if manifest["preprocessing"]["kind"] != "text":
         raise ConfigError("--input - reads one text per line, and this is a "
                           f"{manifest['model_type']}", "give a file or folder as --input")
-    tokenizer = Tokenizer.from_manifest(manifest["preprocessing"])
+    tokenizer = text_tokenizer(manifest["preprocessing"])
     texts: list[str] = []
     row = 0
     for line in stream or sys.stdin:

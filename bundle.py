@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from preprocess import HF_TOKENIZER, PADDING_ID_KEY, hf_tokenizer_text, register_hf_tokenizer
 from utils import ExportError, sha256_of, staged_files
 
 BUNDLE_FORMAT = "ttc-model-bundle"
@@ -53,12 +54,21 @@ class BundlePaths:
         """The copy of a --model_def network's Python file."""
         return self.onnx.with_suffix(".def.py")
 
+    @property
+    def tokenizer(self) -> Path:
+        """An hf arch's tokenizer (Hugging Face tokenizers' JSON format)."""
+        return self.onnx.with_suffix(".tokenizer.json")
+
+    def side_file(self, key: str) -> Path:
+        """A file the manifest's network or preprocessing needs: "model_def", "tokenizer"."""
+        return {"model_def": self.model_def, "tokenizer": self.tokenizer}[key]
+
     GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble")
 
     def files(self) -> dict[str, Path]:
         """Every file a bundle may hold, by what it is."""
         return {"manifest": self.manifest, "weights": self.weights,
-                "model definition": self.model_def,
+                "model definition": self.model_def, "tokenizer": self.tokenizer,
                 **{f"{key} graph" if key != "onnx" else "graph": self.variant(key)
                    for key in self.GRAPH_KEYS}}
 
@@ -92,7 +102,24 @@ def read_manifest(paths: BundlePaths) -> dict:
     if problem:
         raise ExportError(f"{paths.manifest} is not a valid manifest: {problem}",
                           "re-create the bundle with pipeline.py")
+    register_tokenizer_file(manifest, paths)
     return manifest
+
+
+def register_tokenizer_file(manifest: dict, paths: BundlePaths) -> None:
+    """An hf bundle's tokenizer.json, checked against the manifest's sha256 and registered for
+    preprocess.HFTokenizer."""
+    if manifest["preprocessing"].get("tokenizer") != HF_TOKENIZER:
+        return
+    name = (manifest.get("files") or {}).get("tokenizer")
+    path = paths.manifest.parent / name if name else paths.tokenizer
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ExportError(f"the bundle's tokenizer {path} cannot be read ({err.strerror or err})",
+                          "keep the .tokenizer.json written with the bundle next to its "
+                          "model.json") from None
+    register_hf_tokenizer(text, manifest["preprocessing"]["sha256"])
 
 
 MANIFEST_KEYS = {"format", "format_version", "created", "model_type", "labels", "input",
@@ -218,6 +245,18 @@ def contract_digest(manifest: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def mark_padding_id(model: Any, input_spec: dict) -> Any:
+    """An hf graph records its padding id in its metadata: whoever runs it (runtime.graph_feeder,
+    and the graphs derived from it) builds the attention mask by it."""
+    if input_spec.get("extra_inputs"):
+        kept = [p for p in model.metadata_props if p.key != PADDING_ID_KEY]
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
+        entry = model.metadata_props.add()
+        entry.key, entry.value = PADDING_ID_KEY, str(input_spec["padding_id"])
+    return model
+
+
 def stamp_contract(model: Any, manifest: dict) -> Any:
     """Record the manifest's contract_digest in a graph's metadata (export and quantize do, so
     an edited manifest is caught before ONNX Runtime fails on it, or worse, does not)."""
@@ -226,7 +265,7 @@ def stamp_contract(model: Any, manifest: dict) -> Any:
     model.metadata_props.extend(kept)
     entry = model.metadata_props.add()
     entry.key, entry.value = CONTRACT_KEY, contract_digest(manifest)
-    return model
+    return mark_padding_id(model, manifest["input"])
 
 
 def contract_problem(model: Any, manifest: dict) -> str | None:
@@ -321,6 +360,23 @@ def record_weights(manifest: dict, paths: BundlePaths, digest: str) -> None:
     manifest["files"].update(weights=paths.weights.name, sha256={"weights": digest})
 
 
+def side_files(manifest: dict) -> dict[str, bytes]:
+    """The files besides weights and graphs that a manifest needs in its bundle, by key: a
+    --model_def network's Python file, an hf arch's tokenizer.json."""
+    files = {}
+    source = model_def_source(manifest)
+    if source is not None:
+        files["model_def"] = source.read_bytes()
+    if manifest["preprocessing"].get("tokenizer") == HF_TOKENIZER:
+        files["tokenizer"] = hf_tokenizer_text(manifest["preprocessing"]).encode("utf-8")
+    return files
+
+
+def record_side_file(manifest: dict, paths: BundlePaths, key: str, digest: str) -> None:
+    manifest["files"][key] = paths.side_file(key).name
+    manifest["files"]["sha256"][key] = digest
+
+
 def model_def_source(manifest: dict) -> Path | None:
     """The --model_def file a UserNetwork manifest needs in its bundle (registered in
     models._MODEL_SOURCES by whoever built the network), or None for the built-in networks."""
@@ -331,11 +387,6 @@ def model_def_source(manifest: dict) -> Path | None:
     return model_source(manifest["architecture"])
 
 
-def record_model_def(manifest: dict, paths: BundlePaths, digest: str) -> None:
-    manifest["files"]["model_def"] = paths.model_def.name
-    manifest["files"]["sha256"]["model_def"] = digest
-
-
 def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict[str, dict],
                   hashes: dict[str, str]) -> None:
     """The export figures, and every graph file with its sha256 (`extras`: the extra graphs'
@@ -343,8 +394,9 @@ def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict
     manifest["export"] = export
     manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
                          "sha256": {"onnx": hashes["onnx"], "weights": hashes["weights"]}}
-    if "model_def" in hashes:
-        record_model_def(manifest, paths, hashes["model_def"])
+    for key in ("model_def", "tokenizer"):
+        if key in hashes:
+            record_side_file(manifest, paths, key, hashes[key])
     manifest["extra_graphs"] = {}
     for key, info in extras.items():
         manifest["files"][key] = paths.variant(key).name

@@ -44,10 +44,26 @@ ARCHS_WITHOUT_DROPOUT = ("resnet18", "resnet34")
 # (BatchNorm statistics) has nothing to adapt in them; tent adapts that normalisation's affine
 # parameters (ttt.py), on model.onnx itself.
 ARCHS_WITHOUT_BATCHNORM = {"transformer": "LayerNorm"}
+# --arch hf:NAME_OR_PATH: a Hugging Face model (text); transformers' encoders use LayerNorm.
+HF_PREFIX = "hf:"
+# The peak learning rate when --learning_rate is not given: fine-tuning a pretrained transformer
+# takes the usual 2e-5, training from scratch a hundred times more.
+LEARNING_RATE = 3e-3
+HF_LEARNING_RATE = 2e-5
+
+
+def is_hf_arch(arch: str | None) -> bool:
+    return bool(arch) and arch.startswith(HF_PREFIX)
+
+
+def norm_without_batchnorm(arch: str | None) -> str | None:
+    """What an --arch normalises with when it has no BatchNorm (None: it has BatchNorm, or is
+    not known here)."""
+    return "LayerNorm" if is_hf_arch(arch) else ARCHS_WITHOUT_BATCHNORM.get(arch or "")
 
 
 def no_batchnorm_error(arch: str) -> ConfigError:
-    norm = ARCHS_WITHOUT_BATCHNORM[arch]
+    norm = norm_without_batchnorm(arch)
     return ConfigError(f"--ttt_method bn re-estimates BatchNorm statistics, and --arch {arch} "
                        f"has none (its normalisation is {norm})",
                        f"use --ttt_method tent, which adapts the {norm} affine parameters")
@@ -184,8 +200,10 @@ class Config:
     freeze_epochs: int = opt(0, "train only the classifier head (the last nn.Linear) for the "
                              "first N epochs, then the whole network", "training", type=int,
                              metavar="N", scripts="PT")
-    learning_rate: float = opt(3e-3, "AdamW peak learning rate of the one-cycle schedule (warm-up, then cosine decay)", "training",
-                               type=float, metavar="LR", scripts="PT")
+    learning_rate: float | None = opt(
+        None, "AdamW peak learning rate: of the one-cycle schedule (warm-up, then cosine decay), "
+        "default 3e-3; for hf: archs of linear warm-up (a tenth of the steps) and decay, default "
+        "2e-5", "training", type=float, metavar="LR", scripts="PT")
     weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float, scripts="PT")
     train_augment: bool = opt(True, "light random shifts of training images (images only)",
                               "training", type=parse_bool, metavar="BOOL", scripts="PT")
@@ -420,14 +438,24 @@ class Config:
         _positive("max_length", self.max_length)
 
     def _validate_training(self) -> None:
+        if self.learning_rate is None:
+            self.learning_rate = HF_LEARNING_RATE if is_hf_arch(self.arch) else LEARNING_RATE
         for name in ("epochs", "batch_size", "learning_rate", "num_candidates", "ensemble_size"):
             _positive(name, getattr(self, name))
         if self.weight_decay < 0:
             _bad("weight_decay", self.weight_decay, "use 0 or a small positive number like 1e-4")
         self.learning_rates()
         names = ARCHS.get(self.model_type, ())
-        if self.arch is not None and self.arch not in names:
-            _bad("arch", self.arch, f"a {self.model_type} takes one of: {', '.join(names)}")
+        if is_hf_arch(self.arch):
+            if self.model_type != "text_classifier":
+                _bad("arch", self.arch, "hf:NAME_OR_PATH is a Hugging Face text model: use it "
+                     "with --model_type text_classifier")
+            if not self.arch[len(HF_PREFIX):].strip():
+                _bad("arch", self.arch, "give a hub name or a save_pretrained directory, e.g. "
+                     "hf:distilbert-base-uncased")
+        elif self.arch is not None and self.arch not in names:
+            _bad("arch", self.arch, f"a {self.model_type} takes one of: {', '.join(names)}, "
+                 "or for text hf:NAME_OR_PATH")
         self._validate_network_source()
 
     def _validate_network_source(self) -> None:
@@ -479,7 +507,7 @@ class Config:
                  "count such as 16")
         if self.ttt_reset_every < 0:
             _bad("ttt_reset_every", self.ttt_reset_every, "use 0 (never) or a batch count")
-        if self.ttt and self.ttt_method == "bn" and self.arch in ARCHS_WITHOUT_BATCHNORM:
+        if self.ttt and self.ttt_method == "bn" and norm_without_batchnorm(self.arch):
             raise no_batchnorm_error(self.arch)
         if self.ttt and self.batch_size < 2:
             _bad("batch_size", self.batch_size, "test-time training adapts to batches: use 2 or "

@@ -19,7 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-from preprocess import GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, image_files
+from preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, image_files,
+                        text_tokenizer)
+from config import is_hf_arch
 from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_spec)
 from utils import LOG, DataError, progress, first_line
@@ -48,6 +50,7 @@ class DataOptions:
     channels: int | None = None
     max_vocab: int = 20000
     max_length: int = 256
+    arch: str | None = None  # an hf:NAME_OR_PATH text arch brings its own tokenizer
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     seed: int = 0
@@ -138,7 +141,8 @@ class Dataset:
         if pre["kind"] == "image":
             section.update(image_size=pre["image_size"], channels=pre["channels"])
         elif pre["kind"] == "text":
-            section.update(vocab_size=pre["vocab_size"], max_length=pre["max_length"])
+            section.update(vocab_size=pre["vocab_size"], max_length=pre["max_length"],
+                           tokenizer=pre.get("tokenizer", "words"))
         else:
             section.update(num_features=len(pre["feature_names"]))
         return section
@@ -613,6 +617,10 @@ def dropped_rows(path, reason: str, rows) -> dict:
 def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> dict:
     if len(train_inputs) == 0:
         raise DataError(f"no training rows in {options.path}", "add rows of data")
+    if text and is_hf_arch(options.arch):
+        from hf import hf_source, tokenizer_preprocessing  # torch and transformers: hf only
+
+        return tokenizer_preprocessing(hf_source(options.arch), options.max_length)
     if text:
         tokenizer = Tokenizer.fit(train_inputs, options.max_vocab, options.max_length)
         LOG.info("vocabulary: %d unigrams and bigrams seen at least twice in %d training texts",
@@ -625,7 +633,7 @@ def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> 
 
 def _encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.ndarray:
     if text:
-        return Tokenizer.from_manifest(preprocessing).encode_batch(list(inputs))
+        return text_tokenizer(preprocessing).encode_batch(list(inputs))
     encoder = TabularEncoder.from_manifest(preprocessing)
     missing = [c["name"] for c in encoder.columns if c["name"] not in inputs.columns]
     if missing:

@@ -19,10 +19,10 @@ import onnx
 from config import Config, build_parser, start_cli
 from data import load_bundle_dataset
 from metrics import top1_agreement
-from runtime import RuntimeOptions, create_session
-from preprocess import PAD_ID, trim_padding
-from bundle import (BundlePaths, manifest_text, model_def_source, read_manifest, record_export,
-                    stamp_contract)
+from runtime import RuntimeOptions, create_session, session_feeder
+from preprocess import PAD_ID, text_graph_feed, trim_padding
+from bundle import (BundlePaths, mark_padding_id, manifest_text, read_manifest, record_export,
+                    side_files, stamp_contract)
 from report import run_with_report
 from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of, staged_files, stdout_to_stderr, first_line)
@@ -80,23 +80,37 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
 
     The exporter's progress prints go to stderr."""
     import torch
-    from models import WithProbabilities
+    from models import export_wrapper
 
-    wrapper = WithProbabilities(net) if keep_modes else WithProbabilities(net).eval()
-    sample = torch.from_numpy(np.ascontiguousarray(example))
-    dynamic = {axis: torch.export.Dim(name) for axis, name in enumerate(input_spec["shape"])
-               if isinstance(name, str)}
+    wrapper = export_wrapper(net) if keep_modes else export_wrapper(net).eval()
+    feed = graph_inputs(np.ascontiguousarray(example), input_spec)
+    dims = {name: torch.export.Dim(name, **({"max": input_spec["max_length"]}
+                                             if name == "length" and "max_length" in input_spec
+                                             else {}))
+            for name in input_spec["shape"] if isinstance(name, str)}
+    dynamic = tuple({axis: dims[name] for axis, name in enumerate(input_spec["shape"])
+                     if isinstance(name, str)} for _ in feed)
     try:
         with stdout_to_stderr():
             program = torch.onnx.export(
-                wrapper, (sample,), input_names=[input_spec["name"]],
-                output_names=list(output_names), dynamic_shapes=(dynamic,), opset_version=opset,
-                external_data=False, dynamo=True, optimize=optimize, verbose=debug_enabled())
-        return program.model_proto
+                wrapper, tuple(torch.from_numpy(v) for v in feed.values()),
+                input_names=list(feed), output_names=list(output_names), dynamic_shapes=dynamic,
+                opset_version=opset, external_data=False, dynamo=True, optimize=optimize,
+                verbose=debug_enabled())
+        return mark_padding_id(program.model_proto, input_spec)
     except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
         first = first_line(err)
         raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",
                           "try the default --opset 18, or --log_level DEBUG for details") from None
+
+
+def graph_inputs(x: np.ndarray, input_spec: dict) -> dict[str, np.ndarray]:
+    """The graph's inputs for the pipeline's one input array (an hf graph's attention mask and
+    token types from its ids: preprocess.text_graph_feed)."""
+    extra = [i["name"] for i in input_spec.get("extra_inputs", ())]
+    if not extra:
+        return {input_spec["name"]: x}
+    return text_graph_feed(x, [input_spec["name"], *extra], input_spec["padding_id"])
 
 
 def slim_graph(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -126,46 +140,58 @@ def check_graph(model: onnx.ModelProto) -> None:
                           "rerun with --log_level DEBUG and report it") from None
 
 
-def check_samples(held_out: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+def padding_id(input_spec: dict) -> int | None:
+    """The padding id of a token-id input (None for images and tables)."""
+    return input_spec.get("padding_id", PAD_ID) if input_spec["dtype"] == "int64" else None
+
+
+def check_samples(held_out: np.ndarray, fallback: np.ndarray, input_spec: dict) -> np.ndarray:
     """32-64 real samples, held-out first; topped up from training data for tiny datasets."""
     samples = held_out[:MAX_CHECK_SAMPLES]
+    pad = padding_id(input_spec)
     if len(samples) < MIN_CHECK_SAMPLES:
-        samples = _concat_padded(samples, fallback[: MIN_CHECK_SAMPLES - len(samples)])
+        samples = _concat_padded(samples, fallback[: MIN_CHECK_SAMPLES - len(samples)], pad)
     while len(samples) < MIN_CHECK_SAMPLES:
-        samples = _concat_padded(samples, samples)[:MIN_CHECK_SAMPLES]
+        samples = _concat_padded(samples, samples, pad)[:MIN_CHECK_SAMPLES]
     return np.ascontiguousarray(samples)
 
 
-def _concat_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _concat_padded(a: np.ndarray, b: np.ndarray, pad: int | None) -> np.ndarray:
     """Concatenate along the batch axis; token-id arrays of different lengths are right-padded."""
-    if a.ndim == 2 and a.dtype == np.int64 and a.shape[1] != b.shape[1]:
+    if pad is not None and a.shape[1] != b.shape[1]:
         width = max(a.shape[1], b.shape[1])
-        a, b = (np.pad(t, ((0, 0), (0, width - t.shape[1])), constant_values=PAD_ID) for t in (a, b))
+        a, b = (np.pad(t, ((0, 0), (0, width - t.shape[1])), constant_values=pad) for t in (a, b))
     return np.concatenate([a, b])
 
 
-def validation_probes(samples: np.ndarray, kind: str) -> dict[str, np.ndarray]:
-    """Inputs to compare PyTorch and ONNX Runtime on. For text: the real lengths, every text cut
-    to its first token (length 1), and extra padding (it must not change a prediction)."""
-    if kind != "text":
+def validation_probes(samples: np.ndarray, input_spec: dict) -> dict[str, np.ndarray]:
+    """Inputs to compare PyTorch and ONNX Runtime on. For text: the real lengths (texts longer
+    than the tokenizer's max_length arrive truncated), every text cut to its first token (length
+    1), and extra padding, up to 7 columns within max_length (it must not change a
+    prediction)."""
+    pad = padding_id(input_spec)
+    if pad is None:
         return {"held_out": samples}
-    trimmed = trim_padding(samples)
-    return {"held_out": trimmed, "length_1": np.ascontiguousarray(trimmed[:, :1]),
-            "padded": np.pad(trimmed, ((0, 0), (0, 7)), constant_values=PAD_ID)}
+    trimmed = trim_padding(samples, pad)
+    extra = min(7, input_spec.get("max_length", trimmed.shape[1] + 7) - trimmed.shape[1])
+    probes = {"held_out": trimmed, "length_1": np.ascontiguousarray(trimmed[:, :1])}
+    if extra > 0:
+        probes["padded"] = np.pad(trimmed, ((0, 0), (0, extra)), constant_values=pad)
+    return probes
 
 
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
-                       kind: str, atol: float, batch_size: int, num_threads: int) -> NumericCheck:
+                       input_spec: dict, atol: float, batch_size: int, num_threads: int) -> NumericCheck:
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
     import torch
     from models import WithProbabilities
 
     session = create_session(model.SerializeToString(), RuntimeOptions(intra_op_threads=num_threads))
-    input_name = session.get_inputs()[0].name
+    feed = session_feeder(session)
     wrapper = WithProbabilities(net).eval()
     large = max(2, min(len(samples), batch_size))
     batch_sizes = sorted({1, 7, large})
-    probes = validation_probes(samples, kind)
+    probes = validation_probes(samples, input_spec)
     max_diff, agreement, largest_logit = 0.0, 1.0, 0.0
     outputs: dict[str, list[np.ndarray]] = {}
     for name, probe in probes.items():
@@ -174,7 +200,7 @@ def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np
         require_finite_outputs(net, probe, expected[0], "PyTorch")
         for size in batch_sizes:
             got = [np.concatenate(parts) for parts in zip(*(
-                session.run(None, {input_name: probe[i:i + size]})
+                session.run(None, feed(probe[i:i + size]))
                 for i in range(0, len(probe), size)))]
             require_finite_outputs(net, probe, got[0], "ONNX Runtime")
             max_diff = max(max_diff, *(float(np.abs(g - e).max()) for g, e in zip(got, expected)))
@@ -249,13 +275,14 @@ def validation_tolerance(config: Config, manifest: dict) -> float:
     return VALIDATE_ATOL_FOR_ARCH.get(manifest["architecture"].get("arch"), VALIDATE_ATOL)
 
 
-def export_example(samples: np.ndarray, kind: str) -> np.ndarray:
+def export_example(samples: np.ndarray, input_spec: dict) -> np.ndarray:
     """Two real samples: with a batch (or length) of 1 the exporter would fix that axis."""
     example = samples[:2]
-    if kind == "text":
-        example = trim_padding(example)
+    pad = padding_id(input_spec)
+    if pad is not None:
+        example = trim_padding(example, pad)
         if example.shape[1] < 2:
-            example = np.pad(example, ((0, 0), (0, 1)), constant_values=PAD_ID)
+            example = np.pad(example, ((0, 0), (0, 1)), constant_values=pad)
     return example
 
 
@@ -267,13 +294,12 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
     config.validate_atol = validation_tolerance(config, manifest)
     net = net.eval()
     output_names = [o["name"] for o in manifest["outputs"]]
-    kind = manifest["preprocessing"]["kind"]
-    samples = check_samples(held_out, train_samples)
-    exported = export_graph(net, export_example(samples, kind), config.opset, manifest["input"],
+    samples = check_samples(held_out, train_samples, manifest["input"])
+    exported = export_graph(net, export_example(samples, manifest["input"]), config.opset, manifest["input"],
                             output_names)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
-    check = compare_with_torch(slimmed, net, samples, kind, config.validate_atol,
+    check = compare_with_torch(slimmed, net, samples, manifest["input"], config.validate_atol,
                                config.batch_size, config.num_threads)
     LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, top-1 agreement "
              "%.1f%%", len(exported.graph.node), len(slimmed.graph.node), check.max_abs_diff,
@@ -305,9 +331,9 @@ class ExtraGraph:
 def _max_diff_to(graph: onnx.ModelProto, reference: onnx.ModelProto, samples: np.ndarray,
                  config: Config, manifest: dict, **session_args: object) -> float:
     runtime = RuntimeOptions(intra_op_threads=config.num_threads)
-    probe = validation_probes(samples, manifest["preprocessing"]["kind"])["held_out"]
-    got, expected = (create_session(m.SerializeToString(), runtime).run(
-        ["probabilities"], {manifest["input"]["name"]: probe})[0] for m in (graph, reference))
+    probe = validation_probes(samples, manifest["input"])["held_out"]
+    sessions = [create_session(m.SerializeToString(), runtime) for m in (graph, reference)]
+    got, expected = (s.run(["probabilities"], session_feeder(s)(probe))[0] for s in sessions)
     return float(np.abs(got - expected).max())
 
 
@@ -333,9 +359,8 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
         check_norms_adaptable(net, slimmed)
         return None
-    kind = manifest["preprocessing"]["kind"]
     output_names = [o["name"] for o in manifest["outputs"]]
-    graph = export_graph(net, export_example(samples, kind), config.opset, manifest["input"],
+    graph = export_graph(net, export_example(samples, manifest["input"]), config.opset, manifest["input"],
                          output_names, optimize=False)
     graph = fold_constants(graph)
     check_graph(graph)
@@ -383,14 +408,13 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     dropouts = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if not dropouts:
         return None
-    kind = manifest["preprocessing"]["kind"]
     output_names = [o["name"] for o in manifest["outputs"]]
     sampling = copy.deepcopy(net).eval()
     for module in sampling.modules():
         if isinstance(module, torch.nn.Dropout):
             module.train()
             module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
-    graph = export_graph(sampling, export_example(samples, kind), config.opset,
+    graph = export_graph(sampling, export_example(samples, manifest["input"]), config.opset,
                          manifest["input"], output_names, keep_modes=True)
     check_graph(graph)
     layers = sum(n.op_type == "Dropout" for n in graph.graph.node)  # a module used twice: 2
@@ -413,19 +437,18 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
 
     from iterative import ensemble_model
 
-    kind = manifest["preprocessing"]["kind"]
     output_names = [o["name"] for o in manifest["outputs"]]
-    members = [slim_graph(export_graph(net.eval(), export_example(samples, kind), config.opset,
+    members = [slim_graph(export_graph(net.eval(), export_example(samples, manifest["input"]), config.opset,
                                        manifest["input"], output_names)) for net in nets]
     graph = ensemble_model(members, len(manifest["labels"]))
     check_graph(graph)
-    probe = validation_probes(samples, kind)["held_out"]
+    probe = validation_probes(samples, manifest["input"])["held_out"]
     with torch.no_grad():
         expected = np.mean([WithProbabilities(net).eval()(torch.from_numpy(probe))[1].numpy()
                             for net in nets], axis=0)
     session = create_session(graph.SerializeToString(),
                              RuntimeOptions(intra_op_threads=config.num_threads))
-    got = session.run(["probabilities"], {manifest["input"]["name"]: probe})[0]
+    got = session.run(["probabilities"], session_feeder(session)(probe))[0]
     diff = float(np.abs(got - expected).max())
     _require_close(diff, "ensemble graph (against the PyTorch members' mean)", config)
     LOG.info("ensemble graph: %d members, max |onnx - torch| %.2g", len(nets), diff)
@@ -446,14 +469,12 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
     extras = extras or {}
     weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
     torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, weights)
-    source = model_def_source(manifest)
     with staged_files() as stage:
         hashes = {"weights": sha256_of(stage(paths.weights,
                                              lambda tmp: tmp.write_bytes(weights.getvalue())))}
-        if source is not None:
-            text = source.read_bytes()
-            hashes["model_def"] = sha256_of(stage(paths.model_def,
-                                                  lambda tmp: tmp.write_bytes(text)))
+        for key, data in side_files(manifest).items():
+            hashes[key] = sha256_of(stage(paths.side_file(key),
+                                          lambda tmp, d=data: tmp.write_bytes(d)))
         for key, extra in extras.items():
             graph = stamp_contract(extra.model, manifest)
             hashes[key] = sha256_of(stage(paths.variant(key),

@@ -325,14 +325,14 @@ def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
 
 def without_batchnorm(manifest: dict) -> bool:
     """Whether the bundle's network has no BatchNorm: an --arch known to have none
-    (config.ARCHS_WITHOUT_BATCHNORM), or a bundle whose export listed its extra graphs without
+    (config.norm_without_batchnorm), or a bundle whose export listed its extra graphs without
     model.bn.onnx (export writes it wherever BatchNorm exists). A bundle from before the extra
     graphs counts as having BatchNorm: its missing model.bn.onnx is exit 4 with the command that
     adds it."""
-    from config import ARCHS_WITHOUT_BATCHNORM
+    from config import norm_without_batchnorm
 
     extra = manifest.get("extra_graphs")
-    return (manifest["architecture"].get("arch") in ARCHS_WITHOUT_BATCHNORM
+    return (norm_without_batchnorm(manifest["architecture"].get("arch")) is not None
             or (extra is not None and "bn" not in extra
                 and "bn" not in (manifest.get("files") or {})))
 
@@ -340,12 +340,12 @@ def without_batchnorm(manifest: dict) -> bool:
 def require_ttt_method_applies(method: str, manifest: dict) -> bool:
     """Whether the bundle's network has no BatchNorm; then `--ttt_method bn` alone is exit 2
     (checked before any data is read)."""
-    from config import ARCHS_WITHOUT_BATCHNORM, no_batchnorm_error
+    from config import no_batchnorm_error, norm_without_batchnorm
 
     if not without_batchnorm(manifest):
         return False
     arch = manifest["architecture"].get("arch")
-    if method == "bn" and arch in ARCHS_WITHOUT_BATCHNORM:
+    if method == "bn" and norm_without_batchnorm(arch):
         raise no_batchnorm_error(arch)
     if method == "bn":
         raise ConfigError("--ttt_method bn re-estimates BatchNorm statistics, and this bundle's "

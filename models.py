@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from hf import HFGraph, HFTextNet, hf_architecture, hf_source
 from utils import ConfigError, ExportError, atomic_write, sha256_of, first_line
 
 
@@ -455,11 +456,15 @@ ARCH_KIND = {**{arch: "image" for arch in ("small_cnn", *TORCHVISION_ARCHS)},
 DEFAULT_ARCH = {"image": "small_cnn", "text": "bag", "tabular": "mlp"}
 
 
-def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = None) -> dict:
+def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = None,
+                     labels: Sequence[str] | None = None) -> dict:
     """The manifest's description of the `arch` network (default: the kind's first) for this
     data; build_model turns it into a module."""
     kind = preprocessing["kind"]
     arch = arch or DEFAULT_ARCH[kind]
+    if kind == "text" and hf_source(arch) is not None:
+        return hf_architecture(hf_source(arch), preprocessing, labels or
+                               [str(i) for i in range(num_classes)])
     if ARCH_KIND.get(arch) != kind:
         raise ValueError(f"--arch {arch} is not a {kind} network")
     return {**ARCHITECTURES[arch](preprocessing, num_classes), "arch": arch}
@@ -472,6 +477,15 @@ def input_spec(preprocessing: dict) -> dict:
         height, width = preprocessing["image_size"]
         return {"name": "image", "dtype": "float32", "layout": "NCHW", "range": [0.0, 1.0],
                 "shape": ["batch", preprocessing["channels"], height, width]}
+    if kind == "text" and preprocessing.get("graph_inputs"):  # an hf arch
+        first, *others = preprocessing["graph_inputs"]
+        values = {"attention_mask": f"1 where {first} is not padding_id, else 0",
+                  "token_type_ids": "0 (one segment)"}
+        return {"name": first, "dtype": "int64", "shape": ["batch", "length"],
+                "padding_id": preprocessing["pad_id"],
+                "max_length": preprocessing["max_length"],
+                "extra_inputs": [{"name": name, "dtype": "int64", "shape": ["batch", "length"],
+                                  "value": values[name]} for name in others]}
     if kind == "text":
         return {"name": "token_ids", "dtype": "int64", "shape": ["batch", "length"],
                 "padding_id": 0}
@@ -496,14 +510,22 @@ class WithProbabilities(nn.Module):
 NETWORKS = {"SmallCNN": SmallCNN, "TextClassifier": TextClassifier, "TextCNN": TextCNN,
             "TextTransformer": TextTransformer, "TabularMLP": TabularMLP,
             "TabularResMLP": TabularResMLP, "TorchvisionNet": TorchvisionNet,
-            "UserNetwork": UserNetwork}
+            "UserNetwork": UserNetwork, "HFTextNet": HFTextNet}
 
 
-def build_model(architecture: dict, preprocessing: dict) -> nn.Module:
-    """A fresh network for a manifest's architecture (load `model.pt` into it afterwards)."""
+def build_model(architecture: dict, preprocessing: dict, pretrained: bool = False) -> nn.Module:
+    """A fresh network for a manifest's architecture (load `model.pt` into it afterwards);
+    `pretrained`: an hf network starts from its checkpoint's weights (training does)."""
     cls = NETWORKS[architecture["name"]]
     stats = {k: preprocessing.get(k) for k in ("mean", "std", "median")}
+    if cls is HFTextNet:
+        return cls(**architecture, pretrained=pretrained)
     return cls(**architecture, **stats)
+
+
+def export_wrapper(net: nn.Module) -> nn.Module:
+    """The module torch.onnx.export traces: the graph's inputs in, logits and probabilities out."""
+    return HFGraph(net) if isinstance(net, HFTextNet) else WithProbabilities(net)
 
 
 def register_bundle_model_source(manifest: dict, folder: Path) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 import numpy as np
 
 from tables import IMAGE_EXTENSIONS, category_cells, numeric_cells, numeric_share
-from utils import LOG
+from utils import LOG, ExportError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -193,9 +193,108 @@ class Tokenizer:
                    min_count=spec["min_count"])
 
 
-def trim_padding(ids: np.ndarray) -> np.ndarray:
+HF_TOKENIZER = "huggingface"  # preprocessing["tokenizer"] of an --arch hf:... bundle
+_HF_TOKENIZERS: dict[str, str] = {}  # sha256 → tokenizer.json text, registered in this process
+
+
+def register_hf_tokenizer(text: str, expected: str | None = None) -> str:
+    """Keep a tokenizer.json text under its sha256 (what the manifest names it by); a text whose
+    hash is not `expected` is refused."""
+    import hashlib
+
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if expected and digest != expected:
+        raise ExportError("the bundle's tokenizer does not match its manifest (sha256 differs)",
+                          "restore the tokenizer.json written with the bundle, or re-create the "
+                          "bundle with pipeline.py")
+    _HF_TOKENIZERS[digest] = text
+    return digest
+
+
+def hf_tokenizer_text(preprocessing: dict) -> str:
+    """The registered tokenizer.json of an hf preprocessing spec."""
+    digest = preprocessing["sha256"]
+    if digest not in _HF_TOKENIZERS:
+        raise ExportError("the bundle's tokenizer was not found",
+                          "keep the .tokenizer.json written with the bundle next to its "
+                          "model.json")
+    return _HF_TOKENIZERS[digest]
+
+
+@dataclass
+class HFTokenizer:
+    """A Hugging Face fast tokenizer (the Rust `tokenizers` library, no torch, no transformers):
+    truncation at `max_length` and right padding with `pad_id` are part of its tokenizer.json, so
+    a deployment that loads that file alone tokenizes the same way. Special tokens written in a
+    text ("[SEP]") are tokenized as text, so the padding id only ever means padding."""
+
+    backend: object  # tokenizers.Tokenizer
+    spec: dict
+
+    @classmethod
+    def from_manifest(cls, spec: dict) -> "HFTokenizer":
+        from tokenizers import Tokenizer as RustTokenizer
+
+        backend = RustTokenizer.from_str(hf_tokenizer_text(spec))
+        configure_hf_backend(backend, spec)
+        return cls(backend, spec)
+
+    @property
+    def max_length(self) -> int:
+        return self.spec["max_length"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec["vocab_size"]
+
+    def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
+        """int64 (N, longest) input ids, right-padded with the pad id; batch encoding in Rust."""
+        if not len(texts):
+            return np.zeros((0, 1), dtype=np.int64)
+        encodings = self.backend.encode_batch_fast(list(texts))
+        return np.array([e.ids for e in encodings], dtype=np.int64)
+
+
+def configure_hf_backend(backend, spec: dict) -> None:
+    """Truncation, padding and the literal reading of special-token text, as the spec says."""
+    backend.enable_truncation(spec["max_length"])
+    backend.enable_padding(pad_id=spec["pad_id"], pad_token=spec["pad_token"])
+    backend.encode_special_tokens = True
+
+
+def text_tokenizer(preprocessing: dict) -> "Tokenizer | HFTokenizer":
+    """The tokenizer a text bundle was trained with: ours, or a Hugging Face one."""
+    if preprocessing.get("tokenizer") == HF_TOKENIZER:
+        return HFTokenizer.from_manifest(preprocessing)
+    return Tokenizer.from_manifest(preprocessing)
+
+
+PADDING_ID_KEY = "padding_id"  # graph metadata: the pad id an hf graph's attention mask follows
+
+
+def text_graph_feed(ids: np.ndarray, input_names: Sequence[str], pad_id: int
+                    ) -> dict[str, np.ndarray]:
+    """An hf graph's inputs from right-padded token ids: attention_mask 1 where the id is not
+    padding, token_type_ids 0 (one segment). The rule HFTextNet applies in PyTorch."""
+    feed = {input_names[0]: ids}
+    if "attention_mask" in input_names:
+        feed["attention_mask"] = (ids != pad_id).astype(np.int64)
+    if "token_type_ids" in input_names:
+        feed["token_type_ids"] = np.zeros_like(ids)
+    return feed
+
+
+def real_tokens(ids: np.ndarray, preprocessing: dict) -> np.ndarray:
+    """Where `ids` holds a text's own tokens: not padding, and not the [CLS]/[SEP]-like special
+    tokens a Hugging Face tokenizer adds (which token-level TTA and corruptions leave alone)."""
+    real = ids != preprocessing.get("pad_id", PAD_ID)
+    special = [i for i in preprocessing.get("special_ids", ()) if i != preprocessing.get("unk_id")]
+    return real & ~np.isin(ids, special) if special else real
+
+
+def trim_padding(ids: np.ndarray, pad_id: int = PAD_ID) -> np.ndarray:
     """Drop the all-padding columns at the right of a batch of token ids (at least one kept)."""
-    used = np.flatnonzero((ids != PAD_ID).any(axis=0))
+    used = np.flatnonzero((ids != pad_id).any(axis=0))
     return ids[:, : (used[-1] + 1 if len(used) else 1)]
 
 

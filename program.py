@@ -8,6 +8,7 @@ train_classifier; importing this module imports torch and dspy.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -25,7 +26,7 @@ from torch import nn
 from config import Config
 from data import Dataset, Split
 from models import architecture_for, build_model, count_parameters, user_architecture
-from preprocess import Tokenizer
+from preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
 from transfer import (Transfer, head_parameters, init_from_file, init_from_pretrained,
                       require_pretrained_file)
 from tta import build_transforms, random_augment
@@ -45,12 +46,13 @@ class ClassifierProgram(dspy.Module):
     label and confidence out. Text programs tokenize inside, so the program is text -> label."""
 
     def __init__(self, net: nn.Module, labels: Sequence[str], input_field: str,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | HFTokenizer | None = None, pad_id: int = PAD_ID) -> None:
         super().__init__()
         self.net = net
         self.labels = list(labels)
         self.input_field = input_field
         self.tokenizer = tokenizer
+        self.pad_id = pad_id
 
     def encode(self, values: Sequence) -> np.ndarray:
         """Program inputs → the network's input array."""
@@ -65,10 +67,24 @@ class ClassifierProgram(dspy.Module):
 
     def predict_proba(self, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
         self.net.eval()
+        device = next(self.net.parameters()).device
         with torch.no_grad():
-            chunks = [torch.softmax(self.net(torch.from_numpy(pixels[i:i + batch_size])), -1)
+            chunks = [torch.softmax(self.net(network_batch(pixels[i:i + batch_size], self.pad_id,
+                                                           device)), -1).float().cpu()
                       for i in range(0, len(pixels), batch_size)]
         return torch.cat(chunks).numpy()
+
+
+def network_batch(x: np.ndarray | torch.Tensor, pad_id: int, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor:
+    """A batch as the network takes it: token ids without the padding columns no text in the
+    batch needs (texts are padded to the longest of a whole split, and a transformer's cost
+    grows with the length), on `device`."""
+    if x.ndim == 2 and x.dtype in (np.int64, torch.int64) and len(x):
+        x = trim_padding(np.asarray(x), pad_id)
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    return x.to(device)
 
 
 def to_examples(split: Split, labels: Sequence[str], field: str) -> list[dspy.Example]:
@@ -199,6 +215,10 @@ def check_finite_inputs(dataset: Dataset) -> None:
                     f"({where})", "remove or re-save those images")
 
 
+WARMUP_SHARE = 0.1  # fine-tuning: the share of steps the learning rate warms up over
+CLIP_NORM = 1.0  # fine-tuning: gradients clipped to this norm
+
+
 @dataclass
 class EpochRecord:
     epoch: int
@@ -209,7 +229,10 @@ class EpochRecord:
 
 
 class WeightTrainer(Teleprompter):
-    """A DSPy optimizer for a program's torch weights: AdamW with a one-cycle schedule.
+    """A DSPy optimizer for a program's torch weights: AdamW with a one-cycle schedule, or for
+    fine-tuning a pretrained transformer (`fine_tune`) the standard recipe: linear warm-up over
+    the first tenth of the steps, linear decay to zero, gradients clipped to norm 1, on a GPU
+    when there is one, with mixed precision there.
 
     Each epoch is scored by dspy.Evaluate on the validation set; the best epoch's weights win.
     A loss that is not finite (checked every batch) or weights that are not (checked every epoch
@@ -218,8 +241,11 @@ class WeightTrainer(Teleprompter):
 
     def __init__(self, metric: Callable, *, epochs: int, batch_size: int, learning_rate: float,
                  weight_decay: float, augment: bool, seed: int, show_progress: bool = True,
-                 view_transforms: Sequence = (), freeze_epochs: int = 0) -> None:
+                 view_transforms: Sequence = (), freeze_epochs: int = 0,
+                 fine_tune: bool = False, pad_id: int = PAD_ID) -> None:
         super().__init__()
+        self.fine_tune, self.pad_id = fine_tune, pad_id
+        self.device = torch.device("cuda" if fine_tune and torch.cuda.is_available() else "cpu")
         self.freeze_epochs = freeze_epochs  # epochs that train the classifier head alone
         # TTA transforms to train on (their random forms), so that test-time views are in
         # distribution.
@@ -244,8 +270,8 @@ class WeightTrainer(Teleprompter):
         steps_per_epoch = max(1, len(x) // self.batch_size + (len(x) % self.batch_size > 1))
         optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
                                       weight_decay=self.weight_decay)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=self.learning_rate, total_steps=self.epochs * steps_per_epoch)
+        schedule = self._schedule(optimizer, self.epochs * steps_per_epoch)
+        program.net.to(self.device)
         max_shift = max(1, round(min(x.shape[2:]) / 8)) if self.augment else 0
         best_score, best_state = -1.0, None
         for epoch in range(1, self.epochs + 1):
@@ -267,9 +293,26 @@ class WeightTrainer(Teleprompter):
                 best_score, self.best_epoch = score, epoch
                 best_state = copy.deepcopy(program.net.state_dict())
         program.net.load_state_dict(best_state)
-        program.net.eval()
+        program.net.cpu().eval()
         self._check_weights(program.net, self.best_epoch)
         return program
+
+    def _schedule(self, optimizer, total_steps: int):
+        """One-cycle (warm-up, cosine decay); for fine-tuning, linear warm-up then decay."""
+        if not self.fine_tune:
+            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.learning_rate,
+                                                       total_steps=total_steps)
+        warmup = max(1, round(WARMUP_SHARE * total_steps))
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min((step + 1) / warmup,
+                                        max(0.0, (total_steps - step) / max(1, total_steps - warmup))))
+
+    def _precision(self):
+        """Mixed precision on a GPU only: bfloat16 autocast where the GPU has it (no loss scaling
+        needed); float32 on older GPUs and on the CPU."""
+        if self.device.type != "cuda" or not torch.cuda.is_bf16_supported():
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16)
 
     def _freeze_body(self, net: nn.Module, frozen: bool) -> None:
         """--freeze_epochs: gradients for the head only (a parameter without a gradient is
@@ -314,8 +357,9 @@ class WeightTrainer(Teleprompter):
             if self.view_transforms:
                 inputs = torch.from_numpy(random_augment(inputs.numpy(), self.view_transforms,
                                                          self.view_rng))
-            logits = net(inputs)
-            loss = F.cross_entropy(logits, y[batch])
+            with self._precision():
+                logits = net(network_batch(inputs, self.pad_id, self.device))
+                loss = F.cross_entropy(logits.float(), y[batch].to(self.device))
             value = loss.detach().item()
             if not math.isfinite(value):  # the inputs are finite (check_finite_inputs)
                 bar.close()
@@ -323,10 +367,12 @@ class WeightTrainer(Teleprompter):
                                        self.learning_rate, self.seed)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if self.fine_tune:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP_NORM)
             optimizer.step()
             schedule.step()
             total_loss += value * len(batch)
-            correct += int((logits.argmax(1) == y[batch]).sum())
+            correct += int((logits.argmax(1).cpu() == y[batch]).sum())
             seen += len(batch)
             bar.set_postfix(loss=f"{total_loss / seen:.4f}")
         return total_loss / seen, correct / seen
@@ -482,16 +528,18 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     kind = dataset.preprocessing["kind"]
     architecture = network_architecture(config, dataset)
     field = PROGRAM_INPUT[kind]
-    tokenizer = Tokenizer.from_manifest(dataset.preprocessing) if kind == "text" else None
+    tokenizer = text_tokenizer(dataset.preprocessing) if kind == "text" else None
+    pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
+    fine_tune = architecture["name"] == "HFTextNet"
     transfers: list[Transfer] = []
 
     def make_student(seed: int) -> ClassifierProgram:
         torch.manual_seed(seed)
-        net = build_model(architecture, dataset.preprocessing)
+        net = build_model(architecture, dataset.preprocessing, pretrained=True)
         transfer = starting_weights(config, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
-        return ClassifierProgram(net, dataset.labels, field, tokenizer)
+        return ClassifierProgram(net, dataset.labels, field, tokenizer, pad_id)
 
     first = make_student(config.seed).net
     check_output_shape(first, dataset, config)
@@ -517,7 +565,8 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
                              learning_rate=learning_rate, weight_decay=config.weight_decay,
                              augment=config.train_augment and kind == "image", seed=seed,
                              show_progress=not config.no_progress, view_transforms=views,
-                             freeze_epochs=config.freeze_epochs)
+                             freeze_epochs=config.freeze_epochs, fine_tune=fine_tune,
+                             pad_id=pad_id)
 
     search = CandidateSearch(label_match, make_student, make_trainer, config.learning_rates(),
                              [config.seed + k for k in range(config.num_candidates)])
@@ -549,7 +598,8 @@ def network_architecture(config: Config, dataset: Dataset) -> dict:
         path, factory = config.model_def_parts()
         return user_architecture(path.resolve(), factory, dataset.preprocessing,
                                  len(dataset.labels))
-    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch)
+    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch,
+                                    dataset.labels)
     if config.pretrained:
         require_pretrained_file(config.arch)  # before any training: exit 3 with the path
         architecture["normalization"] = "imagenet"
@@ -589,5 +639,5 @@ def check_output_shape(net: nn.Module, dataset: Dataset, config: Config) -> None
 def split_accuracy(net: nn.Module, split: Split) -> float | None:
     if len(split) == 0:
         return None
-    program = ClassifierProgram(net, [], "")
+    program = ClassifierProgram(net, [], "", pad_id=getattr(net, "pad_id", PAD_ID))
     return accuracy(program.predict_proba(split.x), split.y)

@@ -20,9 +20,10 @@ import onnx
 
 from config import Config, build_parser, start_cli
 from metrics import accuracy, top1_agreement
-from runtime import (RuntimeOptions, batches_of, create_session, predict_proba, session_runner,
-                     time_runners)
-from bundle import BundlePaths, read_manifest, record_variant, require_onnx_in_bundle
+from runtime import (Feeder, RuntimeOptions, batches_of, create_session, model_feeder,
+                     predict_proba, session_runner, time_runners)
+from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
+                    stamp_contract)
 from report import run_with_report
 from utils import LOG, ExportError, exit_cli, run_cli, stdout_to_stderr, first_line
 
@@ -120,7 +121,7 @@ def gemm_to_matmul(model: onnx.ModelProto) -> int:
     return rewritten
 
 
-def make_calibration_reader(input_name: str, x: np.ndarray, size: int, seed: int):
+def make_calibration_reader(feed: Feeder, x: np.ndarray, size: int, seed: int):
     from onnxruntime.quantization import CalibrationDataReader
 
     class SplitReader(CalibrationDataReader):
@@ -128,7 +129,7 @@ def make_calibration_reader(input_name: str, x: np.ndarray, size: int, seed: int
 
         def __init__(self) -> None:
             rows = np.random.default_rng(seed).permutation(len(x))[:size]
-            self._batches = iter([{input_name: b} for b in batches_of(x[np.sort(rows)], 32)])
+            self._batches = iter([feed(b) for b in batches_of(x[np.sort(rows)], 32)])
 
         def get_next(self):
             return next(self._batches, None)
@@ -136,7 +137,7 @@ def make_calibration_reader(input_name: str, x: np.ndarray, size: int, seed: int
     return SplitReader()
 
 
-def quantize_graph(src: Path, dst: Path, mode: str, input_name: str, calibration_x: np.ndarray,
+def quantize_graph(src: Path, dst: Path, mode: str, calibration_x: np.ndarray,
                    config: Config) -> dict | None:
     """Write the int8 graph for `mode` to dst; return the calibration details (static)."""
     from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
@@ -157,7 +158,8 @@ def quantize_graph(src: Path, dst: Path, mode: str, input_name: str, calibration
                 return None
             method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                       "percentile": CalibrationMethod.Percentile}[config.calibration_method]
-            reader = make_calibration_reader(input_name, calibration_x, config.calibration_size,
+            reader = make_calibration_reader(model_feeder(onnx.load(str(src))), calibration_x,
+                                             config.calibration_size,
                                              config.seed)
             quantize_static(str(prepared), str(dst), reader, quant_format=QuantFormat.QDQ,
                             per_channel=True, activation_type=QuantType.QUInt8,
@@ -239,9 +241,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, tes
     with tempfile.TemporaryDirectory(dir=paths.onnx.parent) as tmp:
         quantized = Path(tmp) / "model.int8.onnx"
         try:
-            calibration = quantize_graph(paths.onnx, quantized, mode, manifest["input"]["name"],
-                                         train_x, config)
-            int8_bytes = quantized.read_bytes()
+            calibration = quantize_graph(paths.onnx, quantized, mode, train_x, config)
+            int8_bytes = stamp_contract(onnx.load(str(quantized)), manifest).SerializeToString()
         except Exception as err:  # noqa: BLE001 - the quantizer fails in many ways
             first = first_line(err)
             raise ExportError(f"{mode} quantization failed: {first}",
@@ -268,7 +269,7 @@ def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: 
     require_onnx_in_bundle(paths, manifest)
     with stdout_to_stderr():
         half = convert_float_to_float16(onnx.load(str(paths.onnx)), keep_io_types=True)
-    data = half.SerializeToString()
+    data = stamp_contract(half, manifest).SerializeToString()
     result = measure_against_fp32(paths.onnx, data, config.runtime(), test_x, test_y,
                                   config.batch_size, mode="fp16", requested="fp16",
                                   path=str(paths.fp16))

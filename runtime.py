@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from preprocess import trim_padding
+from preprocess import PADDING_ID_KEY, text_graph_feed, trim_padding
 from utils import (LOG, ConfigError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
                    stdout_to_stderr, first_line)
 
@@ -222,6 +222,38 @@ def batches_of(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
         out = [np.ascontiguousarray(trim_padding(b)) for b in out]
     return out
 
+# ----------------------------------------------------------------------------- feeding
+
+TEXT_COMPANIONS = ("attention_mask", "token_type_ids")  # what an hf graph takes besides its ids
+Feeder = Callable[[np.ndarray], dict]
+
+
+def graph_feeder(input_names: Sequence[str], metadata: dict[str, str]) -> Feeder:
+    """A batch of the pipeline's one input array → the graph's feed. A transformers graph
+    (--arch hf:...) also takes an attention mask (and token types), derived from the ids by the
+    padding id its metadata records (preprocess.text_graph_feed)."""
+    names = list(input_names)
+    companions = [n for n in names[1:] if n in TEXT_COMPANIONS]
+    if not companions:
+        return lambda batch: {names[0]: batch}
+    if PADDING_ID_KEY not in metadata:
+        raise ExportError(f"the graph takes {', '.join(companions)} but its metadata has no "
+                          f"{PADDING_ID_KEY}", "re-export it with export.py or pipeline.py")
+    text_names, pad_id = [names[0], *companions], int(metadata[PADDING_ID_KEY])
+    return lambda batch: text_graph_feed(batch, text_names, pad_id)
+
+
+def session_feeder(session: ort.InferenceSession) -> Feeder:
+    return graph_feeder([i.name for i in session.get_inputs()],
+                        session.get_modelmeta().custom_metadata_map)
+
+
+def model_feeder(model) -> Feeder:
+    """The feeder of an onnx.ModelProto (before a session exists: calibration)."""
+    initializers = {t.name for t in model.graph.initializer}
+    return graph_feeder([i.name for i in model.graph.input if i.name not in initializers],
+                        {p.key: p.value for p in model.metadata_props})
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -239,12 +271,13 @@ def iobinding_runner(session: ort.InferenceSession, device: str, device_id: int 
     there by ORT, instead of session.run's own copies (what matters on CUDA)."""
     import onnxruntime as ort
 
-    name = session.get_inputs()[0].name
+    feed = session_feeder(session)
     binding = session.io_binding()
 
     def run(batch: np.ndarray) -> np.ndarray:
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(batch, device,
-                                                                           device_id))
+        for name, value in feed(batch).items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device,
+                                                                               device_id))
         binding.bind_output(output, device, device_id)
         session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0]
@@ -257,14 +290,14 @@ def session_runner(session: ort.InferenceSession, output: str = "probabilities",
     """A batch → probabilities; through IOBinding when a GPU provider runs the session. A graph
     with a `state` input is run `state_passes` times, fed its own `state_out` (zeros first)."""
     state = state_input(session)
+    feed = session_feeder(session)
     if state is not None:
-        name = session.get_inputs()[0].name
 
         def run_with_state(batch: np.ndarray) -> np.ndarray:
             current = np.zeros((len(batch), *state), dtype=np.float32)
             for _ in range(state_passes):
                 probabilities, current = session.run([output, STATE_OUTPUT],
-                                                     {name: batch, STATE_INPUT: current})
+                                                     {**feed(batch), STATE_INPUT: current})
             return probabilities
 
         return run_with_state
@@ -273,8 +306,7 @@ def session_runner(session: ort.InferenceSession, output: str = "probabilities",
         provider = session.get_providers()[0]
         options = session.get_provider_options().get(provider, {})
         return iobinding_runner(session, device, int(options.get("device_id", 0)), output)
-    name = session.get_inputs()[0].name
-    return lambda batch: session.run([output], {name: batch})[0]
+    return lambda batch: session.run([output], feed(batch))[0]
 
 
 def state_input(session: ort.InferenceSession) -> list[int] | None:

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from dspy.utils.exceptions import AdapterParseError, LMError  # noqa: E402
 
 from data import Dataset, Split  # noqa: E402
-from preprocess import Tokenizer  # noqa: E402
+from preprocess import HF_TOKENIZER, HFTokenizer, Tokenizer, text_tokenizer  # noqa: E402
 from tables import (TEXT_NAMES, find_by_name, joined_texts, longest_text_column,  # noqa: E402
                     read_table, resolve_all, split_spec)
 from utils import (LOG, ConfigError, DataError, RuntimeFailure, first_line,  # noqa: E402
@@ -197,12 +197,16 @@ def new_texts(texts: Sequence[str], dataset: Dataset) -> tuple[list[str], int]:
 
 def with_teacher_labels(dataset: Dataset, texts: Sequence[str], labels: Sequence[str],
                         max_vocab: int, max_length: int) -> Dataset:
-    """The dataset with the teacher-labelled texts added to its training split; the vocabulary
-    is refitted on all training texts (the new words are half of what the teacher brings)."""
+    """The dataset with the teacher-labelled texts added to its training split; our vocabulary
+    is refitted on all training texts (the new words are half of what the teacher brings), a
+    Hugging Face tokenizer is kept as it is."""
     index = {label: i for i, label in enumerate(dataset.labels)}
     train = dataset.train
     raw = list(train.raw) + list(texts)
-    tokenizer = Tokenizer.fit(raw, max_vocab, max_length)
+    if dataset.preprocessing.get("tokenizer") == HF_TOKENIZER:
+        tokenizer = text_tokenizer(dataset.preprocessing)
+    else:
+        tokenizer = Tokenizer.fit(raw, max_vocab, max_length)
     y = np.concatenate([train.y, np.array([index[label] for label in labels], dtype=np.int64)])
     ids = list(train.ids) + [f"teacher:{i}" for i in range(len(texts))]
     splits = {"train": Split(tokenizer.encode_batch(raw), y, ids, raw)}
@@ -210,7 +214,9 @@ def with_teacher_labels(dataset: Dataset, texts: Sequence[str], labels: Sequence
         if name != "train":
             splits[name] = Split(tokenizer.encode_batch(list(split.raw)), split.y, split.ids,
                                  split.raw)
-    return replace(dataset, preprocessing=tokenizer.to_manifest(), splits=splits,
+    preprocessing = (dataset.preprocessing if isinstance(tokenizer, HFTokenizer)
+                     else tokenizer.to_manifest())
+    return replace(dataset, preprocessing=preprocessing, splits=splits,
                    counts={**dataset.counts, "train": len(y)})
 
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from config import Config, build_parser, start_cli
 from data import Dataset, DataOptions, load_dataset
-from bundle import (BundlePaths, manifest_text, model_def_source, new_manifest,
-                    record_model_def, record_weights)
+from bundle import (BundlePaths, manifest_text, new_manifest, record_side_file, record_weights,
+                    side_files)
 from report import run_with_report
 from utils import (LOG, atomic_write, atomic_write_text, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of)
@@ -114,11 +114,10 @@ def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
 
     manifest = build_manifest(config, trained, dataset, teacher)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))
-    source = model_def_source(manifest)
-    if source is not None:  # the bundle keeps the --model_def file: export and Tent rebuild from it
-        text = source.read_bytes()
-        atomic_write(paths.model_def, lambda tmp: tmp.write_bytes(text))
-        record_model_def(manifest, paths, sha256_of(paths.model_def))
+    # the bundle keeps the --model_def file (export and Tent rebuild from it) and an hf tokenizer
+    for key, data in side_files(manifest).items():
+        atomic_write(paths.side_file(key), lambda tmp, d=data: tmp.write_bytes(d))
+        record_side_file(manifest, paths, key, sha256_of(paths.side_file(key)))
     atomic_write_text(paths.manifest, manifest_text(manifest))
     return manifest
 

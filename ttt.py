@@ -37,7 +37,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from metrics import accuracy, entropy
-from runtime import batches_of, best_of
+from runtime import batches_of, best_of, model_feeder
 from tta_graph import GraphNodes
 from utils import LOG, ConfigError, ExportError
 
@@ -274,7 +274,7 @@ class AdaptationGraph:
         else:
             rewritten, self.layers = affine_norm_model(model)
         self.session = make_session(rewritten.SerializeToString())
-        self.input_name = model.graph.input[0].name
+        self.feed = model_feeder(model)
         self.outputs = ["probabilities"] + [n for layer in self.layers if self.batchnorm
                                             for n in (layer.adapted_mean, layer.adapted_var)]
 
@@ -307,7 +307,7 @@ class AdaptationGraph:
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(probabilities, {stored-statistic name: adapted value}) for one batch; without
         BatchNorm there are no statistics and `prior` is ignored."""
-        feed = {self.input_name: x, **params}
+        feed = {**self.feed(x), **params}
         if self.batchnorm:
             feed[PRIOR] = np.array([prior], np.float32)
         probabilities, *stats = self.session.run(self.outputs, feed)

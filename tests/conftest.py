@@ -209,3 +209,56 @@ def tabular_bundle(tmp_path_factory) -> dict:
     return pipeline_bundle(out, "--model_type", "tabular_classifier", "--dataset_path",
                            out / "train.csv", "--label_column", "kind", "--test_path",
                            out / "test.csv", *TABLE_TRAINING)
+
+
+def tiny_hf_model(folder: Path, texts: list[str], *, pad_token: str = "[PAD]") -> Path:
+    """A tiny BERT (2 layers, hidden 32) with a WordPiece tokenizer trained on `texts`, written
+    by save_pretrained as a hub checkpoint would be: what `--arch hf:<folder>` loads. No
+    download: the weights are random, so training them is training from scratch."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    specials = [pad_token, "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    if pad_token != "[PAD]":  # the pad id is not 0: e.g. RoBERTa's <pad> is 1
+        specials = ["[UNK]", pad_token, "[CLS]", "[SEP]", "[MASK]"]
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=300,
+                                                                 special_tokens=specials))
+    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                        pad_token=pad_token, cls_token="[CLS]",
+                                        sep_token="[SEP]", mask_token="[MASK]",
+                                        model_max_length=64)
+    tokenizer.save_pretrained(folder)
+    config = BertConfig(vocab_size=backend.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                        pad_token_id=tokenizer.pad_token_id)
+    import torch
+
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory) -> Path:
+    """tiny_hf_model trained on topic_texts(): `--arch hf:<this folder>`."""
+    return tiny_hf_model(tmp_path_factory.mktemp("tiny_bert"), [t for t, _ in topic_texts()])
+
+
+@pytest.fixture(scope="session")
+def hf_bundle(tmp_path_factory, hf_model_dir) -> dict:
+    """The tiny BERT fine-tuned on topic_texts() through the whole pipeline, with dynamic int8:
+    the bundle the transformers tests inspect."""
+    out = tmp_path_factory.mktemp("hf")
+    lines = ["text,label"] + [f'"{t}",{label}' for t, label in topic_texts()]
+    (out / "texts.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return pipeline_bundle(out, "--model_type", "text_classifier", "--dataset_path",
+                           out / "texts.csv", "--arch", f"hf:{hf_model_dir}",
+                           "--learning_rate", "3e-3", "--epochs", "8", "--batch_size", "16",
+                           "--quantize", "dynamic")

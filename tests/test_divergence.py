@@ -201,7 +201,8 @@ def linear_graph():
 def _compare(net, graph, samples):
     from export import compare_with_torch
 
-    return compare_with_torch(graph, net, samples, "tabular", 1e-4, 64, 1)
+    spec = {"name": "features", "dtype": "float32", "shape": ["batch", 4]}
+    return compare_with_torch(graph, net, samples, spec, 1e-4, 64, 1)
 
 
 def test_numeric_check_sorts_non_finite_and_huge_outputs_by_cause(linear_graph):
