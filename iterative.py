@@ -24,6 +24,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from metrics import accuracy, accuracy_at_coverage, entropy, expected_calibration_error, nll
+from preprocess import PADDING_ID_KEY
 from tta_graph import GraphNodes
 from utils import LOG, ConfigError
 
@@ -61,31 +62,42 @@ def _finish(model: onnx.ModelProto, outputs: list[tuple[str, list]]) -> onnx.Mod
     return model
 
 
-def shared_prefix(model: onnx.ModelProto) -> tuple[int, str]:
+def runtime_inputs(graph: onnx.GraphProto) -> list[str]:
+    """The inputs a run feeds (an hf graph's input_ids, attention_mask, token_type_ids), not
+    the initializers a graph may also list as inputs."""
+    initializers = {i.name for i in graph.initializer}
+    return [i.name for i in graph.input if i.name not in initializers]
+
+
+def shared_prefix(model: onnx.ModelProto) -> tuple[int, str | None]:
     """Where the passes can start: (index of the first Dropout node, its input tensor). Nothing
     before the first Dropout is random, so that part runs once and only the rest K times; the
     digits CNN's Dropout sits after all its convolutions. If a node after it reads a tensor made
-    before it (other than constants), the passes start at the graph input: (0, input)."""
+    before it (other than constants) or a graph input (an hf graph's attention mask), the passes
+    start at the graph inputs: (0, None)."""
     nodes = list(model.graph.node)
     first = next(i for i, n in enumerate(nodes) if n.op_type == "Dropout")
     start = nodes[first].input[0]
     made_before = {o for n in nodes[:first] if n.op_type != "Constant" for o in n.output}
+    made_before.update(runtime_inputs(model.graph))
     for node in nodes[first:]:
         if any(name in made_before and name != start for name in node.input):
-            return 0, model.graph.input[0].name
+            return 0, None
     return first, start
 
 
 def batched_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx.ModelProto:
-    """K copies stacked along the batch axis where the passes start (shared_prefix), the rest
-    of the model run once over them, the probabilities reshaped to (K, N, classes)."""
+    """K copies stacked along the batch axis where the passes start (shared_prefix: the first
+    Dropout's input, or every graph input), the rest of the model run once over them, the
+    probabilities reshaped to (K, N, classes)."""
     out = copy.deepcopy(model)
     graph = out.graph
     first, start = shared_prefix(out)
     nodes = GraphNodes("mc_batched")
-    stacked = nodes.op("Concat", [start] * passes, axis=0)
+    starts = [start] if start is not None else runtime_inputs(graph)
+    stacked = {name: nodes.op("Concat", [name] * passes, axis=0) for name in starts}
     for node in list(graph.node)[first:]:
-        node.input[:] = [stacked if n == start else n for n in node.input]
+        node.input[:] = [stacked.get(n, n) for n in node.input]
     _renamed_outputs(graph, {"probabilities": "mc_rows"})
     tail = GraphNodes("mc_tail")
     tail.op("Reshape", ["mc_rows", tail.const([passes, -1, classes])], output=PASSES_OUTPUT)
@@ -124,24 +136,23 @@ def loop_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx
 
 
 def ensemble_model(members: Sequence[onnx.ModelProto], classes: int) -> onnx.ModelProto:
-    """One graph running every member on the shared input: outputs each member's probabilities
-    stacked (members, N, classes) and their mean ("probabilities")."""
+    """One graph running every member on the shared inputs (all of an hf graph's: input_ids,
+    attention_mask, token_type_ids): outputs each member's probabilities stacked (members, N,
+    classes) and their mean ("probabilities"). The first member's metadata travels along (an hf
+    graph's padding id, by which runtime.graph_feeder builds the attention mask)."""
     first = members[0]
-    source = first.graph.input[0].name
+    sources = runtime_inputs(first.graph)
     opsets = {(o.domain, o.version) for m in members for o in m.opset_import}
     if len({d for d, _ in opsets}) != len(opsets):
         raise ConfigError("the ensemble members were exported with different opsets",
                           "re-export them with the same --opset")
     nodes, initializers, stacked = [], [], []
     for k, member in enumerate(members):
-        if member.graph.input[0].name != source:
-            raise ConfigError(f"ensemble member {k + 1} takes input "
-                              f"{member.graph.input[0].name!r}, the first {source!r}",
-                              "ensemble bundles of the same model type")
+        _require_same_inputs(k, member, first)
         prefixed = onnx.compose.add_prefix(member, f"member{k}_")
-        inner = f"member{k}_{source}"
+        shared = {f"member{k}_{name}": name for name in sources}
         for node in prefixed.graph.node:
-            node.input[:] = [source if n == inner else n for n in node.input]
+            node.input[:] = [shared.get(n, n) for n in node.input]
         nodes += list(prefixed.graph.node)
         initializers += list(prefixed.graph.initializer)
         stacked.append(f"member{k}_probabilities")
@@ -150,12 +161,28 @@ def ensemble_model(members: Sequence[onnx.ModelProto], classes: int) -> onnx.Mod
     rows = [tail.op("Unsqueeze", [name, axis]) for name in stacked]
     tail.op("Concat", rows, output=PASSES_OUTPUT, axis=0)
     tail.op("ReduceMean", [PASSES_OUTPUT, axis], output="probabilities", keepdims=0)
-    graph = helper.make_graph(nodes + tail.nodes, "ensemble", [copy.deepcopy(first.graph.input[0])],
-                              [], initializers + tail.initializers)
+    inputs = [copy.deepcopy(i) for i in first.graph.input if i.name in sources]
+    graph = helper.make_graph(nodes + tail.nodes, "ensemble", inputs, [],
+                              initializers + tail.initializers)
     model = helper.make_model(graph, opset_imports=list(first.opset_import),
                               ir_version=first.ir_version)
+    model.metadata_props.extend(copy.deepcopy(p) for p in first.metadata_props)
     return _finish(model, [("probabilities", ["batch", classes]),
                            (PASSES_OUTPUT, [len(members), "batch", classes])])
+
+
+def _require_same_inputs(k: int, member: onnx.ModelProto, first: onnx.ModelProto) -> None:
+    """Members share their inputs: the same names, and for hf graphs the same padding id (the
+    one attention mask fed to all of them). ConfigError (exit 2) otherwise."""
+    names, expected = runtime_inputs(member.graph), runtime_inputs(first.graph)
+    if names != expected:
+        raise ConfigError(f"ensemble member {k + 1} takes inputs {names}, the first {expected}",
+                          "ensemble bundles of the same model type and architecture family")
+    padding = [{p.key: p.value for p in m.metadata_props}.get(PADDING_ID_KEY)
+               for m in (member, first)]
+    if padding[0] != padding[1]:
+        raise ConfigError(f"ensemble member {k + 1} pads with id {padding[0]}, the first with "
+                          f"{padding[1]}", "ensemble bundles with the same tokenizer")
 
 
 # ----------------------------------------------------------------------------- running

@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from preprocess import PAD_ID, UNK_ID, real_tokens
 from utils import ConfigError
 
 Corruption = Callable[[np.ndarray, int, dict, np.random.Generator], np.ndarray]
@@ -88,20 +89,28 @@ TOKEN_RATES = [0.1, 0.2, 0.3, 0.45, 0.6]  # the share of a text's tokens hit, pe
 
 def unknown_tokens(x: np.ndarray, severity: int, pre: dict, rng: np.random.Generator
                    ) -> np.ndarray:
-    """Each real token becomes the unknown id with a probability: typos, slang and new words
-    the training vocabulary does not cover."""
-    hit = (x != pre.get("pad_id", 0)) & (rng.random(x.shape) < TOKEN_RATES[severity - 1])
-    return np.where(hit, pre.get("unk_id", 1), x).astype(x.dtype)
+    """Each real token (preprocess.real_tokens: not padding, not a [CLS]/[SEP]-like special
+    token) becomes the bundle's unknown id with a probability: typos, slang and new words the
+    training vocabulary does not cover."""
+    unk = pre.get("unk_id", UNK_ID)
+    if unk is None:
+        raise ConfigError("--eval_shift unknown_tokens replaces tokens by the unknown-token id, "
+                          "and this bundle's tokenizer has none", "use token_deletion")
+    hit = real_tokens(x, pre) & (rng.random(x.shape) < TOKEN_RATES[severity - 1])
+    return np.where(hit, unk, x).astype(x.dtype)
 
 
 def token_deletion(x: np.ndarray, severity: int, pre: dict, rng: np.random.Generator
                    ) -> np.ndarray:
-    """Each real token deleted with a probability and the rest closing up, every text keeping
-    its first token: terser texts, words missing."""
-    pad = pre.get("pad_id", 0)
-    real = x != pad
+    """Each real token deleted with a probability and the rest (special tokens included, so a
+    BERT text still ends with [SEP]) closing up, every text keeping its first real token:
+    terser texts, words missing. The freed places become the bundle's padding."""
+    pad = pre.get("pad_id", PAD_ID)
+    real = real_tokens(x, pre)
     keep = real & (rng.random(x.shape) >= TOKEN_RATES[severity - 1])
-    keep[:, 0] = real[:, 0]
+    texts = np.flatnonzero(real.any(axis=1))
+    keep[texts, real[texts].argmax(axis=1)] = True
+    keep |= (x != pad) & ~real  # special tokens stay
     order = np.argsort(~keep, axis=1, kind="stable")  # kept tokens first, in their order
     out = np.take_along_axis(x, order, axis=1)
     out[~np.take_along_axis(keep, order, axis=1)] = pad

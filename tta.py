@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 import tta_graph
-from preprocess import PAD_ID, trim_padding
+from preprocess import PAD_ID, real_tokens, trim_padding
 from runtime import batches_of, best_of
 from tta_graph import GraphNodes, ViewBuilder
 from utils import LOG, ConfigError
@@ -92,39 +92,65 @@ def _maybe(fn: Callable[[np.ndarray], np.ndarray]) -> Callable:
         return out
     return apply
 
-def _drop_tokens(ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """Token ids with the unkept positions set to padding; a text that would lose every token
-    keeps its first one. `keep` is per position (L,) or per token (N, L). The classifiers pool
-    over non-padding tokens, so a dropped token is simply gone."""
-    dropped = ids * keep[..., : ids.shape[1]].astype(ids.dtype)
-    first_only = ids * (np.arange(ids.shape[1]) == 0)
-    return np.where(dropped.max(axis=1, keepdims=True) > 0, dropped, first_only)
+def _pad(pre: dict) -> int:
+    """The padding id of a text bundle's tokenizer (0 for ours; a Hugging Face one says)."""
+    return int(pre.get("pad_id", PAD_ID))
 
 
-def _windows(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Overlapping windows (stride size/2) over each sequence longer than `size`: the views and
-    the row each came from. Shorter sequences have no extra view."""
+def _drop_tokens(ids: np.ndarray, keep: np.ndarray, pre: dict) -> np.ndarray:
+    """Token ids with the unkept real tokens (preprocess.real_tokens: never padding, never a
+    [CLS]/[SEP]-like special token) set to the bundle's padding id, in place: the networks pool
+    over non-padding tokens, and an hf graph's attention mask is 0 at padding, so a dropped
+    token is simply gone. A text that would lose every real token keeps its first one. `keep`
+    is per position (L,) or per token (N, L)."""
+    real = real_tokens(ids, pre)
+    drop = real & ~keep[..., : ids.shape[1]].astype(bool)
+    emptied = np.flatnonzero(real.any(axis=1) & ~(real & ~drop).any(axis=1))
+    drop[emptied, real[emptied].argmax(axis=1)] = False
+    return np.where(drop, _pad(pre), ids).astype(ids.dtype)
+
+
+def _split_row(row: np.ndarray, pre: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A text's ids as (leading special tokens, its own tokens, trailing special tokens), the
+    padding left out: [CLS] … [SEP] for a BERT tokenizer, ([], tokens, []) for ours."""
+    real = np.flatnonzero(real_tokens(row[None], pre)[0])
+    used = np.flatnonzero(row != _pad(pre))
+    if not len(real):
+        return row[used], row[:0], row[:0]
+    end = used[-1] + 1
+    return row[:real[0]], row[real[0]:real[-1] + 1], row[real[-1] + 1:end]
+
+
+def _windows(ids: np.ndarray, size: int, pre: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Overlapping windows (stride size/2) over each text of more than `size` own tokens, each
+    wrapped in the text's special tokens (a window of a BERT text still starts with [CLS] and
+    ends with [SEP]): the views, right-padded, and the row each came from. Shorter texts have
+    no extra view."""
     views, owners = [], []
     stride = max(1, size // 2)
     for i, row in enumerate(ids):
-        length = int((row != PAD_ID).sum())
-        for start in (range(0, length - size + 1, stride) if length > size else ()):
-            window = np.zeros(size, dtype=ids.dtype)
-            window[:] = row[start:start + size]
-            views.append(window)
+        head, tokens, tail = _split_row(row, pre)
+        for start in (range(0, len(tokens) - size + 1, stride) if len(tokens) > size else ()):
+            views.append(np.concatenate([head, tokens[start:start + size], tail]))
             owners.append(i)
     if not views:
         return np.zeros((0, 1), dtype=ids.dtype), np.zeros(0, dtype=np.int64)
-    return np.stack(views), np.array(owners)
+    width = max(len(v) for v in views)
+    padded = np.full((len(views), width), _pad(pre), dtype=ids.dtype)
+    for k, view in enumerate(views):
+        padded[k, : len(view)] = view
+    return padded, np.array(owners)
 
 
-def _random_window(x: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
-    """Each text cut to `size` tokens from a random start."""
-    out = np.zeros_like(x)
+def _random_window(x: np.ndarray, size: int, rng: np.random.Generator, pre: dict
+                   ) -> np.ndarray:
+    """Each text cut to `size` of its own tokens from a random start, its special tokens kept
+    (training's form of window:N; same width as x)."""
+    out = np.full_like(x, _pad(pre))
     for i, row in enumerate(x):
-        tokens = row[row != PAD_ID]
+        head, tokens, tail = _split_row(row, pre)
         start = rng.integers(0, max(1, len(tokens) - size + 1))
-        piece = tokens[start:start + size]
+        piece = np.concatenate([head, tokens[start:start + size], tail])
         out[i, : len(piece)] = piece
     return out
 
@@ -152,6 +178,7 @@ class Transform:
     stacked_graph: Callable[[GraphNodes, str, np.ndarray], str] | None = None
     # views whose number depends on the sample (window), in place of `views`: (views, owners)
     ragged: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+    pad_id: int = PAD_ID  # token views: the padding id of the bundle's tokenizer
 
     @property
     def spec(self) -> str:
@@ -219,16 +246,28 @@ def _contrasted(name: str, value: float, pre: dict, seeded: np.random.Generator)
 
 def _token_dropout(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
     keep = seeded.random(int(pre.get("max_length", 512))) >= value
-    return Transform(name, value, lambda x: [_drop_tokens(x, keep)],
-                     lambda x, rng: _drop_tokens(x, rng.random(x.shape) >= value),
-                     lambda g, x: [tta_graph.mask_tokens(g, x, keep[None])],
-                     constant=keep, stacked_graph=tta_graph.mask_tokens)
+    tokens = tta_graph.TokenIds(_pad(pre), _special_ids(pre))
+
+    def stacked(g: GraphNodes, x: str, keeps: np.ndarray) -> str:
+        return tta_graph.mask_tokens(g, x, keeps, tokens)
+
+    return Transform(name, value, lambda x: [_drop_tokens(x, keep, pre)],
+                     lambda x, rng: _drop_tokens(x, rng.random(x.shape) >= value, pre),
+                     lambda g, x: [stacked(g, x, keep[None])],
+                     constant=keep, stacked_graph=stacked, pad_id=_pad(pre))
+
+
+def _special_ids(pre: dict) -> tuple[int, ...]:
+    """The ids token-level views never drop besides padding (preprocess.real_tokens' rule)."""
+    return tuple(sorted({int(i) for i in pre.get("special_ids", ())
+                         if i != pre.get("unk_id") and i != _pad(pre)}))
 
 
 def _windowed(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
     size = int(value)
-    return Transform(name, value, lambda x: [], lambda x, rng: _random_window(x, size, rng),
-                     None, ragged=lambda x: _windows(x, size))
+    return Transform(name, value, lambda x: [],
+                     lambda x, rng: _random_window(x, size, rng, pre), None,
+                     ragged=lambda x: _windows(x, size, pre), pad_id=_pad(pre))
 
 
 def _jitter(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
@@ -355,7 +394,7 @@ def expand(x: np.ndarray, transforms: Sequence[Transform]
         for view in transform.views(x):
             views.append(view)
             owners.append(np.arange(len(x)))
-    return _stack(views), None if regular else np.concatenate(owners)
+    return _stack(views, pad_id_of(transforms)), None if regular else np.concatenate(owners)
 
 
 def tta_model(model: onnx.ModelProto, transforms: Sequence[Transform], merge_mode: str,
@@ -394,11 +433,16 @@ def views_per_sample(transforms: Sequence[Transform]) -> int:
     return 1 + sum(t.count for t in transforms)
 
 
-def _stack(views: list[np.ndarray]) -> np.ndarray:
+def pad_id_of(transforms: Sequence[Transform]) -> int:
+    """The padding id the token views were built for (the bundle's; 0 for other kinds)."""
+    return next((t.pad_id for t in transforms), PAD_ID)
+
+
+def _stack(views: list[np.ndarray], pad_id: int = PAD_ID) -> np.ndarray:
     """Concatenate along the batch axis; token ids of different lengths are right-padded."""
     if views[0].dtype == np.int64 and views[0].ndim == 2:
         width = max(v.shape[1] for v in views)
-        views = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=PAD_ID)
+        views = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=pad_id)
                  for v in views]
     return np.ascontiguousarray(np.concatenate(views))
 
@@ -541,7 +585,7 @@ class TTARunner:
         for start in range(0, len(x), step):
             chunk = x[start:start + step]
             if chunk.dtype == np.int64 and chunk.ndim == 2:  # token ids: drop unused padding
-                chunk = trim_padding(chunk)
+                chunk = trim_padding(chunk, pad_id_of(self.transforms))
             out.append(self._run_chunk(np.ascontiguousarray(chunk)))
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
@@ -550,7 +594,7 @@ class TTARunner:
             return self.merged(chunk)
         stacked, owners = expand(chunk, self.transforms)
         if stacked.dtype == np.int64 and stacked.ndim == 2:
-            stacked = np.ascontiguousarray(trim_padding(stacked))
+            stacked = np.ascontiguousarray(trim_padding(stacked, pad_id_of(self.transforms)))
         return merge(self.predict(stacked), owners, len(chunk), self.merge_mode)
 
     def run(self, x: np.ndarray, threshold: float | None = None) -> TTAOutcome:

@@ -8,11 +8,15 @@ every view, which the tests hold these nodes to.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from preprocess import PADDING_ID_KEY
+from runtime import TEXT_COMPANIONS
 
 MIN_OPSET = 18  # ReduceMean/ReduceMax take their axes as an input from opset 18 on
 THROUGH_START = -(2**63)  # a Slice end that, with step −1, runs to the first element
@@ -111,20 +115,45 @@ def contrast(nodes: GraphNodes, x: str, factor: float) -> str:
 # ----------------------------------------------------------------------------- text and tabular
 
 
-def mask_tokens(nodes: GraphNodes, ids: str, keeps: np.ndarray) -> str:
-    """One view per row of keeps (views, max_length): token ids with the positions where the
-    row is 0 set to padding (0), stacked view-major; a text that would lose every token keeps
-    its first one. The rows cover the longest sequence the model takes."""
+@dataclass(frozen=True)
+class TokenIds:
+    """What token-level views must know of a tokenizer: its padding id (what a dropped token
+    becomes) and the special ids besides it that are never dropped ([CLS], [SEP], ...; the
+    unknown id is a real token). preprocess.real_tokens is the numpy rule."""
+
+    pad_id: int = 0
+    special_ids: tuple[int, ...] = ()
+
+
+def real_token_mask(nodes: GraphNodes, ids: str, tokens: TokenIds) -> str:
+    """bool, like ids: where ids holds a text's own tokens (not padding, not special)."""
+    other = nodes.op("Equal", [ids, nodes.const(tokens.pad_id)])
+    for special in tokens.special_ids:
+        other = nodes.op("Or", [other, nodes.op("Equal", [ids, nodes.const(special)])])
+    return nodes.op("Not", [other])
+
+
+def mask_tokens(nodes: GraphNodes, ids: str, keeps: np.ndarray, tokens: TokenIds = TokenIds()
+                ) -> str:
+    """One view per row of keeps (views, max_length): token ids with the real tokens at the
+    positions where the row is 0 set to padding, stacked view-major; special tokens stay, and a
+    text that would lose every real token keeps its first one (tta._drop_tokens, in nodes).
+    The rows cover the longest sequence the model takes."""
     length = nodes.op("Shape", [ids], start=1, end=2)
     zero, last = nodes.const([0]), nodes.const([-1])
-    masks = nodes.op("Slice", [nodes.const(keeps[:, None, :].astype(np.int64)), zero, length,
-                               last])  # (views, 1, L)
-    first = nodes.op("Slice", [nodes.const((np.arange(keeps.shape[1]) == 0).astype(np.int64)),
-                               zero, length, zero])
-    dropped = nodes.op("Mul", [ids, masks])  # (views, N, L)
-    kept_any = nodes.op("Greater", [nodes.op("ReduceMax", [dropped, nodes.const([2])],
-                                             keepdims=1), nodes.const(0)])
-    views = nodes.op("Where", [kept_any, dropped, nodes.op("Mul", [ids, first])])
+    keep = nodes.op("Slice", [nodes.const(keeps[:, None, :].astype(bool), bool), zero, length,
+                              last])  # (views, 1, L)
+    real = real_token_mask(nodes, ids, tokens)  # (N, L)
+    drop = nodes.op("And", [real, nodes.op("Not", [keep])])  # (views, N, L)
+    left = nodes.op("Cast", [nodes.op("And", [real, keep])], to=TensorProto.INT64)
+    kept_any = nodes.op("Greater", [nodes.op("ReduceMax", [left, nodes.const([2])], keepdims=1),
+                                    nodes.const(0)])  # (views, N, 1)
+    first = nodes.op("ArgMax", [nodes.op("Cast", [real], to=TensorProto.INT64)], axis=1,
+                     keepdims=1)  # (N, 1): the first real token
+    positions = nodes.op("Slice", [nodes.const(np.arange(keeps.shape[1])), zero, length, zero])
+    not_first = nodes.op("Not", [nodes.op("Equal", [positions, first])])  # (N, L)
+    dropped = nodes.op("And", [drop, nodes.op("Or", [kept_any, not_first])])
+    views = nodes.op("Where", [dropped, nodes.const(tokens.pad_id), ids])
     return nodes.op("Flatten", [views], axis=2)
 
 
@@ -192,11 +221,36 @@ def default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
+def text_companions(nodes: GraphNodes, model: onnx.ModelProto, ids: str) -> dict[str, str]:
+    """An hf graph's attention_mask and token_type_ids as nodes over the stacked views' ids
+    (mask 1 where the id is not the padding id its metadata records, types 0: the rule of
+    preprocess.text_graph_feed), so that the views' masks follow their own padding and the TTA
+    graph takes the ids alone. {} for a graph that takes no such input."""
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    wanted = [name for name in TEXT_COMPANIONS if name in inputs]
+    if not wanted:
+        return {}
+    metadata = {p.key: p.value for p in model.metadata_props}
+    if PADDING_ID_KEY not in metadata:
+        raise ValueError(f"the graph takes {', '.join(wanted)} but records no {PADDING_ID_KEY}")
+    derived = {}
+    if "attention_mask" in wanted:
+        padding = nodes.op("Equal", [ids, nodes.const(int(metadata[PADDING_ID_KEY]))])
+        derived["attention_mask"] = nodes.op("Cast", [nodes.op("Not", [padding])],
+                                             to=inputs["attention_mask"])
+    if "token_type_ids" in wanted:
+        zeros = nodes.op("Mul", [ids, nodes.const(0)])
+        derived["token_type_ids"] = nodes.op("Cast", [zeros], to=inputs["token_type_ids"])
+    return derived
+
+
 def with_tta(model: onnx.ModelProto, view_builders: Sequence[ViewBuilder], views: int,
              classes: int, merge: GraphMerge) -> onnx.ModelProto:
     """A copy of `model` that takes the same input and returns merged TTA probabilities: the
     plain input and every builder's views concatenated along the batch axis, the model run once
-    on them, and the views merged per sample. Raises ValueError if the graph cannot host it."""
+    on them, and the views merged per sample. An hf graph's attention mask and token types are
+    computed from the views' ids inside (text_companions): it takes the ids alone. Raises
+    ValueError if the graph cannot host it."""
     if default_opset(model) < MIN_OPSET:
         raise ValueError(f"the graph's opset is {default_opset(model)}, in-graph TTA needs "
                          f"{MIN_OPSET}")
@@ -208,7 +262,11 @@ def with_tta(model: onnx.ModelProto, view_builders: Sequence[ViewBuilder], views
     front, back = GraphNodes("tta_view"), GraphNodes("tta_merge")
     names = [source] + [name for build in view_builders for name in build(front, source)]
     stacked = front.op("Concat", names, axis=0)
-    renamed = {source: stacked, PROBABILITIES: VIEW_PROBABILITIES}
+    companions = text_companions(front, out, stacked)
+    renamed = {source: stacked, PROBABILITIES: VIEW_PROBABILITIES, **companions}
+    kept_inputs = [i for i in graph.input if i.name not in companions]
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
     for node in graph.node:
         node.input[:] = [renamed.get(name, name) for name in node.input]
         node.output[:] = [renamed.get(name, name) for name in node.output]
