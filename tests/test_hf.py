@@ -203,3 +203,33 @@ def test_an_edited_tokenizer_file_is_refused(hf_bundle, tmp_path):
     run = run_cli("inference.py", "--output_model", folder / "model.onnx", "--input",
                   tmp_path / "in.csv", "--output", tmp_path / "preds.csv")
     assert_clean_failure(run, 4, "tokenizer", "sha256")
+
+
+def test_candidate_search_and_the_lm_teacher_take_hf_archs(hf_model_dir, tmp_path):
+    """DSPy's side works unchanged: two learning rates searched, and a teacher's labels added
+    to the training split (the hf tokenizer is kept, not refitted like ours)."""
+    from conftest import TOPICS
+    from lm_server import FakeChatServer
+
+    def label(text: str) -> str:
+        words = set(text.lower().split())
+        return next((topic for topic, vocab in TOPICS.items() if words & set(vocab)), "sports")
+
+    unlabeled = tmp_path / "unlabeled.txt"
+    unlabeled.write_text("\n".join(t for t, _ in topic_texts(10, seed=5)) + "\n")
+    env = {"DSPY_CACHEDIR": str(tmp_path / "dspy_cache"), "OPENAI_API_KEY": "test"}
+    with FakeChatServer(label) as server:
+        run = run_cli("train.py", "--model_type", "text_classifier", "--dataset_path",
+                      write_texts_csv(tmp_path / "texts.csv"), "--arch", f"hf:{hf_model_dir}",
+                      "--epochs", "3", "--lr_candidates", "3e-3,1e-3", *HF_TRAINING[2:],
+                      "--teacher_lm", "openai/teacher", "--teacher_api_base", server.api_base,
+                      "--unlabeled_path", unlabeled, "--teacher_demos", "2",
+                      "--output_model", tmp_path / "out" / "model.onnx",
+                      "--report_json", tmp_path / "report.json", extra_env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [c["learning_rate"] for c in report["train"]["candidates"]] == [3e-3, 1e-3]
+    assert report["teacher"]["labelled"] > 0
+    assert report["train"]["samples"] == report["dataset"]["train"] + report["teacher"]["labelled"]
+    manifest = json.loads((tmp_path / "out" / "model.json").read_text())
+    assert manifest["preprocessing"]["tokenizer"] == "huggingface"
