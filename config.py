@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from preprocess import HF_PREFIX, hf_source
 from runtime import RuntimeOptions, parse_ep_options, parse_providers
 from utils import ConfigError, DataError, check_paths
 
@@ -44,8 +45,6 @@ ARCHS_WITHOUT_DROPOUT = ("resnet18", "resnet34")
 # (BatchNorm statistics) has nothing to adapt in them; tent adapts that normalisation's affine
 # parameters (ttt.py), on model.onnx itself.
 ARCHS_WITHOUT_BATCHNORM = {"transformer": "LayerNorm"}
-# --arch hf:NAME_OR_PATH: a Hugging Face model (text); transformers' encoders use LayerNorm.
-HF_PREFIX = "hf:"
 # The peak learning rate when --learning_rate is not given: fine-tuning a pretrained transformer
 # takes the usual 2e-5, training from scratch a hundred times more.
 LEARNING_RATE = 3e-3
@@ -53,7 +52,8 @@ HF_LEARNING_RATE = 2e-5
 
 
 def is_hf_arch(arch: str | None) -> bool:
-    return bool(arch) and arch.startswith(HF_PREFIX)
+    """--arch hf:NAME_OR_PATH: a Hugging Face model (text); transformers' encoders use LayerNorm."""
+    return hf_source(arch) is not None
 
 
 def norm_without_batchnorm(arch: str | None) -> str | None:
@@ -182,8 +182,10 @@ class Config:
                            "resnet34, mobilenet_v3_small, efficientnet_b0 (a stride-1 stem for "
                            "images of 64 pixels or less); text bag (mean/max-pooled "
                            "embeddings), cnn (1-D convolutions, Kim 2014), transformer (a small "
-                           "encoder with a padding mask); tabular mlp, resmlp (residual MLP) "
-                           "(default: the first of the model type)", "training",
+                           "encoder with a padding mask), or hf:NAME_OR_PATH (a Hugging Face "
+                           "model to fine-tune: a hub name or a save_pretrained directory); "
+                           "tabular mlp, resmlp (residual MLP) (default: the first of the model "
+                           "type)", "training",
                            metavar="NAME", scripts="PT")
     model_def: str | None = opt(None, "your own network: FILE.py:FACTORY, where FACTORY("
                                 "num_classes=..., input_spec=...) returns an nn.Module. This "

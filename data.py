@@ -19,9 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, image_files,
-                        text_tokenizer)
-from config import is_hf_arch
+from preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, hf_source,
+                        image_files, text_tokenizer)
 from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_spec)
 from utils import LOG, DataError, progress, first_line
@@ -617,8 +616,8 @@ def dropped_rows(path, reason: str, rows) -> dict:
 def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> dict:
     if len(train_inputs) == 0:
         raise DataError(f"no training rows in {options.path}", "add rows of data")
-    if text and is_hf_arch(options.arch):
-        from hf import hf_source, tokenizer_preprocessing  # torch and transformers: hf only
+    if text and hf_source(options.arch) is not None:
+        from hf import tokenizer_preprocessing  # torch and transformers: hf only
 
         return tokenizer_preprocessing(hf_source(options.arch), options.max_length)
     if text:

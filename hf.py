@@ -16,16 +16,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from config import HF_PREFIX
-from preprocess import HF_TOKENIZER, configure_hf_backend, register_hf_tokenizer
+from preprocess import (HF_PREFIX, HF_TOKENIZER, configure_hf_backend,
+                        register_hf_tokenizer)
 from utils import LOG, ConfigError, DataError, first_line, stdout_to_stderr
 
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-
-def hf_source(arch: str | None) -> str | None:
-    """NAME_OR_PATH of an `hf:NAME_OR_PATH` arch, else None."""
-    return arch[len(HF_PREFIX):] if arch and arch.startswith(HF_PREFIX) else None
 
 
 def hub_cache() -> str:

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from hf import HFGraph, HFTextNet, hf_architecture, hf_source
+from hf import HFGraph, HFTextNet, hf_architecture
+from preprocess import hf_source
 from utils import ConfigError, ExportError, atomic_write, sha256_of, first_line
 
 

@@ -193,7 +193,15 @@ class Tokenizer:
                    min_count=spec["min_count"])
 
 
+HF_PREFIX = "hf:"  # --arch hf:NAME_OR_PATH: a Hugging Face model and its tokenizer
 HF_TOKENIZER = "huggingface"  # preprocessing["tokenizer"] of an --arch hf:... bundle
+
+
+def hf_source(arch: str | None) -> str | None:
+    """NAME_OR_PATH of an `hf:NAME_OR_PATH` arch, else None."""
+    return arch[len(HF_PREFIX):] if arch and arch.startswith(HF_PREFIX) else None
+
+
 _HF_TOKENIZERS: dict[str, str] = {}  # sha256 → tokenizer.json text, registered in this process
 
 

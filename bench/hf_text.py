@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import subprocess
 import sys
@@ -72,7 +71,9 @@ def tiny_bert(folder: Path, texts: list[str], seed: int) -> dict:
     import torch
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+    from transformers.utils.logging import disable_progress_bar
 
+    disable_progress_bar()
     backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
