@@ -56,6 +56,10 @@ def is_hf_arch(arch: str | None) -> bool:
     return hf_source(arch) is not None
 
 
+def default_learning_rate(arch: str | None) -> float:
+    return HF_LEARNING_RATE if is_hf_arch(arch) else LEARNING_RATE
+
+
 def norm_without_batchnorm(arch: str | None) -> str | None:
     """What an --arch normalises with when it has no BatchNorm (None: it has BatchNorm, or is
     not known here)."""
@@ -441,7 +445,7 @@ class Config:
 
     def _validate_training(self) -> None:
         if self.learning_rate is None:
-            self.learning_rate = HF_LEARNING_RATE if is_hf_arch(self.arch) else LEARNING_RATE
+            self.learning_rate = default_learning_rate(self.arch)
         for name in ("epochs", "batch_size", "learning_rate", "num_candidates", "ensemble_size"):
             _positive(name, getattr(self, name))
         if self.weight_decay < 0:
@@ -543,9 +547,10 @@ class Config:
                 _bad(name, value, "use 0 (library default) or a positive count")
 
     def learning_rates(self) -> list[float]:
-        """--lr_candidates as floats (default: [--learning_rate])."""
+        """--lr_candidates as floats (default: [--learning_rate], or its default for the arch)."""
         if not self.lr_candidates:
-            return [self.learning_rate]
+            return [self.learning_rate if self.learning_rate is not None
+                    else default_learning_rate(self.arch)]
         rates = []
         for item in filter(None, (p.strip() for p in self.lr_candidates.split(","))):
             try:

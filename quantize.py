@@ -80,15 +80,21 @@ def choose_mode(requested: str, model: onnx.ModelProto) -> str:
 def prepare_for_quantization(src: Path, dst: Path) -> None:
     """quant_pre_process (shape inference + optimisation); symbolic shape inference fails on some
     graphs (the text model's Concat), so fall back to ONNX's own shape inference there."""
+    import contextlib
+
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    try:
-        with stdout_to_stderr():
-            quant_pre_process(str(src), str(dst))
-    except Exception as err:  # noqa: BLE001 - the tool raises plain errors from deep inside
-        LOG.debug("symbolic shape inference failed (%s); retrying without it", err)
-        with stdout_to_stderr():
-            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
+    # When symbolic shape inference gives up (transformers graphs do) it leaves
+    # sym_shape_infer_temp.onnx and a <uuid>.data file in the working directory: run it in
+    # dst's folder, a temporary one.
+    with contextlib.chdir(dst.parent):
+        try:
+            with stdout_to_stderr():
+                quant_pre_process(str(src.resolve()), str(dst.resolve()))
+        except Exception as err:  # noqa: BLE001 - the tool raises plain errors from deep inside
+            LOG.debug("symbolic shape inference failed (%s); retrying without it", err)
+            with stdout_to_stderr():
+                quant_pre_process(str(src.resolve()), str(dst.resolve()), skip_symbolic_shape=True)
 
 
 def gemm_to_matmul(model: onnx.ModelProto) -> int:

@@ -97,7 +97,9 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                  "counts": dataset.counts, "skipped_images": len(dataset.skipped),
                  "columns": dataset.columns.to_manifest() if dataset.columns else None},
         training={"program": "ClassifierProgram (dspy.Module)",
-                  "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, one-cycle",
+                  "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, " + (
+                      "linear warm-up and decay, gradients clipped to norm 1"
+                      if trained.architecture["name"] == "HFTextNet" else "one-cycle"),
                   "epochs": config.epochs, "batch_size": config.batch_size,
                   "learning_rate": config.learning_rate, "weight_decay": config.weight_decay,
                   "train_augment": config.train_augment, "seed": config.seed,

@@ -10,10 +10,12 @@ and the affine parameters are graph inputs with the bundle's values as defaults,
 session.run adapts and predicts and a run can feed other parameters in (no session is rebuilt,
 no state lives in the session).
 
-A network without BatchNorm (the text transformer) is adapted through model.onnx itself: its
-LayerNormalization and GroupNormalization nodes survive export and slimming whole, so their scale
-and bias initializers become graph inputs with the bundle's values as defaults. bn has nothing to
-adapt there (LayerNorm keeps no statistics) and is reported as not applicable.
+A network without BatchNorm (the text transformer, an --arch hf:... model) is adapted through
+model.onnx itself: its LayerNormalization and GroupNormalization nodes survive export and slimming
+whole, so their scale and bias initializers become graph inputs with the bundle's values as
+defaults (where onnxslim merged equal ones, as in a BERT whose LayerNorms never trained, each
+node gets its own copy and the layers pair in order). bn has nothing to adapt there (LayerNorm
+keeps no statistics) and is reported as not applicable.
 
 - bn runs in ONNX Runtime only; torch is never imported.
 - tent minimises the mean prediction entropy over the affine parameters of the BatchNorm layers

@@ -283,3 +283,27 @@ def test_tent_pairs_every_hf_layernorm_when_slimming_merged_their_parameters(hf_
     _, layers = affine_norm_model(graph)
     assert len(layers) == len(norms) == 5 and len({layer.scale for layer in layers}) == 5
     assert paired_norm_modules(net, layers) == norms
+
+
+def test_tent_parameters_fed_into_the_hf_graph_give_the_adapted_network(hf_pad1_bundle):
+    """Tent's steps move the LayerNorm parameters of the PyTorch copy; fed into model.onnx by
+    name (with the attention mask built from pad id 1) they give that network's probabilities."""
+    import onnx
+    import torch
+    from bundle import BundlePaths
+    from runtime import RuntimeOptions, create_session
+    from ttt import AdaptationGraph, Tent
+
+    paths = BundlePaths.from_model_path(hf_pad1_bundle["model"])
+    manifest, ids = bundle_ids(hf_pad1_bundle)
+    graph = AdaptationGraph(onnx.load(str(paths.onnx)),
+                            lambda m: create_session(m, RuntimeOptions()))
+    tent = Tent(manifest, paths.weights, graph.layers, 5e-3, 3)
+    assert len(graph.layers) == 5 and graph.not_applicable["bn"].endswith("LayerNorm)")
+    source, _ = graph.run(ids, 0.0, {})
+    adapted, _ = graph.run(ids, 0.0, tent.adapt(ids))
+    with torch.no_grad():
+        expected = torch.softmax(tent.net(torch.from_numpy(ids)), 1).numpy()
+    np.testing.assert_allclose(adapted, expected, atol=1e-5)
+    assert np.abs(adapted - source).max() > 1e-3  # the steps moved the predictions
+    assert (adapted.max(1) - source.max(1)).mean() > 0  # towards lower entropy
