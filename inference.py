@@ -18,8 +18,9 @@ from bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 from config import Config, build_parser, start_cli
 from metrics import accuracy, ece_change_interval, entropy
 from report import run_with_report
-from runtime import (batches_of, best_of, create_session, predict_proba, session_device,
-                     session_runner, state_input, time_runners)
+from preprocess import PAD_ID
+from runtime import (batches_of, best_of, create_session, graph_padding_id, predict_proba,
+                     session_device, session_runner, state_input, time_runners)
 from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
 
 if TYPE_CHECKING:
@@ -46,13 +47,13 @@ BENCHMARK_RUNS = 40
 
 
 def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray,
-                       batch_size: int) -> list[dict]:
+                       batch_size: int, pad_id: int) -> list[dict]:
     """One row per variant: size, accuracy, p50/p95 latency at batch 1, throughput at batch_size
     (the yolo-benchmark table)."""
-    scores = [accuracy(np.concatenate([v.predict(b) for b in batches_of(x, batch_size)]), y)
-              for v in variants]
-    single = time_runners([v.predict for v in variants], batches_of(x, 1), BENCHMARK_RUNS)
-    batched = time_runners([v.predict for v in variants], batches_of(x, batch_size),
+    scores = [accuracy(np.concatenate([v.predict(b) for b in batches_of(x, batch_size, pad_id)]),
+                       y) for v in variants]
+    single = time_runners([v.predict for v in variants], batches_of(x, 1, pad_id), BENCHMARK_RUNS)
+    batched = time_runners([v.predict for v in variants], batches_of(x, batch_size, pad_id),
                            BENCHMARK_RUNS)
     return [{"variant": variant.name, "provider": variant.provider,
              "size_mb": round(variant.size_bytes / 1e6, 3), "accuracy": scores[k],
@@ -113,13 +114,18 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     return manifest, session, model_path
 
 
+def padding_id(manifest: dict) -> int:
+    """The padding id of a text bundle's token ids (0 for ours; an hf tokenizer's own)."""
+    return int(manifest["input"].get("padding_id", PAD_ID))
+
+
 def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
              model_path: Path) -> InferenceResult:
     """Test accuracy, then per-batch latency and throughput at --batch_size."""
     if len(x) == 0:
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
     score = accuracy(predict_proba(session, x, config.batch_size), y)
-    batches = batches_of(x, config.batch_size)
+    batches = batches_of(x, config.batch_size, graph_padding_id(session))
     # at least 30 batches and one whole pass; one variant, so no floor on the time spent
     timings = time_runners([session_runner(session)], batches, max(30, len(batches)),
                            min_seconds=0)
@@ -174,7 +180,7 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
     import iterative as it
 
     x, y = test
-    batches = batches_of(x, config.batch_size)
+    batches = batches_of(x, config.batch_size, padding_id(manifest))
     single = session_runner(session)
     single(batches[0])
     single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
@@ -275,7 +281,8 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
         report["iterative"] = run_iterative(config, paths, manifest, session, test)
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
-        report["benchmark"] = benchmark_variants(variants, *test, config.batch_size)
+        report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
+                                                 padding_id(manifest))
 
 
 # ----------------------------------------------------------------------------- batch inference
@@ -301,7 +308,8 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
         return passes_predictor(config, paths, manifest), ["entropy", "std"]
     run = session_runner(session, state_passes=config.iterations
                          if config.iterative == "state" else 1)
-    return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size)]), {})), []
+    return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size, padding_id(manifest))]),
+                       {})), []
 
 
 def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
@@ -383,7 +391,7 @@ def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Pred
         sampler = mc_sampler(config, paths, manifest)
 
     def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        passes = sampler(batches_of(x, config.batch_size))
+        passes = sampler(batches_of(x, config.batch_size, padding_id(manifest)))
         mean = passes.mean
         chosen = mean.argmax(1)
         return mean, {"entropy": entropy(mean),

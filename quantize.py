@@ -20,8 +20,8 @@ import onnx
 
 from config import Config, build_parser, start_cli
 from metrics import accuracy, top1_agreement
-from runtime import (Feeder, RuntimeOptions, batches_of, create_session, model_feeder,
-                     predict_proba, session_runner, time_runners)
+from runtime import (Feeder, RuntimeOptions, batches_of, create_session, graph_padding_id,
+                     model_feeder, predict_proba, session_runner, time_runners)
 from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract)
 from report import run_with_report
@@ -127,7 +127,7 @@ def gemm_to_matmul(model: onnx.ModelProto) -> int:
     return rewritten
 
 
-def make_calibration_reader(feed: Feeder, x: np.ndarray, size: int, seed: int):
+def make_calibration_reader(feed: Feeder, pad_id: int, x: np.ndarray, size: int, seed: int):
     from onnxruntime.quantization import CalibrationDataReader
 
     class SplitReader(CalibrationDataReader):
@@ -135,7 +135,7 @@ def make_calibration_reader(feed: Feeder, x: np.ndarray, size: int, seed: int):
 
         def __init__(self) -> None:
             rows = np.random.default_rng(seed).permutation(len(x))[:size]
-            self._batches = iter([feed(b) for b in batches_of(x[np.sort(rows)], 32)])
+            self._batches = iter([feed(b) for b in batches_of(x[np.sort(rows)], 32, pad_id)])
 
         def get_next(self):
             return next(self._batches, None)
@@ -164,7 +164,9 @@ def quantize_graph(src: Path, dst: Path, mode: str, calibration_x: np.ndarray,
                 return None
             method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                       "percentile": CalibrationMethod.Percentile}[config.calibration_method]
-            reader = make_calibration_reader(model_feeder(onnx.load(str(src))), calibration_x,
+            source = onnx.load(str(src))
+            reader = make_calibration_reader(model_feeder(source), graph_padding_id(source),
+                                             calibration_x,
                                              config.calibration_size,
                                              config.seed)
             quantize_static(str(prepared), str(dst), reader, quant_format=QuantFormat.QDQ,
@@ -177,7 +179,8 @@ def quantize_graph(src: Path, dst: Path, mode: str, calibration_x: np.ndarray,
 
 def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> list[float]:
     """p50 ms per batch for each session, timed in turns on the same batches."""
-    timings = time_runners([session_runner(s) for s in sessions], batches_of(x, batch_size),
+    timings = time_runners([session_runner(s) for s in sessions],
+                           batches_of(x, batch_size, graph_padding_id(sessions[0])),
                            TIMED_RUNS)
     return [timings.percentile_ms(k, 50) for k in range(len(sessions))]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from preprocess import PADDING_ID_KEY, text_graph_feed, trim_padding
+from preprocess import PAD_ID, PADDING_ID_KEY, text_graph_feed, trim_padding
 from utils import (LOG, ConfigError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
                    stdout_to_stderr, first_line)
 
@@ -215,12 +215,23 @@ def provider_failure_reason(lines: Sequence[str]) -> str:
     return "its libraries or drivers are missing (no details from ONNX Runtime)"
 
 
-def batches_of(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    """Contiguous batches; token ids lose the padding columns no text in the batch needs."""
+def batches_of(x: np.ndarray, batch_size: int, pad_id: int = PAD_ID) -> list[np.ndarray]:
+    """Contiguous batches; token ids lose the padding columns (of `pad_id`, the bundle's: see
+    graph_padding_id) that no text in the batch needs."""
     out = [np.ascontiguousarray(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
     if x.ndim == 2 and x.dtype == np.int64:
-        out = [np.ascontiguousarray(trim_padding(b)) for b in out]
+        out = [np.ascontiguousarray(trim_padding(b, pad_id)) for b in out]
     return out
+
+
+def graph_padding_id(session_or_model) -> int:
+    """The padding id of a session's or ModelProto's token ids: the metadata an hf graph carries,
+    else 0 (ours)."""
+    if hasattr(session_or_model, "get_modelmeta"):
+        metadata = session_or_model.get_modelmeta().custom_metadata_map
+    else:
+        metadata = {p.key: p.value for p in session_or_model.metadata_props}
+    return int(metadata.get(PADDING_ID_KEY, PAD_ID))
 
 # ----------------------------------------------------------------------------- feeding
 
@@ -324,7 +335,8 @@ def state_input(session: ort.InferenceSession) -> list[int] | None:
 def predict_proba(session: ort.InferenceSession, x: np.ndarray, batch_size: int,
                   output: str = "probabilities") -> np.ndarray:
     run = session_runner(session, output=output)
-    return np.concatenate([run(batch) for batch in batches_of(x, batch_size)])
+    return np.concatenate([run(batch) for batch in batches_of(x, batch_size,
+                                                               graph_padding_id(session))])
 
 # ----------------------------------------------------------------------------- timing
 

@@ -602,7 +602,7 @@ class TTARunner:
         only on samples whose plain top probability is below it (TTA time then includes the
         plain pass)."""
         seconds_plain, plain = best_of(1, lambda: np.concatenate(
-            [self.predict(b) for b in batches_of(x, self.batch_size)]))
+            [self.predict(b) for b in batches_of(x, self.batch_size, pad_id_of(self.transforms))]))
         triggered = (plain.max(1) < threshold) if threshold is not None else np.ones(len(x), bool)
         merged = plain.copy()
         rows = np.flatnonzero(triggered)

@@ -39,7 +39,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from metrics import accuracy, entropy
-from runtime import batches_of, best_of, model_feeder
+from runtime import batches_of, best_of, graph_padding_id, model_feeder
 from tta_graph import GraphNodes
 from utils import LOG, ConfigError, ExportError
 
@@ -277,6 +277,7 @@ class AdaptationGraph:
             rewritten, self.layers = affine_norm_model(model)
         self.session = make_session(rewritten.SerializeToString())
         self.feed = model_feeder(model)
+        self.pad_id = graph_padding_id(model)
         self.outputs = ["probabilities"] + [n for layer in self.layers if self.batchnorm
                                             for n in (layer.adapted_mean, layer.adapted_var)]
 
@@ -390,13 +391,13 @@ class Tent:
 # ----------------------------------------------------------------------------- running
 
 
-def ttt_batches(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
+def ttt_batches(x: np.ndarray, batch_size: int, pad_id: int) -> list[np.ndarray]:
     """Batches for adaptation; a last batch under half the size joins the one before, because
     statistics of a handful of samples are noise."""
-    batches = batches_of(x, batch_size)
+    batches = batches_of(x, batch_size, pad_id)
     if len(batches) > 1 and len(batches[-1]) < batch_size / 2:
         tail = x[(len(batches) - 2) * batch_size:]
-        batches = batches[:-2] + batches_of(tail, len(tail))
+        batches = batches[:-2] + batches_of(tail, len(tail), pad_id)
     return batches
 
 
@@ -450,7 +451,7 @@ def adapt_and_predict(graph: AdaptationGraph, method: str, x: np.ndarray, batch_
     carry = carry if carry is not None else OnlineCarry()
     state: dict[str, np.ndarray] = carry.state
     out, resets = [], 0
-    for i, batch in enumerate(ttt_batches(x, batch_size), start=carry.batches):
+    for i, batch in enumerate(ttt_batches(x, batch_size, graph.pad_id), start=carry.batches):
         carry.batches = i + 1
         if mode == "episodic" or i == 0 or (reset_every and i % reset_every == 0):
             state = {}
@@ -542,7 +543,7 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
         tent.adapt(x[: settings.batch_size])
         tent.reset()
     for name, severity, data in cases:
-        batches = ttt_batches(data, settings.batch_size)
+        batches = ttt_batches(data, settings.batch_size, graph.pad_id)
         plain_seconds, plain = best_of(TIMING_PASSES, lambda: np.concatenate(
             [predict(b) for b in batches]))
         row = {"name": name, "severity": severity, "accuracy_source": accuracy(plain, y),
