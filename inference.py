@@ -308,8 +308,27 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
         return passes_predictor(config, paths, manifest), ["entropy", "std"]
     run = session_runner(session, state_passes=config.iterations
                          if config.iterative == "state" else 1)
-    return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size, padding_id(manifest))]),
-                       {})), []
+    if manifest["preprocessing"]["kind"] == "text":
+        return by_length(run, size, padding_id(manifest)), []
+    return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size)]), {})), []
+
+
+def by_length(run: Callable[[np.ndarray], np.ndarray], size: int, pad_id: int) -> Predictor:
+    """Token ids → probabilities in the rows' order, the rows batched by length: a batch is
+    padded to its longest text, so texts of like length waste the least compute (3.2-3.5x the
+    throughput for a transformer on SMS texts, benchmarks.md). Each row is predicted on its own
+    here (no test-time method adapts to the batch on this path), so the order changes the speed
+    only, up to float rounding; dynamic int8 quantizes activations by each batch's range, so
+    there a row's probabilities move by about 1e-3 with its batch, in any order."""
+
+    def predict(x: np.ndarray) -> tuple[np.ndarray, dict]:
+        order = np.argsort((x != pad_id).sum(axis=1), kind="stable")
+        probabilities = np.concatenate([run(b) for b in batches_of(x[order], size, pad_id)])
+        restored = np.empty_like(probabilities)
+        restored[order] = probabilities
+        return restored, {}
+
+    return predict
 
 
 def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
