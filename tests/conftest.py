@@ -100,6 +100,20 @@ def write_image_table(root: Path, fmt: str, classes=(0, 1, 2), per_class: int = 
 # data: the session-scoped bundles below are trained once and shared by every test that only
 # inspects or reuses them. A test that changes a bundle's files copies its folder first.
 
+# Session fixtures are built once per xdist worker: the tests of the costlier bundles go to one
+# worker together (--dist loadgroup in pytest.ini), so that each is built once per run.
+# digits_bundle (quick, and used by 41 tests) is left to both workers.
+GROUPED_BUNDLES = ("hf_pad1_bundle", "hf_bundle", "wine_bundle", "digits_int8_bundle",
+                   "text_bundle", "tabular_bundle")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        name = next((n for n in GROUPED_BUNDLES if n in getattr(item, "fixturenames", ())), None)
+        if name:
+            item.add_marker(pytest.mark.xdist_group(name))
+
 
 def pipeline_bundle(out: Path, *args: object) -> dict:
     """pipeline.py into out/model.onnx with out/report.json; it must exit 0."""
@@ -262,3 +276,20 @@ def hf_bundle(tmp_path_factory, hf_model_dir) -> dict:
                            out / "texts.csv", "--arch", f"hf:{hf_model_dir}",
                            "--learning_rate", "3e-3", "--epochs", "8", "--batch_size", "16",
                            "--quantize", "dynamic")
+
+
+@pytest.fixture(scope="session")
+def hf_pad1_bundle(tmp_path_factory) -> dict:
+    """A tiny BERT whose tokenizer pads with id 1, fine-tuned by one pipeline run that also
+    trains a 3-member ensemble and reports TTA (token dropout, in the graph), Tent under the
+    text shifts, and the ensemble."""
+    out = tmp_path_factory.mktemp("hf_pad1")
+    folder = tiny_hf_model(out / "bert", [t for t, _ in topic_texts()], pad_token="<pad>")
+    lines = ["text,label"] + [f'"{t}",{label}' for t, label in topic_texts()]
+    (out / "texts.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return pipeline_bundle(out, "--model_type", "text_classifier", "--dataset_path",
+                           out / "texts.csv", "--arch", f"hf:{folder}", "--learning_rate", "3e-3",
+                           "--epochs", "8", "--batch_size", "16", "--num_threads", "1",
+                           "--ensemble_size", "3", "--tta", "true", "--tta_transforms",
+                           "token_dropout:0.2,token_dropout:0.1", "--ttt", "true",
+                           "--ttt_method", "tent", "--eval_shift", "unknown_tokens,token_deletion")

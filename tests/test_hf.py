@@ -13,8 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from conftest import (assert_clean_failure, heavy_modules_after, pipeline_bundle, run_cli,
-                      tiny_hf_model, topic_texts)
+from conftest import assert_clean_failure, heavy_modules_after, run_cli, topic_texts
 
 TEXTS = [t for t, _ in topic_texts()]
 HF_TRAINING = ["--learning_rate", "3e-3", "--batch_size", "16", "--no_progress", "true"]
@@ -147,20 +146,17 @@ def test_stage_clis_rebuild_the_network_without_the_checkpoint(hf_model_dir, tmp
     assert (tmp_path / "out" / "model.int8.onnx").is_file()
 
 
-def test_a_tokenizer_whose_padding_id_is_not_0(tmp_path):
+def test_a_tokenizer_whose_padding_id_is_not_0(hf_pad1_bundle):
     """RoBERTa-style: <pad> is id 1. The graph records it, and padding still changes nothing."""
-    folder = tiny_hf_model(tmp_path / "pad1", TEXTS, pad_token="<pad>")
-    bundle = pipeline_bundle(tmp_path, "--model_type", "text_classifier", "--dataset_path",
-                             write_texts_csv(tmp_path / "texts.csv"), "--arch", f"hf:{folder}",
-                             "--epochs", "6", *HF_TRAINING)
+    bundle, folder = hf_pad1_bundle, hf_pad1_bundle["dir"]
     assert bundle["report"]["export"]["padding_max_diff"] <= 1e-5
     model = onnx.load(str(bundle["model"]))
     assert {p.key: p.value for p in model.metadata_props}["padding_id"] == "1"
-    feed = graph_feed(tmp_path / "model.tokenizer.json", TEXTS[:20])
+    feed = graph_feed(folder / "model.tokenizer.json", TEXTS[:20])
     assert (feed["input_ids"] == 1).any()  # padded with 1
     session = ort.InferenceSession(str(bundle["model"]), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(
-        session.run(["probabilities"], graph_feed(tmp_path / "model.tokenizer.json", TEXTS[:20],
+        session.run(["probabilities"], graph_feed(folder / "model.tokenizer.json", TEXTS[:20],
                                                   5))[0],
         session.run(["probabilities"], feed)[0], atol=1e-5)
     assert bundle["report"]["inference"]["accuracy"] >= 0.6

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import assert_clean_failure, pipeline_bundle, run_cli, tiny_hf_model, topic_texts
+from conftest import assert_clean_failure, run_cli, topic_texts
 
 CLS, SEP, PAD1, UNK = 2, 3, 1, 0
 # the preprocessing of tiny_hf_model(..., pad_token="<pad>"): [UNK] 0, <pad> 1, [CLS] 2, ...
@@ -31,23 +31,6 @@ def assert_specials_in_place(plain: np.ndarray, view: np.ndarray) -> None:
     np.testing.assert_array_equal(view[special], plain[special])
     assert ((view == plain) | (view == PAD1)).all()
     assert (((view != PAD1) & ~np.isin(view, [CLS, SEP])).sum(1) >= 1).all()
-
-
-@pytest.fixture(scope="session")
-def hf_pad1_bundle(tmp_path_factory) -> dict:
-    """A tiny BERT whose tokenizer pads with id 1, fine-tuned by one pipeline run that also
-    trains a 3-member ensemble and reports TTA (token dropout, in the graph), Tent under the
-    text shifts, and the ensemble."""
-    out = tmp_path_factory.mktemp("hf_pad1")
-    folder = tiny_hf_model(out / "bert", [t for t, _ in topic_texts()], pad_token="<pad>")
-    lines = ["text,label"] + [f'"{t}",{label}' for t, label in topic_texts()]
-    (out / "texts.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return pipeline_bundle(out, "--model_type", "text_classifier", "--dataset_path",
-                           out / "texts.csv", "--arch", f"hf:{folder}", "--learning_rate", "3e-3",
-                           "--epochs", "8", "--batch_size", "16", "--num_threads", "1",
-                           "--ensemble_size", "3", "--tta", "true", "--tta_transforms",
-                           "token_dropout:0.2,token_dropout:0.1", "--ttt", "true",
-                           "--ttt_method", "tent", "--eval_shift", "unknown_tokens,token_deletion")
 
 
 def bundle_ids(bundle: dict) -> tuple[dict, np.ndarray]:
