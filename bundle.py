@@ -249,22 +249,23 @@ def mark_padding_id(model: Any, input_spec: dict) -> Any:
     """An hf graph records its padding id in its metadata: whoever runs it (runtime.graph_feeder,
     and the graphs derived from it) builds the attention mask by it."""
     if input_spec.get("extra_inputs"):
-        kept = [p for p in model.metadata_props if p.key != PADDING_ID_KEY]
-        del model.metadata_props[:]
-        model.metadata_props.extend(kept)
-        entry = model.metadata_props.add()
-        entry.key, entry.value = PADDING_ID_KEY, str(input_spec["padding_id"])
+        set_metadata(model, PADDING_ID_KEY, str(input_spec["padding_id"]))
     return model
+
+
+def set_metadata(model: Any, key: str, value: str) -> None:
+    """Set one metadata_props entry of a graph, replacing any earlier value."""
+    kept = [p for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = key, value
 
 
 def stamp_contract(model: Any, manifest: dict) -> Any:
     """Record the manifest's contract_digest in a graph's metadata (export and quantize do, so
     an edited manifest is caught before ONNX Runtime fails on it, or worse, does not)."""
-    kept = [p for p in model.metadata_props if p.key != CONTRACT_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    entry = model.metadata_props.add()
-    entry.key, entry.value = CONTRACT_KEY, contract_digest(manifest)
+    set_metadata(model, CONTRACT_KEY, contract_digest(manifest))
     return mark_padding_id(model, manifest["input"])
 
 

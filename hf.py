@@ -35,7 +35,7 @@ def from_pretrained(loader, source: str, **kwargs):
     try:
         with stdout_to_stderr():
             return loader.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, EnvironmentError) as err:
+    except (OSError, ValueError) as err:  # transformers' "not found" errors are OSErrors
         if os.path.isdir(source):
             raise DataError(f"--arch hf:{source}: cannot load {loader.__name__} from that "
                             f"directory: {first_line(err, 300)}",

@@ -247,14 +247,6 @@ class HFTokenizer:
         configure_hf_backend(backend, spec)
         return cls(backend, spec)
 
-    @property
-    def max_length(self) -> int:
-        return self.spec["max_length"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.spec["vocab_size"]
-
     def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
         """int64 (N, longest) input ids, right-padded with the pad id; batch encoding in Rust."""
         if not len(texts):
