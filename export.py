@@ -19,8 +19,8 @@ import onnx
 from config import Config, build_parser, start_cli
 from data import load_bundle_dataset
 from metrics import top1_agreement
-from runtime import RuntimeOptions, create_session, session_feeder
-from preprocess import PAD_ID, text_graph_feed, trim_padding
+from runtime import RuntimeOptions, create_session, input_padding_id, session_feeder
+from preprocess import text_graph_feed, trim_padding
 from bundle import (BundlePaths, mark_padding_id, manifest_text, read_manifest, record_export,
                     side_files, stamp_contract)
 from report import run_with_report
@@ -142,7 +142,7 @@ def check_graph(model: onnx.ModelProto) -> None:
 
 def padding_id(input_spec: dict) -> int | None:
     """The padding id of a token-id input (None for images and tables)."""
-    return input_spec.get("padding_id", PAD_ID) if input_spec["dtype"] == "int64" else None
+    return input_padding_id(input_spec) if input_spec["dtype"] == "int64" else None
 
 
 def check_samples(held_out: np.ndarray, fallback: np.ndarray, input_spec: dict) -> np.ndarray:
@@ -181,7 +181,8 @@ def validation_probes(samples: np.ndarray, input_spec: dict) -> dict[str, np.nda
 
 
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
-                       input_spec: dict, atol: float, batch_size: int, num_threads: int) -> NumericCheck:
+                       input_spec: dict, atol: float, batch_size: int,
+                       num_threads: int) -> NumericCheck:
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
     import torch
     from models import WithProbabilities
@@ -295,8 +296,8 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
     net = net.eval()
     output_names = [o["name"] for o in manifest["outputs"]]
     samples = check_samples(held_out, train_samples, manifest["input"])
-    exported = export_graph(net, export_example(samples, manifest["input"]), config.opset, manifest["input"],
-                            output_names)
+    spec = manifest["input"]
+    exported = export_graph(net, export_example(samples, spec), config.opset, spec, output_names)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     check = compare_with_torch(slimmed, net, samples, manifest["input"], config.validate_atol,
@@ -360,8 +361,9 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
         check_norms_adaptable(net, slimmed)
         return None
     output_names = [o["name"] for o in manifest["outputs"]]
-    graph = export_graph(net, export_example(samples, manifest["input"]), config.opset, manifest["input"],
-                         output_names, optimize=False)
+    spec = manifest["input"]
+    graph = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
+                         optimize=False)
     graph = fold_constants(graph)
     check_graph(graph)
     diff = _max_diff_to(graph, slimmed, samples, config, manifest)
@@ -438,8 +440,9 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
     from iterative import ensemble_model
 
     output_names = [o["name"] for o in manifest["outputs"]]
-    members = [slim_graph(export_graph(net.eval(), export_example(samples, manifest["input"]), config.opset,
-                                       manifest["input"], output_names)) for net in nets]
+    spec = manifest["input"]
+    members = [slim_graph(export_graph(net.eval(), export_example(samples, spec), config.opset,
+                                       spec, output_names)) for net in nets]
     graph = ensemble_model(members, len(manifest["labels"]))
     check_graph(graph)
     probe = validation_probes(samples, manifest["input"])["held_out"]

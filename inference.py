@@ -18,9 +18,8 @@ from bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 from config import Config, build_parser, start_cli
 from metrics import accuracy, ece_change_interval, entropy
 from report import run_with_report
-from preprocess import PAD_ID
-from runtime import (batches_of, best_of, create_session, graph_padding_id, predict_proba,
-                     session_device, session_runner, state_input, time_runners)
+from runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
+                     predict_proba, session_device, session_runner, state_input, time_runners)
 from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
 
 if TYPE_CHECKING:
@@ -114,11 +113,6 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     return manifest, session, model_path
 
 
-def padding_id(manifest: dict) -> int:
-    """The padding id of a text bundle's token ids (0 for ours; an hf tokenizer's own)."""
-    return int(manifest["input"].get("padding_id", PAD_ID))
-
-
 def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
              model_path: Path) -> InferenceResult:
     """Test accuracy, then per-batch latency and throughput at --batch_size."""
@@ -180,7 +174,7 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
     import iterative as it
 
     x, y = test
-    batches = batches_of(x, config.batch_size, padding_id(manifest))
+    batches = batches_of(x, config.batch_size, input_padding_id(manifest["input"]))
     single = session_runner(session)
     single(batches[0])
     single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
@@ -282,7 +276,7 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
-                                                 padding_id(manifest))
+                                                 input_padding_id(manifest["input"]))
 
 
 # ----------------------------------------------------------------------------- batch inference
@@ -309,7 +303,7 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
     run = session_runner(session, state_passes=config.iterations
                          if config.iterative == "state" else 1)
     if manifest["preprocessing"]["kind"] == "text":
-        return by_length(run, size, padding_id(manifest)), []
+        return by_length(run, size, input_padding_id(manifest["input"])), []
     return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size)]), {})), []
 
 
@@ -410,7 +404,7 @@ def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Pred
         sampler = mc_sampler(config, paths, manifest)
 
     def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        passes = sampler(batches_of(x, config.batch_size, padding_id(manifest)))
+        passes = sampler(batches_of(x, config.batch_size, input_padding_id(manifest["input"])))
         mean = passes.mean
         chosen = mean.argmax(1)
         return mean, {"entropy": entropy(mean),

@@ -224,6 +224,11 @@ def batches_of(x: np.ndarray, batch_size: int, pad_id: int = PAD_ID) -> list[np.
     return out
 
 
+def input_padding_id(input_spec: dict) -> int:
+    """The padding id of a manifest's token-id input: 0 for ours, an hf tokenizer's own."""
+    return int(input_spec.get("padding_id", PAD_ID))
+
+
 def graph_padding_id(session_or_model) -> int:
     """The padding id of a session's or ModelProto's token ids: the metadata an hf graph carries,
     else 0 (ours)."""
