@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from evaluation import Tally, bundle_evaluation
 from preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     serving_columns, split_spec, table_format)
@@ -370,6 +371,7 @@ class BatchRun:
     failed: int = 0
     labeled: int = 0
     correct: int = 0
+    outside_classes: int = 0  # labelled rows whose label is none of the model's classes
     errors_path: str | None = None
     seconds: float = 0.0
 
@@ -392,6 +394,7 @@ def predict_input(options: BatchOptions, manifest: dict, predict: Predictor,
     index = {label: i for i, label in enumerate(labels)}
     top_k = min(options.top_k, len(labels))
     error_rows: list[tuple[str, str]] = []
+    tally = Tally(len(labels))  # the rows with a true label among the classes
     started = time.perf_counter()
     chunks = prefetched(input_chunks(manifest, options))
     with atomic_write_stream(options.output) as handle:
@@ -412,8 +415,15 @@ def predict_input(options: BatchOptions, manifest: dict, predict: Predictor,
                 known = [(i, index.get(t)) for i, t in enumerate(chunk.labels) if t is not None]
                 run.labeled += len(known)
                 run.correct += sum(probabilities[i].argmax() == k for i, k in known)
+                classes = [(i, k) for i, k in known if k is not None]
+                run.outside_classes += len(known) - len(classes)
+                if classes:
+                    rows, truth = map(list, zip(*classes))
+                    tally.add(probabilities[rows], np.asarray(truth))
         run.seconds = round(time.perf_counter() - started, 3)
         report["predictions"] = run.report_section()
+        if tally.samples:
+            report["evaluation"] = bundle_evaluation(manifest, tally, "input")
         if run.predicted == 0:  # raised inside the block: the previous output stays as it was
             _fail_without_predictions(run, options, error_rows)
     if options.errors:

@@ -409,6 +409,10 @@ class Config:
     report_json: str | None = opt(None, "write the final report as JSON to PATH ('-' prints it "
                                   "on stdout instead of the summary)", "output", metavar="PATH",
                                       scripts="PTEQI")
+    plots: str | None = opt(None, "write the run's plots (PNG) to DIR, or 'none' (default: a "
+                            "plots/ folder beside --report_json; for pipeline.py without a "
+                            "report file, beside the model)", "output", metavar="DIR",
+                            scripts="PI")
     log_level: str = opt("INFO", "log verbosity on stderr; DEBUG also shows library logs and "
                          "tracebacks", "output", type=str.upper, choices=LOG_LEVELS,
                              scripts="PTEQI")
@@ -603,6 +607,9 @@ class Config:
                      "ending in .onnx")
         if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
             _bad("report_json", self.report_json, "it is a folder; give a file path")
+        folder = self.plots_folder() if "plots" in self.names() else None
+        if folder is not None and folder.exists() and not folder.is_dir():
+            _bad("plots", str(folder), "it is a file; give a folder, or 'none'")
         reads, writes = self.files_read_and_written()
         for flag in self.READ_FLAGS:
             path = reads.get(f"--{flag}")
@@ -614,6 +621,33 @@ class Config:
                               "lay the images out as ROOT/train/<class>/, ROOT/val/<class>/ and "
                               "ROOT/test/<class>/ and pass --dataset_path ROOT")
         check_paths(reads, writes)
+
+    def plots_folder(self) -> Path | None:
+        """Where the plots go: --plots DIR, else beside the report file, else for pipeline.py
+        beside the model (visuals_beside); None for none."""
+        if self.plots:
+            return None if self.plots.lower() == "none" else Path(self.plots)
+        if self.report_json and self.report_json != "-":
+            return visuals_beside(Path(self.report_json))
+        if getattr(self, "script", None) == "pipeline" and self.output_model:
+            return visuals_beside(Path(self.output_model))
+        return None
+
+    def page_path(self) -> Path | None:
+        """The HTML page: beside the report file, with its name (report.json → report.html)."""
+        if not self.report_json or self.report_json == "-":
+            return None
+        return page_beside(Path(self.report_json))
+
+    def visual_outputs(self) -> dict[str, Path]:
+        """Every plot and page path this run may write, for the path checks."""
+        folder = self.plots_folder() if "plots" in self.names() else None
+        outputs = {f"--plots ({name}.png)": folder / f"{name}.png" for name in PLOT_NAMES
+                   } if folder else {}
+        page = self.page_path() if "plots" in self.names() else None
+        if page:
+            outputs["the report page (--report_json's .html)"] = page
+        return outputs
 
     READ_FLAGS = ("dataset_path", "val_path", "test_path", "unlabeled_path", "input",
                   "init_weights", "model_def")
@@ -636,6 +670,7 @@ class Config:
             bundle = {f"--output_model (the bundle's {what})": path for what, path in
                       BundlePaths.from_model_path(self.output_model).files().items()}
             (reads if getattr(self, "script", None) == "inference" else writes).update(bundle)
+        writes.update(self.visual_outputs())
         for i, member in enumerate(p.strip() for p in (self.ensemble or "").split(",")):
             if member:
                 reads[f"--ensemble (bundle {i + 1})"] = Path(member)
@@ -731,6 +766,24 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 FIELDS = {f.name: f for f in fields(Config)}
+
+
+PLOT_NAMES = ("training_curves", "confusion_matrix", "reliability", "ttt_shifts", "benchmark",
+              "tta")
+
+
+def visuals_beside(path: Path) -> Path:
+    """The plots folder beside a report or model file: `plots/` for report.json or model.onnx,
+    `NAME_plots/` for other names."""
+    return path.parent / ("plots" if path.stem in ("report", "model") else f"{path.stem}_plots")
+
+
+def page_beside(report_json: Path) -> Path:
+    """The HTML page beside a report file: its name with .html (a report named *.html gets
+    .report.html, so the page never replaces it)."""
+    if report_json.suffix.lower() in (".html", ".htm"):
+        return report_json.with_name(report_json.name + ".report.html")
+    return report_json.with_suffix(".html")
 
 
 def flags_for(script: str) -> list[str]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 from config import Config, build_parser, start_cli
+from evaluation import Tally, bundle_evaluation
 from metrics import accuracy, ece_change_interval, entropy
 from report import run_with_report
 from runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
@@ -114,11 +115,13 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
 
 
 def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
-             model_path: Path) -> InferenceResult:
-    """Test accuracy, then per-batch latency and throughput at --batch_size."""
+             model_path: Path) -> tuple[InferenceResult, np.ndarray]:
+    """Test accuracy, then per-batch latency and throughput at --batch_size; and the test
+    probabilities (for the evaluation section)."""
     if len(x) == 0:
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
-    score = accuracy(predict_proba(session, x, config.batch_size), y)
+    probabilities = predict_proba(session, x, config.batch_size)
+    score = accuracy(probabilities, y)
     batches = batches_of(x, config.batch_size, graph_padding_id(session))
     # at least 30 batches and one whole pass; one variant, so no floor on the time spent
     timings = time_runners([session_runner(session)], batches, max(30, len(batches)),
@@ -130,7 +133,7 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         model_path=str(model_path), accuracy=score,
         latency_ms_p50=timings.percentile_ms(0, 50), latency_ms_p95=timings.percentile_ms(0, 95),
         throughput_per_s=timings.throughput(0), batch_size=config.batch_size, samples=len(x),
-        timed_batches=len(timings.samples))
+        timed_batches=len(timings.samples)), probabilities
 
 
 def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
@@ -256,11 +259,13 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     """The inference stage on one session of the chosen graph: accuracy, latency and throughput;
     then TTA (with --tta) and the benchmark table (`baseline` rows first), into `report`."""
     manifest, session, model_path = load_bundle_session(paths, config, variant)
-    result = evaluate(session, *test, config, model_path)
+    result, probabilities = evaluate(session, *test, config, model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
              config.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
+    report["evaluation"] = bundle_evaluation(manifest, Tally(len(manifest["labels"])).add(
+        probabilities, test[1]))
     if config.tta:
         from tta import evaluate_tta
 

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from evaluation import reliability
 from metrics import accuracy, accuracy_at_coverage, entropy, expected_calibration_error, nll
 from preprocess import PADDING_ID_KEY
 from tta_graph import GraphNodes
@@ -275,7 +276,8 @@ def calibration_row(variant: str, probabilities: np.ndarray, y: np.ndarray, seco
             "mean_confidence": float(probabilities.max(1).mean()),
             "accuracy_at_90_coverage": accuracy_at_coverage(probabilities, y, uncertainty),
             "passes_used": passes_used,
-            "cost_ratio": round(seconds / max(single_seconds, 1e-9), 3)}
+            "cost_ratio": round(seconds / max(single_seconds, 1e-9), 3),
+            "reliability": reliability(probabilities, y)}
 
 
 def calibration_verdict(single: dict, other: dict, interval: tuple[float, float],

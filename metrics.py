@@ -85,3 +85,34 @@ def accuracy_at_coverage(probabilities: np.ndarray, y: np.ndarray, uncertainty: 
     return accuracy(probabilities[chosen], y[chosen])
 
 
+
+
+def confusion_matrix(y_true: np.ndarray, y_pred: np.ndarray, num_classes: int) -> np.ndarray:
+    """Counts of (true class, predicted class): rows are true classes, columns predictions."""
+    pairs = np.asarray(y_true, np.int64) * num_classes + np.asarray(y_pred, np.int64)
+    return np.bincount(pairs, minlength=num_classes * num_classes).reshape(num_classes,
+                                                                           num_classes)
+
+
+def class_scores(confusion: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-class precision, recall, F1 and support from a confusion matrix. A class never
+    predicted has precision 0, a class absent from the data recall 0 (scikit-learn's
+    zero_division=0)."""
+    hits = np.diag(confusion).astype(np.float64)
+    predicted, support = confusion.sum(0), confusion.sum(1)
+    precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
+    recall = np.divide(hits, support, out=np.zeros_like(hits), where=support > 0)
+    both = precision + recall
+    f1 = np.divide(2 * precision * recall, both, out=np.zeros_like(hits), where=both > 0)
+    return {"precision": precision, "recall": recall, "f1": f1, "support": support}
+
+
+def reliability_sums(probabilities: np.ndarray, y: np.ndarray, bins: int = ECE_BINS
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width confidence bin (the ECE's bins): samples, Σ confidence, Σ correct; sums,
+    so that chunks of a stream add up."""
+    confidence = np.asarray(probabilities).max(1)
+    bin_of = np.clip(_ece_bin(confidence, bins), 0, bins - 1)
+    correct = (np.asarray(probabilities).argmax(1) == y).astype(np.float64)
+    return (np.bincount(bin_of, minlength=bins), np.bincount(bin_of, confidence, bins),
+            np.bincount(bin_of, correct, bins))

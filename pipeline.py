@@ -13,7 +13,7 @@ from typing import Sequence
 
 from config import build_parser, start_cli
 from bundle import BundlePaths
-from report import run_with_report
+from report import preload_plots, run_with_report
 from utils import LOG, exit_cli, run_cli
 
 EXAMPLE = """\
@@ -96,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         quiet_library_loggers()  # after DSPy's import, which resets loggers
         set_torch_threads(config.num_threads)
+        if config.plots_folder() is not None:
+            preload_plots()
         cap_batch_size(config, dataset)
         trained, dataset = train_stage(config, dataset, report)
         members = train_ensemble_members(config, dataset, trained)

@@ -63,7 +63,8 @@ class ClassifierProgram(dspy.Module):
     def forward(self, **inputs) -> dspy.Prediction:
         probabilities = self.predict_proba(self.encode([inputs[self.input_field]]))[0]
         best = int(probabilities.argmax())
-        return dspy.Prediction(label=self.labels[best], confidence=float(probabilities[best]))
+        return dspy.Prediction(label=self.labels[best], confidence=float(probabilities[best]),
+                               probabilities=probabilities)
 
     def predict_proba(self, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
         self.net.eval()
@@ -226,6 +227,7 @@ class EpochRecord:
     train_accuracy: float  # running, on augmented batches in train mode
     val_accuracy: float  # dspy.Evaluate on the validation split
     seconds: float
+    val_loss: float | None = None  # mean cross-entropy of the same dspy.Evaluate predictions
 
 
 class WeightTrainer(Teleprompter):
@@ -258,6 +260,7 @@ class WeightTrainer(Teleprompter):
         self.history: list[EpochRecord] = []
         self.best_epoch = 0
         self.batches_run = 0  # in the current epoch
+        self.initial_loss: float | None = None  # the first batch's, before any update
 
     def compile(self, student: ClassifierProgram, *, trainset: list[dspy.Example],
                 teacher=None, valset: list[dspy.Example] | None = None,
@@ -283,9 +286,12 @@ class WeightTrainer(Teleprompter):
                                   self.batch_size)
             self._check_weights(program.net, epoch)
             with stdout_to_stderr():
-                score = evaluate(program).score / 100.0
+                evaluated = evaluate(program)
             raise_if_interrupted()
-            record = EpochRecord(epoch, loss, accuracy, score, round(time.perf_counter() - started, 3))
+            score = evaluated.score / 100.0
+            record = EpochRecord(epoch, loss, accuracy, score,
+                                 round(time.perf_counter() - started, 3),
+                                 evaluated_loss(evaluated.results, program.labels))
             self.history.append(record)
             LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
                      self.epochs, loss, accuracy, score, record.seconds)
@@ -361,6 +367,8 @@ class WeightTrainer(Teleprompter):
                 logits = net(network_batch(inputs, self.pad_id, self.device))
                 loss = F.cross_entropy(logits.float(), y[batch].to(self.device))
             value = loss.detach().item()
+            if self.initial_loss is None:
+                self.initial_loss = value
             if not math.isfinite(value):  # the inputs are finite (check_finite_inputs)
                 bar.close()
                 raise TrainingDiverged(epoch, number, f"the loss became {value}",
@@ -376,6 +384,17 @@ class WeightTrainer(Teleprompter):
             seen += len(batch)
             bar.set_postfix(loss=f"{total_loss / seen:.4f}")
         return total_loss / seen, correct / seen
+
+
+def evaluated_loss(results: Sequence[tuple], labels: Sequence[str]) -> float | None:
+    """Mean cross-entropy of dspy.Evaluate's (example, prediction, score) results: the
+    validation loss at no extra forward pass."""
+    index = {label: i for i, label in enumerate(labels)}
+    picked = [prediction.probabilities[index[example.label]] for example, prediction, _ in results
+              if getattr(prediction, "probabilities", None) is not None]
+    if not picked:
+        return None
+    return float(-np.log(np.clip(np.asarray(picked, np.float64), 1e-12, None)).mean())
 
 
 @dataclass
@@ -499,6 +518,7 @@ class TrainedModel:
     diverged_candidates: list[dict] = field(default_factory=list)  # skipped by the search
     transfer: Transfer | None = None  # --init_weights / --pretrained
     freeze_epochs: int = 0
+    initial_loss: float | None = None  # the kept candidate's first batch, before any update
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1
@@ -512,7 +532,8 @@ class TrainedModel:
                 "chosen_candidate": self.chosen_candidate if searched else None,
                 "diverged_candidates": self.diverged_candidates if searched else None,
                 "init_weights": self.transfer.report_section() if self.transfer else None,
-                "freeze_epochs": self.freeze_epochs}
+                "freeze_epochs": self.freeze_epochs,
+                "history": [vars(record) for record in self.history]}
 
 
 def set_torch_threads(num_threads: int) -> None:
@@ -588,7 +609,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
                         transfer=transfers[0] if transfers else None,
-                        freeze_epochs=config.freeze_epochs)
+                        freeze_epochs=config.freeze_epochs, initial_loss=trainer.initial_loss)
 
 
 def network_architecture(config: Config, dataset: Dataset) -> dict:

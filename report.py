@@ -1,16 +1,25 @@
 """The run's report: the sections each stage fills, the human summary on stdout, the JSON for CI
-scripts, and the runner that writes both (also when a stage fails).
+scripts, the plots and the HTML page, and the runner that writes them (the JSON also when a stage
+fails).
+
+    python report.py runs/digits/report.json
+
+rebuilds the plots and the page from a saved report (a cron job's JSON, looked at later).
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, PipelineError,
-                   atomic_write_json)
+from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, ConfigError, DataError,
+                   PipelineError, atomic_write_json, check_paths, exit_cli, run_cli,
+                   setup_logging)
 
 
 def _fmt(value: Any) -> str:
@@ -79,12 +88,17 @@ def format_summary(report: dict) -> str:
         lines.append(f"error: {report['error']['message']} (exit {report['error']['code']})")
     for section, keys in _SUMMARY_KEYS.items():
         data = report.get(section)
+        if section == "tta" and report.get("evaluation") and not report.get("predictions"):
+            # the evaluation follows the inference block (the predictions block on --input)
+            lines += ["evaluation:", *format_evaluation(report["evaluation"])]
         if not data:
             continue
         lines.append(f"{section}:")
         for key, label in keys:
             if data.get(key) is not None:
                 lines.append(f"  {label:<26} {_fmt(data[key])}")
+        if section == "train" and (data.get("health") or {}).get("hint"):
+            lines.append(f"  {'hint':<26} {data['health']['hint']}")
         if section == "dataset":
             lines += [f"  {'':<26} {d['count']} with {d['reason']} in {Path(d['file']).name} "
                       f"(rows {', '.join(map(str, d['first_rows']))}"
@@ -102,9 +116,49 @@ def format_summary(report: dict) -> str:
         lines += ["predictions:"] + [f"  {label:<26} {_fmt(report['predictions'][key])}"
                                      for key, label in PREDICTION_KEYS
                                      if report["predictions"].get(key) is not None]
+        if report.get("evaluation"):
+            lines += ["evaluation:", *format_evaluation(report["evaluation"])]
+    if report.get("plots"):
+        folder = Path(next(iter(report["plots"].values()))).parent
+        lines.append(f"plots: {len(report['plots'])} PNG in {folder}")
+    if report.get("html"):
+        lines.append(f"page: {report['html']}")
     if report.get("seconds_total") is not None:
         lines.append(f"total seconds: {report['seconds_total']:.1f}")
     return "\n".join(lines)
+
+
+SHOWN_CLASSES = 20  # per-class rows in the text summary; more classes: the weakest ones
+
+
+def format_evaluation(evaluation: dict) -> list[str]:
+    """Verdict, baseline, macro figures, the per-class table and the top confusions."""
+    lines = [f"  {'verdict':<26} {evaluation['verdict']}",
+             f"  {'baseline (majority class)':<26} {_fmt(evaluation['baseline_accuracy'])} "
+             f"(always {evaluation['baseline_class']!r}, from the {evaluation['baseline_source']})",
+             f"  {'macro-F1':<26} {_fmt(evaluation['macro_f1'])}",
+             f"  {'balanced accuracy':<26} {_fmt(evaluation['balanced_accuracy'])}"]
+    if evaluation.get("ece") is not None:
+        lines.append(f"  {'ECE (15 bins)':<26} {_fmt(evaluation['ece'])}")
+    rows = evaluation["per_class"]
+    title = "class"
+    if len(rows) > SHOWN_CLASSES:
+        rows = sorted(rows, key=lambda r: (r["f1"], -r["support"]))[:SHOWN_CLASSES]
+        title = f"class ({SHOWN_CLASSES} lowest F1 of {len(evaluation['per_class'])})"
+    width = max(12, min(28, max(len(str(r["label"])) for r in rows)))
+    lines.append(f"  {title:<{width}} {'precision':>9} {'recall':>8} {'f1':>8} {'support':>8}")
+    lines += [f"  {_clip(str(r['label']), width):<{width}} {r['precision']:>9.4f} "
+              f"{r['recall']:>8.4f} {r['f1']:>8.4f} {r['support']:>8}" for r in rows]
+    if evaluation["top_confusions"]:
+        lines.append("  most frequent confusions (true → predicted):")
+        lines += [f"    {_clip(str(c['true']), 28)} → {_clip(str(c['predicted']), 28)}: "
+                  f"{c['count']}" for c in evaluation["top_confusions"]]
+    lines += [f"  WARNING: {warning}" for warning in evaluation["warnings"]]
+    return lines
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def format_candidates(candidates: list[dict], chosen: int) -> list[str]:
@@ -192,10 +246,56 @@ def error_section(err: BaseException) -> dict:
 PREDICTION_KEYS = [("input", "input"), ("output", "output"), ("rows", "rows read"),
                    ("predicted", "rows predicted"), ("failed", "rows failed"),
                    ("errors_path", "errors listed in"), ("labeled", "rows with a label"),
+                   ("outside_classes", "labels not a class"),
                    ("accuracy", "accuracy"), ("rows_per_s", "rows/s end to end")]
 
-REPORT_SECTIONS = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "benchmark", "tta",
-                   "ttt", "iterative", "predictions")
+REPORT_SECTIONS = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference",
+                   "evaluation", "benchmark", "tta", "ttt", "iterative", "predictions")
+
+
+def preload_plots() -> None:
+    """Import plots.py and matplotlib (about half a second) in a background thread, to be
+    called once the run's own heavy imports are done: training then hides the import, and
+    drawing at the end costs only the drawing."""
+    threading.Thread(target=_import_plots, name="preload-plots", daemon=True).start()
+
+
+def _import_plots() -> None:
+    try:
+        importlib.import_module("plots")
+    except Exception:  # noqa: BLE001 - write_visuals imports it again and says what is wrong
+        pass
+
+
+def write_visuals(report: dict, plots_folder: Path | None, page: Path | None,
+                  strict: bool = False) -> None:
+    """The plots (into `plots_folder`) and the HTML page, their paths into the report. In a
+    run, a failure here costs the pictures, not the run: a WARNING, and the JSON still says it
+    all; `strict` (report.py, whose only job they are) lets it fail."""
+    report.update(plots={}, html=None)
+    if plots_folder is None and page is None:
+        return
+    started = time.perf_counter()
+    try:
+        plots: dict[str, str] = {}
+        if plots_folder is not None:
+            from plots import write_plots  # matplotlib, only when pictures are wanted
+
+            plots = write_plots(report, plots_folder)
+        report["plots"] = plots
+        if page is not None:
+            from page import write_page
+
+            report["html"] = str(page)
+            write_page(report, {name: Path(path) for name, path in plots.items()}, page,
+                       summary_keys=_SUMMARY_KEYS, prediction_keys=PREDICTION_KEYS)
+    except Exception as err:  # noqa: BLE001 - pictures must never cost a finished run its JSON
+        if strict:
+            raise
+        LOG.warning("could not write the plots or the report page: %s", err)
+        report["html"] = None
+    report["seconds_visuals"] = round(time.perf_counter() - started, 3)
+    LOG.info("plots and page written in %.2f s", report["seconds_visuals"])
 
 
 def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
@@ -221,6 +321,71 @@ def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
             LOG.warning("could not write the report to %s: %s", config.report_json, write_err)
         raise
     report.update(status="ok", seconds_total=round(time.perf_counter() - started, 3))
+    if hasattr(config, "plots_folder") and "plots" in config.names():
+        write_visuals(report, config.plots_folder(), config.page_path())
     emit_report(report, config.report_json, json_stdout=getattr(config, "json", False),
                 quiet=getattr(config, "quiet", False))
     return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def read_report(path: Path) -> dict:
+    """A report JSON as the scripts write it; exit 3 for a missing, unreadable or foreign file."""
+    if not path.is_file():
+        raise DataError(f"{path} does not exist", "give the --report_json file of a run")
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path} is not JSON ({err})", "give the --report_json file of a run")
+    if not isinstance(report, dict) or "version" not in report or "status" not in report:
+        raise DataError(f"{path} is JSON but not a run's report (no version and status)",
+                        "give the --report_json file of a run")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from config import LOG_LEVELS, OneLineParser, page_beside, visuals_beside
+
+    parser = OneLineParser(
+        prog="report.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Rebuild the plots and the HTML page of a saved report "
+        "JSON (pipeline.py or inference.py --report_json).",
+        epilog="example:\n  python report.py runs/digits/report.json   # writes "
+               "runs/digits/plots/*.png and runs/digits/report.html")
+    parser.add_argument("report_json", metavar="REPORT.json", help="the report to draw")
+    parser.add_argument("--plots", metavar="DIR", help="where the PNGs go, or 'none' (default: "
+                        "plots/ beside the report, NAME_plots/ for a report not called report.json)")
+    parser.add_argument("--html", metavar="PATH", help="where the page goes, or 'none' "
+                        "(default: the report's name with .html)")
+    parser.add_argument("--log_level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="log verbosity on stderr (default: INFO)")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    source = Path(args.report_json)
+    plots = (None if (args.plots or "").lower() == "none"
+             else Path(args.plots) if args.plots else visuals_beside(source))
+    page = (None if (args.html or "").lower() == "none"
+            else Path(args.html) if args.html else page_beside(source))
+    if plots is None and page is None:
+        raise ConfigError("--plots none and --html none leave nothing to write",
+                          "drop one of them")
+    if plots is not None and plots.exists() and not plots.is_dir():
+        raise ConfigError(f"--plots {plots} is a file", "give a folder, or 'none'")
+    from config import PLOT_NAMES
+
+    writes = {f"--plots ({name}.png)": plots / f"{name}.png" for name in PLOT_NAMES} if plots else {}
+    if page is not None:
+        writes["--html"] = page
+    check_paths({"REPORT.json": source}, writes)
+    report = read_report(source)
+    write_visuals(report, plots, page, strict=True)
+    if report.get("html"):
+        print(f"page: {report['html']}")
+    for name, path in (report.get("plots") or {}).items():
+        print(f"{name}: {path}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    exit_cli(run_cli(main))

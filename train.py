@@ -43,7 +43,7 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
 
     if not config.teacher_lm:
         trained = train_classifier(config, dataset)
-        report["train"] = trained.report_section()
+        report["train"] = train_section(trained, dataset)
         return trained, dataset
     from teacher import distill
 
@@ -53,9 +53,66 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     baseline = train_classifier(config, dataset)
     LOG.info("student with the teacher's labels (%d training texts)", len(distilled.dataset.train))
     trained = train_classifier(config, distilled.dataset)
-    report["train"] = trained.report_section()
+    report["train"] = train_section(trained, distilled.dataset)
     report["teacher"].update(teacher_comparison(baseline, dataset, trained, distilled.dataset))
     return trained, distilled.dataset
+
+
+LOSS_FALL_FLOOR = 0.05  # a training loss that falls less than this share: the network barely learned
+
+
+def train_section(trained: TrainedModel, dataset: Dataset) -> dict:
+    """The report's `train`, with its health: a WARNING and a hint when the network barely
+    learned."""
+    prior = prior_loss(class_counts(dataset.train.y, len(trained.labels)))
+    section = {**trained.report_section(), "health": training_health(trained, prior)}
+    if section["health"] and section["health"]["hint"]:
+        LOG.warning("%s", section["health"]["hint"])
+    return section
+
+
+def prior_loss(counts: list[int]) -> float:
+    """The cross-entropy of answering every input with the classes' shares: what a network
+    that learned nothing from its inputs reaches at best."""
+    import numpy as np
+
+    shares = np.asarray(counts, np.float64) / max(1, sum(counts))
+    shares = shares[shares > 0]
+    return float(-(shares * np.log(shares)).sum())
+
+
+def training_health(trained: TrainedModel, prior: float) -> dict | None:
+    """Whether the network learned from its inputs: the training loss must fall by
+    LOSS_FALL_FLOOR from the first batch (before any update) to the last epoch's mean, and end
+    below `prior`, the loss of answering the class shares. Otherwise a hint that names the
+    learning rate used."""
+    if trained.initial_loss is None or not trained.history or trained.initial_loss <= 0:
+        return None
+    start, end = trained.initial_loss, trained.history[-1].loss
+    fall = (start - end) / start
+    problem = None
+    if fall < LOSS_FALL_FLOOR:
+        moved = (f"fell only {fall:.1%}" if fall > 0 else
+                 "did not fall" if fall == 0 else f"rose {-fall:.1%}")
+        problem = f"the training loss {moved} ({start:.4f} → {end:.4f})"
+    elif end >= prior:
+        problem = (f"the training loss ended at {end:.4f}, no lower than {prior:.4f} (the loss "
+                   "of answering every input with the class shares)")
+    epochs = len(trained.history)
+    return {"loss_start": start, "loss_end": end, "loss_fall": fall, "loss_prior": prior,
+            "hint": problem and f"after {epochs} epoch{'s' if epochs > 1 else ''} at learning "
+                                f"rate {trained.learning_rate:g}, {problem}: the network barely "
+                                f"learned; try {learning_rate_advice(trained)}, or more --epochs"}
+
+
+def learning_rate_advice(trained: TrainedModel) -> str:
+    from config import HF_LEARNING_RATE, LEARNING_RATE, is_hf_arch
+
+    if is_hf_arch(trained.architecture.get("arch")):
+        return (f"--lr_candidates {HF_LEARNING_RATE:g},5e-5,1e-4 (fine-tuning a transformer "
+                f"usually works at {HF_LEARNING_RATE:g} to 1e-4)")
+    return (f"--lr_candidates 1e-3,{LEARNING_RATE:g},1e-2 (a network trained from scratch "
+            f"usually needs a learning rate around 1e-3; the default is {LEARNING_RATE:g})")
 
 
 def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: TrainedModel,
@@ -95,6 +152,7 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
         architecture=trained.architecture,
         dataset={**dataset.options.to_manifest(), "given_splits": dataset.given_splits,
                  "counts": dataset.counts, "skipped_images": len(dataset.skipped),
+                 "train_class_counts": class_counts(dataset.train.y, len(trained.labels)),
                  "columns": dataset.columns.to_manifest() if dataset.columns else None},
         training={"program": "ClassifierProgram (dspy.Module)",
                   "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, " + (
@@ -105,8 +163,14 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                   "train_augment": config.train_augment, "seed": config.seed,
                   "augment_transforms": (config.tta_transforms or "default")
                   if config.tta and config.train_augment else None,
-                  **trained.report_section(),
-                  "history": [vars(r) for r in trained.history], "teacher": teacher})
+                  **trained.report_section(), "teacher": teacher})
+
+
+def class_counts(y, num_classes: int) -> list[int]:
+    """Samples per class, in label order (the evaluation's majority-class baseline)."""
+    import numpy as np
+
+    return np.bincount(np.asarray(y, np.int64), minlength=num_classes).tolist()
 
 
 def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,

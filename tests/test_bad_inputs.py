@@ -156,7 +156,7 @@ def collision_cases(folder: Path, tmp: Path) -> list[tuple[str, list[object], st
 
 
 def test_no_output_may_be_an_input_or_another_output(bundle_copy, tmp_path):
-    before = {p: digest(p) for p in [*bundle_copy.iterdir()]}
+    before = {p: digest(p) for p in bundle_copy.rglob("*") if p.is_file()}  # plots/ too
     for name, command, phrase in collision_cases(bundle_copy, tmp_path):
         run = run_cli(*command)
         assert_clean_failure(run, 2, "is the same file as", phrase)

@@ -43,7 +43,7 @@ def test_stage_clis_chain_into_a_working_bundle(tmp_path):
 def test_failed_validation_keeps_the_previous_bundle(digits_bundle, tmp_path):
     bundle = tmp_path / "keep"
     shutil.copytree(digits_bundle["dir"], bundle)
-    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    before = {p.relative_to(bundle): p.read_bytes() for p in bundle.rglob("*") if p.is_file()}
     run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--output_model",
                   bundle / "model.onnx", "--epochs", "1", "--validate_atol", "1e-12",
                   "--report_json", bundle / "failed.json", "--no_progress", "true")
@@ -51,7 +51,8 @@ def test_failed_validation_keeps_the_previous_bundle(digits_bundle, tmp_path):
     report = json.loads((bundle / "failed.json").read_text())
     assert report["status"] == "error" and report["error"]["code"] == 4
     assert report["train"]["epochs_run"] == 1 and report["export"] is None
-    after = {p.name: p.read_bytes() for p in bundle.iterdir() if p.name != "failed.json"}
+    after = {p.relative_to(bundle): p.read_bytes() for p in bundle.rglob("*")
+             if p.is_file() and p.name != "failed.json"}
     assert after == before  # nothing overwritten, no temporary files left behind
 
 

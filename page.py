@@ -1,0 +1,579 @@
+"""The run's report as one self-contained HTML page (report.html beside the report JSON): the
+sections of the text summary as tables, plus the plots embedded as data URIs. No script, no
+external font, stylesheet or image: the page opens offline, from an artifact or a mail.
+
+Every string taken from the report (labels, paths, file names, verdicts, error messages, config
+values, dict keys) goes through `_esc`; markup built here is an `_Html` string, the only kind
+inserted as is. stdlib + utils only: report.py passes its label lists (`summary_keys`,
+`prediction_keys`); without them each section shows its plain keys under their own names.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from utils import atomic_write_text
+
+KeyLabels = Sequence[tuple[str, str]]
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_MATRIX_CLASSES = 20  # a bigger confusion matrix is left to its plot
+LONG_VALUE = 48  # characters: a longer value gets a row of its own
+PLOT_CAPTIONS = {
+    "training_curves": "training curves: loss and accuracy per epoch",
+    "confusion_matrix": "confusion matrix (rows: true class, columns: predicted class)",
+    "reliability": "reliability diagram: accuracy against confidence per bin",
+    "ttt_shifts": "test-time training: accuracy per shift",
+    "benchmark": "benchmark: latency, throughput and accuracy per variant",
+    "tta": "test-time augmentation",
+}
+TITLES = {
+    "dataset": "Dataset", "teacher": "Teacher", "train": "Training", "evaluation": "Evaluation",
+    "export": "ONNX export", "quantize": "Quantization", "fp16": "FP16",
+    "inference": "Inference (ONNX Runtime)", "tta": "Test-time augmentation",
+    "ttt": "Test-time training", "iterative": "Iterative inference", "benchmark": "Benchmark",
+    "predictions": "Predictions", "config": "Configuration",
+}
+# keys a section renders in its own tables, so not among its key/value rows
+OWN_TABLES = {
+    "dataset": {"dropped_reasons"},
+    "train": {"candidates", "chosen_candidate", "diverged_candidates", "history", "health"},
+    "tta": set(),
+}
+EVALUATION_KEYS = [("split", "split"), ("samples", "samples"), ("accuracy", "accuracy"),
+                   ("macro_f1", "macro-F1"), ("balanced_accuracy", "balanced accuracy"),
+                   ("ece", "ECE (15 bins)"), ("baseline_accuracy", "baseline accuracy"),
+                   ("baseline_class", "baseline class (always answered)"),
+                   ("baseline_source", "baseline counted on")]
+
+CSS = """
+:root { color-scheme: light; }
+body { margin: 0; background: #f4f5f7; color: #1d2330;
+  font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
+  sans-serif; }
+main { max-width: 1100px; margin: 0 auto; padding: 20px 20px 48px; }
+h1 { font-size: 26px; margin: 0 0 2px; }
+h2 { font-size: 19px; margin: 0 0 10px; }
+h3 { font-size: 15px; margin: 16px 0 6px; }
+section, header.headline { background: #fff; border: 1px solid #dde1e7; border-radius: 8px;
+  padding: 16px 20px; margin: 14px 0; }
+nav { font-size: 13px; margin: 6px 0 0; display: flex; flex-wrap: wrap; gap: 4px 14px; }
+nav a { color: #2f5bb7; text-decoration: none; white-space: nowrap; }
+.sub { color: #4a5568; margin: 0; overflow-wrap: anywhere; }
+.wrap { overflow-x: auto; }
+table { border-collapse: collapse; margin: 6px 0 12px; font-size: 14px; }
+th, td { padding: 4px 10px; border-bottom: 1px solid #e6e9ee; text-align: left;
+  vertical-align: top; overflow-wrap: break-word; }
+thead th { background: #eef1f5; font-weight: 600; white-space: nowrap; }
+tbody tr:nth-child(even) { background: #fafbfc; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap;
+  overflow-wrap: normal; }
+table.kv th { font-weight: normal; color: #4a5568; min-width: 10em; max-width: 18em; }
+table.kv th.second { padding-left: 32px; }
+table.kv td { max-width: 60em; font-variant-numeric: tabular-nums; }
+tr.kept td { font-weight: 600; }
+table.cm td.num { min-width: 2.2em; }
+table.cm td.diag { font-weight: 700; }
+table.cm th { font-size: 13px; }
+.banner { border-radius: 8px; padding: 10px 16px; margin: 0 0 6px; font-weight: 600;
+  overflow-wrap: anywhere; }
+.banner.ok { background: #e6f4ea; border: 1px solid #9fd3ae; }
+.banner.error { background: #fdecea; border: 1px solid #f1a9a0; color: #8a1c12; }
+.banner.other { background: #fff6db; border: 1px solid #e8c55a; }
+.stats { display: flex; flex-wrap: wrap; gap: 10px; margin: 12px 0; }
+.stat { border: 1px solid #dde1e7; border-radius: 6px; padding: 6px 14px; min-width: 110px; }
+.stat .v { display: block; font-size: 22px; font-weight: 600;
+  font-variant-numeric: tabular-nums; }
+.stat .k { font-size: 12px; color: #5a6475; }
+.verdict { font-size: 17px; font-weight: 600; border-left: 6px solid #2f9e58;
+  background: #e9f6ee; padding: 10px 14px; margin: 12px 0; overflow-wrap: anywhere; }
+.verdict.bad { border-left-color: #c92a1a; background: #fdecea; }
+.warnings, .note { background: #fff6db; border: 1px solid #e8c55a; border-left: 6px solid #d9a400;
+  padding: 8px 14px; margin: 10px 0; overflow-wrap: anywhere; }
+.warnings ul { margin: 4px 0; padding-left: 20px; }
+p.line { margin: 4px 0 8px; overflow-wrap: anywhere; }
+.row { display: flex; flex-wrap: wrap; gap: 0 40px; align-items: flex-start; }
+.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(440px, 1fr)); gap: 12px; }
+figure { margin: 10px 0; }
+figure img { display: block; max-width: 100%; height: auto; border: 1px solid #e6e9ee; }
+img { max-width: 100%; height: auto; }
+figcaption { font-size: 13px; color: #5a6475; margin-top: 4px; }
+details summary { cursor: pointer; font-weight: 600; }
+footer { color: #5a6475; font-size: 13px; margin: 14px 2px; }
+"""
+
+
+class _Html(str):
+    """Markup built by this module (user strings already escaped in it): inserted as is."""
+
+
+class _NumHtml(_Html):
+    """Markup of a number (a cost ratio): right-aligned like the numbers."""
+
+
+def _esc(value: Any) -> _Html:
+    return _Html(html.escape(str(value), quote=True))
+
+
+def _fmt(value: Any) -> str:
+    """Like report._fmt (floats to 4 significant digits, lists joined), but big floats as
+    grouped integers (21,044 rather than 2.104e+04) and dicts as JSON."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if 1e4 <= abs(value) < 1e15:
+            return f"{value:,.0f}"
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_fmt(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _td(value: Any) -> str:
+    if isinstance(value, _Html):
+        return f'<td class="num">{value}</td>' if isinstance(value, _NumHtml) else \
+            f"<td>{value}</td>"
+    if value is None:
+        return "<td></td>"
+    return f'<td class="num">{_esc(_fmt(value))}</td>' if _is_number(value) else \
+        f"<td>{_esc(_fmt(value))}</td>"
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "",
+           row_classes: Sequence[str] | None = None) -> _Html:
+    """A table; header and cell values are escaped (unless `_Html`), numbers right-aligned."""
+    rows = list(rows)
+    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+    body = []
+    for i, row in enumerate(rows):
+        mark = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
+        body.append(f"<tr{mark}>" + "".join(_td(v) for v in row) + "</tr>")
+    klass = f' class="{cls}"' if cls else ""
+    return _Html(f'<div class="wrap"><table{klass}><thead><tr>{head}</tr></thead>'
+                 f"<tbody>{''.join(body)}</tbody></table></div>")
+
+
+def _kv_table(pairs: Sequence[tuple[str, Any]]) -> _Html:
+    """Label/value rows; six or more short values in two column pairs (read down), long values
+    (verdicts, paths) on full-width rows below."""
+    if not pairs:
+        return _Html("")
+
+    def value(v: Any) -> str:
+        return v if isinstance(v, _Html) else _esc(_fmt(v))
+
+    short = [(k, v) for k, v in pairs if len(_fmt(v)) <= LONG_VALUE]
+    long = [(k, v) for k, v in pairs if len(_fmt(v)) > LONG_VALUE]
+    if len(short) < 6:
+        short, long = [], pairs
+    half = (len(short) + 1) // 2
+    rows = []
+    for left, right in zip(short[:half], short[half:] + [("", "")]):
+        rows.append(f"<tr><th>{_esc(left[0])}</th><td>{value(left[1])}</td>"
+                    f'<th class="second">{_esc(right[0])}</th><td>{value(right[1])}</td></tr>')
+    span = ' colspan="3"' if short else ""
+    rows += [f"<tr><th>{_esc(k)}</th><td{span}>{value(v)}</td></tr>" for k, v in long]
+    return _Html(f'<div class="wrap"><table class="kv"><tbody>{"".join(rows)}</tbody>'
+                 "</table></div>")
+
+
+def _plain(value: Any) -> bool:
+    """A value a key/value row can show: a scalar or a non-empty list of scalars."""
+    if isinstance(value, (str, int, float, bool)):
+        return True
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(v, (str, int, float, bool)) for v in value)
+
+
+def _pairs(data: Mapping, keys: KeyLabels | None, skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
+    """(label, value) for each key of `keys` with a value; without `keys`, each plain key."""
+    if keys is None:
+        skip = set(skip)
+        keys = [(k, str(k).replace("_", " ")) for k, v in data.items()
+                if k not in skip and _plain(v)]
+    return [(label, data[key]) for key, label in keys if data.get(key) is not None]
+
+
+def _section(name: str, title: str, parts: Iterable[str]) -> _Html:
+    return _Html(f'<section id="{_esc(name)}"><h2>{_esc(title)}</h2>'
+                 + "".join(p for p in parts if p) + "</section>")
+
+
+def _line(text: str) -> _Html:
+    return _Html(f'<p class="line">{_esc(text)}</p>')
+
+
+def _labelled_line(label: str, text: Any) -> _Html:
+    return _Html(f'<p class="line"><strong>{_esc(label)}:</strong> {_esc(_fmt(text))}</p>')
+
+
+def _ratio(value: Any) -> _Html | None:
+    return _NumHtml(_esc(f"{value:.2f}x")) if _is_number(value) else None
+
+
+class _Plots:
+    """The plot PNGs as data URIs; each placed once, the ones no section placed at the end."""
+
+    def __init__(self, plots: Mapping[str, Any] | None) -> None:
+        self.uris: dict[str, str] = {}
+        for name, path in (plots or {}).items():
+            if not path:
+                continue
+            try:
+                data = Path(path).read_bytes()
+            except OSError:
+                continue  # a missing plot is left out
+            if data.startswith(PNG_SIGNATURE):
+                self.uris[str(name)] = ("data:image/png;base64,"
+                                        + base64.b64encode(data).decode("ascii"))
+        self.placed: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.uris and name not in self.placed
+
+    def figures(self, *names: str) -> _Html:
+        figures = []
+        for name in names:
+            if not self.has(name):
+                continue
+            self.placed.add(name)
+            caption = PLOT_CAPTIONS.get(name, name.replace("_", " "))
+            figures.append(f'<figure><img src="{self.uris[name]}" alt="{_esc(caption)}">'
+                           f"<figcaption>{_esc(caption)}</figcaption></figure>")
+        if not figures:
+            return _Html("")
+        return _Html(('<div class="plots">' if len(figures) > 1 else "<div>")
+                     + "".join(figures) + "</div>")
+
+    def rest(self) -> list[str]:
+        return [name for name in self.uris if name not in self.placed]
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def _banner(report: dict) -> _Html:
+    status = report.get("status")
+    error = report.get("error")
+    if error:
+        if isinstance(error, dict):
+            code = error.get("code")
+            text = f"error{f' (exit {code})' if code is not None else ''}: {error.get('message')}"
+        else:
+            text = f"error: {error}"
+        return _Html(f'<div class="banner error">status: {_esc(status)} — {_esc(text)}</div>')
+    klass = "ok" if status == "ok" else "other"
+    return _Html(f'<div class="banner {klass}">status: {_esc(status)}</div>')
+
+
+def _headline(report: dict, sections: Sequence[str]) -> _Html:
+    dataset = _dict(report.get("dataset"))
+    config = _dict(report.get("config"))
+    evaluation = _dict(report.get("evaluation"))
+    model_type = dataset.get("model_type") or config.get("model_type")
+    path = dataset.get("path") or config.get("dataset_path")
+    sub = " · ".join(str(v) for v in (model_type, path) if v)
+    parts = ["<h1>Run report</h1>", f'<p class="sub">{_esc(sub)}</p>' if sub else ""]
+    accuracy = evaluation.get("accuracy")
+    accuracy_from = f"{evaluation.get('split') or 'test'} accuracy"
+    if accuracy is None and _dict(report.get("inference")).get("accuracy") is not None:
+        accuracy, accuracy_from = report["inference"]["accuracy"], "test accuracy"
+    stats = [(accuracy_from, accuracy), ("macro-F1", evaluation.get("macro_f1")),
+             ("balanced accuracy", evaluation.get("balanced_accuracy")),
+             ("baseline accuracy", evaluation.get("baseline_accuracy"))]
+    cells = "".join(f'<div class="stat"><span class="v">{_esc(_fmt(v))}</span>'
+                    f'<span class="k">{_esc(k)}</span></div>' for k, v in stats if v is not None)
+    if cells:
+        parts.append(f'<div class="stats">{cells}</div>')
+    warnings = [w for w in evaluation.get("warnings") or [] if w]
+    if evaluation.get("verdict"):
+        bad = " bad" if warnings or str(evaluation["verdict"]).lower().startswith("not useful") \
+            else ""
+        parts.append(f'<div class="verdict{bad}">{_esc(evaluation["verdict"])}</div>')
+    if warnings:
+        items = "".join(f"<li>{_esc(w)}</li>" for w in warnings)
+        parts.append(f'<div class="warnings"><strong>Warnings</strong><ul>{items}</ul></div>')
+    if sections:
+        links = "".join(f'<a href="#{_esc(s)}">{_esc(TITLES.get(s, s))}</a>' for s in sections)
+        parts.append(f"<nav>{links}</nav>")
+    return _Html('<header class="headline">' + "".join(parts) + "</header>")
+
+
+def _dataset(data: dict, keys: KeyLabels | None) -> list[str]:
+    parts = [_kv_table(_pairs(data, keys, OWN_TABLES["dataset"]))]
+    dropped = [d for d in data.get("dropped_reasons") or [] if isinstance(d, dict)]
+    if dropped:
+        rows = [(d.get("count"), d.get("reason"), Path(str(d.get("file", ""))).name,
+                 _fmt(d.get("first_rows") or [])
+                 + (", ..." if (d.get("count") or 0) > len(d.get("first_rows") or []) else ""))
+                for d in dropped]
+        parts += ["<h3>Dropped rows</h3>", _table(["rows", "reason", "file", "first rows"], rows)]
+    return parts
+
+
+def _train(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
+    parts = [_kv_table(_pairs(data, keys, OWN_TABLES["train"]))]
+    health = _dict(data.get("health"))
+    if health:
+        if health.get("loss_start") is not None and health.get("loss_end") is not None:
+            fall = health.get("loss_fall")
+            parts.append(_line(f"training loss {_fmt(health['loss_start'])} → "
+                               f"{_fmt(health['loss_end'])}"
+                               + (f" (fell {fall:.1%})" if _is_number(fall) else "")))
+        if health.get("hint"):
+            parts.append(_Html(f'<div class="note"><strong>Training health:</strong> '
+                               f'{_esc(health["hint"])}</div>'))
+    candidates = [c for c in data.get("candidates") or [] if isinstance(c, dict)]
+    if candidates:
+        chosen = data.get("chosen_candidate")
+        rows = [((c["index"] + 1) if _is_number(c.get("index")) else c.get("index"),
+                 c.get("learning_rate"), c.get("seed"), c.get("val_accuracy"), c.get("val_loss"),
+                 c.get("best_epoch"), c.get("seconds"),
+                 "kept" if c.get("index") == chosen else "") for c in candidates]
+        parts += ["<h3>Candidates</h3>",
+                  _table(["candidate", "learning rate", "seed", "val accuracy", "val loss",
+                          "best epoch", "seconds", ""], rows,
+                         row_classes=["kept" if r[-1] else "" for r in rows])]
+    diverged = [d for d in data.get("diverged_candidates") or [] if isinstance(d, dict)]
+    if diverged:
+        rows = [((d["index"] + 1) if _is_number(d.get("index")) else d.get("index"),
+                 d.get("learning_rate"), d.get("reason")) for d in diverged]
+        parts += ["<h3>Diverged candidates (skipped)</h3>",
+                  _table(["candidate", "learning rate", "reason"], rows)]
+    parts.append(plots.figures("training_curves"))
+    history = [h for h in data.get("history") or [] if isinstance(h, dict)]
+    if history:
+        rows = [(h.get("epoch"), h.get("loss"), h.get("train_accuracy"), h.get("val_accuracy"),
+                 h.get("val_loss"), h.get("seconds")) for h in history]
+        parts.append(_Html(f"<details><summary>Per-epoch history ({len(history)} epochs)"
+                           "</summary>"
+                           + _table(["epoch", "loss", "train accuracy", "val accuracy",
+                                     "val loss", "seconds"], rows) + "</details>"))
+    return parts
+
+
+def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> _Html:
+    def short(label: str) -> str:
+        return label if len(label) <= 14 else label[:13] + "…"
+
+    head = "".join(f'<th class="num" title="{_esc(lab)}">{_esc(short(lab))}</th>'
+                   for lab in labels)
+    body = []
+    for i, (label, row) in enumerate(zip(labels, matrix)):
+        total = sum(v for v in row if _is_number(v)) or 1
+        cells = []
+        for j, value in enumerate(row):
+            share = value / total if _is_number(value) else 0.0
+            colour = "47,91,183" if i == j else "201,42,26"
+            style = f' style="background:rgba({colour},{min(share, 1.0) * 0.55:.3f})"' \
+                if share > 0 else ""
+            klass = "num diag" if i == j else "num"
+            cells.append(f'<td class="{klass}"{style}>{_esc(_fmt(value))}</td>')
+        body.append(f'<tr><th title="{_esc(label)}">{_esc(short(label))}</th>'
+                    + "".join(cells) + "</tr>")
+    return _Html('<div class="wrap"><table class="cm"><thead><tr>'
+                 '<th>true ↓ / predicted →</th>' + head + "</tr></thead><tbody>"
+                 + "".join(body) + "</tbody></table></div>")
+
+
+def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
+    parts = [_kv_table(_pairs(data, keys if keys is not None else EVALUATION_KEYS))]
+    tables = []
+    per_class = [r for r in data.get("per_class") or [] if isinstance(r, dict)]
+    if per_class:
+        tables.append("<div><h3>Per class</h3>"
+                      + _table(["class", "precision", "recall", "F1", "support"],
+                               [(r.get("label"), r.get("precision"), r.get("recall"),
+                                 r.get("f1"), r.get("support")) for r in per_class]) + "</div>")
+    confusions = [c for c in data.get("top_confusions") or [] if isinstance(c, dict)]
+    if confusions:
+        tables.append("<div><h3>Most frequent confusions</h3>"
+                      + _table(["true class", "predicted as", "count"],
+                               [(c.get("true"), c.get("predicted"), c.get("count"))
+                                for c in confusions]) + "</div>")
+    if tables:
+        parts.append(_Html('<div class="row">' + "".join(tables) + "</div>"))
+    labels = [str(label) for label in data.get("labels") or []]
+    matrix = data.get("confusion_matrix") or []
+    if labels and len(matrix) == len(labels) and len(labels) <= MAX_MATRIX_CLASSES \
+            and all(isinstance(r, list) and len(r) == len(labels) for r in matrix):
+        parts += ["<h3>Confusion matrix</h3>", _confusion_table(labels, matrix)]
+    elif matrix:
+        parts.append(_line(f"confusion matrix of {len(matrix)} classes: see its plot"
+                           if plots.has("confusion_matrix") else
+                           f"confusion matrix of {len(matrix)} classes: in the report JSON"))
+    parts.append(plots.figures("confusion_matrix", "reliability"))
+    return parts
+
+
+def _tta(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
+    return [_kv_table(_pairs(data, keys, OWN_TABLES["tta"])), plots.figures("tta")]
+
+
+def _ttt(data: dict, plots: _Plots) -> list[str]:
+    clean = data.get("clean") if isinstance(data.get("clean"), dict) else None
+    shifts = [s for s in data.get("shifts") or [] if isinstance(s, dict)]
+    rows: list[tuple[str, dict]] = [("clean", clean)] if clean else []
+    rows += [(f"{s.get('name')} (severity {s.get('severity')})", s) for s in shifts]
+    if isinstance(data.get("mean_shifted"), dict):
+        rows.append(("mean of the shifts", data["mean_shifted"]))
+    methods = [m for m in ("bn", "tent")
+               if any(r.get(f"accuracy_{m}") is not None for _, r in rows)]
+    head = [f"{k.replace('_', ' ')} {_fmt(data[k])}"
+            for k in ("method", "mode", "batch_size", "bn_prior", "iterations", "learning_rate")
+            if data.get(k) is not None]
+    parts = [_line(", ".join(head))] if head else []
+    if rows:
+        headers = ["data", "source"] + [h for m in methods for h in (m, f"cost {m}")]
+        parts.append(_table(headers, [
+            (name, row.get("accuracy_source"),
+             *[v for m in methods for v in (row.get(f"accuracy_{m}"),
+                                            _ratio(row.get(f"cost_ratio_{m}")))])
+            for name, row in rows]))
+    not_applicable = data.get("not_applicable")
+    if isinstance(not_applicable, dict) and not_applicable:
+        parts.append(_table(["method", "not applicable because"],
+                            [(k, v) for k, v in not_applicable.items()]))
+    if data.get("verdict"):
+        parts.append(_labelled_line("verdict", data["verdict"]))
+    parts.append(plots.figures("ttt_shifts"))
+    return parts
+
+
+def _iterative(data: dict, plots: _Plots) -> list[str]:
+    if data.get("mode") == "ensemble":
+        head = f"mode ensemble, {_fmt(data.get('passes_used'))} members"
+    else:
+        head = ", ".join(f"{label} {_fmt(data[k])}" for k, label in
+                         (("mode", "mode"), ("backend", "backend"),
+                          ("iterations", "passes asked"), ("passes_used", "passes used"))
+                         if data.get(k) is not None)
+    parts = [_line(head)] if head else []
+    rows = [r for r in data.get("rows") or [] if isinstance(r, dict)]
+    if rows:
+        parts.append(_table(["variant", "accuracy", "NLL", "ECE", "mean confidence",
+                             "accuracy at 90% coverage", "passes", "cost"],
+                            [(r.get("variant"), r.get("accuracy"), r.get("nll"), r.get("ece"),
+                              r.get("mean_confidence"), r.get("accuracy_at_90_coverage"),
+                              r.get("passes_used"), _ratio(r.get("cost_ratio"))) for r in rows]))
+    if data.get("verdict"):
+        parts.append(_labelled_line("verdict", data["verdict"]))
+    if plots.has("reliability"):
+        parts.append(plots.figures("reliability"))
+    elif "reliability" in plots.placed and any(isinstance(r.get("reliability"), dict)
+                                               for r in rows):
+        parts.append(_Html('<p class="line">Reliability per variant: see the diagram under '
+                           '<a href="#evaluation">Evaluation</a>.</p>'))
+    return parts
+
+
+def _benchmark(rows: list, plots: _Plots) -> list[str]:
+    rows = [r for r in rows if isinstance(r, dict)]
+    batch = next((r.get("batch_size") for r in rows if r.get("batch_size") is not None), None)
+    table = _table(["variant", "provider", "size (MB)", "accuracy", "p50 ms (batch 1)",
+                    "p95 ms (batch 1)",
+                    f"samples/s (batch {_fmt(batch)})" if batch is not None else "samples/s"],
+                   [(r.get("variant"), r.get("provider"), r.get("size_mb"), r.get("accuracy"),
+                     r.get("latency_ms_p50_batch1"), r.get("latency_ms_p95_batch1"),
+                     r.get("throughput_per_s")) for r in rows])
+    return [table, plots.figures("benchmark")]
+
+
+def _config(config: dict) -> list[str]:
+    pairs = [(k, _Html("") if v is None else v if _plain(v) else json.dumps(v, default=str))
+             for k, v in config.items()]
+    return [_Html(f"<details><summary>All {len(config)} settings</summary>"
+                  + _kv_table(pairs) + "</details>")]
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+# report.format_summary's order: the evaluation after the inference block (after the predictions
+# block in a run that predicted an --input), the benchmark after the TTA block
+ORDER = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "evaluation",
+         "tta", "benchmark", "ttt", "iterative", "predictions")
+
+
+def render_page(report: dict, plots: Mapping[str, Any] | None = None,
+                summary_keys: Mapping[str, KeyLabels] | None = None,
+                prediction_keys: KeyLabels | None = None) -> str:
+    """The report as one HTML page. `plots` maps a plot's name to its PNG (a missing or
+    unreadable file is left out; None: the report's own "plots"). `summary_keys` (section →
+    [(key, label)], report._SUMMARY_KEYS) and `prediction_keys` (report.PREDICTION_KEYS) choose
+    and name each section's key/value rows; a section they do not list shows its plain keys.
+    A section absent or null is left out."""
+    summary_keys = dict(summary_keys or {})
+    images = _Plots(report.get("plots") if plots is None else plots)
+    order = list(ORDER[:-1]) + [s for s in summary_keys if s not in ORDER] + ["predictions"]
+    if report.get("predictions"):
+        order.remove("evaluation")
+        order.append("evaluation")
+    body: list[str] = []
+    present: list[str] = []
+    for name in order:
+        data = report.get(name)
+        if not data:
+            continue
+        keys = summary_keys.get(name)
+        if name == "benchmark" and isinstance(data, list):
+            parts = _benchmark(data, images)
+        elif not isinstance(data, dict):
+            continue
+        elif name == "dataset":
+            parts = _dataset(data, keys)
+        elif name == "train":
+            parts = _train(data, keys, images)
+        elif name == "evaluation":
+            parts = _evaluation(data, keys, images)
+        elif name == "tta":
+            parts = _tta(data, keys, images)
+        elif name == "ttt":
+            parts = _ttt(data, images)
+        elif name == "iterative":
+            parts = _iterative(data, images)
+        elif name == "predictions":
+            parts = [_kv_table(_pairs(data, prediction_keys))]
+        else:
+            parts = [_kv_table(_pairs(data, keys))]
+        title = TITLES.get(name, name.replace("_", " ").capitalize())
+        if name == "evaluation" and data.get("split"):
+            title = f"Evaluation ({data['split']} split)"
+        body.append(_section(name, title, parts))
+        present.append(name)
+    if isinstance(report.get("config"), dict) and report["config"]:
+        body.append(_section("config", TITLES["config"], _config(report["config"])))
+        present.append("config")
+    rest = images.rest()
+    if rest:
+        body.append(_section("plots", "Other plots", [images.figures(*rest)]))
+    footer = ""
+    if _is_number(report.get("seconds_total")):
+        footer = f"<footer>total seconds: {report['seconds_total']:.1f}</footer>"
+    dataset = _dict(report.get("dataset"))
+    title = "Run report" + (f" — {dataset['path']}" if dataset.get("path") else "")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{_esc(title)}</title><style>{CSS}</style></head><body><main>"
+            + _banner(report) + _headline(report, present) + "".join(body) + footer
+            + "</main></body></html>\n")
+
+
+def write_page(report: dict, plots: Mapping[str, Any] | None, path: str | Path,
+               summary_keys: Mapping[str, KeyLabels] | None = None,
+               prediction_keys: KeyLabels | None = None) -> None:
+    """Write render_page's page to `path` atomically."""
+    atomic_write_text(path, render_page(report, plots, summary_keys, prediction_keys))
