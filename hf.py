@@ -178,3 +178,61 @@ class HFGraph(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.net.graph_forward(input_ids, attention_mask, token_type_ids)
         return logits, torch.softmax(logits, dim=-1)
+
+
+# ----------------------------------------------------------------------------- fused export
+
+# ONNX Runtime's BERT fusion, what it may fuse in an exported hf graph: the attention (Q, K, V,
+# scores, mask, softmax, context: one com.microsoft Attention node, which dynamic quantization
+# turns into QAttention) and the bias + GELU. Not SkipLayerNormalization (its CPU kernel is ~4x
+# slower than Add + LayerNormalization at hidden 128, measured with onnxruntime 1.31; sessions
+# disable ORT's own SkipLayerNormFusion likewise) and not EmbedLayerNormalization (the
+# embeddings' LayerNorm stays a LayerNormalization node, which tent adapts).
+FUSED_OPS = ("Attention", "BiasGelu")
+
+
+def fused_graph(net: HFTextNet, feed: dict, output_names: Sequence[str], opset: int):
+    """The network exported for ONNX Runtime's transformer fusion, or None where nothing fuses.
+
+    The fusion patterns know the TorchScript exporter's graph of transformers' eager attention
+    (its transformers 5 mask included), not the dynamo exporter's (sdpa or eager: measured, the
+    attention never fused there), so this exports a copy with eager attention through
+    torch.onnx.export(dynamo=False) and fuses it unslimmed (onnxslim's merged Reshape and
+    Unsqueeze nodes break the patterns too). The caller validates the result like any export."""
+    import copy
+    import io
+    import warnings
+
+    import onnx
+    from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    eager = copy.deepcopy(net).eval()
+    eager.model.set_attn_implementation("eager")
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), stdout_to_stderr():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notes
+        torch.onnx.export(HFGraph(eager), tuple(torch.from_numpy(v) for v in feed.values()),
+                          buffer, input_names=list(feed), output_names=list(output_names),
+                          dynamic_axes={name: {0: "batch", 1: "length"} for name in feed},
+                          opset_version=opset, dynamo=False)
+    options = FusionOptions("bert")
+    options.enable_skip_layer_norm = False
+    options.enable_embed_layer_norm = False
+    options.attention_mask_format = AttentionMaskFormat.AttentionMask  # no right-padding assumed
+    config = eager.model.config
+    with stdout_to_stderr():
+        fused = optimize_model(onnx.load_from_string(buffer.getvalue()), model_type="bert",
+                               num_heads=config.num_attention_heads,
+                               hidden_size=config.hidden_size, opt_level=0,
+                               optimization_options=options)
+    layers = getattr(config, "num_hidden_layers", None)
+    counts = {op: sum(n.op_type == op for n in fused.model.graph.node) for op in FUSED_OPS}
+    if counts["Attention"] == 0 or (layers and counts["Attention"] != layers):
+        LOG.info("ONNX Runtime's fusion fused %d of %s attention layers: keeping the unfused "
+                 "graph", counts["Attention"], layers)
+        return None
+    model = fused.model
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return model

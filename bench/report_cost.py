@@ -5,9 +5,11 @@
 runs the README's first command (pipeline.py on builtin:digits) as a subprocess, alternately
 with its pictures (`--report_json R.json`: the plots beside it, the page) and without them
 (`--plots none --report_json -`), and prints the median wall and CPU time of each, their
-differences, and the in-run time of the drawing step (`seconds_visuals`) and of the evaluation section. The
-matplotlib import runs in a thread during training (report.preload_plots), so the wall-time
-difference is the honest figure; seconds_visuals is the part the thread cannot hide.
+differences, and the in-run time of the drawing step (`seconds_visuals`) and of the evaluation section. On a
+shared machine identical runs of the main job vary by seconds, more than the pictures cost, so
+it also measures the pictures' own work directly: in a fresh interpreter, importing matplotlib
+and plots.py (in a run, a thread does this during training: report.preload_plots) and drawing
+the plots and the page of the last run's report.
 """
 from __future__ import annotations
 
@@ -61,6 +63,29 @@ def evaluation_seconds(report: dict, repeats: int = 200) -> float:
     return (time.perf_counter() - started) / repeats
 
 
+COLD_DRAW = """
+import json, sys, tempfile, time
+from pathlib import Path
+started = time.perf_counter()
+import report
+import plots
+imported = time.perf_counter()
+data = json.loads(Path(sys.argv[1]).read_text())
+with tempfile.TemporaryDirectory() as tmp:
+    report.write_visuals(data, Path(tmp) / "plots", Path(tmp) / "report.html", strict=True)
+print(imported - started, time.perf_counter() - imported)
+"""
+
+
+def cold_cost(report_path: Path, repeats: int) -> tuple[float, float]:
+    """The pictures' own work, in a fresh interpreter each time as in a run: (import of
+    matplotlib and plots.py, drawing the plots and the page), medians in seconds."""
+    times = [tuple(map(float, subprocess.run(
+        [sys.executable, "-c", COLD_DRAW, str(report_path)], cwd=REPO, capture_output=True,
+        text=True, check=True).stdout.split())) for _ in range(repeats)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of each kind (alternating)")
@@ -78,8 +103,11 @@ def main() -> None:
                 if pictures:
                     visuals.append(report["seconds_visuals"])
                     plots = list(report["plots"])
+                    saved = Path(tmp) / "saved.json"
+                    saved.write_text(json.dumps(report))
                 print(f"run {k + 1} {'with' if pictures else 'without'} pictures: "
                       f"{wall:.2f} s wall, {cpu:.2f} s CPU", file=sys.stderr)
+        imported, drawn = cold_cost(saved, args.runs)
     with_, without = statistics.median(walls[True]), statistics.median(walls[False])
     print(f"main job, median of {args.runs} runs each (wall, s): with plots + page "
           f"{with_:.2f}, without {without:.2f}, difference {with_ - without:+.2f}")
@@ -88,6 +116,9 @@ def main() -> None:
           f"{cpu_without:.2f}, difference {cpu_with - cpu_without:+.2f}")
     print(f"drawing step in the run (seconds_visuals): median {statistics.median(visuals):.3f} s "
           f"(min {min(visuals):.3f}, max {max(visuals):.3f}); plots: {', '.join(plots)}")
+    print(f"the pictures' own work, fresh interpreter, median of {args.runs}: import "
+          f"{imported:.3f} s (hidden by training in a run), plots + page {drawn:.3f} s, total "
+          f"{imported + drawn:.3f} s")
     print(f"evaluation section: {evaluation_seconds(report) * 1000:.2f} ms")
 
 

@@ -50,6 +50,13 @@ def test_hf_bundle_trains_exports_quantizes_and_serves(hf_bundle):
     assert set(export["probes"]) == {"held_out", "length_1", "padded"}
     assert export["padding_max_diff"] <= 1e-5
     assert report["quantize"]["mode"] == "dynamic"
+    # ONNX Runtime's transformer fusion: one Attention node per layer (the tiny BERT has 2),
+    # checked against PyTorch like any export; dynamic int8 turns them into QAttention
+    assert export["fusion"]["fused"]["Attention"] == 2, export["fusion"]
+    ops = {graph_file: [n.op_type for n in onnx.load(str(folder / graph_file)).graph.node]
+           for graph_file in ("model.onnx", "model.int8.onnx")}
+    assert ops["model.onnx"].count("Attention") == 2
+    assert ops["model.int8.onnx"].count("QAttention") == 2
     # ONNX Runtime's shape inference gives up on this graph and would leave its temporary files
     # in the working directory (the repository, for these runs)
     assert not list(Path(__file__).resolve().parent.parent.glob("sym_shape_infer_temp*.onnx"))
