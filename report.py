@@ -345,7 +345,7 @@ def read_report(path: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from config import LOG_LEVELS, OneLineParser, page_beside, visuals_beside
+    from config import LOG_LEVELS, PLOT_NAMES, OneLineParser, page_beside, visuals_beside
 
     parser = OneLineParser(
         prog="report.py", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -355,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "runs/digits/plots/*.png and runs/digits/report.html")
     parser.add_argument("report_json", metavar="REPORT.json", help="the report to draw")
     parser.add_argument("--plots", metavar="DIR", help="where the PNGs go, or 'none' (default: "
-                        "plots/ beside the report, NAME_plots/ for a report not called report.json)")
+                        "plots/ beside the report, NAME_plots/ for a report not called "
+                        "report.json)")
     parser.add_argument("--html", metavar="PATH", help="where the page goes, or 'none' "
                         "(default: the report's name with .html)")
     parser.add_argument("--log_level", default="INFO", type=str.upper, choices=LOG_LEVELS,
@@ -372,9 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "drop one of them")
     if plots is not None and plots.exists() and not plots.is_dir():
         raise ConfigError(f"--plots {plots} is a file", "give a folder, or 'none'")
-    from config import PLOT_NAMES
-
-    writes = {f"--plots ({name}.png)": plots / f"{name}.png" for name in PLOT_NAMES} if plots else {}
+    writes = ({f"--plots ({name}.png)": plots / f"{name}.png" for name in PLOT_NAMES}
+              if plots else {})
     if page is not None:
         writes["--html"] = page
     check_paths({"REPORT.json": source}, writes)

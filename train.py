@@ -58,7 +58,8 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     return trained, distilled.dataset
 
 
-LOSS_FALL_FLOOR = 0.05  # a training loss that falls less than this share: the network barely learned
+# a training loss that falls by less than this share: the network barely learned
+LOSS_FALL_FLOOR = 0.05
 
 
 def train_section(trained: TrainedModel, dataset: Dataset) -> dict:
