@@ -607,7 +607,7 @@ class Config:
                      "ending in .onnx")
         if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
             _bad("report_json", self.report_json, "it is a folder; give a file path")
-        folder = self.plots_folder() if "plots" in self.names() else None
+        folder = self.plots_folder()
         if folder is not None and folder.exists() and not folder.is_dir():
             _bad("plots", str(folder), "it is a file; give a folder, or 'none'")
         reads, writes = self.files_read_and_written()
@@ -624,7 +624,9 @@ class Config:
 
     def plots_folder(self) -> Path | None:
         """Where the plots go: --plots DIR, else beside the report file, else for pipeline.py
-        beside the model (visuals_beside); None for none."""
+        beside the model (visuals_beside); None for none, and for a script without --plots."""
+        if "plots" not in self.names():
+            return None
         if self.plots:
             return None if self.plots.lower() == "none" else Path(self.plots)
         if self.report_json and self.report_json != "-":
@@ -634,17 +636,17 @@ class Config:
         return None
 
     def page_path(self) -> Path | None:
-        """The HTML page: beside the report file, with its name (report.json → report.html)."""
-        if not self.report_json or self.report_json == "-":
+        """The HTML page: beside the report file, with its name (report.json → report.html);
+        None for a script without --plots."""
+        if "plots" not in self.names() or not self.report_json or self.report_json == "-":
             return None
         return page_beside(Path(self.report_json))
 
     def visual_outputs(self) -> dict[str, Path]:
         """Every plot and page path this run may write, for the path checks."""
-        folder = self.plots_folder() if "plots" in self.names() else None
+        folder, page = self.plots_folder(), self.page_path()
         outputs = {f"--plots ({name}.png)": folder / f"{name}.png" for name in PLOT_NAMES
                    } if folder else {}
-        page = self.page_path() if "plots" in self.names() else None
         if page:
             outputs["the report page (--report_json's .html)"] = page
         return outputs

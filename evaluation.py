@@ -13,7 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from metrics import ECE_BINS, class_scores, confusion_matrix, reliability_sums
+from metrics import (ECE_BINS, class_scores, confusion_matrix, ece_from_bin_sums,
+                     reliability_sums)
 from utils import LOG
 
 BASELINE_MARGIN = 0.01  # a model must beat the majority class by a point to count as useful
@@ -65,11 +66,6 @@ def reliability_of(tally: Tally) -> dict:
             "accuracy": per_bin(tally.bin_correct), "count": tally.bin_count.tolist()}
 
 
-def expected_calibration_error(tally: Tally) -> float:
-    """metrics.expected_calibration_error, from the tally's per-bin sums."""
-    return float(np.abs(tally.bin_correct - tally.bin_confidence).sum() / max(1, tally.samples))
-
-
 def majority_baseline(labels: Sequence[str], train_counts: Sequence[int] | None,
                       tally: Tally) -> tuple[int, str]:
     """The class a do-nothing model would always answer: the training split's most frequent
@@ -100,7 +96,8 @@ def evaluation_section(tally: Tally, labels: Sequence[str],
         "confusion_matrix": confusion.tolist(),
         "top_confusions": top_confusions(confusion, labels),
         "baseline_class": labels[baseline], "baseline_accuracy": baseline_accuracy,
-        "baseline_source": source, "ece": expected_calibration_error(tally),
+        "baseline_source": source,
+        "ece": ece_from_bin_sums(tally.bin_correct, tally.bin_confidence, samples),
         "reliability": reliability_of(tally)}
     section["warnings"] = usefulness_warnings(section)
     section["verdict"] = verdict(section)

@@ -314,6 +314,7 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
     fused = fused_hf_graph(net, samples, config, manifest)
     if fused is not None:  # the deployable graph from here on: extras are checked against it
         slimmed, result.check, result.fusion = fused
+        result.size_bytes = slimmed.ByteSize()
         result.seconds = round(time.perf_counter() - started, 3)
     extras: dict[str, ExtraGraph] = {}
     for key, build in (("bn", export_adaptation_graph), ("mc", export_mc_dropout_graph)):

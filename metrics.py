@@ -46,7 +46,12 @@ def _binned_ece(bin_of: np.ndarray, confidence: np.ndarray, correct: np.ndarray,
         return 0.0
     rights = np.bincount(bin_of[inside], correct[inside].astype(np.float64), bins)
     confidences = np.bincount(bin_of[inside], confidence[inside].astype(np.float64), bins)
-    return float(np.abs(rights - confidences).sum() / len(bin_of))
+    return ece_from_bin_sums(rights, confidences, len(bin_of))
+
+
+def ece_from_bin_sums(correct: np.ndarray, confidence: np.ndarray, samples: int) -> float:
+    """ECE from per-bin sums of correct predictions and of confidences over all samples."""
+    return float(np.abs(correct - confidence).sum() / max(1, samples))
 
 
 def ece_change_interval(single: np.ndarray, other: np.ndarray, y: np.ndarray,

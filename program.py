@@ -30,7 +30,7 @@ from preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padd
 from transfer import (Transfer, head_parameters, init_from_file, init_from_pretrained,
                       require_pretrained_file)
 from tta import build_transforms, random_augment
-from metrics import accuracy
+from metrics import accuracy, nll
 from utils import (LOG, ConfigError, DataError, TrainingError, progress, raise_if_interrupted,
                    stdout_to_stderr, first_line)
 
@@ -390,11 +390,12 @@ def evaluated_loss(results: Sequence[tuple], labels: Sequence[str]) -> float | N
     """Mean cross-entropy of dspy.Evaluate's (example, prediction, score) results: the
     validation loss at no extra forward pass."""
     index = {label: i for i, label in enumerate(labels)}
-    picked = [prediction.probabilities[index[example.label]] for example, prediction, _ in results
+    scored = [(prediction.probabilities, index[example.label]) for example, prediction, _ in results
               if getattr(prediction, "probabilities", None) is not None]
-    if not picked:
+    if not scored:
         return None
-    return float(-np.log(np.clip(np.asarray(picked, np.float64), 1e-12, None)).mean())
+    probabilities = np.stack([p for p, _ in scored]).astype(np.float64)
+    return nll(probabilities, np.array([k for _, k in scored]))
 
 
 @dataclass
@@ -489,9 +490,7 @@ class CandidateSearch(Teleprompter):
 
 def validation_loss(program: ClassifierProgram, devset: list[dspy.Example]) -> float:
     x, y = WeightTrainer._stack(program, devset)
-    probabilities = program.predict_proba(x.numpy())
-    picked = probabilities[np.arange(len(y)), y.numpy()]
-    return float(-np.log(np.clip(picked, 1e-12, None)).mean())
+    return nll(program.predict_proba(x.numpy()), y.numpy())
 
 
 # ----------------------------------------------------------------------------- the stage

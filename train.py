@@ -77,9 +77,9 @@ def prior_loss(counts: list[int]) -> float:
     that learned nothing from its inputs reaches at best."""
     import numpy as np
 
-    shares = np.asarray(counts, np.float64) / max(1, sum(counts))
-    shares = shares[shares > 0]
-    return float(-(shares * np.log(shares)).sum())
+    from metrics import entropy
+
+    return float(entropy(np.asarray(counts, np.float64) / max(1, sum(counts))))
 
 
 def training_health(trained: TrainedModel, prior: float) -> dict | None:
