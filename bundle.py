@@ -124,7 +124,7 @@ def register_tokenizer_file(manifest: dict, paths: BundlePaths) -> None:
 
 MANIFEST_KEYS = {"format", "format_version", "created", "model_type", "labels", "input",
                  "outputs", "preprocessing", "architecture", "dataset", "training", "export",
-                 "quantization", "fp16", "extra_graphs", "files"}
+                 "quantization", "fp16", "extra_graphs", "files", "calibration"}
 MODEL_KINDS = {"image_classifier": "image", "text_classifier": "text",
                "tabular_classifier": "tabular"}
 
@@ -156,6 +156,11 @@ def manifest_problem(manifest: dict) -> str | None:
     if not isinstance(manifest["architecture"], dict) or \
             not isinstance(manifest["architecture"].get("name"), str):
         return "architecture must name the network"
+    calibration = manifest.get("calibration")
+    if calibration is not None:
+        t = calibration.get("temperature") if isinstance(calibration, dict) else None
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            return "calibration.temperature must be a positive number"
     files = manifest.get("files") or {}
     if not isinstance(files, dict) or not isinstance(files.get("sha256", {}), dict):
         return "files must map names and sha256 hashes"
@@ -340,17 +345,26 @@ def _all_tensors(graph: Any) -> Iterator[Any]:
 
 
 def new_manifest(*, model_type: str, labels: list[str], input_spec: dict, preprocessing: dict,
-                 architecture: dict, dataset: dict, training: dict) -> dict:
+                 architecture: dict, dataset: dict, training: dict,
+                 calibration: dict | None = None) -> dict:
     """A manifest as training knows it; export (record_export) adds the graphs and their
-    hashes, quantization (record_variant) its variants."""
+    hashes, quantization (record_variant) its variants. `calibration`: the temperature fit
+    (calibrate.TemperatureFit.manifest_entry), which every exported graph bakes in."""
     outputs = [{"name": name, "shape": ["batch", len(labels)], "dtype": "float32"}
                for name in OUTPUT_NAMES]
     return {"format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model_type": model_type, "labels": labels, "input": input_spec, "outputs": outputs,
             "preprocessing": preprocessing, "architecture": architecture, "dataset": dataset,
-            "training": training, "export": None, "quantization": None, "extra_graphs": {},
+            "training": training, "calibration": calibration, "export": None,
+            "quantization": None, "extra_graphs": {},
             "files": {"onnx": None, "weights": None, "sha256": {}}}
+
+
+def network_temperature(manifest: dict) -> float:
+    """The temperature a bundle's graphs divide the logits by (1 for a bundle written before
+    calibration, or with --calibrate none)."""
+    return float((manifest.get("calibration") or {}).get("temperature", 1.0))
 
 
 def manifest_text(manifest: dict) -> str:

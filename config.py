@@ -221,6 +221,11 @@ class Config:
     num_candidates: int = opt(1, "candidate search: seeds per learning rate (--seed, --seed+1, "
                               "...), each a fresh initialisation and data order", "training",
                               type=int, metavar="N", scripts="PT")
+    calibrate: str = opt("temperature", "temperature: fit one temperature T on the validation "
+                         "split (minimum NLL) and bake softmax(logits / T) into every exported "
+                         "graph, so the probabilities a deployment reads are calibrated; none: "
+                         "softmax(logits)", "training", choices=("temperature", "none"),
+                         scripts="PT")
     # LM teacher (text)
     teacher_lm: str | None = opt(None, "text: a language model that labels --unlabeled_path for "
                                  "the student to learn from; any model string dspy.LM accepts, "
@@ -320,8 +325,10 @@ class Config:
         scripts="PI")
     ttt_learning_rate: float = opt(1e-3, "tent: Adam learning rate", "ttc", type=float,
                                    metavar="LR", scripts="PI")
-    eval_shift: str | None = opt(None, "with --ttt true, also evaluate on corrupted copies of the "
-                                 "test split. image: gaussian_noise, contrast, blur, shift, "
+    eval_shift: str | None = opt(None, "also evaluate on corrupted copies of the test split: "
+                                 "calibration (accuracy, ECE, NLL) without and with the "
+                                 "temperature, and with --iterative and --ttt those methods too. "
+                                 "image: gaussian_noise, contrast, blur, shift, "
                                  "brightness; text: unknown_tokens, token_deletion; tabular: "
                                  "feature_noise, feature_scale", "ttc",
                                  metavar="LIST", scripts="PI")
@@ -522,8 +529,6 @@ class Config:
         if self.ttt and self.batch_size < 2:
             _bad("batch_size", self.batch_size, "test-time training adapts to batches: use 2 or "
                  "more (64 is the default)")
-        if self.eval_shift and not self.ttt:
-            raise ConfigError("--eval_shift measures test-time training", "add --ttt true")
         if self.ensemble_size > 1 and self.iterative == "none":
             self.iterative = "ensemble"  # a trained ensemble is measured against one model
         if self.iterative_tol is not None and self.iterative_tol <= 0:
@@ -770,8 +775,8 @@ class OneLineParser(argparse.ArgumentParser):
 FIELDS = {f.name: f for f in fields(Config)}
 
 
-PLOT_NAMES = ("training_curves", "confusion_matrix", "reliability", "ttt_shifts", "benchmark",
-              "tta")
+PLOT_NAMES = ("training_curves", "confusion_matrix", "reliability", "calibration_shift",
+              "ttt_shifts", "benchmark", "tta")
 
 
 def visuals_beside(path: Path) -> Path:

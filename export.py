@@ -21,8 +21,8 @@ from data import load_bundle_dataset
 from metrics import top1_agreement
 from runtime import RuntimeOptions, create_session, input_padding_id, session_feeder
 from preprocess import text_graph_feed, trim_padding
-from bundle import (BundlePaths, mark_padding_id, manifest_text, read_manifest, record_export,
-                    side_files, stamp_contract)
+from bundle import (BundlePaths, mark_padding_id, manifest_text, network_temperature,
+                    read_manifest, record_export, side_files, stamp_contract)
 from report import run_with_report
 from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of, staged_files, stdout_to_stderr, first_line)
@@ -74,16 +74,18 @@ class ExportResult:
 
 def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: dict,
                  output_names: Sequence[str], optimize: bool = True,
-                 keep_modes: bool = False) -> onnx.ModelProto:
+                 keep_modes: bool = False, temperature: float = 1.0) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) with the input's named axes dynamic (batch; length for text).
     optimize=False keeps BatchNorm nodes, with parameters named as in the state_dict;
-    keep_modes=True exports each module in its own train/eval mode (MC-dropout), not all in eval.
+    keep_modes=True exports each module in its own train/eval mode (MC-dropout), not all in eval;
+    the probabilities output is softmax(logits / temperature).
 
     The exporter's progress prints go to stderr."""
     import torch
     from models import export_wrapper
 
-    wrapper = export_wrapper(net) if keep_modes else export_wrapper(net).eval()
+    wrapper = export_wrapper(net, temperature)
+    wrapper = wrapper if keep_modes else wrapper.eval()
     feed = graph_inputs(np.ascontiguousarray(example), input_spec)
     dims = {name: torch.export.Dim(name, **({"max": input_spec["max_length"]}
                                              if name == "length" and "max_length" in input_spec
@@ -183,14 +185,15 @@ def validation_probes(samples: np.ndarray, input_spec: dict) -> dict[str, np.nda
 
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
                        input_spec: dict, atol: float, batch_size: int,
-                       num_threads: int) -> NumericCheck:
-    """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one."""
+                       num_threads: int, temperature: float = 1.0) -> NumericCheck:
+    """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one
+    (the probabilities with the manifest's temperature)."""
     import torch
     from models import WithProbabilities
 
     session = create_session(model.SerializeToString(), RuntimeOptions(intra_op_threads=num_threads))
     feed = session_feeder(session)
-    wrapper = WithProbabilities(net).eval()
+    wrapper = WithProbabilities(net, temperature).eval()
     large = max(2, min(len(samples), batch_size))
     batch_sizes = sorted({1, 7, large})
     probes = validation_probes(samples, input_spec)
@@ -290,19 +293,24 @@ def export_example(samples: np.ndarray, input_spec: dict) -> np.ndarray:
 
 def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out: np.ndarray,
                   train_samples: np.ndarray, paths: BundlePaths,
-                  members: Sequence[torch.nn.Module] = ()) -> ExportResult:
-    """Export → slim → check → validate; only a model that passes every step is written."""
+                  members: Sequence[torch.nn.Module] = (),
+                  val: tuple[np.ndarray, np.ndarray] | None = None) -> ExportResult:
+    """Export → slim → check → validate; only a model that passes every step is written. Every
+    graph bakes the manifest's temperature in; the MC-dropout and ensemble graphs' averages get
+    their own, fitted on `val` (the validation split) when the manifest's is."""
     started = time.perf_counter()
     config.validate_atol = validation_tolerance(config, manifest)
     net = net.eval()
     output_names = [o["name"] for o in manifest["outputs"]]
     samples = check_samples(held_out, train_samples, manifest["input"])
     spec = manifest["input"]
-    exported = export_graph(net, export_example(samples, spec), config.opset, spec, output_names)
+    temperature = network_temperature(manifest)
+    exported = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
+                            temperature=temperature)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     check = compare_with_torch(slimmed, net, samples, manifest["input"], config.validate_atol,
-                               config.batch_size, config.num_threads)
+                               config.batch_size, config.num_threads, temperature)
     LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, top-1 agreement "
              "%.1f%%", len(exported.graph.node), len(slimmed.graph.node), check.max_abs_diff,
              100 * check.top1_agreement)
@@ -317,12 +325,15 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
         result.size_bytes = slimmed.ByteSize()
         result.seconds = round(time.perf_counter() - started, 3)
     extras: dict[str, ExtraGraph] = {}
-    for key, build in (("bn", export_adaptation_graph), ("mc", export_mc_dropout_graph)):
-        extra = build(net, samples, slimmed, config, manifest)
-        if extra is not None:
-            extras[key] = extra
+    adaptation = export_adaptation_graph(net, samples, slimmed, config, manifest)
+    if adaptation is not None:
+        extras["bn"] = adaptation
+    mc = export_mc_dropout_graph(net, samples, slimmed, config, manifest, val)
+    if mc is not None:
+        extras["mc"] = mc
     if members:
-        extras["ensemble"] = export_ensemble_graph([net, *members], samples, config, manifest)
+        extras["ensemble"] = export_ensemble_graph([net, *members], samples, config, manifest,
+                                                   val)
     write_bundle(slimmed, net, result, extras)
     return result
 
@@ -340,15 +351,16 @@ def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, ma
         return None
     spec = manifest["input"]
     output_names = [o["name"] for o in manifest["outputs"]]
+    temperature = network_temperature(manifest)
     try:
         feed = graph_inputs(np.ascontiguousarray(export_example(samples, spec)), spec)
-        model = fused_graph(net, feed, output_names, config.opset)
+        model = fused_graph(net, feed, output_names, config.opset, temperature)
         if model is None:
             return None
         model = mark_padding_id(model, spec)
         check_graph(model)
         check = compare_with_torch(model, net, samples, spec, config.validate_atol,
-                                   config.batch_size, config.num_threads)
+                                   config.batch_size, config.num_threads, temperature)
     except Exception as err:  # noqa: BLE001 - an optimisation: the unfused graph serves
         LOG.warning("the fused transformer graph was not used: %s", first_line(err, 300))
         return None
@@ -402,7 +414,7 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     output_names = [o["name"] for o in manifest["outputs"]]
     spec = manifest["input"]
     graph = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
-                         optimize=False)
+                         optimize=False, temperature=network_temperature(manifest))
     graph = fold_constants(graph)
     check_graph(graph)
     diff = _max_diff_to(graph, slimmed, samples, config, manifest)
@@ -439,11 +451,14 @@ def check_norms_adaptable(net: torch.nn.Module, slimmed: onnx.ModelProto) -> Non
 
 
 def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
-                            config: Config, manifest: dict) -> ExtraGraph | None:
+                            config: Config, manifest: dict,
+                            val: tuple[np.ndarray, np.ndarray] | None = None
+                            ) -> ExtraGraph | None:
     """The graph MC-dropout samples: the network with its Dropout layers in training mode,
     exported as usual but not slimmed (onnxslim drops Dropout). With ONNX Runtime's default
     optimisations (EliminateDropout) it must equal the deployable graph: that checks the rest
-    of it. None without dropout."""
+    of it. Its passes are averaged from their logits, and the average gets its own temperature
+    (fitted on `val` with --iterations passes). None without dropout."""
     import torch
 
     dropouts = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
@@ -456,7 +471,8 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
             module.train()
             module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
     graph = export_graph(sampling, export_example(samples, manifest["input"]), config.opset,
-                         manifest["input"], output_names, keep_modes=True)
+                         manifest["input"], output_names, keep_modes=True,
+                         temperature=network_temperature(manifest))
     check_graph(graph)
     layers = sum(n.op_type == "Dropout" for n in graph.graph.node)  # a module used twice: 2
     if layers == 0:
@@ -464,30 +480,80 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
                           "report it; export with --log_level DEBUG")
     diff = _max_diff_to(graph, slimmed, samples, config, manifest)
     _require_close(diff, "MC-dropout graph (dropout off)", config)
-    return ExtraGraph(graph, {"purpose": "MC-dropout: Dropout nodes in training mode, not "
-                              "slimmed; run with EliminateDropout disabled",
-                              "dropout_layers": layers, "rates": [m.p for m in dropouts]})
+    info = {"purpose": "MC-dropout: Dropout nodes in training mode, not slimmed; run with "
+            "EliminateDropout disabled", "dropout_layers": layers, "rates": [m.p for m in dropouts]}
+    if calibrating(manifest, val):
+        passes = [softmax_of(network_logits(sampling, val[0], manifest["input"],
+                                            seed=config.seed + k))
+                  for k in range(config.iterations)]
+        info.update(averaged_temperature("MC-dropout", np.mean(passes, axis=0), val[1],
+                                         passes=config.iterations))
+    return ExtraGraph(graph, info)
+
+
+def calibrating(manifest: dict, val: tuple[np.ndarray, np.ndarray] | None) -> bool:
+    """Whether averaged outputs get a temperature: the network's was fitted, and there is a
+    validation split to fit theirs on."""
+    method = (manifest.get("calibration") or {}).get("method", "none")
+    return method != "none" and val is not None and len(val[1]) > 0
+
+
+def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: dict,
+                   seed: int | None = None, batch_size: int = 256) -> np.ndarray:
+    """The network's logits on x in the modes its modules are in (dropout sampling from
+    `seed`); token ids trimmed of the padding no text in a batch needs."""
+    import torch
+
+    pad = padding_id(input_spec)
+    with torch.random.fork_rng(), torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
+        return torch.cat([net(torch.from_numpy(np.ascontiguousarray(
+            trim_padding(x[i:i + batch_size], pad) if pad is not None else x[i:i + batch_size])))
+            for i in range(0, len(x), batch_size)]).float().numpy()
+
+
+def softmax_of(logits: np.ndarray) -> np.ndarray:
+    from calibrate import softmax
+
+    return softmax(logits)
+
+
+def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, **details: object) -> dict:
+    """The temperature an average (of passes or members) is rescaled by: calibrate.rescale,
+    fitted on the validation split's averaged probabilities. The manifest's entry."""
+    from calibrate import fit_with_interval, log_scores
+
+    fit = fit_with_interval(log_scores(mean), y)
+    LOG.info("calibration of the %s average: temperature %.4f (%s), validation NLL %.4f → %.4f",
+             what, fit.temperature, fit.method, fit.nll_before, fit.nll_after)
+    return {"temperature": fit.temperature,
+            "temperature_fit": {**fit.manifest_entry(), **details}}
 
 
 def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, config: Config,
-                          manifest: dict) -> ExtraGraph:
+                          manifest: dict, val: tuple[np.ndarray, np.ndarray] | None = None
+                          ) -> ExtraGraph:
     """Every member exported and slimmed like model.onnx, merged into one graph that returns
-    their mean (iterative.ensemble_model); checked against the mean of the PyTorch members."""
-    import torch
-    from models import WithProbabilities
-
+    their mean (iterative.ensemble_model), rescaled by a temperature fitted on `val`; checked
+    against the PyTorch members' mean, rescaled the same way."""
+    from calibrate import rescale
     from iterative import ensemble_model
 
     output_names = [o["name"] for o in manifest["outputs"]]
     spec = manifest["input"]
     members = [slim_graph(export_graph(net.eval(), export_example(samples, spec), config.opset,
                                        spec, output_names)) for net in nets]
-    graph = ensemble_model(members, len(manifest["labels"]))
+    calibration = {}
+    if calibrating(manifest, val):
+        mean = np.mean([softmax_of(network_logits(net, val[0], spec)) for net in nets], axis=0)
+        calibration = averaged_temperature("ensemble", mean, val[1], members=len(nets))
+    temperature = calibration.get("temperature", 1.0)
+    graph = ensemble_model(members, len(manifest["labels"]), temperature)
     check_graph(graph)
     probe = validation_probes(samples, manifest["input"])["held_out"]
-    with torch.no_grad():
-        expected = np.mean([WithProbabilities(net).eval()(torch.from_numpy(probe))[1].numpy()
-                            for net in nets], axis=0)
+    expected = rescale(np.mean([softmax_of(network_logits(net, probe, spec)) for net in nets],
+                               axis=0), temperature)
     session = create_session(graph.SerializeToString(),
                              RuntimeOptions(intra_op_threads=config.num_threads))
     got = session.run(["probabilities"], session_feeder(session)(probe))[0]
@@ -497,7 +563,7 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
     return ExtraGraph(graph, {"purpose": "the mean of several models trained with different "
                               "seeds, in one graph", "members": len(nets),
                               "seeds": [config.seed + k for k in range(len(nets))],
-                              "max_abs_diff": diff})
+                              "max_abs_diff": diff, **calibration})
 
 
 def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportResult,
@@ -548,11 +614,14 @@ def export_section(result: ExportResult) -> dict:
 
 # ----------------------------------------------------------------------------- CLI
 
-def load_held_out(config: Config, manifest: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Validation samples for a bundle on disk: its test split, decoded as at training time."""
+def load_held_out(config: Config, manifest: dict
+                  ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """For a bundle on disk, decoded as at training time: the test split's inputs (the numeric
+    check), the validation split's inputs (its fallback) and the validation split (the
+    averaged graphs' temperatures)."""
     data = load_bundle_dataset(manifest, config.dataset_path, ("val", "test"),
                                not config.no_progress)
-    return data.test.x, data.val.x
+    return data.test.x, data.val.x, (data.val.x, data.val.y)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -575,8 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
         net = load_weights(manifest, paths.weights)
-        held_out, fallback = load_held_out(config, manifest)
-        result = export_bundle(config, net, manifest, held_out, fallback, paths)
+        held_out, fallback, val = load_held_out(config, manifest)
+        result = export_bundle(config, net, manifest, held_out, fallback, paths, val=val)
         report["export"] = result.report_section()
 
     return run_with_report(config, stages)

@@ -169,15 +169,17 @@ class HFTextNet(nn.Module):
 class HFGraph(nn.Module):
     """What is exported for an hf network: its graph inputs in, logits and softmax out."""
 
-    def __init__(self, net: HFTextNet) -> None:
+    def __init__(self, net: HFTextNet, temperature: float = 1.0) -> None:
         super().__init__()
         self.net = net
+        self.temperature = float(temperature)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.net.graph_forward(input_ids, attention_mask, token_type_ids)
-        return logits, torch.softmax(logits, dim=-1)
+        return logits, torch.softmax(logits if self.temperature == 1.0
+                                     else logits / self.temperature, dim=-1)
 
 
 # ----------------------------------------------------------------------------- fused export
@@ -191,7 +193,8 @@ class HFGraph(nn.Module):
 FUSED_OPS = ("Attention", "BiasGelu")
 
 
-def fused_graph(net: HFTextNet, feed: dict, output_names: Sequence[str], opset: int):
+def fused_graph(net: HFTextNet, feed: dict, output_names: Sequence[str], opset: int,
+                temperature: float = 1.0):
     """The network exported for ONNX Runtime's transformer fusion, or None where nothing fuses.
 
     The fusion patterns know the TorchScript exporter's graph of transformers' eager attention
@@ -212,7 +215,8 @@ def fused_graph(net: HFTextNet, feed: dict, output_names: Sequence[str], opset: 
     buffer = io.BytesIO()
     with warnings.catch_warnings(), stdout_to_stderr():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notes
-        torch.onnx.export(HFGraph(eager), tuple(torch.from_numpy(v) for v in feed.values()),
+        torch.onnx.export(HFGraph(eager, temperature),
+                          tuple(torch.from_numpy(v) for v in feed.values()),
                           buffer, input_names=list(feed), output_names=list(output_names),
                           dynamic_axes={name: {0: "batch", 1: "length"} for name in feed},
                           opset_version=opset, dynamo=False)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from bundle import BundlePaths, read_manifest, require_onnx_in_bundle
+from bundle import BundlePaths, network_temperature, read_manifest, require_onnx_in_bundle
 from config import Config, build_parser, start_cli
 from evaluation import Tally, bundle_evaluation
 from metrics import accuracy, ece_change_interval, entropy
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
     from batch import Predictor
-    from iterative import MCSampler
+    from iterative import MCSampler, Passes
     from runtime import RuntimeOptions
     from tta import TTAOptions, TTARunner
     from ttt import AdaptationGraph, Tent, TTTSettings
@@ -170,64 +170,190 @@ def run_ttt(config: Config, paths: BundlePaths, manifest: dict,
     return result.report_section()
 
 
+Variants = Callable[[np.ndarray], dict]  # inputs → {variant name: probabilities}
+
+
+def single_variants(session: ort.InferenceSession, manifest: dict, batch_size: int) -> Variants:
+    """The single pass without the temperature (softmax of the graph's logits) and, for a
+    calibrated bundle, with it (the graph's probabilities)."""
+    from calibrate import softmax
+
+    calibrated = network_temperature(manifest) != 1.0
+
+    def variants(x: np.ndarray) -> dict:
+        out = {"single": softmax(predict_proba(session, x, batch_size, "logits"))}
+        if calibrated:
+            out["single+T"] = predict_proba(session, x, batch_size)
+        return out
+
+    return variants
+
+
+def averaged_variants(name: str, passes: Callable[[np.ndarray], "Passes"],
+                      temperature: float | None) -> Variants:
+    """An average of passes or members, and the average rescaled by its own temperature."""
+    from calibrate import rescale
+
+    def variants(x: np.ndarray) -> dict:
+        mean = passes(x).mean
+        return {name: mean, **({f"{name}+T": rescale(mean, temperature)}
+                               if temperature is not None else {})}
+
+    return variants
+
+
+def run_calibration(config: Config, manifest: dict, session: ort.InferenceSession,
+                    test: tuple[np.ndarray, np.ndarray], probabilities: np.ndarray) -> dict | None:
+    """The report's `calibration`: the bundle's temperature and what it does on the test split
+    (None for a graph without a logits output)."""
+    from calibrate import calibration_section, no_fit, softmax
+
+    if "logits" not in {o.name for o in session.get_outputs()}:
+        return None
+    fit = manifest.get("calibration") or no_fit(
+        "a bundle written before calibration: re-run pipeline.py to fit a temperature"
+    ).manifest_entry()
+    logits = predict_proba(session, test[0], config.batch_size, "logits")
+    section = calibration_section(fit, softmax(logits), probabilities, test[1], config.seed)
+    (LOG.warning if section["ece_change_interval_90"][0] > 0 else LOG.info)(
+        "calibration: %s", section["verdict"])
+    return section
+
+
+def calibration_under_shift(config: Config, manifest: dict, variants: Variants,
+                            test: tuple[np.ndarray, np.ndarray]) -> dict:
+    """--eval_shift: accuracy, ECE and NLL of every variant on each corrupted copy of the test
+    split (Ovadia et al. 2019's protocol), and which variant is best calibrated on average."""
+    from calibrate import best_calibrated, shift_rows
+    from shifts import corrupt, parse_shift_names
+
+    x, y = test
+    shifts = []
+    for name in parse_shift_names(config.eval_shift, manifest["preprocessing"]["kind"]):
+        shifted = corrupt(x, name, config.shift_severity, manifest["preprocessing"], config.seed)
+        shifts.append({"name": name, "severity": config.shift_severity,
+                       "rows": shift_rows(variants(shifted), y)})
+    best = best_calibrated(shifts)
+    LOG.info("calibration under shift (severity %d): mean ECE %s; best calibrated: %s",
+             config.shift_severity, ", ".join(f"{k} {v:.4f}" for k, v in best["mean_ece"].items()),
+             best["best"])
+    return {"shifts": shifts, "under_shift": best}
+
+
 def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
-                  session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray]) -> dict:
+                  session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray]
+                  ) -> tuple[dict, Variants | None]:
     """The chosen iterative mode against a single pass: accuracy, NLL, ECE, accuracy at 90%
-    coverage, passes used and cost, on the test split."""
+    coverage, passes used and cost, on the test split, each without and with its temperature
+    (the single pass: the bundle's; an average: its own, calibrate.rescale). Also the mode's
+    variants as a function of the inputs (--eval_shift), None for state."""
     import iterative as it
+    from calibrate import softmax
 
     x, y = test
     batches = batches_of(x, config.batch_size, input_padding_id(manifest["input"]))
     single = session_runner(session)
     single(batches[0])
     single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
-    rows = [it.calibration_row("single", single_probs, y, single_seconds, single_seconds, 1)]
-    if config.iterative == "mc_dropout":
-        sampler = mc_sampler(config, paths, manifest)
-        sampler(batches[:1])  # warm-up
-        seconds, passes = best_of(1, lambda: sampler(batches))
-        probs = passes.mean
-        rows.append(it.calibration_row("mc_dropout", probs, y, seconds, single_seconds,
-                                       passes.passes_used))
-    elif config.iterative == "ensemble":
-        model, members = ensemble_graph(config, paths, manifest)
-        ens_session = create_session(model.SerializeToString(), config.runtime())
-        run = session_runner(ens_session)
-        run(batches[0])
-        seconds, probs = best_of(1, lambda: np.concatenate([run(b) for b in batches]))
-        rows.append(it.calibration_row("ensemble", probs, y, seconds, single_seconds, members))
+    raw = softmax(predict_proba(session, x, config.batch_size, "logits"))
+    rows = [it.calibration_row("single", raw, y, single_seconds, single_seconds, 1)]
+    temperature = network_temperature(manifest)
+    if temperature != 1.0:
+        rows.append(it.calibration_row("single+T", single_probs, y, single_seconds,
+                                       single_seconds, 1, temperature=temperature))
+    variants = None
+    if config.iterative in ("mc_dropout", "ensemble"):
+        method_probs, more, variants = run_averaged(config, paths, manifest, batches, y,
+                                                    single_seconds)
+        rows += more
     else:  # state: the bundle's session fed its state K times
         if state_input(session) is None:
             raise RuntimeFailure("--iterative state needs a graph with a 'state' input and a "
                                  "'state_out' output", "see docs/test-time-compute.md, Iterative inference")
         looped = session_runner(session, state_passes=config.iterations)
-        seconds, probs = best_of(1, lambda: np.concatenate([looped(b) for b in batches]))
-        rows.append(it.calibration_row("state_feedback", probs, y, seconds, single_seconds,
-                                       config.iterations))
+        seconds, method_probs = best_of(1, lambda: np.concatenate([looped(b) for b in batches]))
+        rows.append(it.calibration_row("state_feedback", method_probs, y, seconds,
+                                       single_seconds, config.iterations))
     it.log_rows(rows)
-    interval = ece_change_interval(single_probs, probs, y, seed=config.seed)
-    verdict = it.calibration_verdict(rows[0], rows[-1], interval, len(y))
-    (LOG.warning if rows[-1]["ece"] > rows[0]["ece"] else LOG.info)("%s", verdict)
+    method = next(r for r in rows if r["variant"] in ("mc_dropout", "ensemble", "state_feedback"))
+    interval = ece_change_interval(raw, method_probs, y, seed=config.seed)
+    verdict = it.calibration_verdict(rows[0], method, interval, len(y))
+    (LOG.warning if method["ece"] > rows[0]["ece"] else LOG.info)("%s", verdict)
+    best = min(rows, key=lambda r: r["ece"])
     return {"mode": config.iterative, "backend": config.iterative_backend,
-            "iterations": config.iterations, "passes_used": rows[-1]["passes_used"],
-            "rows": rows, "ece_change": rows[-1]["ece"] - rows[0]["ece"],
-            "ece_change_interval_90": list(interval), "verdict": verdict}
+            "iterations": config.iterations, "passes_used": method["passes_used"],
+            "rows": rows, "ece_change": method["ece"] - rows[0]["ece"],
+            "ece_change_interval_90": list(interval), "verdict": verdict,
+            "best_calibrated": best["variant"]}, variants
 
 
-def mc_sampler(config: Config, paths: BundlePaths, manifest: dict) -> "MCSampler":
-    """MC-dropout over the bundle's MC graph in the form --iterative_backend runs."""
+def run_averaged(config: Config, paths: BundlePaths, manifest: dict,
+                 batches: list[np.ndarray], y: np.ndarray, single_seconds: float
+                 ) -> tuple[np.ndarray, list[dict], Variants]:
+    """MC-dropout or an ensemble on the test batches: its mean, its row and, where its average
+    has a temperature, its "+T" row; and its variants as a function of the inputs."""
+    import iterative as it
+    from calibrate import rescale
+
+    name, members = config.iterative, None
+    if name == "mc_dropout":
+        sampler, temperature = mc_sampler(config, paths, manifest)
+    else:
+        sampler, temperature, members = ensemble_sampler(config, paths, manifest)
+    sampler(batches[:1])  # warm-up
+    seconds, passes = best_of(1, lambda: sampler(batches))
+    used = passes.passes_used if members is None else members
+    rows = [it.calibration_row(name, passes.mean, y, seconds, single_seconds, used)]
+    if temperature is not None:
+        rows.append(it.calibration_row(f"{name}+T", rescale(passes.mean, temperature), y,
+                                       seconds, single_seconds, used, temperature=temperature))
+    pad = input_padding_id(manifest["input"])
+    variants = averaged_variants(
+        name, lambda x: sampler(batches_of(x, config.batch_size, pad)), temperature)
+    return passes.mean, rows, variants
+
+
+def mc_sampler(config: Config, paths: BundlePaths, manifest: dict
+               ) -> tuple["MCSampler", float | None]:
+    """MC-dropout over the bundle's MC graph in the form --iterative_backend runs, the passes
+    taken from the graph's logits (uncalibrated); and the temperature of their average (None
+    for a bundle without one)."""
     import onnx
 
     import iterative as it
+    from calibrate import softmax
 
     mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
     graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations,
                             len(manifest["labels"]), config.seed)
     session = create_session(graph.SerializeToString(), config.runtime(), it.MC_SESSION_ARGS)
-    output = "probabilities" if config.iterative_backend == "python" else it.PASSES_OUTPUT
-    return it.MCSampler(config.iterative_backend, config.iterations,
-                        session_runner(session, output), config.iterative_tol,
-                        config.iterative_patience)
+    if config.iterative_backend == "python":
+        logits = session_runner(session, "logits")
+        run = lambda batch: softmax(logits(batch)).astype(np.float32)  # noqa: E731
+    else:
+        run = session_runner(session, it.PASSES_OUTPUT)
+    info = (manifest.get("extra_graphs") or {}).get("mc") or {}
+    fitted_passes = (info.get("temperature_fit") or {}).get("passes")
+    if info.get("temperature") is not None and fitted_passes != config.iterations:
+        LOG.info("the MC-dropout average's temperature was fitted with %s passes, this run "
+                 "takes %d", fitted_passes, config.iterations)
+    return (it.MCSampler(config.iterative_backend, config.iterations, run, config.iterative_tol,
+                         config.iterative_patience), info.get("temperature"))
+
+
+def ensemble_sampler(config: Config, paths: BundlePaths, manifest: dict
+                     ) -> tuple["MCSampler", float | None, int]:
+    """The ensemble's members (uncalibrated) per batch, the temperature of their average (the
+    bundle's ensemble graph's; None for --ensemble bundles merged here) and their count."""
+    import iterative as it
+
+    model, members = ensemble_graph(config, paths, manifest)
+    run = session_runner(create_session(model.SerializeToString(), config.runtime()),
+                         it.PASSES_OUTPUT)
+    temperature = None
+    if not config.ensemble:
+        temperature = manifest["extra_graphs"]["ensemble"].get("temperature")
+    return it.MCSampler("batched", 0, run), temperature, members
 
 
 def ensemble_graph(config: Config, paths: BundlePaths, manifest: dict) -> tuple[object, int]:
@@ -266,6 +392,7 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     report["inference"] = result.report_section()
     report["evaluation"] = bundle_evaluation(manifest, Tally(len(manifest["labels"])).add(
         probabilities, test[1]))
+    report["calibration"] = run_calibration(config, manifest, session, test, probabilities)
     if config.tta:
         from tta import evaluate_tta
 
@@ -276,12 +403,21 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
         report["tta"] = tta.report_section()
     if config.ttt:
         report["ttt"] = run_ttt(config, paths, manifest, session_runner(session), test)
+    variants = single_variants(session, manifest, config.batch_size)
     if config.iterative != "none":
-        report["iterative"] = run_iterative(config, paths, manifest, session, test)
+        report["iterative"], more = run_iterative(config, paths, manifest, session, test)
+        if more is not None:
+            variants = joined(variants, more)
+    if config.eval_shift and report["calibration"] is not None:
+        report["calibration"].update(calibration_under_shift(config, manifest, variants, test))
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
                                                  input_padding_id(manifest["input"]))
+
+
+def joined(*parts: Variants) -> Variants:
+    return lambda x: {name: p for part in parts for name, p in part(x).items()}
 
 
 # ----------------------------------------------------------------------------- batch inference
@@ -396,21 +532,19 @@ def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predict
 
 
 def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
-    """MC-dropout or ensemble: the mean, its entropy, and the std across passes (or members)
-    of the predicted class's probability."""
-    import iterative as it
+    """MC-dropout or ensemble: the mean (rescaled by its temperature where the bundle has one),
+    its entropy, and the std across passes (or members) of the predicted class's probability."""
+    from calibrate import rescale
 
     if config.iterative == "ensemble":
-        model, _ = ensemble_graph(config, paths, manifest)
-        run = session_runner(create_session(model.SerializeToString(), config.runtime()),
-                             it.PASSES_OUTPUT)
-        sampler = it.MCSampler("batched", 0, run)
+        sampler, temperature, _ = ensemble_sampler(config, paths, manifest)
     else:
-        sampler = mc_sampler(config, paths, manifest)
+        sampler, temperature = mc_sampler(config, paths, manifest)
 
     def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         passes = sampler(batches_of(x, config.batch_size, input_padding_id(manifest["input"])))
-        mean = passes.mean
+        mean = passes.mean if temperature is None else \
+            rescale(passes.mean, temperature).astype(np.float32)
         chosen = mean.argmax(1)
         return mean, {"entropy": entropy(mean),
                       "std": passes.std[np.arange(len(mean)), chosen]}

@@ -6,8 +6,10 @@
   `python` (a loop of session.run over the whole graph, with early stopping), `batched` (K
   copies stacked along the batch axis in one run) and `loop` (the K passes inside the graph, an
   ONNX Loop, one run); these two run the part before the first Dropout once.
+  The passes are taken from the graph's logits (softmax at T = 1), so that their mean can be
+  rescaled by its own temperature (calibrate.py).
 - Ensembles: several bundles' graphs merged into one graph that returns every member's
-  probabilities and their mean.
+  softmax(logits) and their mean, rescaled by the ensemble's temperature where it has one.
 - State feedback: a graph with a `state` input and a `state_out` output is run N times, each
   pass fed the state the last one returned (zeros at first).
 - Calibration: negative log-likelihood, expected calibration error and accuracy when abstaining
@@ -23,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from calibrate import LOG_FLOOR
 from evaluation import reliability
 from metrics import accuracy, accuracy_at_coverage, entropy, expected_calibration_error, nll
 from preprocess import PADDING_ID_KEY
@@ -46,12 +49,6 @@ def seeded_dropout(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:
         del node.attribute[:]
         node.attribute.extend([*kept, helper.make_attribute("seed", int(seed + k))])
     return out
-
-
-def _renamed_outputs(graph: onnx.GraphProto, names: dict[str, str]) -> None:
-    for node in graph.node:
-        node.output[:] = [names.get(n, n) for n in node.output]
-        node.input[:] = [names.get(n, n) for n in node.input]
 
 
 def _finish(model: onnx.ModelProto, outputs: list[tuple[str, list]]) -> onnx.ModelProto:
@@ -99,14 +96,14 @@ def batched_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> o
     stacked = {name: nodes.op("Concat", [name] * passes, axis=0) for name in starts}
     for node in list(graph.node)[first:]:
         node.input[:] = [stacked.get(n, n) for n in node.input]
-    _renamed_outputs(graph, {"probabilities": "mc_rows"})
     tail = GraphNodes("mc_tail")
-    tail.op("Reshape", ["mc_rows", tail.const([passes, -1, classes])], output=PASSES_OUTPUT)
+    rows = tail.op("Softmax", ["logits"], axis=-1)
+    tail.op("Reshape", [rows, tail.const([passes, -1, classes])], output=PASSES_OUTPUT)
     model_nodes = list(graph.node)
     del graph.node[:]
     graph.node.extend(model_nodes[:first] + nodes.nodes + model_nodes[first:] + tail.nodes)
     graph.initializer.extend(nodes.initializers + tail.initializers)
-    return _finish(out, [(PASSES_OUTPUT, [passes, "batch", classes])])
+    return _finish(pruned(out, [PASSES_OUTPUT]), [(PASSES_OUTPUT, [passes, "batch", classes])])
 
 
 def loop_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx.ModelProto:
@@ -119,7 +116,7 @@ def loop_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx
     model_nodes = list(graph.node)
     body_nodes = model_nodes[first:]
     body_nodes.append(helper.make_node("Identity", ["loop_cond_in"], ["loop_cond_out"]))
-    body_nodes.append(helper.make_node("Identity", ["probabilities"], ["loop_scan"]))
+    body_nodes.append(helper.make_node("Softmax", ["logits"], ["loop_scan"], axis=-1))
     body = helper.make_graph(
         body_nodes, "mc_pass",
         [helper.make_tensor_value_info("loop_iteration", TensorProto.INT64, []),
@@ -133,14 +130,50 @@ def loop_passes_model(model: onnx.ModelProto, passes: int, classes: int) -> onnx
     del graph.node[:]
     graph.node.extend(model_nodes[:first] + outer.nodes)
     graph.initializer.extend(outer.initializers)
+    kept = pruned_nodes(list(body.node), {"loop_cond_out", "loop_scan"})
+    del body.node[:]
+    body.node.extend(kept)
     return _finish(out, [(PASSES_OUTPUT, [passes, "batch", classes])])
 
 
-def ensemble_model(members: Sequence[onnx.ModelProto], classes: int) -> onnx.ModelProto:
+def pruned_nodes(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:
+    """The nodes `wanted` outputs depend on (a pass graph's probabilities, which bake the
+    single model's temperature, are not: the passes are averaged from their logits)."""
+    live, kept = set(wanted), []
+    for node in reversed(nodes):
+        if any(name in live for name in node.output):
+            kept.append(node)
+            live.update(node.input)
+            live.update(_subgraph_reads(node))
+    return kept[::-1]
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Names a Loop or If body reads, from the outer scope among them."""
+    reads: set[str] = set()
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                reads.update(inner.input)
+                reads.update(_subgraph_reads(inner))
+    return reads
+
+
+def pruned(model: onnx.ModelProto, wanted: Sequence[str]) -> onnx.ModelProto:
+    kept = pruned_nodes(list(model.graph.node), set(wanted))
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return model
+
+
+def ensemble_model(members: Sequence[onnx.ModelProto], classes: int,
+                   temperature: float = 1.0) -> onnx.ModelProto:
     """One graph running every member on the shared inputs (all of an hf graph's: input_ids,
-    attention_mask, token_type_ids): outputs each member's probabilities stacked (members, N,
-    classes) and their mean ("probabilities"). The first member's metadata travels along (an hf
-    graph's padding id, by which runtime.graph_feeder builds the attention mask)."""
+    attention_mask, token_type_ids): outputs each member's softmax(logits) stacked (members, N,
+    classes), uncalibrated whatever temperature the member bakes in, and their mean rescaled by
+    `temperature` ("probabilities": softmax(log(mean) / T), calibrate.rescale; the plain mean
+    at T = 1). The first member's metadata travels along (an hf graph's padding id, by which
+    runtime.graph_feeder builds the attention mask)."""
     first = members[0]
     sources = runtime_inputs(first.graph)
     opsets = {(o.domain, o.version) for m in members for o in m.opset_import}
@@ -156,14 +189,22 @@ def ensemble_model(members: Sequence[onnx.ModelProto], classes: int) -> onnx.Mod
             node.input[:] = [shared.get(n, n) for n in node.input]
         nodes += list(prefixed.graph.node)
         initializers += list(prefixed.graph.initializer)
-        stacked.append(f"member{k}_probabilities")
+        stacked.append(f"member{k}_logits")
     tail = GraphNodes("ensemble")
     axis = tail.const([0])
-    rows = [tail.op("Unsqueeze", [name, axis]) for name in stacked]
+    rows = [tail.op("Unsqueeze", [tail.op("Softmax", [name], axis=-1), axis]) for name in stacked]
     tail.op("Concat", rows, output=PASSES_OUTPUT, axis=0)
-    tail.op("ReduceMean", [PASSES_OUTPUT, axis], output="probabilities", keepdims=0)
+    mean = tail.op("ReduceMean", [PASSES_OUTPUT, axis], keepdims=0)
+    if temperature == 1.0:
+        tail.op("Identity", [mean], output="probabilities")
+    else:
+        floor = tail.const(LOG_FLOOR, np.float32)
+        scores = tail.op("Log", [tail.op("Max", [mean, floor])])
+        scaled = tail.op("Div", [scores, tail.const(temperature, np.float32)])
+        tail.op("Softmax", [scaled], output="probabilities", axis=-1)
     inputs = [copy.deepcopy(i) for i in first.graph.input if i.name in sources]
-    graph = helper.make_graph(nodes + tail.nodes, "ensemble", inputs, [],
+    nodes = pruned_nodes(nodes + tail.nodes, {"probabilities", PASSES_OUTPUT})
+    graph = helper.make_graph(nodes, "ensemble", inputs, [],
                               initializers + tail.initializers)
     model = helper.make_model(graph, opset_imports=list(first.opset_import),
                               ir_version=first.ir_version)
@@ -269,9 +310,12 @@ def mc_model_for(backend: str, mc_model: onnx.ModelProto, passes: int, classes: 
 
 def calibration_row(variant: str, probabilities: np.ndarray, y: np.ndarray, seconds: float,
                     single_seconds: float, passes_used: float,
-                    uncertainty: np.ndarray | None = None) -> dict:
+                    uncertainty: np.ndarray | None = None,
+                    temperature: float | None = None) -> dict:
+    """A variant's figures on the test split; `temperature`: the one a "+T" variant applies."""
     uncertainty = entropy(probabilities) if uncertainty is None else uncertainty
-    return {"variant": variant, "accuracy": accuracy(probabilities, y),
+    return {"variant": variant, "temperature": temperature,
+            "accuracy": accuracy(probabilities, y),
             "nll": nll(probabilities, y), "ece": expected_calibration_error(probabilities, y),
             "mean_confidence": float(probabilities.max(1).mean()),
             "accuracy_at_90_coverage": accuracy_at_coverage(probabilities, y, uncertainty),

@@ -76,6 +76,21 @@ def ece_change_interval(single: np.ndarray, other: np.ndarray, y: np.ndarray,
     return float(low), float(high)
 
 
+def nll_change_interval(before: np.ndarray, after: np.ndarray, y: np.ndarray,
+                        resamples: int = 500, seed: int = 0, level: float = 0.9
+                        ) -> tuple[float, float]:
+    """A paired bootstrap interval for NLL(after) − NLL(before) on the same resampled samples
+    (the mean of per-sample differences)."""
+    rows = np.arange(len(y))
+    losses = [-np.log(np.clip(p[rows, y], 1e-12, 1)) for p in (before, after)]
+    change = losses[1] - losses[0]
+    rng = np.random.default_rng(seed)
+    means = np.array([change[rng.integers(0, len(y), len(y))].mean() for _ in range(resamples)])
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def entropy(probabilities: np.ndarray) -> np.ndarray:
     p = np.clip(probabilities, 1e-12, 1)
     return -(p * np.log(p)).sum(-1)

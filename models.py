@@ -495,15 +495,22 @@ def input_spec(preprocessing: dict) -> dict:
 
 
 class WithProbabilities(nn.Module):
-    """What is exported: logits and their softmax, so deployments need no post-processing."""
+    """What is exported: the logits and softmax(logits / temperature), the calibrated
+    probabilities (calibrate.py), so deployments need no post-processing."""
 
-    def __init__(self, net: nn.Module) -> None:
+    def __init__(self, net: nn.Module, temperature: float = 1.0) -> None:
         super().__init__()
         self.net = net
+        self.temperature = float(temperature)
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.net(pixels)
-        return logits, torch.softmax(logits, dim=-1)
+        return logits, calibrated_softmax(logits, self.temperature)
+
+
+def calibrated_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T); at T = 1 no division, so an uncalibrated graph has no Div node."""
+    return torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
 
 # A manifest's architecture["name"] → its module (bundles written before --arch have no
@@ -524,9 +531,11 @@ def build_model(architecture: dict, preprocessing: dict, pretrained: bool = Fals
     return cls(**architecture, **stats)
 
 
-def export_wrapper(net: nn.Module) -> nn.Module:
-    """The module torch.onnx.export traces: the graph's inputs in, logits and probabilities out."""
-    return HFGraph(net) if isinstance(net, HFTextNet) else WithProbabilities(net)
+def export_wrapper(net: nn.Module, temperature: float = 1.0) -> nn.Module:
+    """The module torch.onnx.export traces: the graph's inputs in, logits and probabilities
+    (softmax(logits / temperature)) out."""
+    return (HFGraph(net, temperature) if isinstance(net, HFTextNet)
+            else WithProbabilities(net, temperature))
 
 
 def register_bundle_model_source(manifest: dict, folder: Path) -> None:

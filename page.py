@@ -25,13 +25,16 @@ LONG_VALUE = 48  # characters: a longer value gets a row of its own
 PLOT_CAPTIONS = {
     "training_curves": "training curves: loss and accuracy per epoch",
     "confusion_matrix": "confusion matrix (rows: true class, columns: predicted class)",
-    "reliability": "reliability diagram: accuracy against confidence per bin",
+    "reliability": "reliability diagram: accuracy against confidence per bin, without and with "
+                   "the temperature",
+    "calibration_shift": "calibration under shift: ECE per variant and corruption",
     "ttt_shifts": "test-time training: accuracy per shift",
     "benchmark": "benchmark: latency, throughput and accuracy per variant",
     "tta": "test-time augmentation",
 }
 TITLES = {
     "dataset": "Dataset", "teacher": "Teacher", "train": "Training", "evaluation": "Evaluation",
+    "calibration": "Calibration",
     "export": "ONNX export", "quantize": "Quantization", "fp16": "FP16",
     "inference": "Inference (ONNX Runtime)", "tta": "Test-time augmentation",
     "ttt": "Test-time training", "iterative": "Iterative inference", "benchmark": "Benchmark",
@@ -48,6 +51,9 @@ EVALUATION_KEYS = [("split", "split"), ("samples", "samples"), ("accuracy", "acc
                    ("ece", "ECE (15 bins)"), ("baseline_accuracy", "baseline accuracy"),
                    ("baseline_class", "baseline class (always answered)"),
                    ("baseline_source", "baseline counted on")]
+# the calibration section's before/after rows: (key prefix of `_before` and `_after`, label)
+CALIBRATION_METRICS = [("accuracy", "accuracy"), ("mean_confidence", "mean confidence"),
+                       ("ece", "ECE"), ("nll", "NLL")]
 
 CSS = """
 :root { color-scheme: light; }
@@ -198,7 +204,8 @@ def _plain(value: Any) -> bool:
         isinstance(v, (str, int, float, bool)) for v in value)
 
 
-def _pairs(data: Mapping, keys: KeyLabels | None, skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
+def _pairs(data: Mapping, keys: KeyLabels | None,
+           skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
     """(label, value) for each key of `keys` with a value; without `keys`, each plain key."""
     if keys is None:
         skip = set(skip)
@@ -389,7 +396,10 @@ def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> 
                  + "".join(body) + "</tbody></table></div>")
 
 
-def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
+def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots,
+                reliability: bool = True) -> list[str]:
+    """The evaluation's tables and plots; `reliability`: its diagram too (False when the
+    calibration section shows it)."""
     parts = [_kv_table(_pairs(data, keys if keys is not None else EVALUATION_KEYS))]
     tables = []
     per_class = [r for r in data.get("per_class") or [] if isinstance(r, dict)]
@@ -415,7 +425,99 @@ def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
         parts.append(_line(f"confusion matrix of {len(matrix)} classes: see its plot"
                            if plots.has("confusion_matrix") else
                            f"confusion matrix of {len(matrix)} classes: in the report JSON"))
-    parts.append(plots.figures("confusion_matrix", "reliability"))
+    parts.append(plots.figures("confusion_matrix", *["reliability"] * reliability))
+    return parts
+
+
+def _fixed(value: Any) -> _Html | None:
+    """A number to 4 decimals (the calibration tables': ECE and NLL compare digit by digit)."""
+    return _NumHtml(_esc(f"{value:.4f}")) if _is_number(value) else None
+
+
+def _interval(value: Any) -> str | None:
+    """A 90% interval of a change as "[-0.0177, -0.0097]"; None unless two numbers."""
+    if isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value):
+        return f"[{value[0]:+.4f}, {value[1]:+.4f}]"
+    return None
+
+
+def _calibration_head(data: dict) -> _Html:
+    """The temperature, how it was found, and on what."""
+    temperature = data.get("temperature")
+    parts = [f"temperature T = {temperature:.4f}" if _is_number(temperature) else "",
+             f"method {data['method']}" if data.get("method") else ""]
+    if data.get("fit_samples") is not None:
+        errors = f", {data['fit_errors']} errors" if data.get("fit_errors") is not None else ""
+        parts.append(f"fitted on {data['fit_samples']} {data.get('fitted_on') or 'validation'} "
+                     f"samples{errors}")
+    text = ", ".join(p for p in parts if p)
+    return _line(text) if text else _Html("")
+
+
+def _before_after(data: dict) -> _Html:
+    """Accuracy, mean confidence, ECE and NLL without and with the temperature on the test
+    split, with the 90% interval of the ECE and NLL changes."""
+    temperature = data.get("temperature")
+    with_t = f"with T = {temperature:.4f}" if _is_number(temperature) else "with T"
+    rows = [(label, _fixed(data.get(f"{key}_before")), _fixed(data.get(f"{key}_after")),
+             _NumHtml(_esc(_interval(data.get(f"{key}_change_interval_90")) or "")))
+            for key, label in CALIBRATION_METRICS]
+    rows = [row for row in rows if row[1] is not None or row[2] is not None]
+    if not rows:
+        return _Html("")
+    split = data.get("split") or "test"
+    samples = f", {_fmt(data['samples'])} samples" if data.get("samples") is not None else ""
+    return _Html(f"<h3>{_esc(f'Before and after, {split} split{samples}')}</h3>"
+                 + _table(["", "without T (T = 1)", with_t, "90% interval of the change"],
+                          rows))
+
+
+def _ece_accuracy(row: Any) -> _Html | None:
+    """A shift table's cell: "ECE / accuracy" (a dash for a missing number)."""
+    if not isinstance(row, dict):
+        return None
+    ece, accuracy = (f"{row[k]:.4f}" if _is_number(row.get(k)) else "–"
+                     for k in ("ece", "accuracy"))
+    return _NumHtml(_esc(f"{ece} / {accuracy}"))
+
+
+def _under_shift(data: dict) -> list[str]:
+    """ECE and accuracy of each variant on each corruption, its mean ECE and the variant
+    best calibrated under shift (its row in bold)."""
+    shifts = [s for s in data.get("shifts") or [] if isinstance(s, dict)]
+    cells = {(i, str(r.get("variant"))): r for i, s in enumerate(shifts)
+             for r in s.get("rows") or [] if isinstance(r, dict)}
+    variants = list(dict.fromkeys(variant for _, variant in cells))
+    if not variants:
+        return []
+    under = _dict(data.get("under_shift"))
+    means, best = _dict(under.get("mean_ece")), under.get("best")
+    severities = {s.get("severity") for s in shifts if s.get("severity") is not None}
+    names = [f"{s.get('name')} ({_fmt(s.get('severity'))})" if len(severities) > 1
+             else str(s.get("name")) for s in shifts]
+    rows = [(v, *[_ece_accuracy(cells.get((i, v))) for i in range(len(shifts))],
+             _fixed(means.get(v))) for v in variants]
+    title = "Under shift, ECE / accuracy" + (f" (severity {_fmt(next(iter(severities)))})"
+                                             if len(severities) == 1 else "")
+    parts = [_Html(f"<h3>{_esc(title)}</h3>"),
+             _table(["variant", *names, "mean ECE"], rows,
+                    row_classes=["kept" if v == best else "" for v in variants])]
+    if best is not None:
+        parts.append(_labelled_line("best calibrated under shift (lowest mean ECE)", best))
+    return parts
+
+
+def _calibration(data: dict, plots: _Plots) -> list[str]:
+    """The temperature and its fit, what it changes on the test split, the variants under
+    shift, and the reliability and shift plots."""
+    parts: list[str] = [_calibration_head(data)]
+    if data.get("fit_note"):
+        parts.append(_labelled_line("fit", data["fit_note"]))
+    parts.append(_before_after(data))
+    if data.get("verdict"):
+        parts.append(_labelled_line("verdict", data["verdict"]))
+    parts += _under_shift(data)
+    parts.append(plots.figures("reliability", "calibration_shift"))
     return parts
 
 
@@ -453,7 +555,9 @@ def _ttt(data: dict, plots: _Plots) -> list[str]:
     return parts
 
 
-def _iterative(data: dict, plots: _Plots) -> list[str]:
+def _iterative(data: dict, plots: _Plots, diagram_in: str | None = None) -> list[str]:
+    """The variants' table (a temperature column when a "+T" row has one); the reliability
+    diagram here, or a link to the `diagram_in` section that shows it."""
     if data.get("mode") == "ensemble":
         head = f"mode ensemble, {_fmt(data.get('passes_used'))} members"
     else:
@@ -464,19 +568,21 @@ def _iterative(data: dict, plots: _Plots) -> list[str]:
     parts = [_line(head)] if head else []
     rows = [r for r in data.get("rows") or [] if isinstance(r, dict)]
     if rows:
-        parts.append(_table(["variant", "accuracy", "NLL", "ECE", "mean confidence",
-                             "accuracy at 90% coverage", "passes", "cost"],
-                            [(r.get("variant"), r.get("accuracy"), r.get("nll"), r.get("ece"),
+        scaled = any(_is_number(r.get("temperature")) for r in rows)
+        parts.append(_table(["variant", *["T"] * scaled, "accuracy", "NLL", "ECE",
+                             "mean confidence", "accuracy at 90% coverage", "passes", "cost"],
+                            [(r.get("variant"), *[r.get("temperature")] * scaled,
+                              r.get("accuracy"), r.get("nll"), r.get("ece"),
                               r.get("mean_confidence"), r.get("accuracy_at_90_coverage"),
                               r.get("passes_used"), _ratio(r.get("cost_ratio"))) for r in rows]))
     if data.get("verdict"):
         parts.append(_labelled_line("verdict", data["verdict"]))
-    if plots.has("reliability"):
+    if diagram_in is None:
         parts.append(plots.figures("reliability"))
-    elif "reliability" in plots.placed and any(isinstance(r.get("reliability"), dict)
-                                               for r in rows):
+    elif (plots.has("reliability") or "reliability" in plots.placed) \
+            and any(isinstance(r.get("reliability"), dict) for r in rows):
         parts.append(_Html('<p class="line">Reliability per variant: see the diagram under '
-                           '<a href="#evaluation">Evaluation</a>.</p>'))
+                           f'<a href="#{_esc(diagram_in)}">{_esc(TITLES[diagram_in])}</a>.</p>'))
     return parts
 
 
@@ -502,10 +608,11 @@ def _config(config: dict) -> list[str]:
 # ----------------------------------------------------------------------------- the page
 
 
-# report.format_summary's order: the evaluation after the inference block (after the predictions
-# block in a run that predicted an --input), the benchmark after the TTA block
+# report.format_summary's order: the evaluation and its calibration after the inference block
+# (after the predictions block in a run that predicted an --input), the benchmark after the TTA
+# block
 ORDER = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "evaluation",
-         "tta", "benchmark", "ttt", "iterative", "predictions")
+         "calibration", "tta", "benchmark", "ttt", "iterative", "predictions")
 
 
 def render_page(report: dict, plots: Mapping[str, Any] | None = None,
@@ -520,8 +627,12 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
     images = _Plots(report.get("plots") if plots is None else plots)
     order = list(ORDER[:-1]) + [s for s in summary_keys if s not in ORDER] + ["predictions"]
     if report.get("predictions"):
-        order.remove("evaluation")
-        order.append("evaluation")
+        for name in ("evaluation", "calibration"):
+            order.remove(name)
+            order.append(name)
+    # the section that shows the reliability diagram, wherever the iterative block comes
+    diagram_in = next((name for name in ("calibration", "evaluation")
+                       if isinstance(report.get(name), dict) and report[name]), None)
     body: list[str] = []
     present: list[str] = []
     for name in order:
@@ -538,13 +649,15 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
         elif name == "train":
             parts = _train(data, keys, images)
         elif name == "evaluation":
-            parts = _evaluation(data, keys, images)
+            parts = _evaluation(data, keys, images, reliability=diagram_in == "evaluation")
+        elif name == "calibration":
+            parts = _calibration(data, images)
         elif name == "tta":
             parts = _tta(data, keys, images)
         elif name == "ttt":
             parts = _ttt(data, images)
         elif name == "iterative":
-            parts = _iterative(data, images)
+            parts = _iterative(data, images, diagram_in)
         elif name == "predictions":
             parts = [_kv_table(_pairs(data, prediction_keys))]
         else:

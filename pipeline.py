@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         members = train_ensemble_members(config, dataset, trained)
         manifest = build_manifest(config, trained, dataset, report.get("teacher"))
         exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,
-                                 paths, members)
+                                 paths, members, (dataset.val.x, dataset.val.y))
         report["export"] = exported.report_section()
         variant = "onnx"
         if config.quantize != "none":

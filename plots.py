@@ -1,5 +1,6 @@
-"""Charts of a run's report as PNG files: training curves, confusion matrix, reliability diagram,
-test-time training under shift, benchmark, and what TTA fixed and broke.
+"""Charts of a run's report as PNG files: training curves, confusion matrix, reliability diagram
+(without and with the temperature), test-time training and calibration under shift, benchmark,
+and what TTA fixed and broke.
 
 `write_plots(report, folder)` draws each chart whose data the report holds (a section that did not
 run, or a report from an older run, simply has fewer charts) and writes it atomically as
@@ -43,6 +44,7 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#7f7f7f", "#bcbd22", "#17becf")
 MAX_ANNOTATED_CLASSES = 20  # above this the confusion matrix shows colours only
 MAX_LABEL_CHARS = 24
+MAX_CURVES = 6  # on the reliability diagram; more would be unreadable
 
 Reliability = dict  # {"bins", "confidence", "accuracy", "count"}, as in the report
 
@@ -259,54 +261,128 @@ def reliability_bins(value: Any) -> Bins | None:
     return bins if bins.accuracy else None
 
 
-def reliability_curves(report: dict) -> list[tuple[str, Reliability, float | None]]:
-    """(name, bins, ECE) per variant: the single pass of the evaluation, then each iterative
-    variant (its own single-pass row only when the evaluation has no curve)."""
-    curves: list[tuple[str, Reliability, float | None]] = []
-    evaluation = section(report, "evaluation")
-    if evaluation and reliability_bins(evaluation.get("reliability")) is not None:
-        curves.append(("single pass", evaluation["reliability"], number(evaluation.get("ece"))))
+class Curve(NamedTuple):
+    """One curve of the reliability diagram: its name, reliability section, ECE (None: the
+    legend shows none) and the temperature its probabilities were scaled by (None: none)."""
+    name: str
+    bins: Reliability
+    ece: float | None
+    temperature: float | None = None
+
+
+def calibrated(report: dict) -> dict | None:
+    """The calibration section of a run that applies a temperature (None for `--calibrate
+    none`, a failed fit or an older report)."""
+    calibration = section(report, "calibration")
+    if calibration is None or calibration.get("method") in (None, "none"):
+        return None
+    return calibration
+
+
+def first_curve(name: str, options: Sequence[tuple[Any, Any]],
+                temperature: float | None = None) -> Curve | None:
+    """A curve from the first (reliability section, ECE) of `options` that has bins to draw."""
+    for bins, ece in options:
+        if reliability_bins(bins) is not None:
+            return Curve(name, bins, number(ece), temperature)
+    return None
+
+
+def single_pass_curves(report: dict) -> list[Curve]:
+    """The single pass from the evaluation and calibration sections: "single" without the
+    temperature, and for a calibrated run "single+T", the evaluation's (the served graph bakes
+    the temperature in)."""
+    evaluation = section(report, "evaluation") or {}
+    served = (evaluation.get("reliability"), evaluation.get("ece"))
+    calibration = calibrated(report)
+    if calibration is None:
+        curves = [first_curve("single", [served])]
+    else:
+        curves = [first_curve("single", [(calibration.get("reliability_before"),
+                                           calibration.get("ece_before"))]),
+                  first_curve("single+T", [(calibration.get("reliability_after"),
+                                            calibration.get("ece_after")), served],
+                              number(calibration.get("temperature")))]
+    return [curve for curve in curves if curve is not None]
+
+
+def reliability_curves(report: dict) -> list[Curve]:
+    """One curve per variant, at most MAX_CURVES: the single pass without and with the
+    temperature from the evaluation and calibration sections, then each iterative variant (its
+    "single" and "single+T" rows only where those sections have no curve: the same numbers)."""
+    curves = single_pass_curves(report)
     iterative = section(report, "iterative")
     rows = iterative.get("rows") if iterative else None
     for row in rows if isinstance(rows, list) else []:
-        if not isinstance(row, dict) or reliability_bins(row.get("reliability")) is None:
+        if not isinstance(row, dict):
             continue
         variant = str(row.get("variant") or f"variant {len(curves) + 1}")
-        if variant == "single":
-            if curves and curves[0][0] == "single pass":
-                continue
-            variant = "single pass"
-        curves.append((variant, row["reliability"], number(row.get("ece"))))
+        curve = first_curve(variant, [(row.get("reliability"), row.get("ece"))],
+                            number(row.get("temperature")))
+        if curve is not None and variant not in {c.name for c in curves}:
+            curves.append(curve)
     return curves
 
 
-def reliability_figure(curves: Sequence[tuple[str, Reliability, float | None]],
-                       title: str = "Reliability diagram") -> Figure | None:
-    """Accuracy against confidence per bin for each curve, the diagonal of perfect
-    calibration, and the samples per bin underneath. `curves` holds (name, bins, ECE or None:
-    then the legend has no ECE)."""
-    parsed = [(name, reliability_bins(bins), ece) for name, bins, ece in curves]
-    parsed = [(name, p, ece) for name, p, ece in parsed if p is not None]
+def base_variant(name: str) -> str:
+    """A variant without its "+T" (temperature scaled) suffix."""
+    return name[:-2] if name.endswith("+T") else name
+
+
+def curve_label(curve: Curve) -> str:
+    """The legend's line: the variant ("single pass" for "single"), its temperature and ECE."""
+    name = curve.name
+    if base_variant(name) == "single":
+        name = "single pass" + name[len("single"):]
+    details = ([] if curve.temperature is None else [f"T {curve.temperature:.3f}"]) \
+        + ([] if curve.ece is None else [f"ECE {curve.ece:.3f}"])
+    return plain(name, 32) + (f" ({', '.join(details)})" if details else "")
+
+
+def curve_styles(names: Sequence[str]) -> list[dict]:
+    """Plot keywords per curve: one colour per variant, shared by its "+T" curve; a variant
+    that has a "+T" curve is drawn dashed with open markers, the scaled one solid."""
+    styles = []
+    for name, color in zip(names, variant_colors(names)):
+        paired = f"{name}+T" in names
+        styles.append({"color": color, "linestyle": "--" if paired else "-",
+                       "markerfacecolor": "white" if paired else color})
+    return styles
+
+
+def reliability_figure(curves: Sequence[tuple], title: str = "Reliability diagram"
+                       ) -> Figure | None:
+    """Accuracy against confidence per bin for each curve (at most MAX_CURVES), the diagonal
+    of perfect calibration, and the samples per bin underneath. `curves` holds Curve or
+    (name, bins, ECE or None: then the legend has no ECE[, temperature])."""
+    parsed = [(Curve(*curve), reliability_bins(curve[1])) for curve in curves]
+    parsed = [(curve, bins) for curve, bins in parsed if bins is not None]
     if not parsed:
         return None
+    left_out = len(parsed) - MAX_CURVES
+    parsed = parsed[:MAX_CURVES]
     width, height = 5.0, 5.4
     fig = new_figure(width, height)
     top = fig.add_axes((0.6 / width, 1.75 / height, 4.2 / width, 3.35 / height))
     bottom = fig.add_axes((0.6 / width, 0.5 / height, 4.2 / width, 1.0 / height), sharex=top)
-    top.plot([0, 1], [0, 1], color="0.55", linestyle="--", linewidth=1,
+    top.plot([0, 1], [0, 1], color="0.55", linestyle=":", linewidth=1,
              label="perfectly calibrated")
-    for index, (name, bins, ece) in enumerate(parsed):
-        color = PALETTE[index % len(PALETTE)]
-        label = plain(name) + (f" (ECE {ece:.3f})" if ece is not None else "")
-        top.plot(bins.confidence, bins.accuracy, color=color, marker="o", markersize=4,
-                 linewidth=1.5, label=label)
-        bottom.stairs(bins.counts, bins.edges, color=color, linewidth=1.2, alpha=0.8,
-                      fill=len(parsed) == 1)
+    styles = curve_styles([curve.name for curve, _ in parsed])
+    for (curve, bins), style in zip(parsed, styles):
+        top.plot(bins.confidence, bins.accuracy, marker="o", markersize=4, linewidth=1.5,
+                 label=curve_label(curve), **style)
+        bottom.stairs(bins.counts, bins.edges, color=style["color"], linewidth=1.2, alpha=0.8,
+                      linestyle=style["linestyle"], fill=len(parsed) == 1)
     top.set_xlim(0, 1)
     top.set_ylim(0, 1.02)
     top.set_ylabel("accuracy")
+    if left_out > 0:
+        top.plot([], [], " ", label=f"{left_out} more in the report")
+    if any(curve.temperature is not None for curve, _ in parsed):
+        title += " (+T: temperature scaled)"
     top.set_title(title)
-    top.legend(loc="best", frameon=False)  # curves may run above or below the diagonal
+    # curves may run above or below the diagonal
+    top.legend(loc="best", frameon=False, fontsize=8 if len(parsed) <= 4 else 7)
     top.tick_params(labelbottom=False)
     bottom.set_xlabel("confidence (top-class probability)")
     bottom.set_ylabel("samples")
@@ -315,8 +391,46 @@ def reliability_figure(curves: Sequence[tuple[str, Reliability, float | None]],
 
 
 def reliability(report: dict) -> Figure | None:
-    """Reliability diagram of the single pass and every iterative variant."""
+    """Reliability diagram of the single pass, without and with the temperature, and every
+    iterative variant."""
     return reliability_figure(reliability_curves(report))
+
+
+# ----------------------------------------------------------------------------- grouped bars
+
+
+Series = tuple[str, Sequence[float | None], dict]  # (legend label, value per group, bar style)
+
+
+def shift_label(row: dict, severities: set) -> str:
+    """A corruption's name on the x axis, with its severity when the shifts' severities differ."""
+    severity = number(row.get("severity"))
+    return plain(row.get("name", "?"), 18) + (
+        f" ({severity:g})" if len(severities) > 1 and severity is not None else "")
+
+
+def grouped_bars(names: Sequence[str], series: Sequence[Series], per_group: float = 0.8,
+                 legend_width: float = 1.0) -> tuple[Figure, Axes]:
+    """One group of bars per name along x (labels turned 45° when they do not fit), one bar per
+    series in each group where its value is not None, the legend on the right."""
+    fig_width = max(5.0, 0.6 + legend_width + per_group * len(names))
+    widest = max(text_width(name, 8) for name in names)
+    rotate = widest > 0.9 * (fig_width - 0.35 - legend_width) / len(names)
+    label_height = widest * 0.71 + 0.1 if rotate else 0.15
+    fig = new_figure(fig_width, 2.8 + label_height)
+    place(fig, left=0.6, right=legend_width, bottom=0.3 + label_height, top=0.3)
+    ax = fig.subplots()
+    width = 0.8 / len(series)
+    for s, (label, values, style) in enumerate(series):
+        xs = [g - 0.4 + width * (s + 0.5) for g, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width=width * 0.95, label=label,
+               **style)
+    ax.set_xticks(range(len(names)), names, rotation=45 if rotate else 0,
+                  ha="right" if rotate else "center", rotation_mode="anchor" if rotate else None)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.grid(axis="x", visible=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig, ax
 
 
 # ----------------------------------------------------------------------------- test-time training
@@ -332,43 +446,93 @@ def ttt_shifts(report: dict) -> Figure | None:
     groups: list[tuple[str, dict]] = []
     if isinstance(ttt.get("clean"), dict):
         groups.append(("clean", ttt["clean"]))
-    for row in shifts:
-        severity = number(row.get("severity"))
-        groups.append((plain(row.get("name", "?"), 18)
-                       + (f" ({severity:g})" if len(severities) > 1 and severity is not None
-                          else ""), row))
+    groups += [(shift_label(row, severities), row) for row in shifts]
     if isinstance(ttt.get("mean_shifted"), dict) and len(shifts) > 1:
         groups.append(("mean of shifts", ttt["mean_shifted"]))
-    methods = [m for m in ("source", "bn", "tent")
-               if any(number(row.get(f"accuracy_{m}")) is not None for _, row in groups)]
-    if not methods:
+    series = [(method, [number(row.get(f"accuracy_{method}")) for _, row in groups],
+               {"color": COLORS[method]}) for method in ("source", "bn", "tent")]
+    series = [s for s in series if any(v is not None for v in s[1])]
+    if not series:
         return None
-    width = 0.8 / len(methods)
-    fig_width = max(5.0, 1.6 + 0.8 * len(groups))
-    widest = max(text_width(name, 8) for name, _ in groups)
-    rotate = widest > 0.9 * (fig_width - 1.35) / len(groups)
-    label_height = widest * 0.71 + 0.1 if rotate else 0.15
-    fig = new_figure(fig_width, 2.8 + label_height)
-    place(fig, left=0.6, right=1.0, bottom=0.3 + label_height, top=0.3)
-    ax = fig.subplots()
-    for m, method in enumerate(methods):
-        xs, ys = [], []
-        for g, (_, row) in enumerate(groups):
-            value = number(row.get(f"accuracy_{method}"))
-            if value is not None:
-                xs.append(g - 0.4 + width * (m + 0.5))
-                ys.append(value)
-        ax.bar(xs, ys, width=width * 0.95, color=COLORS[method], label=method)
-    ax.set_xticks(range(len(groups)), [name for name, _ in groups], rotation=45 if rotate else 0,
-                  ha="right" if rotate else "center", rotation_mode="anchor" if rotate else None)
-    ax.set_xlim(-0.6, len(groups) - 0.4)
+    fig, ax = grouped_bars([name for name, _ in groups], series)
     ax.set_ylim(0, 1.0)
     ax.set_ylabel("accuracy")
-    ax.grid(axis="x", visible=False)
     detail = ", ".join([plain(ttt["mode"])] * isinstance(ttt.get("mode"), str)
                        + [f"severity {next(iter(severities)):g}"] * (len(severities) == 1))
     ax.set_title("Test-time adaptation under shift" + (f" ({detail})" if detail else ""))
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def clean_ece(report: dict, calibration: dict) -> dict[str, float]:
+    """ECE per variant on the clean test split: the single pass without (and, for a calibrated
+    run, with) the temperature from the calibration section, the others from the iterative
+    rows."""
+    values = {"single": number(calibration.get("ece_before"))}
+    if calibrated(report):
+        values["single+T"] = number(calibration.get("ece_after"))
+    iterative = section(report, "iterative")
+    rows = iterative.get("rows") if iterative else None
+    for row in rows if isinstance(rows, list) else []:
+        if isinstance(row, dict) and values.get(str(row.get("variant"))) is None:
+            values[str(row.get("variant"))] = number(row.get("ece"))
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def shift_groups(report: dict, calibration: dict, shifts: Sequence[dict]
+                 ) -> list[tuple[str, dict[str, float]]]:
+    """(x label, ECE per variant): clean data, each corruption, and the mean over the
+    corruptions when there are several."""
+    severities = {number(row.get("severity")) for row in shifts} - {None}
+    groups = [("clean", clean_ece(report, calibration))]
+    for shift in shifts:
+        rows = [r for r in shift["rows"] if isinstance(r, dict)]
+        groups.append((shift_label(shift, severities),
+                       {str(r.get("variant")): number(r.get("ece")) for r in rows}))
+    under_shift = calibration.get("under_shift")
+    means = under_shift.get("mean_ece") if isinstance(under_shift, dict) else None
+    if isinstance(means, dict) and len(shifts) > 1:
+        groups.append(("mean of shifts", {str(k): number(v) for k, v in means.items()}))
+    return groups
+
+
+def variant_colors(names: Sequence[str]) -> list[str]:
+    """One colour per variant, shared by its "+T" (temperature scaled) twin."""
+    bases = list(dict.fromkeys(base_variant(name) for name in names))
+    return [PALETTE[bases.index(base_variant(name)) % len(PALETTE)] for name in names]
+
+
+def calibration_shift(report: dict) -> Figure | None:
+    """ECE of each variant on clean test data and under each corruption; the variant best
+    calibrated under shift (lowest mean ECE) named in the title."""
+    calibration = section(report, "calibration")
+    shifts = calibration.get("shifts") if calibration else None
+    shifts = [s for s in shifts if isinstance(s, dict) and isinstance(s.get("rows"), list)] \
+        if isinstance(shifts, list) else []
+    variants = list(dict.fromkeys(str(r.get("variant")) for s in shifts for r in s["rows"]
+                                  if isinstance(r, dict)))
+    if not variants:
+        return None
+    groups = shift_groups(report, calibration, shifts)
+    series = [(plain(variant), [values.get(variant) for _, values in groups],
+               {"color": color, "alpha": 0.45 if f"{variant}+T" in variants else 1.0})
+              for variant, color in zip(variants, variant_colors(variants))]
+    series = [s for s in series if any(v is not None for v in s[1])]
+    if not series:
+        return None
+    fig, ax = grouped_bars([name for name, _ in groups], series,
+                           per_group=max(0.8, 0.3 + 0.22 * len(series)), legend_width=1.4)
+    top = max(v for _, values, _ in series for v in values if v is not None)
+    ax.set_ylim(0, max(top * 1.15, 0.01))
+    ax.set_ylabel("ECE (lower is better)")
+    severities = {number(s.get("severity")) for s in shifts} - {None}
+    title = "Calibration under shift" + (f" (severity {next(iter(severities)):g})"
+                                         if len(severities) == 1 else "")
+    under_shift = calibration.get("under_shift")
+    best = under_shift.get("best") if isinstance(under_shift, dict) else None
+    ax.set_title(title + (f"; best calibrated: {plain(best, 32)}" if best else ""))
     return fig
 
 
@@ -476,6 +640,7 @@ PLOTS: dict[str, Callable[[dict], Figure | None]] = {
     "training_curves": training_curves,
     "confusion_matrix": confusion_matrix,
     "reliability": reliability,
+    "calibration_shift": calibration_shift,
     "ttt_shifts": ttt_shifts,
     "benchmark": benchmark,
     "tta": tta,

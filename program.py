@@ -67,11 +67,14 @@ class ClassifierProgram(dspy.Module):
                                probabilities=probabilities)
 
     def predict_proba(self, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        return torch.softmax(torch.from_numpy(self.predict_logits(pixels, batch_size)), -1).numpy()
+
+    def predict_logits(self, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
         self.net.eval()
         device = next(self.net.parameters()).device
         with torch.no_grad():
-            chunks = [torch.softmax(self.net(network_batch(pixels[i:i + batch_size], self.pad_id,
-                                                           device)), -1).float().cpu()
+            chunks = [self.net(network_batch(pixels[i:i + batch_size], self.pad_id,
+                                             device)).float().cpu()
                       for i in range(0, len(pixels), batch_size)]
         return torch.cat(chunks).numpy()
 
@@ -518,6 +521,7 @@ class TrainedModel:
     transfer: Transfer | None = None  # --init_weights / --pretrained
     freeze_epochs: int = 0
     initial_loss: float | None = None  # the kept candidate's first batch, before any update
+    calibration: dict | None = None  # the temperature fit (train.calibrate_network)
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1
@@ -654,6 +658,11 @@ def check_output_shape(net: nn.Module, dataset: Dataset, config: Config) -> None
         raise ConfigError(f"--model_def {config.model_def}: forward returned {shape} for a "
                           f"batch of {len(sample)}; expected {expected} (one logit per class)",
                           "return logits of shape (batch, num_classes)")
+
+
+def split_logits(net: nn.Module, x: np.ndarray) -> np.ndarray:
+    """The network's logits on a split's inputs, in eval mode."""
+    return ClassifierProgram(net, [], "", pad_id=getattr(net, "pad_id", PAD_ID)).predict_logits(x)
 
 
 def split_accuracy(net: nn.Module, split: Split) -> float | None:

@@ -91,6 +91,8 @@ def format_summary(report: dict) -> str:
         if section == "tta" and report.get("evaluation") and not report.get("predictions"):
             # the evaluation follows the inference block (the predictions block on --input)
             lines += ["evaluation:", *format_evaluation(report["evaluation"])]
+            if report.get("calibration"):
+                lines += ["calibration:", *format_calibration(report["calibration"])]
         if not data:
             continue
         lines.append(f"{section}:")
@@ -222,6 +224,39 @@ def format_iterative(iterative: dict) -> list[str]:
     return lines
 
 
+def format_calibration(calibration: dict) -> list[str]:
+    """The temperature, how it was fitted, what it does on the test split, and under shift."""
+    interval = calibration.get("temperature_interval_90")
+    spread = f", 90% interval [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+    lines = [f"  {'temperature':<26} {calibration['temperature']:.4f} ({calibration['method']}, "
+             f"fitted on {calibration.get('fit_samples')} {calibration['fitted_on']} samples "
+             f"with {calibration.get('fit_errors')} errors{spread})"]
+    if calibration.get("fit_note"):
+        lines.append(f"  {'':<26} {calibration['fit_note']}")
+    for key, label in (("ece", "ECE"), ("nll", "NLL")):
+        low, high = calibration[f"{key}_change_interval_90"]
+        lines.append(f"  {label + ' before → after':<26} {calibration[f'{key}_before']:.4f} → "
+                     f"{calibration[f'{key}_after']:.4f} (90% interval of the change "
+                     f"[{low:+.4f}, {high:+.4f}])")
+    lines.append(f"  {'mean confidence':<26} {calibration['mean_confidence_before']:.4f} → "
+                 f"{calibration['mean_confidence_after']:.4f} at accuracy "
+                 f"{calibration['accuracy_after']:.4f}")
+    lines.append(f"  verdict: {calibration['verdict']}")
+    shifts = calibration.get("shifts")
+    if shifts:
+        names = [s["name"] for s in shifts]
+        lines.append(f"  under shift (severity {shifts[0]['severity']}), ECE / accuracy:")
+        lines.append(f"  {'variant':<14}" + "".join(f" {n[:16]:>17}" for n in names)
+                     + f" {'mean ECE':>9}")
+        means = calibration["under_shift"]["mean_ece"]
+        for variant, mean in means.items():
+            cells = "".join(f" {r['ece']:>8.4f} /{r['accuracy']:>7.4f}" for s in shifts
+                            for r in s["rows"] if r["variant"] == variant)
+            lines.append(f"  {variant:<14}{cells} {mean:>9.4f}")
+        lines.append(f"  best calibrated under shift: {calibration['under_shift']['best']}")
+    return lines
+
+
 def emit_report(report: dict, report_json: str | None, json_stdout: bool = False,
                 quiet: bool = False) -> None:
     """Write the report JSON (atomically to a file; on stdout with '-' or json_stdout) and
@@ -250,7 +285,8 @@ PREDICTION_KEYS = [("input", "input"), ("output", "output"), ("rows", "rows read
                    ("accuracy", "accuracy"), ("rows_per_s", "rows/s end to end")]
 
 REPORT_SECTIONS = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference",
-                   "evaluation", "benchmark", "tta", "ttt", "iterative", "predictions")
+                   "evaluation", "calibration", "benchmark", "tta", "ttt", "iterative",
+                   "predictions")
 
 
 def preload_plots() -> None:

@@ -44,6 +44,7 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     if not config.teacher_lm:
         trained = train_classifier(config, dataset)
         report["train"] = train_section(trained, dataset)
+        calibrate_network(config, trained, dataset, report)
         return trained, dataset
     from teacher import distill
 
@@ -55,7 +56,32 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     trained = train_classifier(config, distilled.dataset)
     report["train"] = train_section(trained, distilled.dataset)
     report["teacher"].update(teacher_comparison(baseline, dataset, trained, distilled.dataset))
+    calibrate_network(config, trained, distilled.dataset, report)
     return trained, distilled.dataset
+
+
+def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
+                      report: dict) -> None:
+    """--calibrate temperature: fit T on the validation split's logits (calibrate.py); the
+    manifest records it and export bakes it into every graph. In the report: train.calibration."""
+    from calibrate import fit_with_interval, no_fit
+    from program import split_logits
+
+    if config.calibrate == "none":
+        fit = no_fit("--calibrate none")
+    elif len(dataset.val) == 0:
+        fit = no_fit("the validation split is empty: no temperature can be fitted")
+        LOG.warning("calibration: %s", fit.note)
+    else:
+        fit = fit_with_interval(split_logits(trained.net, dataset.val.x), dataset.val.y,
+                                config.seed)
+        LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation samples with %d "
+                 "errors, NLL %.4f → %.4f%s", fit.temperature,
+                 " [%.3f, %.3f]" % tuple(fit.interval) if fit.interval else "", fit.method,
+                 fit.samples, fit.errors, fit.nll_before, fit.nll_after,
+                 f"; {fit.note}" if fit.note else "")
+    trained.calibration = fit.manifest_entry()
+    report["train"]["calibration"] = trained.calibration
 
 
 # a training loss that falls by less than this share: the network barely learned
@@ -164,7 +190,8 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                   "train_augment": config.train_augment, "seed": config.seed,
                   "augment_transforms": (config.tta_transforms or "default")
                   if config.tta and config.train_augment else None,
-                  **trained.report_section(), "teacher": teacher})
+                  **trained.report_section(), "teacher": teacher},
+        calibration=trained.calibration)
 
 
 def class_counts(y, num_classes: int) -> list[int]:

@@ -324,12 +324,15 @@ class Tent:
     with BNLayer layers, those of BatchNorm, which normalises with batch statistics; with
     AffineNorm layers (a network without BatchNorm), those of LayerNorm and GroupNorm, which need
     no configuring since they keep no statistics. The rest of the network stays in eval mode
-    (dropout off). `adapt` returns the parameters under the ONNX graph's names."""
+    (dropout off). The entropy is that of the probabilities the bundle serves, softmax(logits /
+    T) with the manifest's temperature. `adapt` returns the parameters under the ONNX graph's
+    names."""
 
     def __init__(self, manifest: dict, weights: Path, layers: list[BNLayer] | list[AffineNorm],
                  learning_rate: float, steps: int, num_threads: int = 1) -> None:
         import torch
 
+        from bundle import network_temperature
         from models import load_weights
         from utils import quiet_library_loggers
 
@@ -340,6 +343,7 @@ class Tent:
         self.torch, self.steps, self.learning_rate = torch, steps, learning_rate
         self.net = load_weights(manifest, weights).eval()
         self.net.requires_grad_(False)
+        self.temperature = network_temperature(manifest)
         if all(isinstance(layer, BNLayer) for layer in layers):
             norms = self._batchnorm_modules(layers)
         else:
@@ -376,7 +380,7 @@ class Tent:
     def adapt(self, x: np.ndarray) -> dict[str, np.ndarray]:
         batch = self.torch.from_numpy(np.ascontiguousarray(x))
         for _ in range(self.steps):
-            log_probs = self.net(batch).log_softmax(1)
+            log_probs = (self.net(batch) / self.temperature).log_softmax(1)
             entropy = -(log_probs.exp() * log_probs).sum(1).mean()
             entropy.backward()
             self.optimizer.step()

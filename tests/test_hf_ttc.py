@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from calibrate import rescale, softmax
 from conftest import assert_clean_failure, run_cli, topic_texts
 
 CLS, SEP, PAD1, UNK = 2, 3, 1, 0
@@ -173,8 +174,9 @@ def test_pipeline_on_a_pad_id_1_bundle_reports_tta_tent_and_the_ensemble(hf_pad1
         assert abs(row["accuracy_tent"] - row["accuracy_source"]) <= 0.1
     iterative = report["iterative"]
     assert iterative["mode"] == "ensemble"
-    assert [r["variant"] for r in iterative["rows"]] == ["single", "ensemble"]
-    assert iterative["rows"][1]["passes_used"] == 3 and iterative["rows"][1]["accuracy"] >= 0.8
+    assert [r["variant"] for r in iterative["rows"]] == ["single", "single+T", "ensemble",
+                                                         "ensemble+T"]
+    assert iterative["rows"][2]["passes_used"] == 3 and iterative["rows"][2]["accuracy"] >= 0.8
     manifest = json.loads((hf_pad1_bundle["dir"] / "model.json").read_text())
     assert manifest["preprocessing"]["pad_id"] == 1
     assert {"mc", "ensemble"} <= set(manifest["extra_graphs"])
@@ -192,11 +194,12 @@ def test_ensemble_graph_takes_the_hf_inputs_and_averages_its_members(hf_pad1_bun
     mean, members = session.run(["probabilities", "pass_probabilities"],
                                 session_feeder(session)(ids))
     assert members.shape == (3, len(ids), 3)
-    np.testing.assert_allclose(mean, members.mean(0), atol=1e-6)
+    temperature = manifest["extra_graphs"]["ensemble"]["temperature"]  # after the average
+    np.testing.assert_allclose(mean, rescale(members.mean(0), temperature), atol=1e-6)
     single = ort.InferenceSession(str(hf_pad1_bundle["model"]),
                                   providers=["CPUExecutionProvider"])
-    np.testing.assert_allclose(members[0], single.run(["probabilities"],
-                                                      session_feeder(single)(ids))[0], atol=1e-5)
+    logits = single.run(["logits"], session_feeder(single)(ids))[0]
+    np.testing.assert_allclose(members[0], softmax(logits), atol=1e-5)  # member 1, uncalibrated
 
 
 def test_mc_dropout_backends_and_window_tta_on_a_pad_id_1_bundle(hf_pad1_bundle, tmp_path):
@@ -212,8 +215,9 @@ def test_mc_dropout_backends_and_window_tta_on_a_pad_id_1_bundle(hf_pad1_bundle,
                         if backend == "batched" else ()))
         assert run.returncode == 0, run.stderr[-3000:]
         report = json.loads(out.read_text())
-        assert [r["variant"] for r in report["iterative"]["rows"]] == ["single", "mc_dropout"]
-        rows[backend] = report["iterative"]["rows"][1]
+        assert [r["variant"] for r in report["iterative"]["rows"]] == [
+            "single", "single+T", "mc_dropout", "mc_dropout+T"]
+        rows[backend] = report["iterative"]["rows"][2]
     assert rows["python"]["nll"] == pytest.approx(rows["loop"]["nll"], abs=1e-5)
     assert rows["batched"]["nll"] != rows["python"]["nll"]  # other masks ...
     assert rows["batched"]["accuracy"] == pytest.approx(rows["python"]["accuracy"], abs=0.1)
@@ -286,7 +290,8 @@ def test_tent_parameters_fed_into_the_hf_graph_give_the_adapted_network(hf_pad1_
     source, _ = graph.run(ids, 0.0, {})
     adapted, _ = graph.run(ids, 0.0, tent.adapt(ids))
     with torch.no_grad():
-        expected = torch.softmax(tent.net(torch.from_numpy(ids)), 1).numpy()
+        temperature = manifest["calibration"]["temperature"]  # baked into model.onnx
+        expected = torch.softmax(tent.net(torch.from_numpy(ids)) / temperature, 1).numpy()
     np.testing.assert_allclose(adapted, expected, atol=1e-5)
     assert np.abs(adapted - source).max() > 1e-3  # the steps moved the predictions
     assert (adapted.max(1) - source.max(1)).mean() > 0  # towards lower entropy

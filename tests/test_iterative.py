@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from calibrate import rescale, softmax
 from conftest import assert_clean_failure, run_cli
 
 
@@ -120,8 +121,10 @@ def test_the_three_backends_agree(mc):
     means = {}
     for backend in ("python", "batched", "loop"):
         graph = session(mc_model_for(backend, model, 48, 10, seed=0))
-        output = "probabilities" if backend == "python" else PASSES_OUTPUT
-        run = lambda b, g=graph, o=output: g.run([o], {"image": b})[0]  # noqa: E731
+        if backend == "python":  # the passes from the logits, as inference.mc_sampler takes them
+            run = lambda b, g=graph: softmax(g.run(["logits"], {"image": b})[0])  # noqa: E731
+        else:
+            run = lambda b, g=graph: g.run([PASSES_OUTPUT], {"image": b})[0]  # noqa: E731
         passes = MCSampler(backend, 48, run)([x[:20], x[20:]])
         assert passes.probabilities.shape == (48, 40, 10) and passes.passes_used == 48
         means[backend] = passes.mean
@@ -149,8 +152,12 @@ def test_inference_mc_dropout_report(digits_bundle):
     assert run.returncode == 0, run.stderr[-2000:]
     iterative = json.loads(run.stdout)["iterative"]
     assert iterative["mode"] == "mc_dropout" and iterative["iterations"] == 8
-    single, mc = iterative["rows"]
-    assert single["variant"] == "single" and mc["variant"] == "mc_dropout"
+    rows = {row["variant"]: row for row in iterative["rows"]}
+    assert list(rows) == ["single", "single+T", "mc_dropout", "mc_dropout+T"]
+    single, mc = rows["single"], rows["mc_dropout"]
+    assert rows["mc_dropout+T"]["accuracy"] == mc["accuracy"]
+    assert rows["mc_dropout+T"]["temperature"] == json.loads(digits_bundle["model"].with_suffix(
+        ".json").read_text())["extra_graphs"]["mc"]["temperature"]
     assert 2 <= mc["passes_used"] <= 8 and mc["cost_ratio"] > 1
     for row in (single, mc):
         assert 0 <= row["ece"] <= 1 and row["nll"] > 0 and 0 <= row["accuracy"] <= 1
@@ -194,7 +201,7 @@ def test_state_feedback_loop_iterates_the_state(digits_bundle, tmp_path):
     run = run_cli("inference.py", "--model", model, "--iterative", "state", "--iterations", "3",
                   "--report_json", "-")
     assert run.returncode == 0, run.stderr[-2000:]
-    single, looped = json.loads(run.stdout)["iterative"]["rows"]
+    _, single, looped = json.loads(run.stdout)["iterative"]["rows"]  # single+T: the graph's
     assert looped["variant"] == "state_feedback" and looped["passes_used"] == 3
     assert looped["accuracy"] == single["accuracy"]  # the same argmax, scaled
     assert looped["mean_confidence"] / single["mean_confidence"] == pytest.approx(1.75, rel=1e-4)
@@ -211,8 +218,8 @@ def test_pipeline_trains_an_ensemble_graph(wine_bundle):
     out = wine_bundle["dir"]  # trained with --ensemble_size 3
     iterative = wine_bundle["report"]["iterative"]
     assert iterative["mode"] == "ensemble" and [r["variant"] for r in iterative["rows"]] == [
-        "single", "ensemble"]
-    assert iterative["rows"][1]["passes_used"] == 3
+        "single", "single+T", "ensemble", "ensemble+T"]
+    assert iterative["rows"][2]["passes_used"] == 3
     manifest = json.loads((out / "model.json").read_text())
     assert manifest["extra_graphs"]["ensemble"]["members"] == 3
     ensemble = ort.InferenceSession(str(out / "model.ensemble.onnx"),
@@ -222,19 +229,20 @@ def test_pipeline_trains_an_ensemble_graph(wine_bundle):
     rows = load_wine().data[::40].astype(np.float32)
     mean, members = ensemble.run(["probabilities", "pass_probabilities"], {"features": rows})
     assert members.shape == (3, 5, 3)
-    np.testing.assert_allclose(mean, members.mean(0), atol=1e-6)
+    temperature = manifest["extra_graphs"]["ensemble"]["temperature"]  # after the average
+    np.testing.assert_allclose(mean, rescale(members.mean(0), temperature), atol=1e-6)
     assert np.abs(members[0] - members[1]).max() > 1e-4  # different seeds, different members
     single = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
-    np.testing.assert_allclose(members[0], single.run(["probabilities"], {"features": rows})[0],
-                               atol=1e-5)  # member 1 is model.onnx
+    np.testing.assert_allclose(members[0], softmax(single.run(["logits"], {"features": rows})[0]),
+                               atol=1e-5)  # member 1 is model.onnx, uncalibrated
 
 
 def test_inference_ensemble_of_bundles(digits_bundle, tmp_path):
     run = run_cli("inference.py", "--model", digits_bundle["model"], "--iterative", "ensemble",
                   "--ensemble", digits_bundle["model"], "--report_json", "-")
     assert run.returncode == 0, run.stderr[-2000:]
-    single, ensemble = json.loads(run.stdout)["iterative"]["rows"]
-    assert ensemble["passes_used"] == 2 and ensemble["accuracy"] == single["accuracy"]
+    single, _, ensemble = json.loads(run.stdout)["iterative"]["rows"]  # no ensemble+T: these
+    assert ensemble["passes_used"] == 2 and ensemble["accuracy"] == single["accuracy"]  # merged
     for name in ("model.onnx", "model.json", "model.pt"):  # the same bundle, other labels
         shutil.copy(digits_bundle["dir"] / name, tmp_path / name)
     manifest = json.loads((tmp_path / "model.json").read_text())

@@ -24,11 +24,12 @@ LABELS = ["cat", SCRIPT, QUOTED, "bird"]
 # one pure colour per plot, none of which the page's own style uses: the screenshot shows
 # each plot when it holds a block of that colour
 PLOT_COLOURS = {"training_curves": (255, 0, 255), "confusion_matrix": (0, 255, 255),
-                "reliability": (255, 128, 0), "ttt_shifts": (0, 255, 0),
+                "reliability": (255, 128, 0), "calibration_shift": (0, 0, 255),
+                "ttt_shifts": (0, 255, 0),
                 "benchmark": (128, 0, 255), "tta": (255, 255, 0)}
 PLOT_SIZE = (220, 110)
 SECTIONS = ["dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "tta",
-            "benchmark", "ttt", "iterative", "predictions", "evaluation", "config"]
+            "benchmark", "ttt", "iterative", "predictions", "evaluation", "calibration", "config"]
 # where a src/href/… may point: an embedded PNG or a place on the page itself
 URL_ATTRIBUTES = {"src", "href", "srcset", "action", "formaction", "poster", "background",
                   "data", "xlink:href", "ping", "cite", "longdesc", "manifest", "codebase"}
@@ -41,8 +42,32 @@ def reliability(shift: float = 0.0) -> dict:
     return {"bins": 15, "confidence": confidence, "accuracy": accuracy, "count": count}
 
 
+def calibration() -> dict:
+    """The issue-21 `calibration` section: T = 0.515 fitted on validation, its effect on the
+    test split, and two corruptions measuring four variants (one a hostile name)."""
+    variants = ["single", "single+T", "mc_dropout", "<b>mc</b>+T"]
+    shifts = [{"name": name, "severity": 3, "rows": [
+        {"variant": v, "accuracy": 0.8 - 0.3 * k, "ece": 0.0612 + 0.2 * k + 0.01 * j,
+         "nll": 0.5} for j, v in enumerate(variants)]}
+        for k, name in enumerate(["gaussian_noise", "<contrast>"])]
+    return {"temperature": 0.5151376, "method": "laplace", "fitted_on": "validation",
+            "fit_samples": 120, "fit_errors": 0,
+            "fit_note": "0 errors in 120 & NLL keeps falling as T → 0", "split": "test",
+            "samples": 84, "accuracy_before": 0.8690476, "accuracy_after": 0.8690476,
+            "mean_confidence_before": 0.81, "mean_confidence_after": 0.86,
+            "ece_before": 0.0227339, "ece_after": 0.0093670, "nll_before": 0.0287287,
+            "nll_after": 0.0130318, "ece_change_interval_90": [-0.01774, -0.00972],
+            "nll_change_interval_90": [-0.02138, -0.01111],
+            "verdict": f"temperature scaling (T = 0.515) lowers ECE {SCRIPT}",
+            "reliability_before": reliability(0.1), "reliability_after": reliability(),
+            "shifts": shifts,
+            "under_shift": {"mean_ece": {v: 0.1612 + 0.01 * j for j, v in enumerate(variants)},
+                            "best": "single"}}
+
+
 def full_report(tmp_path: Path) -> dict:
-    """A report with every section, the issue-20 keys included, and hostile user strings."""
+    """A report with every section, the issue-20 and 21 keys included, and hostile user
+    strings."""
     matrix = [[20, 1, 0, 2], [3, 15, 1, 0], [0, 2, 18, 1], [1, 0, 0, 19]]
     per_class = [{"label": label, "precision": 0.9 - 0.05 * k, "recall": 0.85 + 0.02 * k,
                   "f1": 0.961111 - 0.1 * k, "support": sum(matrix[k])}
@@ -124,12 +149,17 @@ def full_report(tmp_path: Path) -> dict:
                 "not_applicable": {}, "verdict": "bn: shifted +20 pt"},
         "iterative": {"mode": "mc_dropout", "backend": "batched", "iterations": 8,
                       "passes_used": 8.0, "verdict": "mc_dropout lowers ECE",
-                      "rows": [{"variant": "single", "accuracy": 0.869, "nll": 0.42,
-                                "ece": 0.08, "mean_confidence": 0.8,
+                      "rows": [{"variant": "single", "temperature": None, "accuracy": 0.869,
+                                "nll": 0.42, "ece": 0.08, "mean_confidence": 0.8,
                                 "accuracy_at_90_coverage": 0.9, "passes_used": 1,
                                 "cost_ratio": 1.0, "reliability": reliability()},
-                               {"variant": "mc_dropout", "accuracy": 0.87, "nll": 0.4,
-                                "ece": 0.05, "mean_confidence": 0.82,
+                               {"variant": "single+T", "temperature": 0.5151376,
+                                "accuracy": 0.869, "nll": 0.3, "ece": 0.04,
+                                "mean_confidence": 0.85, "accuracy_at_90_coverage": 0.9,
+                                "passes_used": 1, "cost_ratio": 1.0,
+                                "reliability": reliability(0.02)},
+                               {"variant": "mc_dropout", "temperature": None, "accuracy": 0.87,
+                                "nll": 0.4, "ece": 0.05, "mean_confidence": 0.82,
                                 "accuracy_at_90_coverage": 0.91, "passes_used": 8.0,
                                 "cost_ratio": 1.15, "reliability": reliability(0.05)}]},
         "benchmark": [{"variant": "pytorch eager fp32", "provider": "torch cpu",
@@ -140,6 +170,7 @@ def full_report(tmp_path: Path) -> dict:
                        "size_mb": 0.266, "accuracy": 0.869, "latency_ms_p50_batch1": 0.0856,
                        "latency_ms_p95_batch1": 0.1154, "throughput_per_s": 26813.9,
                        "batch_size": 64}],
+        "calibration": calibration(),
         "predictions": {"input": "new <rows>.csv", "output": "predictions.csv", "rows": 10,
                         "predicted": 9, "failed": 1, "errors_path": "errors.csv",
                         "labeled": 10, "accuracy": 0.9, "rows_per_s": 1234.5},
@@ -255,8 +286,8 @@ def test_error_report_and_older_reports_render(tmp_path):
     assert 'class="banner error"' in text and "cannot read &lt;x.csv&gt;" in text
     assert "exit 3" in text
     older = full_report(tmp_path)
-    for key in ("evaluation", "teacher", "fp16", "tta", "ttt", "iterative", "benchmark",
-                "predictions", "plots"):
+    for key in ("evaluation", "calibration", "teacher", "fp16", "tta", "ttt", "iterative",
+                "benchmark", "predictions", "plots"):
         older.pop(key)
     for key in ("history", "health", "candidates", "chosen_candidate", "diverged_candidates"):
         older["train"].pop(key)
@@ -282,10 +313,93 @@ def test_evaluation_follows_inference_in_a_run_without_predictions(full):
     page = Page(text)
     assert [i for i in page.ids() if i in SECTIONS] == [
         "dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "evaluation",
-        "tta", "benchmark", "ttt", "iterative", "config"]
-    # the reliability diagram drawn once, under the evaluation; the iterative block points there
+        "calibration", "tta", "benchmark", "ttt", "iterative", "config"]
+    # the reliability diagram drawn once, under the calibration; the iterative block points there
     assert len(page.all("img")) == len(PLOT_COLOURS)
+    assert "see the diagram under <a href=\"#calibration\">Calibration</a>" in text
+    del report["calibration"]  # an older report: the diagram under the evaluation
+    text = render(report, plots)
     assert "see the diagram under <a href=\"#evaluation\">Evaluation</a>" in text
+    assert images_in(text, "evaluation") == [plots["confusion_matrix"].read_bytes(),
+                                             plots["reliability"].read_bytes()]
+
+
+def section_html(text: str, name: str) -> str:
+    """The markup of one section of the page ("" when it has none)."""
+    start = text.find(f'<section id="{name}">')
+    return text[start:text.index("</section>", start)] if start >= 0 else ""
+
+
+def images_in(text: str, name: str) -> list[bytes]:
+    """The PNGs embedded in one section, in order."""
+    return [base64.b64decode(attrs["src"].split(",", 1)[1])
+            for attrs in Page(section_html(text, name)).all("img")]
+
+
+def test_calibration_section_shows_the_temperature_its_effect_and_the_shifts(full):
+    report, plots = full
+    text = render(report, plots)
+    html = section_html(text, "calibration")
+    shown = " ".join(" ".join(Page(html).text).split())
+    assert "<h2>Calibration</h2>" in html
+    assert "temperature T = 0.5151, method laplace, fitted on 120 validation samples, " \
+        "0 errors" in shown
+    assert "fit: 0 errors in 120 & NLL keeps falling as T → 0" in shown
+    assert "0 errors in 120 &amp; NLL" in html  # escaped
+    # the before/after table: 4 decimals, and the intervals of the ECE and NLL changes
+    assert "without T (T = 1) with T = 0.5151 90% interval of the change" in shown
+    assert "ECE 0.0227 0.0094 [-0.0177, -0.0097]" in shown
+    assert "NLL 0.0287 0.0130 [-0.0214, -0.0111]" in shown
+    assert "mean confidence 0.8100 0.8600" in shown
+    # the verdict, escaped
+    assert f"verdict: temperature scaling (T = 0.515) lowers ECE {SCRIPT}" in shown
+    assert SCRIPT not in html and ESCAPED_SCRIPT in html
+    # under shift: a row per variant, ECE / accuracy per corruption, the mean, the best in bold
+    assert "Under shift, ECE / accuracy (severity 3)" in shown
+    assert "variant gaussian_noise <contrast> mean ECE" in shown
+    assert "single+T 0.0712 / 0.8000 0.2712 / 0.5000 0.1712" in shown
+    assert "<b>mc</b>+T 0.0912 / 0.8000 0.2912 / 0.5000 0.1912" in shown
+    assert "&lt;b&gt;mc&lt;/b&gt;+T" in html and "&lt;contrast&gt;" in html
+    assert '<tr class="kept"><td>single</td>' in html
+    assert "best calibrated under shift (lowest mean ECE): single" in shown
+    # its two plots here, and the reliability diagram not again under the evaluation
+    assert images_in(text, "calibration") == [plots["reliability"].read_bytes(),
+                                              plots["calibration_shift"].read_bytes()]
+    assert images_in(text, "evaluation") == [plots["confusion_matrix"].read_bytes()]
+    # the iterative table shows the "+T" rows with their temperature
+    iterative = " ".join(" ".join(Page(section_html(text, "iterative")).text).split())
+    assert "variant T accuracy NLL ECE" in iterative
+    assert "single 0.869 0.42" in iterative and "single+T 0.5151 0.869 0.3" in iterative
+
+
+def test_a_report_without_calibration_has_no_calibration_section(full):
+    report, plots = full
+    for change in (lambda r: r.pop("calibration"), lambda r: r.update(calibration=None)):
+        changed = {**report, "iterative": {**report["iterative"], "rows": [
+            {k: v for k, v in row.items() if k != "temperature"}
+            for row in report["iterative"]["rows"] if not row["variant"].endswith("+T")]}}
+        change(changed)
+        plots_now = {k: v for k, v in plots.items() if k != "calibration_shift"}
+        text = render(changed, plots_now)
+        assert 'id="calibration"' not in text and "Calibration" not in text
+        assert "temperature T" not in text and "Under shift" not in text
+        assert "variant accuracy NLL ECE" in " ".join(
+            " ".join(Page(section_html(text, "iterative")).text).split())  # no T column
+        assert images_in(text, "evaluation") == [plots["confusion_matrix"].read_bytes(),
+                                                 plots["reliability"].read_bytes()]
+
+
+def test_a_run_without_a_temperature_or_shifts_still_shows_its_calibration(full):
+    report, plots = full
+    report["calibration"].update(method="none", temperature=1.0, shifts=None, under_shift=None,
+                                 fit_note=None, verdict="not calibrated (--calibrate none)")
+    del plots["calibration_shift"]
+    text = render(report, plots)
+    shown = " ".join(" ".join(Page(section_html(text, "calibration")).text).split())
+    assert "temperature T = 1.0000, method none" in shown and "fit:" not in shown
+    assert "verdict: not calibrated (--calibrate none)" in shown
+    assert "Under shift" not in shown
+    assert images_in(text, "calibration") == [plots["reliability"].read_bytes()]
 
 
 def test_big_confusion_matrix_is_left_to_its_plot(full):
@@ -312,7 +426,7 @@ def test_chromium_draws_the_page_with_its_plots(full, tmp_path):
     page = tmp_path / "report.html"
     write_page(report, plots, page)
     shot = tmp_path / "shot.png"
-    width, height = 1280, 6000  # the whole page, plots included
+    width, height = 1280, 7500  # the whole page, plots included
     run = subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",

@@ -14,7 +14,9 @@ from PIL import Image
 
 import plots
 
-NAMES = ["training_curves", "confusion_matrix", "reliability", "ttt_shifts", "benchmark", "tta"]
+NAMES = ["training_curves", "confusion_matrix", "reliability", "calibration_shift", "ttt_shifts",
+         "benchmark", "tta"]
+SHIFTS = ["gaussian_noise", "contrast", "blur"]
 
 
 def reliability_section(seed: int, samples: int = 270, bins: int = 15) -> dict:
@@ -50,6 +52,31 @@ def evaluation_section(labels: list[str], seed: int = 0) -> dict:
         "baseline_class": labels[0], "baseline_accuracy": 0.1, "baseline_source": "train split",
         "verdict": "fine", "warnings": [], "reliability": reliability_section(seed),
     }
+
+
+def calibration_section(variants: tuple[str, ...] = ("single", "single+T", "mc_dropout",
+                                                     "mc_dropout+T"),
+                        shifts: list[str] | None = SHIFTS) -> dict:
+    """The report's `calibration` of a run at T = 0.515 (issue 21), with --eval_shift `shifts`
+    (None: no shifts) measuring `variants`."""
+    section = {
+        "temperature": 0.515, "method": "laplace", "fitted_on": "validation",
+        "fit_samples": 269, "fit_errors": 0, "fit_note": "no validation errors", "split": "test",
+        "samples": 270, "accuracy_before": 0.94, "accuracy_after": 0.94,
+        "mean_confidence_before": 0.9, "mean_confidence_after": 0.93, "ece_before": 0.0227,
+        "ece_after": 0.0094, "nll_before": 0.0287, "nll_after": 0.013,
+        "ece_change_interval_90": [-0.0177, -0.0097], "nll_change_interval_90": [-0.0214, -0.0111],
+        "verdict": "temperature scaling (T = 0.515) lowers ECE",
+        "reliability_before": reliability_section(11), "reliability_after": reliability_section(12),
+        "shifts": None}
+    if shifts is None:
+        return section
+    section["shifts"] = [{"name": name, "severity": 3, "rows": [
+        {"variant": v, "accuracy": 0.9 - 0.2 * k, "ece": 0.05 + 0.1 * k + 0.01 * j, "nll": 0.4}
+        for j, v in enumerate(variants)]} for k, name in enumerate(shifts)]
+    means = {v: 0.15 + 0.01 * j for j, v in enumerate(variants)}
+    section["under_shift"] = {"mean_ece": means, "best": min(means, key=means.get)}
+    return section
 
 
 def old_report() -> dict:
@@ -99,8 +126,15 @@ def full_report(labels: list[str] | None = None) -> dict:
     report["train"]["health"] = {"loss_start": 2.3, "loss_end": 0.46, "loss_fall": 0.8,
                                  "hint": None}
     report["evaluation"] = evaluation_section(labels or [f"digit {i}" for i in range(10)])
-    for seed, row in enumerate(report["iterative"]["rows"], start=1):
+    # the served graph bakes the temperature in: its curve is the calibration's "after"
+    report["evaluation"]["reliability"] = reliability_section(12)
+    rows = report["iterative"]["rows"]
+    rows[1:1] = [{"variant": "single+T", "accuracy": 0.9405, "ece": 0.1, "cost_ratio": 1.0}]
+    rows.append({"variant": "mc_dropout+T", "accuracy": 0.944, "ece": 0.09, "cost_ratio": 0.93})
+    for seed, row in enumerate(rows, start=1):
         row["reliability"] = reliability_section(seed)
+        row["temperature"] = 0.5 if row["variant"].endswith("+T") else None
+    report["calibration"] = calibration_section()
     return report
 
 
@@ -137,7 +171,7 @@ def test_an_old_report_writes_what_its_data_allows(tmp_path):
 def test_an_empty_or_failed_report_writes_nothing(tmp_path):
     assert plots.write_plots({}, tmp_path / "a") == {}
     failed = {"status": "error", "train": None, "evaluation": None, "iterative": None,
-              "benchmark": None, "tta": None, "ttt": None}
+              "benchmark": None, "tta": None, "ttt": None, "calibration": None}
     assert plots.write_plots(failed, tmp_path / "b") == {}
     assert list((tmp_path / "b").iterdir()) == []
 
@@ -148,6 +182,7 @@ def test_an_empty_or_failed_report_writes_nothing(tmp_path):
     (lambda r: r.update(benchmark=[]), "benchmark"),
     (lambda r: r.update(tta=None), "tta"),
     (lambda r: r.update(ttt=None), "ttt_shifts"),
+    (lambda r: r.pop("calibration"), "calibration_shift"),
 ])
 def test_a_missing_section_drops_its_chart(missing, gone):
     report = full_report()
@@ -155,11 +190,18 @@ def test_a_missing_section_drops_its_chart(missing, gone):
     assert plots.PLOTS[gone](report) is None
 
 
+def names(report: dict) -> list[str]:
+    return [curve.name for curve in plots.reliability_curves(report)]
+
+
 def test_reliability_needs_a_curve_from_either_source():
     report = full_report()
+    del report["calibration"]
     report["evaluation"]["reliability"] = None
-    assert [name for name, _, _ in plots.reliability_curves(report)] == ["single pass",
-                                                                          "mc_dropout"]
+    for row in report["iterative"]["rows"]:
+        if row["variant"].endswith("+T"):
+            row["reliability"] = None
+    assert names(report) == ["single", "mc_dropout"]
     for row in report["iterative"]["rows"]:
         row["reliability"] = None
     assert plots.reliability(report) is None
@@ -167,10 +209,109 @@ def test_reliability_needs_a_curve_from_either_source():
 
 def test_reliability_names_each_variant_once():
     report = full_report()
+    del report["calibration"]
+    report["iterative"]["rows"] = [r for r in report["iterative"]["rows"]
+                                   if not r["variant"].endswith("+T")]
     report["iterative"]["rows"].append({"variant": "ensemble", "ece": 0.1,
                                         "reliability": reliability_section(7)})
-    names = [name for name, _, _ in plots.reliability_curves(report)]
-    assert names == ["single pass", "mc_dropout", "ensemble"]  # iterative "single" not repeated
+    report["evaluation"]["ece"] = 0.0764
+    curves = plots.reliability_curves(report)
+    assert [c.name for c in curves] == ["single", "mc_dropout", "ensemble"]
+    assert curves[0].bins is report["evaluation"]["reliability"]  # not the iterative "single"
+    labels = [t.get_text() for t in plots.reliability(report).axes[0].get_legend().get_texts()]
+    assert labels[:2] == ["perfectly calibrated", "single pass (ECE 0.076)"]
+
+
+def test_reliability_shows_the_single_pass_without_and_with_the_temperature():
+    report = full_report()
+    calibration = report["calibration"]
+    curves = plots.reliability_curves(report)
+    # each variant once: the single pass from the calibration section, not again from the
+    # evaluation (the same calibrated curve) or the iterative rows
+    assert [c.name for c in curves] == ["single", "single+T", "mc_dropout", "mc_dropout+T"]
+    assert curves[0].bins is calibration["reliability_before"]
+    assert curves[1].bins is calibration["reliability_after"]
+    assert [c.temperature for c in curves] == [None, 0.515, None, 0.5]
+    assert [c.ece for c in curves[:2]] == [0.0227, 0.0094]
+    top = plots.reliability(report).axes[0]
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert labels == ["perfectly calibrated", "single pass (ECE 0.023)",
+                      "single pass+T (T 0.515, ECE 0.009)", "mc_dropout (ECE 0.251)",
+                      "mc_dropout+T (T 0.500, ECE 0.090)"]
+    assert "+T: temperature scaled" in top.get_title()
+    # a variant and its "+T" twin share a colour: the unscaled one dashed
+    lines = top.lines[1:]
+    assert lines[0].get_color() == lines[1].get_color() != lines[2].get_color()
+    assert [line.get_linestyle() for line in lines] == ["--", "-", "--", "-"]
+    # without iterative rows the evaluation's curve stands in for a missing "after"
+    calibration["reliability_after"] = None
+    del report["iterative"]
+    curves = plots.reliability_curves(report)
+    assert [c.name for c in curves] == ["single", "single+T"]
+    assert curves[1].bins is report["evaluation"]["reliability"]
+
+
+def test_an_uncalibrated_run_draws_the_evaluation_as_the_single_pass():
+    report = full_report()
+    report["calibration"].update(method="none", temperature=1.0)
+    report["iterative"]["rows"] = [r for r in report["iterative"]["rows"]
+                                   if not r["variant"].endswith("+T")]
+    curves = plots.reliability_curves(report)
+    assert [c.name for c in curves] == ["single", "mc_dropout"]
+    assert curves[0].bins is report["evaluation"]["reliability"]
+    title = plots.reliability(report).axes[0].get_title()
+    assert title == "Reliability diagram"
+
+
+def test_reliability_draws_at_most_six_curves():
+    report = full_report()
+    report["iterative"]["rows"] += [
+        {"variant": name, "ece": 0.1, "reliability": reliability_section(20 + k)}
+        for k, name in enumerate(["ensemble", "ensemble+T", "state_feedback"])]
+    assert len(plots.reliability_curves(report)) == 7
+    top = plots.reliability(report).axes[0]
+    assert len(top.lines) == 1 + plots.MAX_CURVES + 1  # the diagonal, six curves, the note
+    assert top.get_legend().get_texts()[-1].get_text() == "1 more in the report"
+
+
+def test_calibration_shift_draws_ece_per_variant_and_corruption(tmp_path):
+    report = full_report()
+    fig = plots.calibration_shift(report)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["clean", *SHIFTS, "mean of shifts"]
+    bars = {c.get_label(): [bar.get_height() for bar in c] for c in ax.containers}
+    assert list(bars) == ["single", "single+T", "mc_dropout", "mc_dropout+T"]
+    # clean: the single pass from the calibration section, the others from the iterative rows
+    assert [heights[0] for heights in bars.values()] == pytest.approx([0.0227, 0.0094, 0.251,
+                                                                       0.09])
+    assert bars["single+T"][1:4] == pytest.approx([0.06, 0.16, 0.26])
+    assert bars["mc_dropout"][-1] == pytest.approx(0.17)  # the mean from under_shift
+    assert ax.get_title() == "Calibration under shift (severity 3); best calibrated: single"
+    # no iterative section and no temperature: only what the calibration section measured
+    del report["iterative"]
+    report["calibration"] = calibration_section(("single",), ["contrast"])
+    report["calibration"]["method"] = "none"
+    ax = plots.calibration_shift(report).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["clean", "contrast"]
+    assert [[bar.get_height() for bar in c] for c in ax.containers] == [
+        pytest.approx([0.0227, 0.05])]
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: r["calibration"].update(shifts=None),
+    lambda r: r["calibration"].update(shifts=[]),
+    lambda r: r.update(calibration=None),
+    lambda r: r.pop("calibration"),
+])
+def test_calibration_shift_is_written_only_when_shifts_exist(tmp_path, change):
+    report = full_report()
+    written = plots.write_plots(report, tmp_path / "with")
+    assert "calibration_shift" in written
+    assert_real_png(tmp_path / "with" / "calibration_shift.png")
+    change(report)
+    written = plots.write_plots(report, tmp_path / "without")
+    assert "calibration_shift" not in written and "reliability" in written
+    assert not (tmp_path / "without" / "calibration_shift.png").exists()
 
 
 def test_nulls_are_skipped_not_drawn_as_zero(tmp_path):
@@ -182,7 +323,7 @@ def test_nulls_are_skipped_not_drawn_as_zero(tmp_path):
     report["ttt"]["clean"]["accuracy_tent"] = None
     for row in report["ttt"]["shifts"]:
         row["accuracy_bn"] = None
-    curve = report["evaluation"]["reliability"]
+    curve = report["calibration"]["reliability_before"]  # the first curve drawn
     curve["accuracy"][-1] = None
     report["benchmark"][1]["accuracy"] = None
 
@@ -225,10 +366,20 @@ def test_user_strings_are_plain_text(tmp_path):
     full = full_report(odd)
     full["benchmark"][0]["variant"] = "$weird$ variant"
     full["ttt"]["shifts"][0]["name"] = r"$\noise_{1}"
-    full["iterative"]["rows"][1]["variant"] = "$x$ & <b>"
-    report = {key: full[key] for key in ("evaluation", "iterative", "benchmark", "ttt")}
+    full["iterative"]["rows"][2]["variant"] = "$x$ & <b>"
+    full["calibration"]["shifts"][0]["name"] = r"$\frac{noise"
+    for shift in full["calibration"]["shifts"]:
+        shift["rows"][0]["variant"] = r"$\frac{$ variant"
+    full["calibration"]["under_shift"]["best"] = r"$\frac{$ variant"
+    report = {key: full[key] for key in ("evaluation", "iterative", "benchmark", "ttt",
+                                         "calibration")}
     written = plots.write_plots(report, tmp_path)  # mathtext would fail on \frac{
-    assert list(written) == ["confusion_matrix", "reliability", "ttt_shifts", "benchmark"]
+    assert list(written) == ["confusion_matrix", "reliability", "calibration_shift", "ttt_shifts",
+                             "benchmark"]
+    ax = plots.calibration_shift(report).axes[0]
+    assert ax.containers[0].get_label() == r"\$\frac{\$ variant"
+    assert ax.get_xticklabels()[1].get_text() == r"\$\frac{noise"
+    assert ax.get_title().endswith(r"best calibrated: \$\frac{\$ variant")
     fig = plots.confusion_matrix(report)
     shown = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert shown[0] == r"\$5 off" and shown[2] == r"50% & \$\$x^2\$\$"
@@ -255,6 +406,9 @@ def test_malformed_data_is_skipped_with_a_warning(tmp_path, caplog):
     report["evaluation"]["confusion_matrix"] = [[1, 2], [3]]  # ragged: no chart, no error
     report["evaluation"]["reliability"] = {"bins": 2, "accuracy": [0.5], "count": [1, 2]}
     report["iterative"]["rows"] = "not a list"
+    report["calibration"]["reliability_before"] = {"bins": 2, "accuracy": [0.5], "count": [1, 2]}
+    report["calibration"]["reliability_after"] = None  # then the evaluation's: malformed too
+    report["calibration"]["shifts"] = "not a list"
     report["benchmark"] = [{"variant": "x", "size_mb": "big", "latency_ms_p50_batch1": 1.0}]
     report["tta"]["fixed"] = {"not": "a number"}
     report["tta"]["broken"] = None

@@ -10,8 +10,8 @@ from PIL import Image
 
 from conftest import assert_clean_failure, run_cli
 
-ALL_PLOTS = {"training_curves", "confusion_matrix", "reliability", "ttt_shifts", "benchmark",
-             "tta"}
+ALL_PLOTS = {"training_curves", "confusion_matrix", "reliability", "calibration_shift",
+             "ttt_shifts", "benchmark", "tta"}
 
 
 def assert_pngs(plots: dict, folder: Path) -> None:
@@ -56,6 +56,7 @@ def test_report_py_rebuilds_plots_and_page_from_a_saved_json(wine_bundle, tmp_pa
     # an old report without the evaluation and the history: what its data allows, no error
     old = json.loads(before)
     old.pop("evaluation")
+    old.pop("calibration", None)
     old["train"].pop("history")
     for row in (old.get("iterative") or {}).get("rows", []):
         row.pop("reliability", None)

@@ -90,7 +90,8 @@ def test_layernorm_parameters_fed_into_the_graph_give_the_adapted_network(transf
     assert np.abs(adapted - plain).max() > 1e-3
     assert entropy(adapted).mean() < entropy(plain).mean()
     with torch.no_grad():
-        expected = WithProbabilities(tent.net.eval())(torch.from_numpy(x))[1].numpy()
+        expected = WithProbabilities(tent.net.eval(), manifest["calibration"]["temperature"])(
+            torch.from_numpy(x))[1].numpy()
     np.testing.assert_allclose(adapted, expected, atol=1e-5)
     tent.reset()
     np.testing.assert_array_equal(graph.run(x, 0.0, tent.parameters())[0], defaults)

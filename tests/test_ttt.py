@@ -209,7 +209,7 @@ def test_a_bundle_without_the_adaptation_graph_exits_4(digits_bundle, tmp_path):
 
 
 @pytest.mark.parametrize("args,phrase", [
-    (["--eval_shift", "blur"], "add --ttt true"),
+    (["--eval_shift", "blurr"], "unknown --eval_shift corruption 'blurr'"),  # no --ttt needed
     (["--ttt", "true", "--eval_shift", "fog"], "unknown --eval_shift corruption 'fog'"),
     (["--ttt", "true", "--ttt_bn_prior", "-1"], "--ttt_bn_prior"),
     (["--ttt", "true", "--ttt_method", "sgd"], "--ttt_method"),
