@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
+from calibrate import fit_with_interval, log_scores, rescale, softmax
 from config import Config, build_parser, start_cli
 from data import load_bundle_dataset
 from metrics import top1_agreement
@@ -483,7 +484,7 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     info = {"purpose": "MC-dropout: Dropout nodes in training mode, not slimmed; run with "
             "EliminateDropout disabled", "dropout_layers": layers, "rates": [m.p for m in dropouts]}
     if calibrating(manifest, val):
-        passes = [softmax_of(network_logits(sampling, val[0], manifest["input"],
+        passes = [softmax(network_logits(sampling, val[0], manifest["input"],
                                             seed=config.seed + k))
                   for k in range(config.iterations)]
         info.update(averaged_temperature("MC-dropout", np.mean(passes, axis=0), val[1],
@@ -513,17 +514,9 @@ def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: dict,
             for i in range(0, len(x), batch_size)]).float().numpy()
 
 
-def softmax_of(logits: np.ndarray) -> np.ndarray:
-    from calibrate import softmax
-
-    return softmax(logits)
-
-
 def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, **details: object) -> dict:
     """The temperature an average (of passes or members) is rescaled by: calibrate.rescale,
     fitted on the validation split's averaged probabilities. The manifest's entry."""
-    from calibrate import fit_with_interval, log_scores
-
     fit = fit_with_interval(log_scores(mean), y)
     LOG.info("calibration of the %s average: temperature %.4f (%s), validation NLL %.4f → %.4f",
              what, fit.temperature, fit.method, fit.nll_before, fit.nll_after)
@@ -537,7 +530,6 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
     """Every member exported and slimmed like model.onnx, merged into one graph that returns
     their mean (iterative.ensemble_model), rescaled by a temperature fitted on `val`; checked
     against the PyTorch members' mean, rescaled the same way."""
-    from calibrate import rescale
     from iterative import ensemble_model
 
     output_names = [o["name"] for o in manifest["outputs"]]
@@ -546,13 +538,13 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
                                        spec, output_names)) for net in nets]
     calibration = {}
     if calibrating(manifest, val):
-        mean = np.mean([softmax_of(network_logits(net, val[0], spec)) for net in nets], axis=0)
+        mean = np.mean([softmax(network_logits(net, val[0], spec)) for net in nets], axis=0)
         calibration = averaged_temperature("ensemble", mean, val[1], members=len(nets))
     temperature = calibration.get("temperature", 1.0)
     graph = ensemble_model(members, len(manifest["labels"]), temperature)
     check_graph(graph)
     probe = validation_probes(samples, manifest["input"])["held_out"]
-    expected = rescale(np.mean([softmax_of(network_logits(net, probe, spec)) for net in nets],
+    expected = rescale(np.mean([softmax(network_logits(net, probe, spec)) for net in nets],
                                axis=0), temperature)
     session = create_session(graph.SerializeToString(),
                              RuntimeOptions(intra_op_threads=config.num_threads))

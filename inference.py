@@ -176,12 +176,10 @@ Variants = Callable[[np.ndarray], dict]  # inputs → {variant name: probabiliti
 def single_variants(session: ort.InferenceSession, manifest: dict, batch_size: int) -> Variants:
     """The single pass without the temperature (softmax of the graph's logits) and, for a
     calibrated bundle, with it (the graph's probabilities)."""
-    from calibrate import softmax
-
     calibrated = network_temperature(manifest) != 1.0
 
     def variants(x: np.ndarray) -> dict:
-        out = {"single": softmax(predict_proba(session, x, batch_size, "logits"))}
+        out = {"single": without_temperature(session, x, batch_size)}
         if calibrated:
             out["single+T"] = predict_proba(session, x, batch_size)
         return out
@@ -202,19 +200,29 @@ def averaged_variants(name: str, passes: Callable[[np.ndarray], "Passes"],
     return variants
 
 
-def run_calibration(config: Config, manifest: dict, session: ort.InferenceSession,
-                    test: tuple[np.ndarray, np.ndarray], probabilities: np.ndarray) -> dict | None:
-    """The report's `calibration`: the bundle's temperature and what it does on the test split
-    (None for a graph without a logits output)."""
-    from calibrate import calibration_section, no_fit, softmax
+def without_temperature(session: ort.InferenceSession, x: np.ndarray, batch_size: int
+                        ) -> np.ndarray | None:
+    """softmax(logits) of the graph on x: the single pass without its temperature (None for a
+    graph without a logits output)."""
+    from calibrate import softmax
 
     if "logits" not in {o.name for o in session.get_outputs()}:
+        return None
+    return softmax(predict_proba(session, x, batch_size, "logits"))
+
+
+def run_calibration(config: Config, manifest: dict, raw: np.ndarray | None,
+                    probabilities: np.ndarray, y: np.ndarray) -> dict | None:
+    """The report's `calibration`: the bundle's temperature and what it does on the test split,
+    from the single pass without (`raw`) and with it (None without a raw pass)."""
+    from calibrate import calibration_section, no_fit
+
+    if raw is None:
         return None
     fit = manifest.get("calibration") or no_fit(
         "a bundle written before calibration: re-run pipeline.py to fit a temperature"
     ).manifest_entry()
-    logits = predict_proba(session, test[0], config.batch_size, "logits")
-    section = calibration_section(fit, softmax(logits), probabilities, test[1], config.seed)
+    section = calibration_section(fit, raw, probabilities, y, config.seed)
     (LOG.warning if section["ece_change_interval_90"][0] > 0 else LOG.info)(
         "calibration: %s", section["verdict"])
     return section
@@ -241,24 +249,24 @@ def calibration_under_shift(config: Config, manifest: dict, variants: Variants,
 
 
 def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
-                  session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray]
-                  ) -> tuple[dict, Variants | None]:
+                  session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray],
+                  raw: np.ndarray | None) -> tuple[dict, Variants | None]:
     """The chosen iterative mode against a single pass: accuracy, NLL, ECE, accuracy at 90%
     coverage, passes used and cost, on the test split, each without and with its temperature
     (the single pass: the bundle's; an average: its own, calibrate.rescale). Also the mode's
-    variants as a function of the inputs (--eval_shift), None for state."""
+    variants as a function of the inputs (--eval_shift), None for state. `raw`: the test
+    split's single pass without temperature (None: the graph has no logits output)."""
     import iterative as it
-    from calibrate import softmax
 
     x, y = test
     batches = batches_of(x, config.batch_size, input_padding_id(manifest["input"]))
     single = session_runner(session)
     single(batches[0])
     single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
-    raw = softmax(predict_proba(session, x, config.batch_size, "logits"))
+    raw = single_probs if raw is None else raw
     rows = [it.calibration_row("single", raw, y, single_seconds, single_seconds, 1)]
     temperature = network_temperature(manifest)
-    if temperature != 1.0:
+    if temperature != 1.0 and raw is not single_probs:
         rows.append(it.calibration_row("single+T", single_probs, y, single_seconds,
                                        single_seconds, 1, temperature=temperature))
     variants = None
@@ -392,7 +400,8 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     report["inference"] = result.report_section()
     report["evaluation"] = bundle_evaluation(manifest, Tally(len(manifest["labels"])).add(
         probabilities, test[1]))
-    report["calibration"] = run_calibration(config, manifest, session, test, probabilities)
+    raw = without_temperature(session, test[0], config.batch_size)
+    report["calibration"] = run_calibration(config, manifest, raw, probabilities, test[1])
     if config.tta:
         from tta import evaluate_tta
 
@@ -405,7 +414,7 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
         report["ttt"] = run_ttt(config, paths, manifest, session_runner(session), test)
     variants = single_variants(session, manifest, config.batch_size)
     if config.iterative != "none":
-        report["iterative"], more = run_iterative(config, paths, manifest, session, test)
+        report["iterative"], more = run_iterative(config, paths, manifest, session, test, raw)
         if more is not None:
             variants = joined(variants, more)
     if config.eval_shift and report["calibration"] is not None:
