@@ -215,8 +215,8 @@ def confusion_matrix(report: dict) -> Figure | None:
     split = plain(evaluation.get("split") or "test")
     samples = number(evaluation.get("samples"))
     accuracy = number(evaluation.get("accuracy"))
-    detail = ", ".join([f"{samples:g} samples"] * (samples is not None)
-                       + [f"accuracy {accuracy:.3f}"] * (accuracy is not None))
+    detail = ", ".join(([f"{samples:g} samples"] if samples is not None else [])
+                       + ([f"accuracy {accuracy:.3f}"] if accuracy is not None else []))
     ax.set_title(f"Confusion matrix, {split} split" + (f" ({detail})" if detail else ""),
                  fontsize=9)
     bar = fig.add_axes(((left + side + 0.15) / width, bottom / height, 0.15 / width,

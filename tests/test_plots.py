@@ -337,6 +337,9 @@ def test_nulls_are_skipped_not_drawn_as_zero(tmp_path):
     assert len(single.get_xdata()) == sum(
         1 for n, a in zip(curve["count"], curve["accuracy"]) if n and a is not None)
     assert [t.get_text() for t in plots.benchmark(report).axes[0].texts] == ["0.941", "0.937"]
+    report["evaluation"]["samples"] = None  # the confusion matrix's title leaves it out
+    title = plots.confusion_matrix(report).axes[0].get_title()
+    assert "samples" not in title and "(accuracy " in title
     written = plots.write_plots(report, tmp_path)
     assert list(written) == [name for name in NAMES if name != "tta"]
 
