@@ -4,10 +4,12 @@ encoders: the same code training used), predict, and write the predictions as th
 memory), to a temporary file moved into place at the end.
 
 Inputs: an image file, a folder of images (recursive; a first-level folder named like a class is
-that image's label), a CSV/TSV/JSON/JSONL table (text, tabular features, or image paths), or "-"
-for one text per line on stdin. A row that cannot be used (an undecodable image, a non-numeric
-feature, a missing image path) becomes an error row, not a failed run. numpy, pandas and Pillow
-only.
+that image's label), a CSV/TSV/JSON/JSONL/Parquet table (text, tabular features, or image paths),
+or "-" for one text per line on stdin. A row that cannot be used (an undecodable image, a
+non-numeric feature, a missing image path) becomes an error row, not a failed run. Outputs: CSV,
+JSONL or Parquet. The stages, reading → encoding (RowEncoder) → predicting → writing, are the
+same functions whether they run here or on Ray workers (cluster.py). numpy, pandas and Pillow
+(pyarrow for Parquet) only.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, fi
 
 ROLES = {"text": "text", "tabular": "feature", "image": "image"}  # preprocessing kind → inputs
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
+# A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
+# ids, their true labels ("" none), the reason a row already failed ("" none), and the inputs
+# under fixed names: the texts to join (text0, text1, ...), an image's absolute path, or the
+# tabular features under their training names.
+ROW_ID, ROW_LABEL, ROW_ERROR, ROW_PATH, ROW_TEXT = "__id", "__label", "__error", "__path", "__text"
 
 
 @dataclass
@@ -69,6 +76,79 @@ class BatchOptions:
                 "image": self.image_column}[role]
 
 
+def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
+              errors: Sequence[str] | None = None):
+    """A row frame from its parts: `inputs` a DataFrame already holding the input columns under
+    their fixed names (its columns are kept as they are, not copied), or a dict of them; labels
+    None when the input has no label column."""
+    import pandas as pd
+
+    index = inputs.index if isinstance(inputs, pd.DataFrame) else pd.RangeIndex(len(ids))
+
+    def cells(values) -> "pd.Series":  # plain Python strings: pandas would copy them to Arrow
+        return pd.Series(np.asarray(values, dtype=object), index=index, dtype=object)
+
+    frame = inputs if isinstance(inputs, pd.DataFrame) else pd.DataFrame(
+        {name: cells(v) for name, v in inputs.items()}, index=index)
+    frame.insert(0, ROW_ID, cells(ids))
+    if labels is not None:
+        frame.insert(1, ROW_LABEL, cells(["" if v is None else v for v in labels]))
+    frame.insert(frame.columns.get_loc(ROW_ID) + 1 + (labels is not None), ROW_ERROR,
+                 cells(errors) if errors is not None else np.full(len(ids), "", object))
+    return frame
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+class RowEncoder:
+    """Row frames → model inputs, by the encoders the bundle's model was trained with
+    (preprocess.py, tables.py): the one step between reading and predicting, the same in this
+    process and on a Ray worker."""
+
+    def __init__(self, manifest: dict) -> None:
+        self.preprocessing = manifest["preprocessing"]
+        self.kind = self.preprocessing["kind"]
+        self.tokenizer = text_tokenizer(self.preprocessing) if self.kind == "text" else None
+        self.encoder = TabularEncoder.from_manifest(self.preprocessing) \
+            if self.kind == "tabular" else None
+
+    def encode(self, frame) -> Chunk:
+        reasons = frame[ROW_ERROR].to_numpy(dtype=object)
+        failed = reasons != ""
+        ids = frame[ROW_ID].to_numpy(dtype=object)
+        errors = [(str(ids[k]), str(reasons[k])) for k in np.flatnonzero(failed)]
+        if errors:
+            frame = frame[~failed]
+            ids = ids[~failed]
+        ids = [str(i) for i in ids] if ids.dtype.kind != "O" else ids.tolist()
+        labels = ([v if v != "" else None for v in frame[ROW_LABEL].tolist()]
+                  if ROW_LABEL in frame else None)
+        chunk = self._encoded(frame, ids, labels)
+        chunk.errors = errors + chunk.errors
+        return chunk
+
+    def _encoded(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
+        if not ids:
+            return Chunk([], None, labels)
+        if self.kind == "image":
+            return _decode_images([Path(p) for p in frame[ROW_PATH]], ids,
+                                  labels or [None] * len(ids), self.preprocessing)
+        if self.kind == "text":  # an empty text is predicted too (its tokens: [UNK])
+            texts = [c for c in frame.columns if c.startswith(ROW_TEXT)]
+            return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, texts))),
+                         labels)
+        x, reasons = self.encoder.encode(frame)  # reads its columns by name
+        usable = [r is None for r in reasons]
+        errors = [(i, r) for i, r in zip(ids, reasons) if r is not None]
+        return Chunk(_kept(ids, usable), x[np.array(usable, dtype=bool)] if any(usable) else None,
+                     _kept(labels, usable) if labels else None, errors)
+
+
+def _kept(values: Sequence, keep: Sequence[bool]) -> list:
+    return [v for v, k in zip(values, keep) if k]
+
+
 # ----------------------------------------------------------------------------- images
 
 
@@ -89,21 +169,31 @@ def _decode_images(paths: Sequence[Path], ids: Sequence[str], labels: Sequence[s
                  errors)
 
 
-def image_folder_chunks(root: Path, manifest: dict, chunk_rows: int) -> Iterator[Chunk]:
+def folder_images(root: Path) -> list[Path]:
+    """The image files of an image or a folder (recursive, sorted): what --input predicts."""
+    return list(image_files(root))
+
+
+def image_folder_frames(root: Path, manifest: dict, chunk_rows: int,
+                        files: Sequence[Path] | None = None) -> Iterator:
+    """Row frames of an image folder's files (`files`: a part of them): ids are the paths as
+    found, a first-level folder named like a class is the label."""
     classes = set(manifest["labels"])
 
     def label_of(path: Path) -> str | None:
         parts = path.relative_to(root).parts if root.is_dir() else ()
         return parts[0] if len(parts) > 1 and parts[0] in classes else None
 
-    files = list(image_files(root))
+    files = folder_images(root) if files is None else files
     for start in range(0, len(files), chunk_rows):
-        batch = [p for p in files[start:start + chunk_rows] if utf8_name(p)]
-        chunk = _decode_images(batch, [str(p) for p in batch], [label_of(p) for p in batch],
-                               manifest["preprocessing"])
-        chunk.errors += [(printable_name(p), "the file name is not valid UTF-8; rename the file")
-                         for p in files[start:start + chunk_rows] if not utf8_name(p)]
-        yield chunk
+        batch = files[start:start + chunk_rows]
+        readable = [utf8_name(p) for p in batch]
+        yield row_frame(
+            [str(p) if ok else printable_name(p) for p, ok in zip(batch, readable)],
+            [label_of(p) if ok else None for p, ok in zip(batch, readable)],
+            {ROW_PATH: [str(p.absolute()) if ok else "" for p, ok in zip(batch, readable)]},
+            ["" if ok else "the file name is not valid UTF-8; rename the file"
+             for ok in readable])
 
 
 def utf8_name(path: Path) -> bool:
@@ -127,18 +217,19 @@ def printable_name(path: Path) -> str:
 
 
 class TableReader:
-    """Chunks of a table, its columns chosen and its rows encoded as at training time."""
+    """Row frames of a table (`row_groups`: a part of a Parquet file), its columns chosen as at
+    training time; iterating it gives the encoded chunks."""
 
-    def __init__(self, path: Path, manifest: dict, options: BatchOptions) -> None:
+    def __init__(self, path: Path, manifest: dict, options: BatchOptions,
+                 row_groups: range | None = None) -> None:
         self.path, self.manifest, self.options = path, manifest, options
         self.kind = manifest["preprocessing"]["kind"]
         self.role = ROLES[self.kind]
         self.fmt = table_format(path, options.dataset_format)
         self.recorded = manifest.get("dataset") or {}
-        self.tokenizer = text_tokenizer(manifest["preprocessing"]) \
-            if self.kind == "text" else None
         self.encoder = TabularEncoder.from_manifest(manifest["preprocessing"]) \
             if self.kind == "tabular" else None
+        self.row_groups = row_groups
         self.columns: Columns | None = None
         self.renamed: dict[str, str] = {}
 
@@ -171,89 +262,109 @@ class TableReader:
                                   self.options.label_column, self.options.input_spec(self.role))
         if self.encoder is not None:  # the encoder reads features by their training names
             self.renamed = dict(zip(columns.inputs, (c["name"] for c in self.encoder.columns)))
+        else:
+            prefix = ROW_PATH if self.kind == "image" else ROW_TEXT
+            self.renamed = {name: prefix if self.kind == "image" else f"{prefix}{k}"
+                            for k, name in enumerate(columns.inputs)}
         return columns
 
-    def __iter__(self) -> Iterator[Chunk]:
+    def frames(self) -> Iterator:
         numeric = ([c["name"] for c in self.encoder.columns if c["type"] == "numeric"]
                    if self.encoder is not None else [])
         for frame in iter_table(self.path, self.fmt, self.recorded.get("has_header") or "auto",
-                                self._named_columns(), self.options.chunk_rows, numeric):
+                                self._named_columns(), self.options.chunk_rows, numeric,
+                                self.row_groups):
             if self.columns is None:
                 self.columns = self._choose_columns(frame)
             if frame.empty:  # a header alone
                 continue
-            ids = [str(i + 1) for i in frame.index]  # 1-based data rows, header excluded
+            ids = (frame.index.to_numpy() + 1).astype(str)  # 1-based data rows, no header
             label = self.columns.label
-            labels = label_texts(frame[label]) if label else None
-            yield self._encode(frame, ids, labels)
+            inputs = frame if list(frame.columns) == self.columns.inputs \
+                else frame[self.columns.inputs]
+            if any(old != new for old, new in self.renamed.items()):
+                inputs = inputs.rename(columns=self.renamed)
+            errors = None
+            if self.kind == "image":
+                inputs, errors = self._image_paths(inputs[ROW_PATH])
+            elif self.kind == "text":  # text cells as plain strings (see row_frame)
+                inputs = inputs.astype(object)
+            yield row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors)
 
-    def _encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
-        inputs = self.columns.inputs
-        if self.kind == "image":
-            return self._decode_image_paths(list(frame[inputs[0]]), ids,
-                                            labels or [None] * len(ids))
-        if self.kind == "text":  # an empty text is predicted too (its tokens: [UNK])
-            return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, inputs))),
-                         labels)
-        x, reasons = self.encoder.encode(frame[inputs].rename(columns=self.renamed))
-        usable = [r is None for r in reasons]
-        errors = [(i, r) for i, r in zip(ids, reasons) if r is not None]
-        return Chunk(_kept(ids, usable), x[np.array(usable, dtype=bool)] if any(usable) else None,
-                     _kept(labels, usable) if labels else None, errors)
+    def _image_paths(self, cells) -> tuple[dict, list[str]]:
+        """Image paths relative to the table, made absolute; a missing path (NaN) is an error
+        row."""
+        paths, errors = [], []
+        for cell in cells:
+            if cell != cell:
+                paths.append("")
+                errors.append("missing image path")
+                continue
+            path = Path(str(cell))
+            paths.append(str(path if path.is_absolute() else self.path.parent.absolute() / path))
+            errors.append("")
+        return {ROW_PATH: paths}, errors
 
-
-    def _decode_image_paths(self, cells: list, ids: list[str], labels: list[str | None]
-                            ) -> Chunk:
-        """Image paths relative to the table; a missing path (NaN) is an error row."""
-        usable = [cell == cell for cell in cells]
-        paths = [Path(str(cell)) if Path(str(cell)).is_absolute() else self.path.parent / str(cell)
-                 for cell, ok in zip(cells, usable) if ok]
-        chunk = _decode_images(paths, _kept(ids, usable), _kept(labels, usable),
-                               self.manifest["preprocessing"])
-        chunk.errors += [(i, "missing image path") for i, ok in zip(ids, usable) if not ok]
-        return chunk
-
-
-def _kept(values: Sequence, keep: Sequence[bool]) -> list:
-    return [v for v, k in zip(values, keep) if k]
+    def __iter__(self) -> Iterator[Chunk]:
+        encoder = RowEncoder(self.manifest)
+        return (encoder.encode(frame) for frame in self.frames())
 
 
 # ----------------------------------------------------------------------------- stdin
 
 
-def stdin_chunks(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None = None
-                 ) -> Iterator[Chunk]:
+def stdin_frames(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None = None
+                 ) -> Iterator:
     """One text per line (a blank line is an empty text)."""
     if manifest["preprocessing"]["kind"] != "text":
         raise ConfigError("--input - reads one text per line, and this is a "
                           f"{manifest['model_type']}", "give a file or folder as --input")
-    tokenizer = text_tokenizer(manifest["preprocessing"])
     texts: list[str] = []
     row = 0
     for line in stream or sys.stdin:
         texts.append(line.rstrip("\r\n"))
         if len(texts) == chunk_rows:
-            yield Chunk([str(row + i + 1) for i in range(len(texts))],
-                        tokenizer.encode_batch(texts))
+            yield row_frame([str(row + i + 1) for i in range(len(texts))], None,
+                            {f"{ROW_TEXT}0": texts})
             row += len(texts)
             texts = []
     if texts:
-        yield Chunk([str(row + i + 1) for i in range(len(texts))], tokenizer.encode_batch(texts))
+        yield row_frame([str(row + i + 1) for i in range(len(texts))], None,
+                        {f"{ROW_TEXT}0": texts})
 
 
-def input_chunks(manifest: dict, options: BatchOptions) -> Iterator[Chunk]:
-    """The chunks of --input, whatever it is."""
+def input_kind(manifest: dict, options: BatchOptions) -> str:
+    """What --input is: "stdin", "images" (an image or a folder) or "table"; checked against
+    the bundle's model type."""
     if options.input == "-":
-        return stdin_chunks(manifest, options.chunk_rows)
+        return "stdin"
     path = Path(options.input)
     if not path.exists():
         raise DataError(f"input {path} does not exist", "check the path")
     if path.is_dir() or path.suffix.lower() in IMAGE_EXTENSIONS:
         if manifest["preprocessing"]["kind"] != "image":
             raise ConfigError(f"{path} is an image or a folder, and this is a "
-                              f"{manifest['model_type']}", "give a CSV/TSV/JSON/JSONL file")
-        return image_folder_chunks(path, manifest, options.chunk_rows)
-    return iter(TableReader(path, manifest, options))
+                              f"{manifest['model_type']}", "give a CSV/TSV/JSON/JSONL/Parquet "
+                              "file")
+        return "images"
+    return "table"
+
+
+def input_frames(manifest: dict, options: BatchOptions) -> Iterator:
+    """The row frames of --input, whatever it is."""
+    kind = input_kind(manifest, options)
+    if kind == "stdin":
+        return stdin_frames(manifest, options.chunk_rows)
+    if kind == "images":
+        return image_folder_frames(Path(options.input), manifest, options.chunk_rows)
+    return TableReader(Path(options.input), manifest, options).frames()
+
+
+def input_chunks(manifest: dict, options: BatchOptions) -> Iterator[Chunk]:
+    """The encoded chunks of --input, whatever it is."""
+    frames = input_frames(manifest, options)
+    encoder = RowEncoder(manifest)
+    return (encoder.encode(frame) for frame in frames)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -286,10 +397,13 @@ def csv_lines(columns: Sequence[object]) -> str:
 
 
 class PredictionWriter:
-    """Rows to CSV or JSONL (by the output's extension) in an open temporary file, a chunk at
-    a time through pandas (a Python loop over rows cost more than the model)."""
+    """Rows to CSV, JSONL or Parquet (by the output's extension) in an open temporary file, a
+    chunk at a time through whole columns (a Python loop over rows cost more than the model).
+    Parquet takes a binary handle and is written in row groups of PARQUET_GROUP_ROWS."""
 
-    def __init__(self, handle: io.TextIOBase, fmt: str, labels: Sequence[str], top_k: int,
+    PARQUET_GROUP_ROWS = 65536
+
+    def __init__(self, handle, fmt: str, labels: Sequence[str], top_k: int,
                  with_truth: bool, extra: Sequence[str]) -> None:
         self.handle, self.fmt, self.top_k = handle, fmt, top_k
         shown = [_csv_cell(str(label)) for label in labels] if fmt == "csv" else list(labels)
@@ -298,6 +412,8 @@ class PredictionWriter:
         for k in range(1, top_k + 1):
             self.columns += [f"top{k}_label", f"top{k}_probability"]
         self.columns += list(extra) + (["true_label"] if with_truth else [])
+        self.parquet = None
+        self.pending: list = []
         if fmt == "csv":
             csv.writer(handle).writerow(self.columns)
 
@@ -305,7 +421,7 @@ class PredictionWriter:
               extra: dict[str, np.ndarray], truth: Sequence[str | None] | None) -> None:
         rows = np.arange(len(ids))
         order = np.argsort(-probabilities, axis=1, kind="stable")[:, : self.top_k]
-        top = probabilities[rows[:, None], order].round(6)
+        top = probabilities[rows[:, None], order].astype(np.float64).round(6)
         plain_ids = self.fmt == "csv" and all(i.isdigit() for i in ids)  # row numbers
         columns: dict[str, object] = {"id": np.array(ids, dtype=object) if plain_ids
                                       else list(ids), "label": self.labels[order[:, 0]],
@@ -314,12 +430,15 @@ class PredictionWriter:
             columns[f"top{k + 1}_label"] = self.labels[order[:, k]]
             columns[f"top{k + 1}_probability"] = top[:, k]
         for name, values in extra.items():
-            columns[name] = np.round(values, 6)
+            columns[name] = np.round(np.asarray(values, dtype=np.float64), 6)
         if "true_label" in self.columns:
-            columns["true_label"] = ["" if truth is None or t is None else t
+            missing = None if self.fmt == "parquet" else ""
+            columns["true_label"] = [missing if truth is None or t is None else t
                                      for t in (truth or [None] * len(ids))]
         if self.fmt == "csv":
             self.handle.write(csv_lines([columns[name] for name in self.columns]))
+        elif self.fmt == "parquet":
+            self._write_parquet(columns)
         else:
             import pandas as pd
 
@@ -327,6 +446,34 @@ class PredictionWriter:
             text = frame.to_json(orient="records", lines=True, double_precision=6,
                                  force_ascii=False)
             self.handle.write(text if text.endswith("\n") else text + "\n")
+
+    def _write_parquet(self, columns: dict[str, object]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([(name, pa.string() if name in ("id", "true_label") or
+                             name.endswith("label") else pa.float64())
+                            for name in self.columns])
+        self.pending.append(pa.table({name: columns[name] for name in self.columns},
+                                     schema=schema))
+        if self.parquet is None:
+            self.parquet = pq.ParquetWriter(self.handle, schema)
+        if sum(t.num_rows for t in self.pending) >= self.PARQUET_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.pending:
+            self.parquet.write_table(pa.concat_tables(self.pending),
+                                     row_group_size=self.PARQUET_GROUP_ROWS)
+            self.pending = []
+
+    def close(self) -> None:
+        """Write what is buffered (Parquet's last row group and footer)."""
+        if self.parquet is not None:
+            self._flush()
+            self.parquet.close()
 
 
 # ----------------------------------------------------------------------------- running
@@ -383,11 +530,40 @@ class BatchRun:
         return section
 
 
-def predict_input(options: BatchOptions, manifest: dict, predict: Predictor,
-                  extra_names: Sequence[str], report: dict) -> None:
-    """--input → --output: chunks read and encoded in a thread, predicted by `predict` (the
-    model with the test-time compute asked for), and written as they come, to a temporary file
-    moved into place at the end (and the errors to --errors likewise)."""
+@dataclass
+class Predicted:
+    """A chunk's predictions, rows in input order: what either engine (this process, or Ray
+    workers) hands to the writer."""
+
+    ids: list[str]
+    probabilities: np.ndarray | None  # (rows, classes); None when every row failed
+    extra: dict[str, np.ndarray]
+    labels: list[str | None] | None
+    errors: list[tuple[str, str]]
+
+
+def predict_chunk(chunk: Chunk, predict: Predictor) -> Predicted:
+    if chunk.x is None:
+        return Predicted([], None, {}, None, chunk.errors)
+    probabilities, extra = predict(chunk.x)
+    return Predicted(chunk.ids, probabilities, extra, chunk.labels, chunk.errors)
+
+
+def predict_input(options: BatchOptions, manifest: dict, predict: Predictor, report: dict
+                  ) -> BatchRun:
+    """--input → --output in this process: chunks read and encoded in a thread, predicted by
+    `predict` (the model with the test-time compute asked for), and written as they come."""
+    chunks = prefetched(input_chunks(manifest, options))
+    return write_predictions(options, manifest,
+                             (predict_chunk(chunk, predict) for chunk in chunks), report)
+
+
+def write_predictions(options: BatchOptions, manifest: dict, predicted: Iterator[Predicted],
+                      report: dict) -> BatchRun:
+    """Predictions → --output, to a temporary file moved into place at the end (and the
+    errors to --errors likewise); the accuracy and evaluation of the rows with a true label;
+    the run's `predictions` section. Raises when no row could be predicted, or when some could
+    not without --allow_errors."""
     run = BatchRun(options.input, options.output, errors_path=options.errors)
     fmt = Path(options.output).suffix.lower().lstrip(".")
     labels = manifest["labels"]
@@ -396,30 +572,30 @@ def predict_input(options: BatchOptions, manifest: dict, predict: Predictor,
     error_rows: list[tuple[str, str]] = []
     tally = Tally(len(labels))  # the rows with a true label among the classes
     started = time.perf_counter()
-    chunks = prefetched(input_chunks(manifest, options))
-    with atomic_write_stream(options.output) as handle:
+    with atomic_write_stream(options.output, binary=fmt == "parquet") as handle:
         writer = None
-        for chunk in progress(chunks, desc="predict", enabled=options.show_progress):
-            run.rows += len(chunk.ids) + len(chunk.errors)
-            run.failed += len(chunk.errors)
-            error_rows += chunk.errors
-            if chunk.x is None:
+        for item in progress(predicted, desc="predict", enabled=options.show_progress):
+            run.rows += len(item.ids) + len(item.errors)
+            run.failed += len(item.errors)
+            error_rows += item.errors
+            if item.probabilities is None:
                 continue
             if writer is None:
-                writer = PredictionWriter(handle, fmt, labels, top_k, chunk.labels is not None,
-                                          extra_names)
-            probabilities, extra = predict(chunk.x)
-            writer.write(chunk.ids, probabilities, extra, chunk.labels)
-            run.predicted += len(chunk.ids)
-            if chunk.labels is not None:
-                known = [(i, index.get(t)) for i, t in enumerate(chunk.labels) if t is not None]
+                writer = PredictionWriter(handle, fmt, labels, top_k, item.labels is not None,
+                                          list(item.extra))
+            writer.write(item.ids, item.probabilities, item.extra, item.labels)
+            run.predicted += len(item.ids)
+            if item.labels is not None:
+                known = [(i, index.get(t)) for i, t in enumerate(item.labels) if t is not None]
                 run.labeled += len(known)
-                run.correct += sum(probabilities[i].argmax() == k for i, k in known)
+                run.correct += sum(item.probabilities[i].argmax() == k for i, k in known)
                 classes = [(i, k) for i, k in known if k is not None]
                 run.outside_classes += len(known) - len(classes)
                 if classes:
                     rows, truth = map(list, zip(*classes))
-                    tally.add(probabilities[rows], np.asarray(truth))
+                    tally.add(item.probabilities[rows], np.asarray(truth))
+        if writer is not None:
+            writer.close()
         run.seconds = round(time.perf_counter() - started, 3)
         report["predictions"] = run.report_section()
         if tally.samples:
@@ -437,6 +613,7 @@ def predict_input(options: BatchOptions, manifest: dict, predict: Predictor,
         raise DataError(f"{run.failed} of {run.rows} rows could not be predicted ({where}); the "
                         f"other predictions are in {options.output}",
                         "fix those rows, or pass --allow_errors true")
+    return run
 
 
 def _fail_without_predictions(run: BatchRun, options: BatchOptions,

@@ -25,7 +25,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabular_classifier",
                     "builtin:wine": "tabular_classifier",
                     "builtin:breast_cancer": "tabular_classifier"}
-TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl")
+TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl", "parquet")
+ENGINES = ("local", "ray")
+OUTPUT_FORMATS = (".csv", ".jsonl", ".parquet")
+RAY_FLAGS = ("ray_address", "num_workers", "worker_batch_size")
 # --arch names per model type, the default first (models.ARCHITECTURES builds each; a test keeps
 # the two in step, since config.py must not import torch).
 ARCHS = {"image_classifier": ("small_cnn", "resnet18", "resnet34", "mobilenet_v3_small",
@@ -387,10 +390,12 @@ class Config:
     # batch inference (inference.py)
     input: str | None = opt(None, "inference.py: predict new data instead of evaluating the test "
                             "split: an image file, a folder of images (recursive), a "
-                            "CSV/TSV/JSON/JSONL table, or - for one text per line on stdin",
+                            "CSV/TSV/JSON/JSONL/Parquet table, or - for one text per line on "
+                            "stdin",
                             "batch", metavar="INPUT", scripts="I")
-    output: str | None = opt(None, "where --input's predictions go: .csv or .jsonl (written to a "
-                             "temporary file, moved into place at the end)", "batch",
+    output: str | None = opt(None, "where --input's predictions go: .csv, .jsonl or .parquet "
+                             "(written to a temporary file, moved into place at the end)",
+                             "batch",
                              metavar="PATH", scripts="I")
     errors: str | None = opt(None, "list the rows that could not be predicted (id, reason) in "
                              "this CSV", "batch", metavar="PATH", scripts="I")
@@ -401,6 +406,19 @@ class Config:
     chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "
                           "whatever the input's size)", "batch", type=int, metavar="N",
                               scripts="I")
+    engine: str = opt("local", "where --input is predicted: local (this process) or ray (Ray "
+                      "Data workers on a cluster; docs/deploy.md, Ray)", "batch",
+                      choices=ENGINES, scripts="I")
+    ray_address: str | None = opt(None, "--engine ray: the cluster to join (auto: the one "
+                                  "`ray start` runs here; host:port); default (or local): start "
+                                  "a local one for the run", "batch", metavar="ADDRESS",
+                                  scripts="I")
+    num_workers: int | None = opt(None, "--engine ray: workers, each one ONNX Runtime session "
+                                  "with --num_threads threads (default 2)", "batch", type=int,
+                                  metavar="N", scripts="I")
+    worker_batch_size: int | None = opt(None, "--engine ray: rows a worker reads, encodes and "
+                                        "predicts at a time (default: --chunk_rows)", "batch",
+                                        type=int, metavar="N", scripts="I")
     json: bool = opt(False, "print the run's report as JSON on stdout instead of the summary",
                      "batch", type=parse_bool, metavar="BOOL", scripts="I")
     quiet: bool = opt(False, "print nothing but errors", "batch", type=parse_bool,
@@ -541,10 +559,31 @@ class Config:
     def _validate_batch(self) -> None:
         _positive("top_k", self.top_k)
         _positive("chunk_rows", self.chunk_rows)
-        if self.output and Path(self.output).suffix.lower() not in (".csv", ".jsonl"):
-            _bad("output", self.output, "give a path ending in .csv or .jsonl")
+        if self.output and Path(self.output).suffix.lower() not in OUTPUT_FORMATS:
+            _bad("output", self.output, "give a path ending in .csv, .jsonl or .parquet")
         if self.input and not self.output:
             raise ConfigError("--input needs --output", "add --output preds.csv")
+        self._validate_engine()
+
+    def _validate_engine(self) -> None:
+        given = [f"--{name}" for name in RAY_FLAGS if getattr(self, name) is not None]
+        if self.engine == "local" and given:
+            raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                              "only to --engine ray",
+                              "add --engine ray, or drop them")
+        if self.engine != "ray":
+            return
+        if not self.input:
+            raise ConfigError("--engine ray predicts --input on a cluster; the test split's "
+                              "evaluation runs in this process", "add --input and --output, or "
+                              "drop --engine ray")
+        for name in ("num_workers", "worker_batch_size"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.ttt and self.ttt_mode == "online":
+            raise ConfigError("--ttt_mode online carries the adaptation from one batch to the "
+                              "next in input order, and Ray workers predict batches in "
+                              "parallel", "use --ttt_mode episodic on Ray, or --engine local")
 
     def _validate_runtime(self) -> None:
         if self.num_threads < 0:

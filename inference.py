@@ -26,7 +26,7 @@ from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_c
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from batch import Predictor
+    from batch import BatchOptions, Predictor
     from iterative import MCSampler, Passes
     from runtime import RuntimeOptions
     from tta import TTAOptions, TTARunner
@@ -562,18 +562,61 @@ def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Pred
 
 
 def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
-    """--input: the chosen graph with the test-time compute asked for, run by batch.py over the
-    input's chunks."""
+    """--input: the chosen graph with the test-time compute asked for, over the input's chunks:
+    in this process (batch.py), or on Ray workers (cluster.py) running the same predictor."""
     from batch import BatchOptions, predict_input
 
-    variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
-    manifest, session, model_path = load_bundle_session(paths, config, variant)
-    predict, extra_names = chunk_predictor(config, paths, manifest, session, model_path)
-    chunk_rows = config.chunk_rows
+    chunk_rows = config.worker_batch_size or config.chunk_rows
     if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
         chunk_rows = -(-chunk_rows // config.batch_size) * config.batch_size
-    predict_input(BatchOptions.from_config(config, chunk_rows), manifest, predict, extra_names,
-                  report)
+    options = BatchOptions.from_config(config, chunk_rows)
+    if config.engine == "ray":
+        predict_with_ray(config, paths, options, report)
+        return
+    manifest, session, model_path = load_bundle_session(paths, config, input_variant(config))
+    predict, _ = chunk_predictor(config, paths, manifest, session, model_path)
+    run = predict_input(options, manifest, predict, report)
+    from cluster import local_engine_section
+
+    report["engine"] = local_engine_section(run, config.runtime().intra_op_threads)
+
+
+def input_variant(config: Config) -> str:
+    return "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
+
+
+def worker_predictor(config: Config) -> tuple[Predictor, list[str]]:
+    """The local engine's predictor, built on a Ray worker (cluster.PredictorFactory)."""
+    paths = BundlePaths.from_model_path(config.output_model)
+    manifest, session, model_path = load_bundle_session(paths, config, input_variant(config))
+    return chunk_predictor(config, paths, manifest, session, model_path)
+
+
+def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
+                     report: dict) -> None:
+    """--engine ray: workers with --num_threads ONNX Runtime intra-op threads each (their
+    num_cpus: Ray's OMP_NUM_THREADS does not reach ONNX Runtime) and one inter-op thread, the
+    bundle read by absolute path."""
+    import dataclasses
+    import functools
+
+    from cluster import RayOptions, predict_on_ray
+
+    manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
+    threads = max(1, config.runtime().intra_op_threads)
+    gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    worker_config = dataclasses.replace(
+        config, intra_op_threads=threads, inter_op_threads=1, no_progress=True,
+        output_model=str(Path(config.output_model).absolute()))
+    # built once here: a bundle, provider or test-time method that cannot work fails now, with
+    # its own message, not as a worker that dies at start on the cluster
+    worker_predictor(worker_config)
+    del session
+    predict_on_ray(options, manifest, functools.partial(worker_predictor, worker_config), report,
+                   RayOptions(None if config.ray_address == "local" else config.ray_address,
+                              config.num_workers or 2,
+                              options.chunk_rows, threads, 1.0 if gpu else 0.0,
+                              config.log_level == "DEBUG"))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -603,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    ("val", "test") if config.tta else ("test",),
                                    not config.no_progress)
         report["dataset"] = data.report_section()
-        variant = "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
+        variant = input_variant(config)
         if variant != "onnx":
             verdict = manifest.get("quantization" if variant == "int8" else "fp16") or {}
             if verdict and not verdict.get("used_for_inference"):

@@ -38,7 +38,7 @@ TITLES = {
     "export": "ONNX export", "quantize": "Quantization", "fp16": "FP16",
     "inference": "Inference (ONNX Runtime)", "tta": "Test-time augmentation",
     "ttt": "Test-time training", "iterative": "Iterative inference", "benchmark": "Benchmark",
-    "predictions": "Predictions", "config": "Configuration",
+    "predictions": "Predictions", "engine": "Engine", "config": "Configuration",
 }
 # keys a section renders in its own tables, so not among its key/value rows
 OWN_TABLES = {
@@ -625,7 +625,8 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
     A section absent or null is left out."""
     summary_keys = dict(summary_keys or {})
     images = _Plots(report.get("plots") if plots is None else plots)
-    order = list(ORDER[:-1]) + [s for s in summary_keys if s not in ORDER] + ["predictions"]
+    order = (list(ORDER[:-1]) + [s for s in summary_keys if s not in ORDER]
+             + ["predictions", "engine"])
     if report.get("predictions"):
         for name in ("evaluation", "calibration"):
             order.remove(name)

@@ -120,6 +120,8 @@ def format_summary(report: dict) -> str:
                                      if report["predictions"].get(key) is not None]
         if report.get("evaluation"):
             lines += ["evaluation:", *format_evaluation(report["evaluation"])]
+    if report.get("engine"):
+        lines += ["engine:", format_engine(report["engine"])]
     if report.get("plots"):
         folder = Path(next(iter(report["plots"].values()))).parent
         lines.append(f"plots: {len(report['plots'])} PNG in {folder}")
@@ -286,7 +288,18 @@ PREDICTION_KEYS = [("input", "input"), ("output", "output"), ("rows", "rows read
 
 REPORT_SECTIONS = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference",
                    "evaluation", "calibration", "benchmark", "tta", "ttt", "iterative",
-                   "predictions")
+                   "predictions", "engine")
+
+
+def format_engine(engine: dict) -> str:
+    """One line: where --input was predicted, how wide, and Ray's start-up cost."""
+    line = (f"  {engine['engine']}: {engine['workers']} worker(s) x "
+            f"{engine['threads_per_worker']} thread(s), {engine['rows']} rows "
+            f"({engine['failed_rows']} failed), {_fmt(engine['rows_per_s'])} rows/s")
+    if engine["engine"] == "ray":
+        line += (f"; cluster start {engine['cluster_start_s']:.1f} s, first predictions after "
+                 f"{_fmt(engine['first_batch_s'])} s, batches of {engine['worker_batch_size']}")
+    return line
 
 
 def preload_plots() -> None:

@@ -303,12 +303,13 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_write_stream(path: str | Path) -> Iterator[TextIO]:
-    """A text handle on a temporary file beside `path`, moved into place when the block ends
-    without an error (removed otherwise): for outputs written row by row."""
+def atomic_write_stream(path: str | Path, binary: bool = False) -> Iterator[TextIO]:
+    """A text (or binary) handle on a temporary file beside `path`, moved into place when the
+    block ends without an error (removed otherwise): for outputs written row by row."""
     with staged_files() as stage:
         tmp = stage.reserve(path)
-        with open(tmp, "w", encoding="utf-8", newline="") as handle:
+        with (open(tmp, "wb") if binary
+              else open(tmp, "w", encoding="utf-8", newline="")) as handle:
             yield handle
         _seal(tmp)
 

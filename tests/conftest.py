@@ -110,6 +110,8 @@ GROUPED_BUNDLES = ("hf_pad1_bundle", "hf_bundle", "wine_bundle", "digits_int8_bu
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
+        if item.get_closest_marker("xdist_group"):  # a test file's own group (test_ray.py)
+            continue
         name = next((n for n in GROUPED_BUNDLES if n in getattr(item, "fixturenames", ())), None)
         if name:
             item.add_marker(pytest.mark.xdist_group(name))

@@ -76,8 +76,8 @@ def test_missing_feature_column_and_bad_output_suffix_fail_clearly(tabular_bundl
     assert_clean_failure(run, 3, "lacks the feature columns ['weight']")
     assert not (tmp_path / "p.csv").exists()
     run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input", new,
-                  "--output", tmp_path / "p.parquet")
-    assert_clean_failure(run, 2, "--output", ".csv or .jsonl")
+                  "--output", tmp_path / "p.xlsx")
+    assert_clean_failure(run, 2, "--output", ".csv, .jsonl or .parquet")
     run = run_cli("inference.py", "--model", tabular_bundle["model"], "--input",
                   tmp_path / "nowhere.csv", "--output", tmp_path / "p.csv")
     assert_clean_failure(run, 3, "does not exist")

@@ -1,0 +1,389 @@
+"""Batch inference on a Ray cluster (`inference.py --input ... --engine ray`).
+
+Ray Data runs the local engine's own stages, spread out: read tasks run batch.py's readers on
+parts of the input (a Parquet file's row groups, a slice of an image folder's files; any other
+table is read whole by one task, in chunks), a pool of actors each holding one ONNX Runtime
+session encodes the rows (batch.RowEncoder) and predicts them (the predictor inference.py builds
+for the local engine, test-time compute included), and this process writes the predictions in
+input order through batch.py's writer: the same temporary file moved into place at the end, the
+same error rows, the same evaluation. Nothing here decides how a row is read or encoded.
+
+Ray itself is imported only here, and only for --engine ray.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
+                   folder_images, image_folder_frames, input_kind, write_predictions)
+from tables import parquet_row_groups, table_format
+from utils import LOG, ConfigError, PipelineError, RuntimeFailure
+
+PredictorFactory = Callable[[], tuple[Predictor, list[str]]]  # picklable; run on each worker
+IMAGES_PER_PART = 2048  # an image folder is read in parts of about this many files
+EXTRA_PREFIX = "extra:"
+
+
+@dataclass
+class RayOptions:
+    """Where and how wide the Ray engine runs."""
+
+    address: str | None  # None: start a local cluster; "auto": join the running one; host:port
+    workers: int
+    worker_batch_size: int
+    threads: int  # ONNX Runtime intra-op threads per worker, which is also its num_cpus
+    gpus: float = 0.0  # per worker, for a CUDA/TensorRT provider
+    debug: bool = False
+
+
+@dataclass
+class EngineStats:
+    engine: str
+    address: str | None
+    workers: int
+    threads_per_worker: int
+    worker_batch_size: int | None
+    cluster_start_s: float
+    first_batch_s: float | None
+    rows: int
+    failed_rows: int
+    rows_per_s: float | None
+    seconds: float
+
+    def report_section(self) -> dict:
+        return dict(vars(self))
+
+
+def local_engine_section(run: BatchRun, threads: int) -> dict:
+    """The report's `engine` section for a run in this process."""
+    return EngineStats("local", None, 1, threads, None, 0.0, None, run.rows, run.failed,
+                       run.report_section()["rows_per_s"], run.seconds).report_section()
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def connect(options: RayOptions) -> tuple[str, float]:
+    """ray.init: a new local cluster (sized to hold the workers), or the one at --ray_address;
+    its address and the seconds it took. Ray's own logs reach stderr at ERROR (all of them at
+    --log_level DEBUG); workers' prints stay in Ray's log folder, never on our stdout."""
+    level = logging.DEBUG if options.debug else logging.ERROR
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report from cron jobs
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", logging.getLevelName(level))
+    if not options.debug:  # the C++ core's log lines (e.g. on actor restarts) stay in its files
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    import ray
+
+    logging.getLogger("ray").setLevel(level)
+    if options.address is not None:
+        _require_reachable(options.address)
+        _attach_token_if_any()
+    started = time.perf_counter()
+    needed = options.workers * options.threads
+    try:
+        with _quiet_native_logs(not options.debug):
+            _init(ray, options, needed, level)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise RuntimeFailure(f"cannot reach a Ray cluster at {options.address}: "
+                             f"{str(err).strip().splitlines()[0] if str(err).strip() else err}",
+                             "start one with `ray start --head` (then --ray_address auto), or "
+                             "leave --ray_address out for a local cluster") from None
+    seconds = time.perf_counter() - started
+    _require_room(ray.cluster_resources(), options)
+    return ray.get_runtime_context().gcs_address, seconds
+
+
+def _init(ray, options: RayOptions, needed: int, level: int) -> None:
+    if options.address is None:
+        # "local": always a new cluster (a bare ray.init() joins one `ray start` runs here)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed),
+                 include_dashboard=False, log_to_driver=False, logging_level=level,
+                 configure_logging=False)
+    else:
+        ray.init(address=options.address, log_to_driver=False, logging_level=level,
+                 configure_logging=False)
+
+
+@contextlib.contextmanager
+def _quiet_native_logs(quiet: bool) -> Iterator[None]:
+    """Ray's C++ core writes a line or two to file descriptor 2 while it starts (which log level
+    it read, token warnings), past Python's logging: hidden unless --log_level DEBUG. Its
+    failures still come back as Python exceptions."""
+    if not quiet:
+        yield
+        return
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _require_reachable(address: str, timeout: float = 10.0) -> None:
+    """Fail in seconds where ray.init would retry for ever: the cluster's head must accept a
+    connection at the address (`auto`: the one this machine's `ray start` recorded)."""
+    import socket
+
+    from ray._private.services import canonicalize_bootstrap_address
+
+    where = address
+    try:
+        where = canonicalize_bootstrap_address(address) or ""
+    except Exception:  # noqa: BLE001 - Ray says "no running cluster" in several ways
+        where = ""
+    if address == "auto" and not where:
+        raise RuntimeFailure("--ray_address auto found no Ray cluster started on this machine",
+                             "start one with `ray start --head`, give its host:port, or leave "
+                             "--ray_address out for a local cluster")
+    host, _, port = where.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as err:
+        raise RuntimeFailure(f"no Ray cluster answers at {where or address} "
+                             f"({getattr(err, 'strerror', None) or err})",
+                             "check --ray_address (host:port of the head node, or auto), and "
+                             "that `ray start --head` runs there") from None
+
+
+def _attach_token_if_any() -> None:
+    """Send this machine's Ray token (~/.ray/auth_token, or RAY_AUTH_TOKEN) when joining by
+    address, as ray.init does for a cluster it starts: Ray 2.60's `ray start --head` turns
+    token authentication on when a token exists, while ray.init(address=...) leaves it off, and
+    the connection is refused (ray-project/ray#64755's review)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # another Ray version: its own rules apply
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _require_room(resources: dict, options: RayOptions) -> None:
+    """Workers the cluster cannot place would wait forever: say so now."""
+    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    if options.workers * options.threads > cpus:
+        raise ConfigError(f"--num_workers {options.workers} with {options.threads} thread(s) "
+                          f"each needs {options.workers * options.threads} CPUs, and the Ray "
+                          f"cluster has {cpus:g}", "lower --num_workers or --num_threads")
+    if options.gpus and options.workers * options.gpus > gpus:
+        raise ConfigError(f"--num_workers {options.workers} on a GPU provider needs "
+                          f"{options.workers * options.gpus:g} GPUs, and the Ray cluster has "
+                          f"{gpus:g}", "lower --num_workers, or use --ep cpu")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def input_parts(manifest: dict, options: BatchOptions) -> list[Callable[[], Iterator]]:
+    """The input as parts that read tasks can run anywhere, each yielding batch.py's row
+    frames: a Parquet file's row groups (a few per part), an image folder's files in slices;
+    any other table is one part (its rows can only be found by reading it from the start)."""
+    kind = input_kind(manifest, options)
+    if kind == "stdin":
+        raise ConfigError("--input - is read by this process, and --engine ray reads the input "
+                          "on the cluster", "give a file (a .txt of one text per line is a "
+                          "headerless TSV), or use --engine local")
+    path = Path(options.input).absolute()
+    if kind == "images":  # parts of whole worker batches
+        files = folder_images(path)
+        step = options.chunk_rows * max(1, IMAGES_PER_PART // options.chunk_rows)
+        return [_ImagePart(path, manifest, options.chunk_rows, files[start:start + step])
+                for start in range(0, len(files), step)]
+    options = BatchOptions(**{**vars(options), "input": str(path)})
+    if table_format(path, options.dataset_format) == "parquet" and path.is_file():
+        groups = len(parquet_row_groups(path))
+        per_part = max(1, -(-groups // 64))
+        return [_TablePart(path, manifest, options, range(g, min(g + per_part, groups)))
+                for g in range(0, groups, per_part)]
+    return [_TablePart(path, manifest, options, None)]
+
+
+@dataclass
+class _TablePart:
+    path: Path
+    manifest: dict
+    options: BatchOptions
+    row_groups: range | None
+
+    def __call__(self) -> Iterator:
+        return TableReader(self.path, self.manifest, self.options, self.row_groups).frames()
+
+
+@dataclass
+class _ImagePart:
+    root: Path
+    manifest: dict
+    chunk_rows: int
+    files: Sequence[Path]
+
+    def __call__(self) -> Iterator:
+        return image_folder_frames(self.root, self.manifest, self.chunk_rows, self.files)
+
+
+def input_datasource(parts: list[Callable[[], Iterator]]):
+    """A Ray Datasource of one read task per part."""
+    from ray.data import Datasource, ReadTask
+    from ray.data.block import BlockMetadata
+
+    class InputDatasource(Datasource):
+        def estimate_inmemory_data_size(self) -> None:
+            return None
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context=None) -> list:
+            unknown = BlockMetadata(num_rows=None, size_bytes=None, input_files=None,
+                                    exec_stats=None)
+            return [ReadTask(part, unknown) for part in parts]
+
+        def get_name(self) -> str:
+            return "ReadInput"
+
+    return InputDatasource()
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+class PredictWorker:
+    """A Ray actor: row frames in, predictions out. One ONNX Runtime session (made by the
+    factory, with intra-op threads = the actor's CPUs) lives as long as the actor."""
+
+    def __init__(self, make_predictor: PredictorFactory, manifest: dict) -> None:
+        self.predict, self.extra_names = make_predictor()
+        self.encoder = RowEncoder(manifest)
+        self.classes = len(manifest["labels"])
+
+    def __call__(self, frame) -> dict:
+        chunk = self.encoder.encode(frame)
+        rows = len(chunk.ids)
+        probabilities = np.zeros((rows, self.classes), dtype=np.float32)
+        extra = {name: np.zeros(rows) for name in self.extra_names}
+        if chunk.x is not None:
+            probabilities, extra = self.predict(chunk.x)
+        failed = len(chunk.errors)
+        truth = chunk.labels or [None] * rows
+        return {
+            "id": np.array(chunk.ids + [i for i, _ in chunk.errors], dtype=object),
+            "error": np.array([""] * rows + [r for _, r in chunk.errors], dtype=object),
+            "truth": np.array(["" if t is None else t for t in truth] + [""] * failed,
+                              dtype=object),
+            "labelled": np.full(rows + failed, chunk.labels is not None),
+            "probabilities": np.concatenate(
+                [np.asarray(probabilities, dtype=np.float32),
+                 np.zeros((failed, self.classes), dtype=np.float32)]),
+            **{EXTRA_PREFIX + name: np.concatenate([np.asarray(values, dtype=np.float64),
+                                                    np.zeros(failed)])
+               for name, values in extra.items()}}
+
+
+def predicted_from(batch: dict) -> Predicted:
+    """A worker's output batch as the writer takes it."""
+    ok = batch["error"] == ""
+    ids = [str(i) for i in batch["id"][ok]]
+    errors = [(str(i), str(r)) for i, r in zip(batch["id"][~ok], batch["error"][~ok])]
+    if not ok.any():
+        return Predicted([], None, {}, None, errors)
+    labels = ([t if t != "" else None for t in batch["truth"][ok]]
+              if batch["labelled"][ok].any() else None)
+    extra = {name.removeprefix(EXTRA_PREFIX): np.asarray(values)[ok]
+             for name, values in batch.items() if name.startswith(EXTRA_PREFIX)}
+    return Predicted(ids, np.asarray(batch["probabilities"])[ok], extra, labels, errors)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def predict_on_ray(options: BatchOptions, manifest: dict, make_predictor: PredictorFactory,
+                   report: dict, ray_options: RayOptions) -> BatchRun:
+    """--input → --output on Ray: the input read by read tasks, encoded and predicted by
+    `ray_options.workers` actors, and written here in input order by batch.py's writer; the
+    report's `engine` section. The rows predicted together are the local engine's chunks
+    (reader frames of options.chunk_rows rows, the worker batch size) as long as the reader's
+    frames are whole: a Parquet row group or a chunk with blank rows ends a frame early, and a
+    Ray batch does not stop there. Only batch-dependent methods (episodic TTT, dynamic int8)
+    can tell."""
+    parts = input_parts(manifest, options)  # before the cluster: a bad input fails at once
+    address, start_seconds = connect(ray_options)
+    import ray
+    import ray.data
+
+    try:
+        context = ray.data.DataContext.get_current()
+        context.execution_options.preserve_order = True  # rows come back in input order
+        context.enable_progress_bars = False  # ours counts the rows written
+        context.print_on_execution_start = False
+        # one block stream per part (Ray would otherwise split the blocks to reach its
+        # default read parallelism), cut into batches of the worker batch size
+        dataset = ray.data.read_datasource(input_datasource(parts), num_cpus=0,
+                                           override_num_blocks=len(parts)).map_batches(
+            PredictWorker, fn_constructor_args=(make_predictor, manifest),
+            batch_size=ray_options.worker_batch_size, batch_format="pandas",
+            compute=ray.data.ActorPoolStrategy(size=ray_options.workers),
+            num_cpus=ray_options.threads, num_gpus=ray_options.gpus or None)
+        # Ray Data restarts a dead actor and retries its tasks (max_restarts and
+        # max_task_retries -1 by default), and preserve_order keeps the rows where they were
+        timing = _FirstBatch()
+        batches = dataset.iter_batches(batch_size=None, batch_format="numpy")
+        run = write_predictions(options, manifest, timing.watch(map(predicted_from, batches)),
+                                report)
+    except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
+        raise _unwrapped(err) from None
+    finally:
+        ray.shutdown()
+    report["engine"] = EngineStats(
+        "ray", address, ray_options.workers, ray_options.threads, ray_options.worker_batch_size,
+        round(start_seconds, 3), timing.seconds, run.rows, run.failed,
+        run.report_section()["rows_per_s"], run.seconds).report_section()
+    LOG.info("ray: %d workers, cluster start %.1f s, first predictions after %.1f s",
+             ray_options.workers, start_seconds, timing.seconds or 0.0)
+    return run
+
+
+class _FirstBatch:
+    """Seconds from the start of the run to its first predictions (the pool's start-up)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+
+    def watch(self, items: Iterator) -> Iterator:
+        for item in items:
+            if self.seconds is None:
+                self.seconds = round(time.perf_counter() - self.started, 3)
+            yield item
+
+
+def _unwrapped(err: BaseException) -> BaseException:
+    """Our own error (a bad row file, a provider that did not start) out of Ray's wrappers,
+    whose chain holds it as a cause; any other failure of Ray's as one RuntimeFailure line."""
+    import re
+
+    seen: set[int] = set()
+    pending = [err]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen or current is None:
+            continue
+        seen.add(id(current))
+        if isinstance(current, PipelineError):
+            return current
+        pending += [getattr(current, "cause", None), current.__cause__, current.__context__]
+    if type(err).__module__.split(".")[0] != "ray":
+        return err
+    first = re.sub(r"\x1b\[[0-9;]*m", "", str(err).strip()).splitlines()[0][:300]
+    return RuntimeFailure(f"a Ray worker failed: {type(err).__name__}: {first}",
+                          "rerun with --log_level DEBUG; the workers' logs are in "
+                          "/tmp/ray/session_latest/logs")

@@ -1,0 +1,294 @@
+"""Batch inference on Ray (`inference.py --input ... --engine ray`) against the local engine:
+the same ids, labels, probabilities and error rows on text, tabular (Parquet) and image-folder
+inputs; a worker killed mid-run; a running cluster joined by address; Parquet in and out.
+
+Every test here starts Ray clusters of 2 CPUs, so they share one xdist worker (one at a time:
+the killing test must find its own workers)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import (REPO, assert_clean_failure, feature_rows, heavy_modules_after, run_cli,
+                      topic_texts, write_image_folder)
+
+pytestmark = pytest.mark.xdist_group("ray")
+
+
+def read_rows(path: Path) -> pd.DataFrame:
+    """Predictions as strings and floats, whatever the output format."""
+    if path.suffix == ".parquet":
+        frame = pd.read_parquet(path)
+    elif path.suffix == ".jsonl":
+        frame = pd.read_json(path, lines=True, dtype=False)
+    else:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    for name in frame.columns:
+        if "probability" in name or name in ("confidence", "entropy", "std"):
+            frame[name] = frame[name].astype(float)
+        else:
+            frame[name] = frame[name].fillna("").astype(str)
+    return frame
+
+
+def assert_same_predictions(local: Path, ray: Path) -> pd.DataFrame:
+    a, b = read_rows(local), read_rows(ray)
+    assert list(a.columns) == list(b.columns)
+    assert len(a) == len(b) > 0
+    for name in a.columns:
+        if a[name].dtype == float:
+            # within 1e-6, plus one step of the outputs' rounding to 6 decimals (other batch
+            # sizes sum in another order: a 1e-8 difference can cross a rounding boundary)
+            assert np.abs(a[name].to_numpy() - b[name].to_numpy()).max() <= 2e-6, name
+        else:
+            assert (a[name].to_numpy() == b[name].to_numpy()).all(), name
+    return a
+
+
+def both_engines(model, tmp_path: Path, data: Path, suffix: str, *args: object,
+                 ray_args: tuple = ()) -> tuple[Path, Path, dict]:
+    """Predict `data` with each engine (exit 0 expected); the outputs and the Ray run's
+    report (printed as JSON on stdout: nothing of Ray's may leak there)."""
+    outputs = []
+    report = None
+    for engine in ("local", "ray"):
+        out = tmp_path / engine / f"preds{suffix}"
+        extra = ["--engine", "ray", "--json", "true", *ray_args] if engine == "ray" else []
+        run = run_cli("inference.py", "--model", model, "--input", data, "--output", out,
+                      "--errors", tmp_path / engine / "errors.csv", "--allow_errors", "true",
+                      "--no_progress", "true", *args, *extra)
+        assert run.returncode == 0, run.stderr[-3000:]
+        if engine == "ray":
+            report = json.loads(run.stdout)
+        outputs.append(out)
+    errors = [(tmp_path / e / "errors.csv").read_text() for e in ("local", "ray")]
+    assert errors[0] == errors[1]
+    return outputs[0], outputs[1], report
+
+
+def test_tabular_parquet_on_ray_matches_local_with_bad_rows(tabular_bundle, tmp_path):
+    rows = feature_rows(per_class=400, seed=3)
+    rows[5]["weight"], rows[900]["height"] = "heavy", "tall"  # two rows that cannot be encoded
+    frame = pd.DataFrame(rows)
+    frame["weight"] = frame["weight"].astype(object)
+    data = tmp_path / "new.parquet"
+    frame.to_parquet(data, row_group_size=300)  # 4 row groups: read by several tasks
+    local, ray, report = both_engines(tabular_bundle["model"], tmp_path, data, ".parquet",
+                                      "--top_k", "2", "--chunk_rows", "128",
+                                      ray_args=("--num_workers", "2"))
+    preds = assert_same_predictions(local, ray)
+    assert len(preds) == 1198 and list(preds["id"][:3]) == ["1", "2", "3"]
+    assert "6" not in set(preds["id"]) and "901" not in set(preds["id"])
+    failed = list(csv.DictReader(open(tmp_path / "ray" / "errors.csv")))
+    assert [r["id"] for r in failed] == ["6", "901"]
+    engine = report["engine"]
+    assert engine["engine"] == "ray" and engine["workers"] == 2 and engine["rows"] == 1200
+    assert engine["failed_rows"] == 2 and engine["threads_per_worker"] == 1
+    assert engine["worker_batch_size"] == 128 and engine["first_batch_s"] > 0
+    assert report["predictions"]["accuracy"] > 0.8
+
+
+def test_texts_on_ray_match_local(text_bundle, tmp_path):
+    data = tmp_path / "texts.csv"
+    texts = topic_texts(per_class=60, seed=5)
+    data.write_text("text,label\n" + "".join(f'"{t}",{label}\n' for t, label in texts)
+                    + '"",sports\n"=cmd|calc",\n')
+    local, ray, report = both_engines(text_bundle["model"], tmp_path, data, ".jsonl",
+                                      "--top_k", "3", ray_args=("--worker_batch_size", "40"))
+    preds = assert_same_predictions(local, ray)
+    assert len(preds) == 182 and preds["true_label"].iloc[-1] == ""
+    assert report["engine"]["worker_batch_size"] == 40
+
+
+def test_image_folder_with_episodic_ttt_on_ray_matches_local(digits_bundle, tmp_path):
+    folder = write_image_folder(tmp_path / "new", classes=(1, 4, 8), per_class=20)
+    (folder / "4" / "broken.png").write_bytes(b"not a png")
+    local, ray, _ = both_engines(digits_bundle["model"], tmp_path, folder, ".csv", "--ttt",
+                                 "true", "--ttt_method", "bn", "--batch_size", "16",
+                                 "--chunk_rows", "32")
+    preds = assert_same_predictions(local, ray)
+    assert len(preds) == 60 and set(preds["true_label"]) == {"1", "4", "8"}
+    failed = list(csv.DictReader(open(tmp_path / "ray" / "errors.csv")))
+    assert len(failed) == 1 and failed[0]["id"].endswith("broken.png")
+
+
+def worker_pids() -> set[int]:
+    """Processes of Ray actors running our predictor (Ray names them by the class)."""
+    out = subprocess.run(["pgrep", "-f", "PredictWorker"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def test_a_worker_killed_mid_run_loses_no_row_and_duplicates_none(tabular_bundle, tmp_path):
+    frame = pd.DataFrame(feature_rows(per_class=400, seed=4) * 25)  # 30,000 rows
+    data = tmp_path / "many.parquet"
+    frame.to_parquet(data, row_group_size=5000)
+    out = tmp_path / "ray" / "preds.csv"
+    args = [sys.executable, str(REPO / "inference.py"), "--model", tabular_bundle["model"],
+            "--input", data, "--no_progress", "true", "--chunk_rows", "64"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([*map(str, args), "--output", str(out), "--engine", "ray",
+                             "--worker_batch_size", "64"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.time() + 240
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        written = [p for p in out.parent.glob(".preds.csv.*.tmp") if p.stat().st_size > 2000]
+        pids = worker_pids()
+        if written and pids:  # predictions are flowing: kill a worker in the middle
+            killed = min(pids)
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=600)
+    assert killed is not None, "the run ended before a worker could be killed"
+    assert proc.returncode == 0, stderr[-3000:]
+    local = tmp_path / "local" / "preds.csv"
+    run = run_cli("inference.py", *args[2:], "--output", local)
+    assert run.returncode == 0, run.stderr[-2000:]
+    preds = assert_same_predictions(local, out)
+    assert list(preds["id"]) == [str(i) for i in range(1, 30_001)]  # each row once, in order
+
+
+@pytest.fixture()
+def running_cluster(tmp_path):
+    """A head node started as an operator would (`ray start --head --block`), stopped after."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray = Path(sys.executable).with_name("ray")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    head = subprocess.Popen([str(ray), "start", "--head", "--block", "--num-cpus", "2",
+                             "--port", str(port), "--include-dashboard", "false",
+                             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.5)
+    yield address
+    os.killpg(head.pid, signal.SIGTERM)
+    head.wait(timeout=120)
+
+
+def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds(
+        tabular_bundle, running_cluster, tmp_path):
+    data = tmp_path / "new.csv"
+    rows = pd.DataFrame(feature_rows(per_class=30, seed=6))
+    rows.loc[20, "weight"] = "heavy"  # its chunk's column is read as text, the others as numbers
+    rows.to_csv(data, index=False)
+    out = tmp_path / "preds.parquet"
+    base = ["--model", tabular_bundle["model"], "--input", data, "--output", out,
+            "--engine", "ray", "--ray_address", running_cluster, "--no_progress", "true",
+            "--chunk_rows", "16", "--allow_errors", "true"]
+    run = run_cli("inference.py", *base, "--num_workers", "3")
+    assert_clean_failure(run, 2, "--num_workers 3", "needs 3 CPUs", "has 2")
+    assert not out.exists()
+    run = run_cli("inference.py", *base, "--report_json", tmp_path / "report.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    engine = json.loads((tmp_path / "report.json").read_text())["engine"]
+    assert engine["address"].endswith(running_cluster.rsplit(":", 1)[1])
+    preds = read_rows(out)
+    assert len(preds) == 89 and "21" not in set(preds["id"])
+    assert (preds["label"] == preds["true_label"]).mean() > 0.8
+
+
+def test_ray_flags_are_checked_before_any_work(tabular_bundle, tmp_path):
+    data = tmp_path / "new.csv"
+    pd.DataFrame(feature_rows(per_class=5)).to_csv(data, index=False)
+    model, out = tabular_bundle["model"], tmp_path / "preds.csv"
+    broken = tmp_path / "broken.parquet"
+    broken.write_text("height,weight\n1,2\n")  # CSV text under a Parquet name
+    cases = [
+        (["--engine", "ray"], 2, "--engine ray predicts --input"),
+        (["--input", data, "--output", out, "--num_workers", "2"], 2,
+         "--num_workers applies only to --engine ray"),
+        (["--input", data, "--output", out, "--engine", "ray", "--ttt", "true", "--ttt_mode",
+          "online"], 2, "--ttt_mode online"),
+        (["--input", data, "--output", out, "--engine", "ray", "--num_workers", "0"], 2,
+         "num_workers"),
+        (["--input", "-", "--output", out, "--engine", "ray"], 2, "--input -"),
+        (["--input", data, "--output", out, "--engine", "ray", "--ttt", "true",
+          "--ttt_method", "all"], 2, "predictions need one"),  # checked before any worker
+        (["--input", broken, "--output", out, "--engine", "ray"], 3, "cannot parse"),
+        (["--input", broken, "--output", out], 3, "as PARQUET"),
+        (["--input", data, "--output", out, "--engine", "ray", "--ray_address",
+          "127.0.0.1:1"], 5, "no Ray cluster answers at"),
+    ]
+    for args, code, phrase in cases:
+        started = time.time()
+        run = run_cli("inference.py", "--model", model, *args, timeout=120)
+        assert_clean_failure(run, code, phrase)
+        assert time.time() - started < 60
+        assert not out.exists()
+
+
+def test_parquet_round_trip_and_training_from_parquet(tmp_path):
+    """Train on a Parquet file, predict another into Parquet, read it back; the local engine
+    reads Parquet without Ray."""
+    import pyarrow.parquet as pq
+
+    rows = pd.DataFrame(feature_rows(per_class=60, seed=7))
+    rows["height"] = pd.to_numeric(rows["height"])  # typed columns, with nulls where missing
+    rows["weight"] = pd.to_numeric(rows["weight"])
+    rows.iloc[:150].to_parquet(tmp_path / "train.parquet")
+    rows.iloc[150:].drop(columns="kind").to_parquet(tmp_path / "new.parquet")
+    model = tmp_path / "bundle" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  tmp_path / "train.parquet", "--label_column", "kind", "--epochs", "12",
+                  "--batch_size", "16", "--output_model", model, "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / "preds.parquet"
+    args = ["--model", model, "--input", tmp_path / "new.parquet", "--output", out,
+            "--top_k", "2", "--no_progress", "true"]
+    assert "ray" not in heavy_modules_after("inference.py", *args,
+                                            modules=("torch", "dspy", "ray"))
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "label", "confidence", "top1_label",
+                                  "top1_probability", "top2_label", "top2_probability"]
+    assert str(table.schema.field("id").type) == "string"
+    assert str(table.schema.field("confidence").type) == "double"
+    preds = table.to_pandas()
+    assert list(preds["id"]) == [str(i) for i in range(1, 31)]
+    truth = rows.iloc[150:]["kind"].to_numpy()
+    assert (preds["label"].to_numpy() == truth).mean() > 0.8
+    probs = preds[["top1_probability", "top2_probability"]].to_numpy()
+    assert (probs[:, 0] >= probs[:, 1]).all() and (probs.sum(1) <= 1 + 1e-6).all()
+
+
+def test_parquet_and_csv_of_one_table_are_read_alike(tmp_path):
+    """The same cells in Parquet (typed: integers, nulls, floats) and in CSV give the same
+    encoded rows and labels: one reading rule for both."""
+    from batch import BatchOptions, TableReader
+
+    manifest = {"model_type": "tabular_classifier", "labels": ["1", "2", "3.5"], "dataset": {},
+                "preprocessing": {"kind": "tabular", "columns": [
+                    {"name": "h", "type": "numeric"},
+                    {"name": "c", "type": "categorical", "categories": ["red", "blue"]}]}}
+    frame = pd.DataFrame({"h": [1.5, None, 3.0, 4.25], "c": ["red", None, "blue", ""],
+                          "label": pd.array([1, 2, None, 2], dtype="Int64")})
+    frame.loc[3, "label"] = 2
+    frame.to_parquet(tmp_path / "t.parquet")
+    (tmp_path / "t.csv").write_text("h,c,label\n1.5,red,1\n,,2\n3.0,blue,\n4.25,,2\n")
+    chunks = {}
+    for name in ("t.parquet", "t.csv"):
+        path = tmp_path / name
+        options = BatchOptions(str(path), "o.csv", 2, label_column="label")
+        chunks[name] = list(TableReader(path, manifest, options))
+    for a, b in zip(chunks["t.parquet"], chunks["t.csv"], strict=True):
+        assert a.ids == b.ids and a.labels == b.labels and a.errors == b.errors
+        np.testing.assert_array_equal(a.x, b.x)
+    assert [c.labels for c in chunks["t.csv"]] == [["1", "2"], [None, "2"]]
