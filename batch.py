@@ -33,8 +33,8 @@ ROLES = {"text": "text", "tabular": "feature", "image": "image"}  # preprocessin
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
 # ids, their true labels ("" none), the reason a row already failed ("" none), and the inputs
-# under fixed names: the texts to join (text0, text1, ...), an image's absolute path, or the
-# tabular features under their training names.
+# under fixed names: the texts to join (__text0, __text1, ... in order), an image's absolute
+# path (__path), or the tabular features under their training names.
 ROW_ID, ROW_LABEL, ROW_ERROR, ROW_PATH, ROW_TEXT = "__id", "__label", "__error", "__path", "__text"
 
 
@@ -121,7 +121,7 @@ class RowEncoder:
         if errors:
             frame = frame[~failed]
             ids = ids[~failed]
-        ids = [str(i) for i in ids] if ids.dtype.kind != "O" else ids.tolist()
+        ids = ids.tolist()
         labels = ([v if v != "" else None for v in frame[ROW_LABEL].tolist()]
                   if ROW_LABEL in frame else None)
         chunk = self._encoded(frame, ids, labels)
@@ -262,10 +262,10 @@ class TableReader:
                                   self.options.label_column, self.options.input_spec(self.role))
         if self.encoder is not None:  # the encoder reads features by their training names
             self.renamed = dict(zip(columns.inputs, (c["name"] for c in self.encoder.columns)))
+        elif self.kind == "image":
+            self.renamed = {columns.inputs[0]: ROW_PATH}
         else:
-            prefix = ROW_PATH if self.kind == "image" else ROW_TEXT
-            self.renamed = {name: prefix if self.kind == "image" else f"{prefix}{k}"
-                            for k, name in enumerate(columns.inputs)}
+            self.renamed = {name: f"{ROW_TEXT}{k}" for k, name in enumerate(columns.inputs)}
         return columns
 
     def frames(self) -> Iterator:

@@ -1,8 +1,8 @@
 """The input rules for users' tables, one implementation for training (data.py) and serving
 (batch.py): reading CSV, TSV, JSON (array of records) and JSONL (UTF-8 with or without BOM, with
-or without a header row, whole or in chunks) and Parquet (streamed by record batch), which cells count as missing, which columns hold
-what (names, 0-based positions, lists like `1,2`), how several text columns become one text, and
-how a label cell becomes a class name. A model served on other inputs than it was validated on
+or without a header row, whole or in chunks) and Parquet (streamed by record batch), which cells
+count as missing, which columns hold what (names, 0-based positions, lists like `1,2`), how
+several text columns become one text, and how a label cell becomes a class name. A model served on other inputs than it was validated on
 is the worst bug this tool can have: change a rule here, and both sides change.
 """
 from __future__ import annotations
