@@ -1,6 +1,7 @@
 """Batch inference on Ray (`inference.py --input ... --engine ray`) against the local engine:
 the same ids, labels, probabilities and error rows on text, tabular (Parquet) and image-folder
-inputs; a worker killed mid-run; a running cluster joined by address; Parquet in and out.
+inputs; a worker killed mid-run, and a run interrupted; a running cluster joined by address;
+Parquet in and out (tabular, text and image-path tables).
 
 Every test here starts Ray clusters of 2 CPUs, so they share one xdist worker (one at a time:
 the killing test must find its own workers)."""
@@ -129,7 +130,8 @@ def worker_pids() -> set[int]:
     return {int(p) for p in out.stdout.split()}
 
 
-def test_a_worker_killed_mid_run_loses_no_row_and_duplicates_none(tabular_bundle, tmp_path):
+def test_a_worker_killed_mid_run_loses_no_row_and_an_interrupt_leaves_no_output(
+        tabular_bundle, tmp_path):
     frame = pd.DataFrame(feature_rows(per_class=400, seed=4) * 25)  # 30,000 rows
     data = tmp_path / "many.parquet"
     frame.to_parquet(data, row_group_size=5000)
@@ -152,6 +154,18 @@ def test_a_worker_killed_mid_run_loses_no_row_and_duplicates_none(tabular_bundle
     _, stderr = proc.communicate(timeout=600)
     assert killed is not None, "the run ended before a worker could be killed"
     assert proc.returncode == 0, stderr[-3000:]
+    interrupted = subprocess.Popen([*map(str, args), "--output", str(tmp_path / "cut.csv"),
+                                    "--engine", "ray", "--worker_batch_size", "64"], cwd=REPO,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and interrupted.poll() is None and not any(
+            p.stat().st_size > 2000 for p in tmp_path.glob(".cut.csv.*.tmp")):
+        time.sleep(0.05)
+    interrupted.send_signal(signal.SIGINT)  # mid-run: nothing half-written is left behind
+    _, stderr = interrupted.communicate(timeout=300)
+    assert interrupted.returncode == 130, stderr[-2000:]
+    assert not list(tmp_path.glob("*cut.csv*"))
     local = tmp_path / "local" / "preds.csv"
     run = run_cli("inference.py", *args[2:], "--output", local)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -292,3 +306,29 @@ def test_parquet_and_csv_of_one_table_are_read_alike(tmp_path):
         assert a.ids == b.ids and a.labels == b.labels and a.errors == b.errors
         np.testing.assert_array_equal(a.x, b.x)
     assert [c.labels for c in chunks["t.csv"]] == [["1", "2"], [None, "2"]]
+
+
+def test_text_and_image_path_tables_from_parquet_predict_as_from_csv(text_bundle, digits_bundle,
+                                                                     tmp_path):
+    """Parquet input of texts and of image paths (relative to the table), local engine: the
+    same predictions as the same table in CSV."""
+    from conftest import write_image_table
+
+    texts = pd.DataFrame(topic_texts(per_class=20, seed=8), columns=["text", "label"])
+    texts.loc[3, "text"] = None  # an empty text is predicted too
+    images = pd.read_csv(write_image_table(tmp_path / "imgs", "csv", classes=(2, 5),
+                                           per_class=10))
+    for name, model, frame in (("texts", text_bundle["model"], texts),
+                               ("imgs/table", digits_bundle["model"], images)):
+        frame.to_csv(tmp_path / f"{name}.csv", index=False)
+        frame.to_parquet(tmp_path / f"{name}.parquet")
+        outputs = []
+        for suffix in (".csv", ".parquet"):
+            out = tmp_path / "out" / f"{name.replace('/', '_')}{suffix}.jsonl"
+            run = run_cli("inference.py", "--model", model, "--input",
+                          tmp_path / f"{name}{suffix}", "--output", out, "--top_k", "2",
+                          "--no_progress", "true")
+            assert run.returncode == 0, run.stderr[-2000:]
+            outputs.append(out)
+        preds = assert_same_predictions(*outputs)
+        assert len(preds) == len(frame)
