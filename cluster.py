@@ -269,10 +269,11 @@ class PredictWorker:
     def __call__(self, frame) -> dict:
         chunk = self.encoder.encode(frame)
         rows = len(chunk.ids)
-        probabilities = np.zeros((rows, self.classes), dtype=np.float32)
-        extra = {name: np.zeros(rows) for name in self.extra_names}
         if chunk.x is not None:
             probabilities, extra = self.predict(chunk.x)
+        else:  # every row failed: the same columns, empty
+            probabilities = np.zeros((0, self.classes), dtype=np.float32)
+            extra = {name: np.zeros(0) for name in self.extra_names}
         failed = len(chunk.errors)
         truth = chunk.labels or [None] * rows
         return {

@@ -602,15 +602,16 @@ def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
 
     from cluster import RayOptions, predict_on_ray
 
-    manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
     threads = max(1, config.runtime().intra_op_threads)
-    gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
     worker_config = dataclasses.replace(
         config, intra_op_threads=threads, inter_op_threads=1, no_progress=True,
         output_model=str(Path(config.output_model).absolute()))
-    # built once here: a bundle, provider or test-time method that cannot work fails now, with
-    # its own message, not as a worker that dies at start on the cluster
-    worker_predictor(worker_config)
+    # the workers' predictor built once here: a bundle, provider or test-time method that cannot
+    # work fails now, with its own message, not as a worker that dies at start on the cluster
+    manifest, session, model_path = load_bundle_session(paths, worker_config,
+                                                        input_variant(config))
+    chunk_predictor(worker_config, paths, manifest, session, model_path)
+    gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
     del session
     predict_on_ray(options, manifest, functools.partial(worker_predictor, worker_config), report,
                    RayOptions(None if config.ray_address == "local" else config.ray_address,
