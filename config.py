@@ -279,9 +279,22 @@ class Config:
                                 "quantization", type=int, metavar="N", scripts="PQ")
     calibration_method: str = opt("minmax", "static calibration method", "quantization",
                                   choices=("minmax", "entropy", "percentile"), scripts="PQ")
-    max_accuracy_drop: float = opt(0.01, "largest test-accuracy loss allowed for int8; beyond "
-                                   "it (or if int8 is slower) inference uses fp32",
+    max_accuracy_drop: float = opt(0.01, "largest validation-accuracy loss allowed for int8; "
+                                   "beyond it (or if int8 is slower) inference uses fp32",
                                    "quantization", type=float, metavar="FRACTION", scripts="PQ")
+    quantize_ops: str = opt("default", "op types int8 may quantize: default (static: Conv, "
+                            "MatMul, Gemm; dynamic: MatMul, Attention), all (every op type "
+                            "ONNX Runtime's quantizer handles), or a list, e.g. Conv,MatMul,Add",
+                            "quantization", metavar="OPS", scripts="PQ")
+    quantize_exclude: str | None = opt(
+        None, "nodes kept in fp32: auto (when int8 loses more than --max_accuracy_drop on the "
+        "validation split, leave out the worst nodes of the per-layer diagnosis one step at a "
+        "time until it is within the bound and faster than fp32), none, or node names, e.g. "
+        "node_softmax,node_div (default: auto for --quantize auto, else none)", "quantization",
+        metavar="NODES", scripts="PQ")
+    diagnose: bool = opt(False, "quantize.py: diagnose the bundle's existing int8 graph (per-"
+                         "layer error against fp32 on calibration samples) without quantizing "
+                         "again", "quantization", type=parse_bool, metavar="BOOL", scripts="Q")
     fp16: bool = opt(False, "also write an fp16 graph (inputs and outputs stay fp32) for GPU "
                      "providers, validated and timed against fp32; inference.py: run it",
                      "quantization", type=parse_bool, metavar="BOOL", scripts="PQI")
@@ -369,6 +382,12 @@ class Config:
                           "Runtime fp32 and int8 (when quantized), with size, accuracy, latency "
                           "at batch 1 and throughput; always on when an int8 graph exists",
                           "runtime", type=parse_bool, metavar="BOOL", scripts="PI")
+    profile: bool = opt(False, "profile the graph inference runs with ONNX Runtime's profiler: "
+                        "the ten most expensive operators in the report, the raw trace (Chrome "
+                        "tracing JSON) beside the report as NAME.profile.json (without a report "
+                        "file, beside the model); an int8 or fp16 variant no faster than fp32 "
+                        "has its verdict name the op types whose time grew", "runtime",
+                        type=parse_bool, metavar="BOOL", scripts="PQI")
     strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
                           "execution provider cannot run", "runtime", type=parse_bool,
                           metavar="BOOL", scripts="PI")
@@ -531,6 +550,18 @@ class Config:
         _positive("calibration_size", self.calibration_size)
         if not 0 <= self.max_accuracy_drop <= 1:
             _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
+        if self.quantize_exclude is not None and not self.quantize_exclude.strip(" ,"):
+            _bad("quantize_exclude", self.quantize_exclude, "use auto, none or node names")
+        if not self.quantize_ops.strip(" ,"):
+            _bad("quantize_ops", self.quantize_ops, "use default, all or op types, e.g. "
+                 "Conv,MatMul")
+
+    def exclusion(self) -> str | list[str]:
+        """--quantize_exclude resolved: "auto", or the node names to keep in fp32 (none: [])."""
+        value = self.quantize_exclude or ("auto" if self.quantize == "auto" else "none")
+        if value.strip().lower() in ("auto", "none"):
+            return "auto" if value.strip().lower() == "auto" else []
+        return [name.strip() for name in value.split(",") if name.strip()]
 
     def _validate_test_time_compute(self) -> None:
         for name in ("ttt_iterations", "ttt_learning_rate", "iterations", "iterative_patience"):
@@ -580,6 +611,10 @@ class Config:
         for name in ("num_workers", "worker_batch_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.profile:
+            raise ConfigError("--profile profiles the ONNX Runtime session in this process, and "
+                              "--engine ray predicts on worker processes",
+                              "profile with --engine local on a sample of the input")
         if self.ttt and self.ttt_mode == "online":
             raise ConfigError("--ttt_mode online carries the adaptation from one batch to the "
                               "next in input order, and Ray workers predict batches in "
@@ -686,6 +721,18 @@ class Config:
             return None
         return page_beside(Path(self.report_json))
 
+    def profile_path(self) -> Path | None:
+        """Where --profile's raw trace goes: beside the report file (report.json →
+        report.profile.json), else beside the model (model.profile.json); None without
+        --profile."""
+        if ("profile" not in self.names() or not self.profile
+                or getattr(self, "script", None) == "quantize"):  # quantize.py writes no trace
+            return None
+        if self.report_json and self.report_json != "-":
+            report = Path(self.report_json)
+            return report.with_name(f"{report.stem}.profile.json")
+        return Path(self.output_model).with_suffix(".profile.json") if self.output_model else None
+
     def visual_outputs(self) -> dict[str, Path]:
         """Every plot and page path this run may write, for the path checks."""
         folder, page = self.plots_folder(), self.page_path()
@@ -717,6 +764,8 @@ class Config:
                       BundlePaths.from_model_path(self.output_model).files().items()}
             (reads if getattr(self, "script", None) == "inference" else writes).update(bundle)
         writes.update(self.visual_outputs())
+        if self.profile_path() is not None:
+            writes["--profile (the ONNX Runtime trace)"] = self.profile_path()
         for i, member in enumerate(p.strip() for p in (self.ensemble or "").split(",")):
             if member:
                 reads[f"--ensemble (bundle {i + 1})"] = Path(member)

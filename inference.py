@@ -18,6 +18,7 @@ from bundle import BundlePaths, network_temperature, read_manifest, require_onnx
 from config import Config, build_parser, start_cli
 from evaluation import Tally, bundle_evaluation
 from metrics import accuracy, ece_change_interval, entropy
+from profiling import PROFILED_RUNS, profile_runs, profile_section, profiled_batches
 from report import run_with_report
 from runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
                      predict_proba, session_device, session_runner, state_input, time_runners)
@@ -398,6 +399,8 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
              config.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
+    if config.profile:
+        report["profile"] = profile_graph(config, model_path, test[0], graph_padding_id(session))
     report["evaluation"] = bundle_evaluation(manifest, Tally(len(manifest["labels"])).add(
         probabilities, test[1]))
     raw = without_temperature(session, test[0], config.batch_size)
@@ -423,6 +426,21 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
                                                  input_padding_id(manifest["input"]))
+
+
+def profile_graph(config: Config, model_path: Path, x: np.ndarray, pad_id: int) -> dict:
+    """--profile: the served graph's plain pass under ONNX Runtime's profiler, in a session of
+    its own on the first PROFILED_RUNS batches of `x` (so that the profiler's overhead stays out
+    of the timings above); the trace kept at config.profile_path()."""
+    trace = config.profile_path()
+    profile = profile_runs(str(model_path), config.runtime(),
+                           profiled_batches(batches_of(x, config.batch_size, pad_id)), trace)
+    section = profile_section(profile, trace)
+    top = section["top"][0] if section["top"] else None
+    if top is not None:
+        LOG.info("profile: %s (%s) takes %.0f%% of kernel time; trace in %s", top["node"],
+                 top["op_type"], 100 * top["share"], trace)
+    return section
 
 
 def joined(*parts: Variants) -> Variants:
@@ -575,10 +593,29 @@ def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
         return
     manifest, session, model_path = load_bundle_session(paths, config, input_variant(config))
     predict, _ = chunk_predictor(config, paths, manifest, session, model_path)
+    seen: list[np.ndarray] = []
+    if config.profile:
+        predict = keeping_first_rows(predict, seen, config.batch_size * PROFILED_RUNS)
     run = predict_input(options, manifest, predict, report)
     from cluster import local_engine_section
 
     report["engine"] = local_engine_section(run, config.runtime().intra_op_threads)
+    if config.profile and seen:
+        report["profile"] = profile_graph(config, model_path, np.concatenate(seen),
+                                          graph_padding_id(session))
+
+
+def keeping_first_rows(predict: Predictor, seen: list[np.ndarray], rows: int) -> Predictor:
+    """`predict`, keeping in `seen` the first `rows` encoded rows it is given (what --profile
+    then profiles the graph on, after the input is predicted)."""
+
+    def keep(x: np.ndarray) -> tuple[np.ndarray, dict]:
+        wanted = rows - sum(len(part) for part in seen)
+        if wanted > 0:
+            seen.append(x[:wanted].copy())
+        return predict(x)
+
+    return keep
 
 
 def input_variant(config: Config) -> str:

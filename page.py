@@ -39,6 +39,7 @@ TITLES = {
     "inference": "Inference (ONNX Runtime)", "tta": "Test-time augmentation",
     "ttt": "Test-time training", "iterative": "Iterative inference", "benchmark": "Benchmark",
     "predictions": "Predictions", "engine": "Engine", "config": "Configuration",
+    "profile": "Profile (ONNX Runtime)",
 }
 # keys a section renders in its own tables, so not among its key/value rows
 OWN_TABLES = {
@@ -598,6 +599,59 @@ def _benchmark(rows: list, plots: _Plots) -> list[str]:
     return [table, plots.figures("benchmark")]
 
 
+def _quantize(data: dict, keys: KeyLabels | None) -> list[str]:
+    """The variant's figures, then what int8 may quantize, the automatic exclusion's steps, where
+    a slower variant's time grew, and the diagnosis's worst layers."""
+    parts = [_kv_table(_pairs(data, keys))]
+    if isinstance(data.get("op_types"), list):
+        parts.append(_labelled_line("op types quantized", ", ".join(map(str, data["op_types"]))
+                                    or "none"))
+    exclusion = _dict(data.get("exclusion"))
+    steps = [s for s in exclusion.get("steps") or [] if isinstance(s, dict)]
+    if steps:
+        kept = exclusion.get("kept_step")
+        rows = [(k, s.get("accuracy_val"), s.get("accuracy_val_fp32"), s.get("latency_ms_p50"),
+                 s.get("latency_ms_p50_fp32"), ", ".join(map(str, s.get("excluded") or [])),
+                 "kept" if k == kept else "") for k, s in enumerate(steps)]
+        parts += [_labelled_line("automatic exclusion", exclusion.get("outcome")),
+                  _table(["step", "val accuracy int8", "val accuracy fp32", "p50 int8 (ms)",
+                          "p50 fp32 (ms)", "kept in fp32", ""], rows,
+                         row_classes=["kept" if r[-1] else "" for r in rows])]
+    elif exclusion.get("excluded"):
+        parts.append(_labelled_line("kept in fp32", ", ".join(map(str, exclusion["excluded"]))))
+    grown = [g for g in data.get("slower_op_types") or [] if isinstance(g, dict)]
+    if grown:
+        parts += ["<h3>Where the time grew (profile, ms per run)</h3>",
+                  _table(["op type", "fp32", "int8", "grew"],
+                         [(g.get("op_type"), g.get("ms_per_run_fp32"), g.get("ms_per_run"),
+                           g.get("grew_ms")) for g in grown])]
+    layers = [r for r in data.get("layers") or [] if isinstance(r, dict)]
+    if layers:
+        parts += ["<h3>Worst layers (noise each node adds, against fp32)</h3>",
+                  _table(["node", "op type", "output", "SQNR (dB)", "noise added"],
+                         [(r.get("node"), r.get("op_type"), r.get("output"), r.get("sqnr_db"),
+                           r.get("noise_added")) for r in layers])]
+    return parts
+
+
+def _profile(data: dict) -> list[str]:
+    """--profile: runs and time per run, the most expensive nodes, the time per op type."""
+    pairs = [(label, data.get(key)) for key, label in (
+        ("runs", "profiled runs"), ("batch_size", "batch size"), ("ms_per_run", "ms per run"),
+        ("node_ms_per_run", "ms in kernels per run"), ("trace", "trace (Chrome tracing JSON)"))
+        if data.get(key) is not None]
+    top = [r for r in data.get("top") or [] if isinstance(r, dict)]
+    by_op = [r for r in data.get("by_op_type") or [] if isinstance(r, dict)]
+    return [_kv_table(pairs),
+            "<h3>Most expensive nodes</h3>",
+            _table(["node", "op type", "total ms", "ms per run", "share", "calls"],
+                   [(r.get("node"), r.get("op_type"), r.get("total_ms"), r.get("ms_per_run"),
+                     r.get("share"), r.get("calls")) for r in top]),
+            "<h3>Time per op type</h3>",
+            _table(["op type", "ms per run", "share"],
+                   [(r.get("op_type"), r.get("ms_per_run"), r.get("share")) for r in by_op])]
+
+
 def _config(config: dict) -> list[str]:
     pairs = [(k, _Html("") if v is None else v if _plain(v) else json.dumps(v, default=str))
              for k, v in config.items()]
@@ -611,8 +665,8 @@ def _config(config: dict) -> list[str]:
 # report.format_summary's order: the evaluation and its calibration after the inference block
 # (after the predictions block in a run that predicted an --input), the benchmark after the TTA
 # block
-ORDER = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "evaluation",
-         "calibration", "tta", "benchmark", "ttt", "iterative", "predictions")
+ORDER = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "profile",
+         "evaluation", "calibration", "tta", "benchmark", "ttt", "iterative", "predictions")
 
 
 def render_page(report: dict, plots: Mapping[str, Any] | None = None,
@@ -647,6 +701,10 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
             continue
         elif name == "dataset":
             parts = _dataset(data, keys)
+        elif name == "quantize":
+            parts = _quantize(data, keys)
+        elif name == "profile":
+            parts = _profile(data)
         elif name == "train":
             parts = _train(data, keys, images)
         elif name == "evaluation":

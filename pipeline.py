@@ -107,12 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["export"] = exported.report_section()
         variant = "onnx"
         if config.quantize != "none":
-            quantized = quantize_bundle(config, paths, dataset.train.x, dataset.test.x,
-                                        dataset.test.y)
+            quantized = quantize_bundle(config, paths, dataset.train.x,
+                                        (dataset.val.x, dataset.val.y),
+                                        (dataset.test.x, dataset.test.y))
             report["quantize"] = quantized.report_section()
             variant = "int8" if quantized.used_for_inference else "onnx"
         if config.fp16:
-            half = fp16_bundle(config, paths, dataset.test.x, dataset.test.y)
+            half = fp16_bundle(config, paths, (dataset.val.x, dataset.val.y),
+                               (dataset.test.x, dataset.test.y))
             report["fp16"] = half.report_section()
             variant = "fp16" if half.used_for_inference else variant
         several_variants = config.quantize != "none" or config.fp16

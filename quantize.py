@@ -10,26 +10,31 @@ provider.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import onnx
 
 from config import Config, build_parser, start_cli
+from diagnosis import SHOWN_LAYERS, LayerError, diagnose
 from metrics import accuracy, top1_agreement
-from runtime import (Feeder, RuntimeOptions, batches_of, create_session, graph_padding_id,
+from runtime import (RuntimeOptions, batches_of, create_session, graph_padding_id,
                      model_feeder, predict_proba, session_runner, time_runners)
 from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract)
 from report import run_with_report
-from utils import LOG, ExportError, exit_cli, run_cli, stdout_to_stderr, first_line
+from utils import (LOG, ConfigError, ExportError, debug_enabled, exit_cli, first_line, run_cli,
+                   stdout_to_stderr)
 
-# Static QDQ only around the weight-heavy ops: quantizing the in-graph preprocessing (raw
-# features, the -1e4 padding fill before text max-pooling) or an embedding Gather costs accuracy
-# or speed (measured: breast_cancer 0.95 → 0.72, SMS 0.988 → 0.866 when every op was quantized).
+# --quantize_ops default. Static QDQ only around the weight-heavy ops: quantizing the in-graph
+# preprocessing or an embedding Gather too costs speed (bench/quantize_layers.py, every op type:
+# SMS 0.82-0.84x fp32's speed at batch 64 against 1.03-1.11x for these three) and, on earlier
+# models, accuracy (breast_cancer 0.95 → 0.72, SMS 0.988 → 0.866).
 STATIC_OPS = ("Conv", "MatMul", "Gemm")
 # Dynamic only on MatMul: dynamic Conv becomes ConvInteger (~11x slower, measured here), and ORT's
 # dynamic quantizer has no Gemm at all, so Gemm with constant weights is first rewritten as
@@ -42,6 +47,10 @@ QUANTIZED_OPS = ("MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "Quant
                  "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                  "QAttention")
 TIMED_RUNS = 40
+DIAGNOSIS_BATCHES = 4  # of 32 calibration samples: enough to rank the layers, and quick
+MAX_EXCLUSION_STEPS = 8  # --quantize_exclude auto: quantizations tried after the first
+T = TypeVar("T")
+Split = tuple[np.ndarray, np.ndarray]  # (x, y)
 # A variant replaces fp32 only when clearly faster: a tie would flip between runs.
 MIN_SPEEDUP = 1.05
 
@@ -67,8 +76,14 @@ class VariantResult:
     latency_ms_p50_batch1_fp32: float
     used_for_inference: bool
     verdict: str
+    accuracy_val: float | None = None  # what the verdict judges (the test split without one)
+    accuracy_val_fp32: float | None = None
     problems: list[str] = field(default_factory=list)
     calibration: dict | None = None
+    op_types: list[str] | None = None  # the op types int8 was allowed to quantize
+    layers: list[dict] | None = None  # the diagnosis: the worst nodes first
+    exclusion: dict | None = None  # the nodes kept in fp32 and, for auto, each step
+    slower_op_types: list[dict] | None = None  # --profile: where a slower variant's time grew
 
     def report_section(self) -> dict:
         return asdict(self)
@@ -84,8 +99,6 @@ def choose_mode(requested: str, model: onnx.ModelProto) -> str:
 def prepare_for_quantization(src: Path, dst: Path) -> None:
     """quant_pre_process (shape inference + optimisation); symbolic shape inference fails on some
     graphs (the text model's Concat), so fall back to ONNX's own shape inference there."""
-    import contextlib
-
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     # When symbolic shape inference gives up (transformers graphs do) it leaves
@@ -131,15 +144,20 @@ def gemm_to_matmul(model: onnx.ModelProto) -> int:
     return rewritten
 
 
-def make_calibration_reader(feed: Feeder, pad_id: int, x: np.ndarray, size: int, seed: int):
+def calibration_feeds(source: onnx.ModelProto, x: np.ndarray, size: int, seed: int
+                      ) -> list[dict]:
+    """Feeds of batches of `size` training samples, the way the graph sees them at inference."""
+    rows = np.random.default_rng(seed).permutation(len(x))[:size]
+    feed = model_feeder(source)
+    return [feed(b) for b in batches_of(x[np.sort(rows)], 32, graph_padding_id(source))]
+
+
+def make_calibration_reader(feeds: Sequence[dict]):
     from onnxruntime.quantization import CalibrationDataReader
 
     class SplitReader(CalibrationDataReader):
-        """Batches of training samples, the way the graph sees them at inference."""
-
         def __init__(self) -> None:
-            rows = np.random.default_rng(seed).permutation(len(x))[:size]
-            self._batches = iter([feed(b) for b in batches_of(x[np.sort(rows)], 32, pad_id)])
+            self._batches = iter(feeds)
 
         def get_next(self):
             return next(self._batches, None)
@@ -147,41 +165,208 @@ def make_calibration_reader(feed: Feeder, pad_id: int, x: np.ndarray, size: int,
     return SplitReader()
 
 
-def quantize_graph(src: Path, dst: Path, mode: str, calibration_x: np.ndarray,
-                   config: Config) -> dict | None:
-    """Write the int8 graph for `mode` to dst; return the calibration details (static)."""
+def quantizable_op_types(mode: str) -> set[str]:
+    """Every op type ONNX Runtime's quantizer handles in `mode` (static: QDQ and QLinear
+    registries; dynamic: the integer-op registry)."""
+    from onnxruntime.quantization.registry import (IntegerOpsRegistry, QDQRegistry,
+                                                   QLinearOpsRegistry)
+
+    return set(IntegerOpsRegistry) if mode == "dynamic" else {*QDQRegistry, *QLinearOpsRegistry}
+
+
+def resolve_op_types(requested: str, mode: str, present: set[str]) -> list[str]:
+    """--quantize_ops for `mode`, limited to the op types the graph has."""
+    if requested.strip().lower() == "default":
+        wanted = set(DYNAMIC_OPS if mode == "dynamic" else STATIC_OPS)
+    elif requested.strip().lower() == "all":
+        wanted = quantizable_op_types(mode)
+    else:
+        wanted = {t.strip() for t in requested.split(",") if t.strip()}
+        unknown = sorted(wanted - quantizable_op_types(mode) - {"Gemm"})
+        if unknown:
+            raise ConfigError(f"--quantize_ops: {', '.join(unknown)} cannot be quantized in "
+                              f"{mode} mode", "use op types ONNX Runtime's quantizer handles: "
+                              f"{', '.join(sorted(quantizable_op_types(mode)))}")
+    if mode == "dynamic" and "Gemm" in wanted:
+        wanted.add("MatMul")  # gemm_to_matmul made the constant Gemms MatMuls
+    return sorted(wanted & present)
+
+
+def prepare_graph(src: Path, folder: Path, mode: str) -> Path:
+    """The graph quantization starts from (its node names are what --quantize_exclude and the
+    diagnosis use): shape inference and optimisation; for dynamic, constant Gemms as MatMul."""
+    prepared = folder / "prepared.onnx"
+    prepare_for_quantization(src, prepared)
+    if mode == "dynamic":
+        graph = onnx.load(str(prepared))
+        if gemm_to_matmul(graph):
+            onnx.save_model(graph, str(prepared))
+    return prepared
+
+
+def quantize_prepared(prepared: Path, dst: Path, mode: str, op_types: Sequence[str],
+                      exclude: Sequence[str], feeds: Sequence[dict], config: Config) -> Path:
+    """Write the int8 graph of `prepared` to dst, with the nodes `exclude` names kept fp32."""
     from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
                                           quantize_dynamic, quantize_static)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        prepared = Path(tmp) / "prepared.onnx"
-        prepare_for_quantization(src, prepared)
-        present = {n.op_type for n in onnx.load(str(prepared)).graph.node}
-        with stdout_to_stderr():
-            if mode == "dynamic":
-                graph = onnx.load(str(prepared))
-                if gemm_to_matmul(graph):
-                    onnx.save_model(graph, str(prepared))
-                    present.add("MatMul")
-                # DefaultTensorType: where shape inference cannot type a contrib op's output
-                # (Attention after a failed symbolic inference), its MatMul's input is float
-                quantize_dynamic(str(prepared), str(dst), weight_type=QuantType.QInt8,
-                                 op_types_to_quantize=[t for t in DYNAMIC_OPS if t in present],
-                                 extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-                return None
-            method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                      "percentile": CalibrationMethod.Percentile}[config.calibration_method]
-            source = onnx.load(str(src))
-            reader = make_calibration_reader(model_feeder(source), graph_padding_id(source),
-                                             calibration_x,
-                                             config.calibration_size,
-                                             config.seed)
-            quantize_static(str(prepared), str(dst), reader, quant_format=QuantFormat.QDQ,
-                            per_channel=True, activation_type=QuantType.QUInt8,
-                            weight_type=QuantType.QInt8, calibrate_method=method,
-                            op_types_to_quantize=[t for t in STATIC_OPS if t in present])
-    return {"method": config.calibration_method,
-            "samples": min(config.calibration_size, len(calibration_x)), "source": "train split"}
+    with stdout_to_stderr(), quiet_root_logger():
+        if mode == "dynamic":
+            # DefaultTensorType: where shape inference cannot type a contrib op's output
+            # (Attention after a failed symbolic inference), its MatMul's input is float
+            quantize_dynamic(str(prepared), str(dst), weight_type=QuantType.QInt8,
+                             op_types_to_quantize=list(op_types), nodes_to_exclude=list(exclude),
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+            return dst
+        method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                  "percentile": CalibrationMethod.Percentile}[config.calibration_method]
+        quantize_static(str(prepared), str(dst), make_calibration_reader(feeds),
+                        quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=method, op_types_to_quantize=list(op_types),
+                        nodes_to_exclude=list(exclude))
+    return dst
+
+
+@contextlib.contextmanager
+def quiet_root_logger() -> Iterator[None]:
+    """ONNX Runtime's quantizer warns through the root logger ("Axis 1 is out-of-range for
+    weight ..." for a rank-1 weight it then quantizes per tensor): shown only at DEBUG."""
+    root = logging.getLogger()
+    level = root.level
+    if not debug_enabled():
+        root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def require_known_nodes(names: Sequence[str], graph: onnx.ModelProto, op_types: Sequence[str]
+                        ) -> None:
+    """--quantize_exclude NODE,... must name nodes of the graph being quantized."""
+    known = {n.name for n in graph.graph.node}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        candidates = [n.name for n in graph.graph.node if n.op_type in op_types]
+        shown = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
+        raise ConfigError(f"--quantize_exclude names {', '.join(unknown)}, which the graph "
+                          "does not have", f"its quantizable nodes are: {shown or 'none'} "
+                          "(quantize.py --diagnose ranks them)")
+
+
+@dataclass
+class ExclusionStep:
+    """One graph the automatic exclusion tried, judged on the validation split."""
+
+    excluded: list[str]
+    accuracy_val: float
+    accuracy_val_fp32: float
+    latency_ms_p50: float
+    latency_ms_p50_fp32: float
+    within_bound: bool
+    faster: bool
+
+    @property
+    def accuracy_drop(self) -> float:
+        return self.accuracy_val_fp32 - self.accuracy_val
+
+
+class Quantizer:
+    """Quantize one prepared graph with different nodes excluded, diagnose each result and judge
+    it on the validation split against fp32 (timed in turns at --batch_size)."""
+
+    def __init__(self, prepared: Path, mode: str, op_types: Sequence[str], feeds: Sequence[dict],
+                 config: Config, val: Split | None) -> None:
+        self.prepared, self.mode, self.op_types, self.feeds = prepared, mode, op_types, feeds
+        self.config, self.val = config, val
+        self._fp32 = None
+        self._fp32_val: float | None = None
+        self._tries = 0
+
+    def quantize(self, exclude: Sequence[str]) -> Path:
+        self._tries += 1
+        dst = self.prepared.with_name(f"int8_{self._tries}.onnx")
+        return quantize_prepared(self.prepared, dst, self.mode, self.op_types, exclude,
+                                 self.feeds, self.config)
+
+    def diagnose(self, int8: Path) -> list[LayerError]:
+        """The layers, worst first; none (and a WARNING) where the diagnosis itself fails: it
+        explains int8, and must not cost the run its int8 graph."""
+        try:
+            return diagnose(self.prepared, int8, self.feeds[:DIAGNOSIS_BATCHES], self.op_types)
+        except Exception as err:  # noqa: BLE001 - ONNX Runtime's helpers fail in many ways
+            LOG.warning("could not diagnose the int8 layers: %s", first_line(err))
+            return []
+
+    def judge_step(self, int8: Path, excluded: Sequence[str]) -> ExclusionStep:
+        """Validation accuracy and p50 at --batch_size against fp32 (the prepared graph)."""
+        assert self.val is not None
+        x, y = self.val
+        if self._fp32 is None:
+            self._fp32 = create_session(str(self.prepared), self.config.cpu_runtime())
+            self._fp32_val = accuracy(predict_proba(self._fp32, x, self.config.batch_size), y)
+        session = create_session(str(int8), self.config.cpu_runtime())
+        score = accuracy(predict_proba(session, x, self.config.batch_size), y)
+        fp32_ms, int8_ms = interleaved_p50_ms([self._fp32, session], x, self.config.batch_size)
+        return ExclusionStep(list(excluded), score, self._fp32_val, int8_ms, fp32_ms,
+                             within_bound=self._fp32_val - score <= self.config.max_accuracy_drop,
+                             faster=int8_ms * MIN_SPEEDUP <= fp32_ms)
+
+
+def search_exclusions(quantizer: Quantizer, int8: Path, layers: list[LayerError]
+                      ) -> tuple[Path, list[LayerError], dict]:
+    """--quantize_exclude auto: until int8 is within --max_accuracy_drop on the validation split
+    and faster than fp32, keep the node adding the most noise (with any node measured at the same
+    tensor) in fp32, quantize again, diagnose again and re-judge; stop when nothing is left to
+    exclude or after MAX_EXCLUSION_STEPS. Returns the last graph, its diagnosis and the report's
+    exclusion section."""
+    excluded: list[str] = []
+    steps = [quantizer.judge_step(int8, excluded)]
+    tried = [(int8, layers)]
+    while not (steps[-1].within_bound and steps[-1].faster) and len(steps) <= MAX_EXCLUSION_STEPS:
+        left = [row for row in layers if row.node not in excluded]
+        worst = [row.node for row in left if row.output == left[0].output] if left else []
+        if len(worst) == len(left):  # excluding them would leave nothing in int8
+            break
+        excluded = [*excluded, *worst]
+        LOG.info("int8 %s: quantizing again with %s in fp32", "is no faster than fp32"
+                 if steps[-1].within_bound else f"loses {steps[-1].accuracy_drop:.4f} "
+                 "validation accuracy", ", ".join(worst))
+        int8 = quantizer.quantize(excluded)
+        layers = quantizer.diagnose(int8)
+        steps.append(quantizer.judge_step(int8, excluded))
+        tried.append((int8, layers))
+    kept = kept_step(steps)
+    return *tried[kept], {"requested": "auto", "excluded": steps[kept].excluded,
+                          "outcome": search_outcome(steps, steps[-1].excluded), "kept_step": kept,
+                          "steps": [asdict(s) for s in steps]}
+
+
+def kept_step(steps: Sequence[ExclusionStep]) -> int:
+    """The step whose graph is written: the last when it succeeded; otherwise the fastest of
+    those within the bound (the nearest to usable), or else the most accurate."""
+    if steps[-1].within_bound and steps[-1].faster:
+        return len(steps) - 1
+    within = [k for k, step in enumerate(steps) if step.within_bound]
+    if within:
+        return min(within, key=lambda k: steps[k].latency_ms_p50 / steps[k].latency_ms_p50_fp32)
+    return min(range(len(steps)), key=lambda k: steps[k].accuracy_drop)
+
+
+def search_outcome(steps: Sequence[ExclusionStep], excluded: Sequence[str]) -> str:
+    last, tried = steps[-1], f"{len(excluded)} node(s) excluded in {len(steps) - 1} step(s)"
+    if last.within_bound and last.faster:
+        return (f"within the bound and faster than fp32 with {tried}" if excluded else
+                "within the bound and faster than fp32 with no node excluded")
+    if last.within_bound and len(steps) == 1:
+        return ("within the bound but not faster than fp32, and leaving out its one quantized "
+                "node (or group) would leave nothing in int8")
+    if last.within_bound:
+        return (f"within the bound but not faster than fp32 with {tried}: no set of excluded "
+                "nodes found that is both")
+    return (f"still loses {last.accuracy_drop:.4f} validation accuracy with {tried}: no set of "
+            "excluded nodes found within the bound")
 
 
 def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> list[float]:
@@ -197,19 +382,21 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
     """Fill problems, verdict and used_for_inference; say plainly what the variant did."""
     label = "fp16" if result.mode == "fp16" else f"int8 {result.mode}"
     result.problems.extend(problems)
-    drop = result.accuracy_fp32 - result.accuracy
+    on_val = result.accuracy_val is not None and result.accuracy_val_fp32 is not None
+    drop = (result.accuracy_val_fp32 - result.accuracy_val if on_val
+            else result.accuracy_fp32 - result.accuracy)
     if drop > max_drop:
-        result.problems.append(f"{label} loses {drop:.3f} accuracy (more than "
-                               f"--max_accuracy_drop {max_drop:g})")
+        result.problems.append(f"{label} loses {drop:.3f} {'validation' if on_val else 'test'} "
+                               f"accuracy (more than --max_accuracy_drop {max_drop:g})")
     if result.latency_ms_p50 > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
-                               "ms)")
+                               f"ms{grown_note(result)})")
     elif result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is no faster than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
                                f"ms; within the {MIN_SPEEDUP - 1:.0%} that timing noise can "
-                               "explain)")
+                               f"explain{grown_note(result)})")
     speedup = result.latency_ms_p50_fp32 / max(result.latency_ms_p50, 1e-9)
     note = ""
     if result.latency_ms_p50_batch1 > result.latency_ms_p50_batch1_fp32:
@@ -218,7 +405,7 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
     if not result.problems:
         result.used_for_inference = True
         result.verdict = (f"{label}: {speedup:.2f}x the speed of fp32 at batch "
-                          f"{result.batch_size}, accuracy {result.accuracy:.4f} vs "
+                          f"{result.batch_size}, test accuracy {result.accuracy:.4f} vs "
                           f"{result.accuracy_fp32:.4f}; inference uses {label}{note}")
     elif force:
         result.used_for_inference = True
@@ -229,10 +416,24 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
         result.verdict = f"{'; '.join(result.problems)}; {outcome}"
 
 
+def grown_note(result: VariantResult) -> str:
+    """'; time grew in ConvInteger (+0.41 ms/run), ...' from --profile, else ''."""
+    if not result.slower_op_types:
+        return ""
+    return "; time grew in " + ", ".join(f"{g['op_type']} (+{g['grew_ms']:.3g} ms/run)"
+                                         for g in result.slower_op_types)
+
+
 def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOptions,
-                         x: np.ndarray, y: np.ndarray, batch_size: int, **fields) -> VariantResult:
-    """Accuracy, agreement, difference, size and interleaved p50 latency vs fp32."""
+                         x: np.ndarray, y: np.ndarray, batch_size: int,
+                         val: Split | None = None, **fields
+                         ) -> VariantResult:
+    """Test accuracy, agreement, difference, size and interleaved p50 latency vs fp32, and the
+    validation accuracies the verdict judges."""
     sessions = [create_session(str(fp32_path), runtime), create_session(variant, runtime)]
+    if val is not None and len(val[0]):
+        fields["accuracy_val_fp32"], fields["accuracy_val"] = (
+            accuracy(predict_proba(s, val[0], batch_size), val[1]) for s in sessions)
     probs_fp32, probs = (predict_proba(s, x, batch_size) for s in sessions)
     p50_batch = interleaved_p50_ms(sessions, x, batch_size)
     p50_one = interleaved_p50_ms(sessions, x, 1)
@@ -246,36 +447,99 @@ def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOption
         used_for_inference=False, verdict="", **fields)
 
 
-def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, test_x: np.ndarray,
-                    test_y: np.ndarray) -> VariantResult:
-    """Quantize, validate on the test split, time against fp32, write model.int8.onnx."""
+def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val: Split | None,
+                    test: Split) -> VariantResult:
+    """Quantize (excluding nodes as --quantize_exclude says), diagnose the layers, judge on the
+    validation split, report test accuracy, time against fp32, write model.int8.onnx."""
     manifest = read_manifest(paths)
     require_onnx_in_bundle(paths, manifest)
-    mode = choose_mode(config.quantize, onnx.load(str(paths.onnx)))
+    source = onnx.load(str(paths.onnx))
+    mode = choose_mode(config.quantize, source)
     LOG.info("quantizing %s to int8 (%s%s)", paths.onnx.name, mode,
              ", auto" if config.quantize == "auto" else "")
+    exclusion = config.exclusion()
     with tempfile.TemporaryDirectory(dir=paths.onnx.parent) as tmp:
-        quantized = Path(tmp) / "model.int8.onnx"
-        try:
-            calibration = quantize_graph(paths.onnx, quantized, mode, train_x, config)
-            int8_bytes = stamp_contract(onnx.load(str(quantized)), manifest).SerializeToString()
-        except Exception as err:  # noqa: BLE001 - the quantizer fails in many ways
-            first = first_line(err)
-            raise ExportError(f"{mode} quantization failed: {first}",
-                              "try --quantize dynamic, or --quantize none") from None
-    result = measure_against_fp32(paths.onnx, int8_bytes, config.cpu_runtime(), test_x, test_y,
-                                  config.batch_size, mode=mode, requested=config.quantize,
-                                  path=str(paths.int8), calibration=calibration)
+        prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
+        graph = onnx.load(str(prepared))
+        op_types = resolve_op_types(config.quantize_ops, mode,
+                                    {n.op_type for n in graph.graph.node})
+        manual = [] if exclusion == "auto" else list(exclusion)
+        require_known_nodes(manual, graph, op_types)
+        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
+        quantizer = Quantizer(prepared, mode, op_types, feeds, config, val)
+        int8 = quantizer_step(mode, lambda: quantizer.quantize(manual))
+        layers = quantizer.diagnose(int8)
+        section: dict = {"requested": manual, "excluded": manual}
+        if exclusion == "auto" and val is not None and len(val[0]) and op_types:
+            int8, layers, section = quantizer_step(
+                mode, lambda: search_exclusions(quantizer, int8, layers))
+        int8_bytes = stamp_contract(onnx.load(str(int8)), manifest).SerializeToString()
+    result = measure_against_fp32(
+        paths.onnx, int8_bytes, config.cpu_runtime(), *test, config.batch_size, val, mode=mode,
+        requested=config.quantize, path=str(paths.int8), op_types=op_types,
+        layers=[row.report_row() for row in layers[:SHOWN_LAYERS]], exclusion=section,
+        calibration=None if mode == "dynamic" else {
+            "method": config.calibration_method, "source": "train split",
+            "samples": min(config.calibration_size, len(train_x))})
     nodes = onnx.load_from_string(int8_bytes).graph.node
-    empty = [] if any(n.op_type in QUANTIZED_OPS for n in nodes) else [
+    problems = [] if any(n.op_type in QUANTIZED_OPS for n in nodes) else [
         f"{mode} quantization found nothing to quantize in this graph"]
-    judge(result, config.max_accuracy_drop, config.force_quantized, empty)
+    steps = section.get("steps") or []
+    if len(steps) > 1 and not (steps[-1]["within_bound"] and steps[-1]["faster"]):
+        problems.append(f"auto exclusion {section['outcome']}")
+    if config.profile and result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
+        result.slower_op_types = grown_time(paths.onnx, int8_bytes, config.cpu_runtime(),
+                                            config.batch_size, test[0])
+    judge(result, config.max_accuracy_drop, config.force_quantized, problems)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
     record_variant(paths, manifest, "int8", int8_bytes, result.report_section())
     return result
 
 
-def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: np.ndarray
+def quantizer_step(mode: str, step: Callable[[], T]) -> T:
+    """Run a step of ONNX Runtime's quantizer; its many failures become one ExportError line
+    (a ConfigError from our own checks passes through)."""
+    try:
+        return step()
+    except (ConfigError, ExportError):
+        raise
+    except Exception as err:  # noqa: BLE001 - the quantizer fails in many ways
+        raise ExportError(f"{mode} quantization failed: {first_line(err)}",
+                          "try --quantize dynamic, or --quantize none") from None
+
+
+def grown_time(fp32_path: Path, variant: bytes, runtime: RuntimeOptions, batch_size: int,
+               x: np.ndarray) -> list[dict]:
+    """--profile: both graphs through ONNX Runtime's profiler on the same batches; the op types
+    whose time per run grew in the variant, most first."""
+    from profiling import grown_op_types, profile_runs, profiled_batches
+
+    batches = profiled_batches(batches_of(x, batch_size,
+                                          graph_padding_id(onnx.load(str(fp32_path)))))
+    return grown_op_types(profile_runs(str(fp32_path), runtime, batches, None),
+                          profile_runs(variant, runtime, batches, None))
+
+
+def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> dict:
+    """quantize.py --diagnose: the bundle's existing int8 graph against its fp32 graph, every
+    changed node ranked, without quantizing again."""
+    manifest = read_manifest(paths)
+    int8_path = require_onnx_in_bundle(paths, manifest, "int8")
+    mode = (manifest.get("quantization") or {}).get("mode") or "static"
+    source = onnx.load(str(paths.onnx))
+    with tempfile.TemporaryDirectory(dir=paths.onnx.parent) as tmp:
+        prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
+        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
+        layers = diagnose(prepared, int8_path, feeds[:DIAGNOSIS_BATCHES],
+                          quantizable_op_types(mode) | {"Gemm"})
+    LOG.info("diagnosed %d quantized node(s) of %s; the worst: %s", len(layers), int8_path.name,
+             layers[0].node if layers else "none")
+    return {"mode": mode, "path": str(int8_path), "diagnosis_only": True,
+            "verdict": (manifest.get("quantization") or {}).get("verdict"),
+            "layers": [row.report_row() for row in layers[:SHOWN_LAYERS]]}
+
+
+def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Split
                 ) -> VariantResult:
     """An fp16 graph (inputs and outputs stay fp32) for GPU providers, validated and timed
     against fp32 on the requested providers; used only where a GPU provider runs it faster."""
@@ -286,12 +550,14 @@ def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: 
     with stdout_to_stderr():
         half = convert_float_to_float16(onnx.load(str(paths.onnx)), keep_io_types=True)
     data = stamp_contract(half, manifest).SerializeToString()
-    result = measure_against_fp32(paths.onnx, data, config.runtime(), test_x, test_y,
-                                  config.batch_size, mode="fp16", requested="fp16",
-                                  path=str(paths.fp16))
+    result = measure_against_fp32(paths.onnx, data, config.runtime(), *test, config.batch_size,
+                                  val, mode="fp16", requested="fp16", path=str(paths.fp16))
     cpu_only = [] if result.provider != "CPUExecutionProvider" else [
         "fp16 is for GPU providers and only CPUExecutionProvider is active here (timings above "
         "are CPU timings)"]
+    if config.profile and result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
+        result.slower_op_types = grown_time(paths.onnx, data, config.runtime(),
+                                            config.batch_size, test[0])
     judge(result, config.max_accuracy_drop, False, cpu_only)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
     record_variant(paths, manifest, "fp16", data, result.report_section())
@@ -302,26 +568,39 @@ def fp16_bundle(config: Config, paths: BundlePaths, test_x: np.ndarray, test_y: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "quantize", "Quantize an exported bundle to int8 (model.int8.onnx), validate it on the "
-        "test split and time it against fp32.", required=["output_model"],
-        epilog="example:\n  python quantize.py --output_model runs/digits/model.onnx "
-               "--quantize static --calibration_size 256")
+        "quantize", "Quantize an exported bundle to int8 (model.int8.onnx), diagnose its layers, "
+        "judge it on the validation split, report its test accuracy and time it against fp32.",
+        required=["output_model"],
+        epilog="examples:\n  python quantize.py --output_model runs/digits/model.onnx "
+               "--quantize static --calibration_size 256\n"
+               "  python quantize.py --output_model runs/sms/model.onnx --quantize static "
+               "--quantize_ops all --quantize_exclude auto\n"
+               "  python quantize.py --output_model runs/sms/model.onnx --diagnose true")
     config = start_cli(parser, argv)
 
     def stages(report: dict) -> None:
         from data import load_bundle_dataset
 
         paths = BundlePaths.from_model_path(config.output_model)
-        data = load_bundle_dataset(read_manifest(paths), config.dataset_path, ("train", "test"),
+        manifest = read_manifest(paths)
+        if config.diagnose:
+            require_onnx_in_bundle(paths, manifest, "int8")  # before any data is read
+            data = load_bundle_dataset(manifest, config.dataset_path, ("train",),
+                                       not config.no_progress)
+            report["dataset"] = data.report_section()
+            report["quantize"] = diagnose_bundle(config, paths, data.train.x)
+            return
+        data = load_bundle_dataset(manifest, config.dataset_path, ("train", "val", "test"),
                                    not config.no_progress)
         report["dataset"] = data.report_section()
+        val, test = (data.val.x, data.val.y), (data.test.x, data.test.y)
         if config.quantize == "none" and not config.fp16:
             config.quantize = "auto"
         if config.quantize != "none":
-            result = quantize_bundle(config, paths, data.train.x, data.test.x, data.test.y)
-            report["quantize"] = result.report_section()
+            report["quantize"] = quantize_bundle(config, paths, data.train.x, val,
+                                                 test).report_section()
         if config.fp16:
-            report["fp16"] = fp16_bundle(config, paths, data.test.x, data.test.y).report_section()
+            report["fp16"] = fp16_bundle(config, paths, val, test).report_section()
 
     return run_with_report(config, stages)
 

@@ -56,8 +56,9 @@ _SUMMARY_KEYS: dict[str, list[tuple[str, str]]] = {
                ("top1_agreement", "top-1 agreement"),
                ("padding_max_diff", "padding max diff"), ("seconds", "seconds")],
     "quantize": [("mode", "mode"), ("path", "model"), ("size_bytes_fp32", "size fp32 (bytes)"),
-                 ("size_bytes", "size int8 (bytes)"), ("accuracy_fp32", "accuracy fp32"),
-                 ("accuracy", "accuracy int8"), ("top1_agreement", "top-1 agreement"),
+                 ("size_bytes", "size int8 (bytes)"), ("accuracy_val_fp32", "val accuracy fp32"),
+                 ("accuracy_val", "val accuracy int8"), ("accuracy_fp32", "test accuracy fp32"),
+                 ("accuracy", "test accuracy int8"), ("top1_agreement", "top-1 agreement"),
                  ("latency_ms_p50_batch1_fp32", "p50 batch 1 fp32 (ms)"),
                  ("latency_ms_p50_batch1", "p50 batch 1 int8 (ms)"),
                  ("latency_ms_p50_fp32", "p50 fp32 (ms/batch)"),
@@ -108,6 +109,10 @@ def format_summary(report: dict) -> str:
                       for d in data.get("dropped_reasons") or []]
         if section == "train" and data.get("candidates"):
             lines += format_candidates(data["candidates"], data["chosen_candidate"])
+        if section == "quantize":
+            lines += format_quantize_details(data)
+    if report.get("profile"):
+        lines += ["profile:", *format_profile(report["profile"])]
     if report.get("benchmark"):
         lines += ["benchmark:", *format_benchmark(report["benchmark"])]
     if report.get("ttt"):
@@ -174,6 +179,49 @@ def format_candidates(candidates: list[dict], chosen: int) -> list[str]:
         lines.append(f"  {c['index'] + 1:<11} {c['learning_rate']:>8.2g} {c['seed']:>5} "
                      f"{c['val_accuracy']:>8.4f} {c['val_loss']:>9.4f} {c['best_epoch']:>10} "
                      f"{c['seconds']:>8.1f}{mark}")
+    return lines
+
+
+def format_quantize_details(quantize: dict) -> list[str]:
+    """What int8 was allowed, the nodes kept in fp32 (each step of the automatic exclusion) and
+    the diagnosis's worst layers (where a slower variant's time grew is in its verdict)."""
+    lines = []
+    if quantize.get("op_types") is not None:
+        lines.append(f"  {'op types quantized':<26} {', '.join(quantize['op_types']) or 'none'}")
+    exclusion = quantize.get("exclusion") or {}
+    if exclusion.get("requested") == "auto":
+        lines.append(f"  {'auto exclusion':<26} {exclusion['outcome']}")
+        lines.append(f"  {'step':<6} {'val acc':>8} {'fp32':>8} {'int8 ms':>8} {'fp32 ms':>8}  "
+                     "also kept in fp32")
+        before: list[str] = []
+        for k, step in enumerate(exclusion["steps"]):
+            mark = " <- kept" if k == exclusion.get("kept_step") else ""
+            added = [name for name in step["excluded"] if name not in before]
+            before = step["excluded"]
+            lines.append(f"  {k:<6} {step['accuracy_val']:>8.4f} {step['accuracy_val_fp32']:>8.4f}"
+                         f" {step['latency_ms_p50']:>8.3g} {step['latency_ms_p50_fp32']:>8.3g}  "
+                         f"{_clip(', '.join(added) or '-', 60)}{mark}")
+    elif exclusion.get("excluded"):
+        lines.append(f"  {'kept in fp32':<26} {', '.join(exclusion['excluded'])}")
+    if quantize.get("layers"):
+        lines.append(f"  {'worst layers':<26} {'node':<32} {'op':<14} {'SQNR dB':>8} "
+                     f"{'noise added':>11}")
+        lines += [f"  {'':<26} {_clip(r['node'], 32):<32} {r['op_type']:<14} "
+                  f"{r['sqnr_db']:>8.1f} {r['noise_added']:>11.3g}" for r in quantize["layers"]]
+    return lines
+
+
+def format_profile(section: dict) -> list[str]:
+    """--profile: time per run, the most expensive nodes, the op types, the trace's path."""
+    lines = [f"  {'profiled':<26} {section['runs']} runs of batch {section['batch_size']}, "
+             f"{section['ms_per_run']} ms per run, {section['node_ms_per_run']} ms in kernels"]
+    lines.append(f"  {'node':<32} {'op type':<18} {'ms/run':>9} {'share':>7}")
+    lines += [f"  {row['node'][:32]:<32} {row['op_type'][:18]:<18} {row['ms_per_run']:>9.4g} "
+              f"{row['share']:>7.1%}" for row in section["top"]]
+    by_op = ", ".join(f"{row['op_type']} {row['share']:.0%}" for row in section["by_op_type"][:5])
+    lines.append(f"  {'by op type':<26} {by_op}")
+    if section.get("trace"):
+        lines.append(f"  {'trace':<26} {section['trace']} (chrome://tracing, ui.perfetto.dev)")
     return lines
 
 
@@ -288,7 +336,7 @@ PREDICTION_KEYS = [("input", "input"), ("output", "output"), ("rows", "rows read
 
 REPORT_SECTIONS = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference",
                    "evaluation", "calibration", "benchmark", "tta", "ttt", "iterative",
-                   "predictions", "engine")
+                   "predictions", "engine", "profile")
 
 
 def format_engine(engine: dict) -> str:

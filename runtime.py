@@ -144,7 +144,8 @@ CPU_UNFUSED = ("SkipLayerNormFusion",)
 
 
 def create_session(model: str | bytes, runtime: RuntimeOptions,
-                   session_args: dict | None = None) -> ort.InferenceSession:
+                   session_args: dict | None = None,
+                   profile_prefix: str | None = None) -> ort.InferenceSession:
     """An ORT session with all graph optimisations, on the first usable of `runtime.providers`.
 
     onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
@@ -171,6 +172,9 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
     options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if runtime.execution_mode == "parallel"
                               else ort.ExecutionMode.ORT_SEQUENTIAL)
     options.log_severity_level = 0 if debug_enabled() else 3
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     # ORT's SkipLayerNormalization CPU kernel is ~4x slower than the Add + LayerNormalization it
     # replaces (hidden 128, onnxruntime 1.31: 2.6 vs 0.6 ms on 32 x 100 x 128): not fused on the
     # CPU (the CUDA kernel is another story, not measured here: GPU sessions keep the fusion)

@@ -65,6 +65,7 @@ def test_leaf_modules_stay_leaves():
     assert graph["metrics"] == set()
     assert graph["runtime"] <= {"utils", "preprocess"}
     assert graph["tables"] <= {"utils"}
+    assert graph["profiling"] <= {"utils", "runtime"}
 
 
 @pytest.mark.parametrize("script", ["pipeline.py", "train.py", "export.py", "quantize.py",
