@@ -282,10 +282,12 @@ class Config:
     max_accuracy_drop: float = opt(0.01, "largest validation-accuracy loss allowed for int8; "
                                    "beyond it (or if int8 is slower) inference uses fp32",
                                    "quantization", type=float, metavar="FRACTION", scripts="PQ")
-    quantize_ops: str = opt("default", "op types int8 may quantize: default (static: Conv, "
-                            "MatMul, Gemm; dynamic: MatMul, Attention), all (every op type "
-                            "ONNX Runtime's quantizer handles), or a list, e.g. Conv,MatMul,Add",
-                            "quantization", metavar="OPS", scripts="PQ")
+    quantize_ops: str | None = opt(
+        None, "op types int8 may quantize: default (static: Conv, MatMul, Gemm; dynamic: "
+        "MatMul, Attention), all (every op type ONNX Runtime's quantizer handles), auto (try "
+        "both, keep all only where the validation judge prefers it), or a list, e.g. "
+        "Conv,MatMul,Add (default: auto for --quantize auto, else default)", "quantization",
+        metavar="OPS", scripts="PQ")
     quantize_exclude: str | None = opt(
         None, "nodes kept in fp32: auto (when int8 loses more than --max_accuracy_drop on the "
         "validation split, leave out the worst nodes of the per-layer diagnosis one step at a "
@@ -552,9 +554,15 @@ class Config:
             _bad("max_accuracy_drop", self.max_accuracy_drop, "use a fraction between 0 and 1")
         if self.quantize_exclude is not None and not self.quantize_exclude.strip(" ,"):
             _bad("quantize_exclude", self.quantize_exclude, "use auto, none or node names")
-        if not self.quantize_ops.strip(" ,"):
-            _bad("quantize_ops", self.quantize_ops, "use default, all or op types, e.g. "
+        if self.quantize_ops is not None and not self.quantize_ops.strip(" ,"):
+            _bad("quantize_ops", self.quantize_ops, "use default, all, auto or op types, e.g. "
                  "Conv,MatMul")
+
+    def op_set(self) -> str:
+        """--quantize_ops resolved: "default", "all", "auto" or a comma-separated list."""
+        value = self.quantize_ops or ("auto" if self.quantize == "auto" else "default")
+        word = value.strip().lower()
+        return word if word in ("default", "all", "auto") else value
 
     def exclusion(self) -> str | list[str]:
         """--quantize_exclude resolved: "auto", or the node names to keep in fp32 (none: [])."""

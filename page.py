@@ -600,12 +600,21 @@ def _benchmark(rows: list, plots: _Plots) -> list[str]:
 
 
 def _quantize(data: dict, keys: KeyLabels | None) -> list[str]:
-    """The variant's figures, then what int8 may quantize, the automatic exclusion's steps, where
-    a slower variant's time grew, and the diagnosis's worst layers."""
+    """The variant's figures, then what int8 may quantize (each op set tried), the automatic
+    exclusion's steps, where a slower variant's time grew, and the diagnosis's worst layers."""
     parts = [_kv_table(_pairs(data, keys))]
     if isinstance(data.get("op_types"), list):
         parts.append(_labelled_line("op types quantized", ", ".join(map(str, data["op_types"]))
                                     or "none"))
+    op_sets = [s for s in data.get("op_sets") or [] if isinstance(s, dict)]
+    if op_sets:
+        rows = [(", ".join(map(str, s.get("op_types") or [])), s.get("accuracy_val"),
+                 s.get("accuracy_val_fp32"), s.get("latency_ms_p50"), s.get("latency_ms_p50_fp32"),
+                 "kept" if s.get("kept") else "") for s in op_sets]
+        parts += ["<h3>Op sets tried (--quantize_ops auto)</h3>",
+                  _table(["op types", "val accuracy int8", "val accuracy fp32", "p50 int8 (ms)",
+                          "p50 fp32 (ms)", ""], rows,
+                         row_classes=["kept" if r[-1] else "" for r in rows])]
     exclusion = _dict(data.get("exclusion"))
     steps = [s for s in exclusion.get("steps") or [] if isinstance(s, dict)]
     if steps:

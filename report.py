@@ -183,11 +183,19 @@ def format_candidates(candidates: list[dict], chosen: int) -> list[str]:
 
 
 def format_quantize_details(quantize: dict) -> list[str]:
-    """What int8 was allowed, the nodes kept in fp32 (each step of the automatic exclusion) and
-    the diagnosis's worst layers (where a slower variant's time grew is in its verdict)."""
+    """What int8 was allowed (and, with --quantize_ops auto, each op set tried), the nodes kept
+    in fp32 (each step of the automatic exclusion) and the diagnosis's worst layers (where a
+    slower variant's time grew is in its verdict)."""
     lines = []
     if quantize.get("op_types") is not None:
         lines.append(f"  {'op types quantized':<26} {', '.join(quantize['op_types']) or 'none'}")
+    if quantize.get("op_sets"):
+        lines.append(f"  {'op sets tried':<26} {'val acc':>8} {'fp32':>8} {'int8 ms':>8} "
+                     f"{'fp32 ms':>8}  op types")
+        lines += [f"  {'<- kept' if row['kept'] else '':<26} {row['accuracy_val']:>8.4f} "
+                  f"{row['accuracy_val_fp32']:>8.4f} {row['latency_ms_p50']:>8.3g} "
+                  f"{row['latency_ms_p50_fp32']:>8.3g}  {_clip(', '.join(row['op_types']), 60)}"
+                  for row in quantize["op_sets"]]
     exclusion = quantize.get("exclusion") or {}
     if exclusion.get("requested") == "auto":
         lines.append(f"  {'auto exclusion':<26} {exclusion['outcome']}")

@@ -102,6 +102,44 @@ def test_manual_exclusion_and_diagnose_on_an_existing_bundle(hostile_bundle, tmp
     assert (bundle / "model.int8.onnx").read_bytes() == before
 
 
+def test_auto_op_set_tries_both_and_keeps_the_wider_only_where_the_judge_prefers_it(
+        hostile_bundle, tmp_path):
+    """Both op sets lose everything here (no exclusion): the default set is kept, and both
+    trials are in the report with the figures the choice was made on."""
+    bundle = tmp_path / "b"
+    shutil.copytree(hostile_bundle["dir"], bundle)
+    run = run_cli("quantize.py", "--output_model", bundle / "model.onnx", "--quantize", "static",
+                  "--quantize_ops", "auto", "--quantize_exclude", "none", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    quantize = json.loads(run.stdout)["quantize"]
+    default, wider = quantize["op_sets"]
+    assert default["op_types"] == ["Conv", "Gemm", "MatMul"]
+    assert {"Relu", "Concat"} <= set(wider["op_types"]) and set(default["op_types"]) < set(
+        wider["op_types"])
+    assert not default["within_bound"] and not wider["within_bound"]
+    assert default["kept"] and not wider["kept"]
+    assert quantize["op_types"] == default["op_types"]
+    assert quantize["used_for_inference"] is False
+
+
+@pytest.mark.parametrize("default,wider,kept", [
+    ((True, 1.10), (True, 1.30), 1),  # both pass, the wider 5% faster still
+    ((True, 1.25), (True, 1.30), 0),  # both pass, within 5% of each other: the default set
+    ((False, 0.95), (True, 1.10), 1),  # only the wider passes
+    ((True, 1.10), (False, 2.00), 0),  # the wider loses accuracy
+    ((False, 0.90), (False, 0.99), 0),  # neither: fp32 serves, the default set is reported
+])
+def test_the_op_set_choice(default, wider, kept):
+    from quantize import MIN_SPEEDUP, ExclusionStep, OpSetTrial, choose_op_set
+
+    def trial(within: bool, speedup: float) -> OpSetTrial:
+        step = ExclusionStep([], 0.9 if within else 0.5, 0.9, 1.0 / speedup, 1.0,
+                             within_bound=within, faster=speedup >= MIN_SPEEDUP)
+        return OpSetTrial(["Conv"], None, [], {}, step)
+
+    assert choose_op_set([trial(*default), trial(*wider)]) == kept
+
+
 def test_exclusion_and_op_type_mistakes_are_one_line_errors(hostile_bundle, tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(hostile_bundle["dir"], bundle)
