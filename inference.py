@@ -21,7 +21,8 @@ from metrics import accuracy, ece_change_interval, entropy
 from profiling import PROFILED_RUNS, profile_runs, profile_section, profiled_batches
 from report import run_with_report
 from runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
-                     predict_proba, session_device, session_runner, state_input, time_runners)
+                     predict_proba, session_device, session_runner, state_input, time_runners,
+                     whole_batches)
 from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
 
 if TYPE_CHECKING:
@@ -123,7 +124,8 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
     probabilities = predict_proba(session, x, config.batch_size)
     score = accuracy(probabilities, y)
-    batches = batches_of(x, config.batch_size, graph_padding_id(session))
+    batches = whole_batches(batches_of(x, config.batch_size, graph_padding_id(session)),
+                            config.batch_size)
     # at least 30 batches and one whole pass; one variant, so no floor on the time spent
     timings = time_runners([session_runner(session)], batches, max(30, len(batches)),
                            min_seconds=0)

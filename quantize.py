@@ -25,7 +25,8 @@ from config import Config, build_parser, start_cli
 from diagnosis import SHOWN_LAYERS, LayerError, diagnose
 from metrics import accuracy, top1_agreement
 from runtime import (RuntimeOptions, batches_of, create_session, graph_padding_id,
-                     model_feeder, predict_proba, session_runner, time_runners)
+                     model_feeder, predict_proba, session_runner, time_runners,
+                     whole_batches)
 from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract)
 from report import run_with_report
@@ -394,12 +395,10 @@ def search_outcome(steps: Sequence[ExclusionStep], excluded: Sequence[str]) -> s
 
 
 def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> list[float]:
-    """p50 ms per batch of `batch_size` for each session, timed in turns on the same batches.
-    Only whole batches are timed when there is one: on a split of 85 rows, batches of 64 and 21
-    taking turns would put the median anywhere between the two sizes' times."""
-    batches = batches_of(x, batch_size, graph_padding_id(sessions[0]))
-    whole = [b for b in batches if len(b) == batch_size]
-    timings = time_runners([session_runner(s) for s in sessions], whole or batches, TIMED_RUNS)
+    """p50 ms per batch of `batch_size` for each session, timed in turns on the same (whole)
+    batches."""
+    batches = whole_batches(batches_of(x, batch_size, graph_padding_id(sessions[0])), batch_size)
+    timings = time_runners([session_runner(s) for s in sessions], batches, TIMED_RUNS)
     return [timings.percentile_ms(k, 50) for k in range(len(sessions))]
 
 
