@@ -603,6 +603,8 @@ def _quantize(data: dict, keys: KeyLabels | None) -> list[str]:
     """The variant's figures, then what int8 may quantize (each op set tried), the automatic
     exclusion's steps, where a slower variant's time grew, and the diagnosis's worst layers."""
     parts = [_kv_table(_pairs(data, keys))]
+    if _dict(data.get("cpu")).get("description"):
+        parts.append(_labelled_line("timed on", _dict(data.get("cpu")).get("description")))
     if isinstance(data.get("op_types"), list):
         parts.append(_labelled_line("op types quantized", ", ".join(map(str, data["op_types"]))
                                     or "none"))

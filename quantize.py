@@ -24,7 +24,7 @@ import onnx
 from config import Config, build_parser, start_cli
 from diagnosis import SHOWN_LAYERS, LayerError, diagnose
 from metrics import accuracy, top1_agreement
-from runtime import (RuntimeOptions, batches_of, create_session, graph_padding_id,
+from runtime import (RuntimeOptions, batches_of, cpu_info, create_session, graph_padding_id,
                      model_feeder, predict_proba, session_runner, time_runners,
                      whole_batches)
 from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
@@ -87,6 +87,7 @@ class VariantResult:
     exclusion: dict | None = None  # the nodes kept in fp32 and, for auto, each step
     op_sets: list[dict] | None = None  # --quantize_ops auto: the op sets tried, as judged
     slower_op_types: list[dict] | None = None  # --profile: where a slower variant's time grew
+    cpu: dict | None = None  # the CPU that timed it (runtime.CpuInfo), for CPU providers
 
     def report_section(self) -> dict:
         return asdict(self)
@@ -416,12 +417,12 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
     if result.latency_ms_p50 > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
-                               f"ms{grown_note(result)})")
+                               f"ms{grown_note(result)}){cpu_note(result)}")
     elif result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is no faster than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
                                f"ms; within the {MIN_SPEEDUP - 1:.0%} that timing noise can "
-                               f"explain{grown_note(result)})")
+                               f"explain{grown_note(result)}){cpu_note(result)}")
     speedup = result.latency_ms_p50_fp32 / max(result.latency_ms_p50, 1e-9)
     note = ""
     if result.latency_ms_p50_batch1 > result.latency_ms_p50_batch1_fp32:
@@ -449,6 +450,22 @@ def grown_note(result: VariantResult) -> str:
                                          for g in result.slower_op_types)
 
 
+def cpu_section() -> dict:
+    """The report's quantize.cpu: runtime.CpuInfo's fields and its one-line description."""
+    info = cpu_info()
+    return {**asdict(info), "description": info.describe()}
+
+
+def cpu_note(result: VariantResult) -> str:
+    """Why int8 may not be faster here, where the CPU is known to lack int8 dot-product
+    instructions (a fact about the machine, not a guess about the graph)."""
+    if result.mode == "fp16" or not result.cpu or result.cpu["int8_dot_product"] != []:
+        return ""
+    return (f"; this CPU ({result.cpu['name']}) has no int8 dot-product instructions (VNNI, "
+            "AMX), where ONNX Runtime's int8 matrix kernels can be no faster than fp32: "
+            "bench/int8_gemm.py measures them on a machine")
+
+
 def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOptions,
                          x: np.ndarray, y: np.ndarray, batch_size: int,
                          val: Split | None = None, **fields
@@ -464,6 +481,7 @@ def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOption
     p50_one = interleaved_p50_ms(sessions, x, 1)
     return VariantResult(
         provider=sessions[1].get_providers()[0], size_bytes_fp32=fp32_path.stat().st_size,
+        cpu=(cpu_section() if sessions[1].get_providers()[0] == "CPUExecutionProvider" else None),
         size_bytes=len(variant), accuracy=accuracy(probs, y),
         accuracy_fp32=accuracy(probs_fp32, y), top1_agreement=top1_agreement(probs, probs_fp32),
         max_abs_diff=float(np.abs(probs - probs_fp32).max()), batch_size=batch_size,

@@ -187,6 +187,8 @@ def format_quantize_details(quantize: dict) -> list[str]:
     in fp32 (each step of the automatic exclusion) and the diagnosis's worst layers (where a
     slower variant's time grew is in its verdict)."""
     lines = []
+    if (quantize.get("cpu") or {}).get("description"):
+        lines.append(f"  {'timed on':<26} {quantize['cpu']['description']}")
     if quantize.get("op_types") is not None:
         lines.append(f"  {'op types quantized':<26} {', '.join(quantize['op_types']) or 'none'}")
     if quantize.get("op_sets"):

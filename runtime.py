@@ -421,3 +421,52 @@ def best_of(repeats: int, run: Callable[[], object]) -> tuple[float, object]:
         times.append(time.perf_counter() - started)
         first = result if k == 0 else first
     return min(times), first
+
+
+# ----------------------------------------------------------------------------- the CPU
+
+# Flags (Linux /proc/cpuinfo names) of the instructions that multiply and add 8-bit integers in
+# one step. Without them (AVX2 alone) ONNX Runtime's int8 matrix kernels widen to 16 bits and, on
+# some CPUs, run no faster than its fp32 ones: python bench/int8_gemm.py measures a machine.
+INT8_DOT_FLAGS = {"avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI", "amx_int8": "AMX-INT8",
+                  "asimddp": "Arm dot product", "i8mm": "Arm I8MM"}
+
+
+@dataclass
+class CpuInfo:
+    """What an int8 verdict depends on: the CPU's name, its logical cores and its int8
+    dot-product instructions (None: unknown, where /proc/cpuinfo cannot be read)."""
+
+    name: str
+    logical_cores: int
+    int8_dot_product: list[str] | None
+
+    def describe(self) -> str:
+        dot = ("unknown" if self.int8_dot_product is None
+               else ", ".join(self.int8_dot_product) or "none (no VNNI, AMX or Arm dot product)")
+        cores = f"{self.logical_cores} logical core{'s' if self.logical_cores != 1 else ''}"
+        return f"{self.name}, {cores}, int8 dot product: {dot}"
+
+
+def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
+    """This machine's CPU from /proc/cpuinfo (or the given text of one); the platform module's
+    name, with the instructions unknown, where there is none (macOS, Windows)."""
+    import os
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    name = (fields.get("model name") or fields.get("hardware") or platform.processor()
+            or platform.machine() or "unknown")
+    flags = fields.get("flags", fields.get("features"))
+    cores = len(re.findall(r"^processor\s*:\s*\d+", cpuinfo, flags=re.MULTILINE | re.IGNORECASE))
+    return CpuInfo(name=name, logical_cores=cores or os.cpu_count() or 1,
+                   int8_dot_product=None if flags is None else
+                   [label for flag, label in INT8_DOT_FLAGS.items() if flag in flags.split()])

@@ -356,7 +356,11 @@ def main() -> None:
              "c": min(r["int8_over_fp32_32"] for r in rounds),
              "d": min(r["e2e_over_raw"] for r in rounds)}
     names = [f"round {k + 1}" for k in range(len(rounds))]
-    print(f"\n{args.threads} thread(s) for PyTorch and ONNX Runtime; {len(test_texts)} test "
+    from runtime import cpu_info
+
+    cpu = cpu_info().describe()
+    print(f"\nCPU: {cpu} (int8 speed depends on it: bench/int8_gemm.py)")
+    print(f"{args.threads} thread(s) for PyTorch and ONNX Runtime; {len(test_texts)} test "
           f"texts; (d) on {args.rows:,} texts at batch {args.input_batch_size}, fp32 graph")
     print(f"{'figure':<52}" + "".join(f"{n:>12}" for n in names))
     lines = [("PyTorch eager fp32, p50 ms at batch 1", "eager_ms_1", ".3f"),
@@ -386,7 +390,7 @@ def main() -> None:
     print(f"goal (d) inference.py --input ≥ {GOALS['d']:.0%} of raw session.run: worst round "
           f"{worst['d']:.1%} -> {verdict(worst['d'] >= GOALS['d'])}")
     (out / "hf_text.json").write_text(json.dumps(
-        {"model": shape, "pipeline_seconds": train_seconds, "epochs": args.epochs,
+        {"model": shape, "cpu": cpu, "pipeline_seconds": train_seconds, "epochs": args.epochs,
          "learning_rate": args.learning_rate,
          "threads": args.threads, "accuracy_fp32": accuracy, "accuracy_int8": accuracy_int8,
          "quantizer_verdict": quant["verdict"], "rounds": rounds,

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 
 import numpy as np
 import onnxruntime as ort
 from sklearn.datasets import load_digits
 
 from conftest import assert_clean_failure, run_cli
+from runtime import cpu_info
 from utils import sha256_of
 
 QUANTIZE_KEYS = {"mode", "path", "size_bytes_fp32", "size_bytes", "accuracy", "accuracy_fp32",
@@ -42,6 +44,10 @@ def test_pipeline_static_int8_is_validated_and_used_only_if_it_earns_it(digits_i
     used = report["inference"]["model_path"]
     assert used.endswith(".int8.onnx") == quantize["used_for_inference"]
     assert "quantize:" in run.stdout and quantize["verdict"] in run.stdout
+    # The CPU that timed int8 is named (int8 speed depends on its instructions).
+    here = cpu_info()
+    assert quantize["cpu"] == {**asdict(here), "description": here.describe()}
+    assert f"timed on                   {here.describe()}" in run.stdout
     manifest = json.loads((out / "model.json").read_text())
     assert manifest["files"]["sha256"]["int8"] == sha256_of(out / "model.int8.onnx")
     assert manifest["quantization"]["verdict"] == quantize["verdict"]
