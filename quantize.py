@@ -459,7 +459,8 @@ def cpu_section() -> dict:
 def cpu_note(result: VariantResult) -> str:
     """Why int8 may not be faster here, where the CPU is known to lack int8 dot-product
     instructions (a fact about the machine, not a guess about the graph)."""
-    if result.mode == "fp16" or not result.cpu or result.cpu["int8_dot_product"] != []:
+    lacks_dot_product = bool(result.cpu) and result.cpu["int8_dot_product"] == []  # None: unknown
+    if result.mode == "fp16" or not lacks_dot_product:
         return ""
     return (f"; this CPU ({result.cpu['name']}) has no int8 dot-product instructions (VNNI, "
             "AMX), where ONNX Runtime's int8 matrix kernels can be no faster than fp32: "

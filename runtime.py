@@ -7,6 +7,8 @@ No torch here.
 """
 from __future__ import annotations
 
+import os
+import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -451,9 +453,6 @@ class CpuInfo:
 def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
     """This machine's CPU from /proc/cpuinfo (or the given text of one); the platform module's
     name, with the instructions unknown, where there is none (macOS, Windows)."""
-    import os
-    import platform
-
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
