@@ -13,6 +13,7 @@ same functions whether they run here or on Ray workers (cluster.py). numpy, pand
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import sys
@@ -26,7 +27,7 @@ import numpy as np
 from evaluation import Tally, bundle_evaluation
 from preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
-                    serving_columns, split_spec, table_format)
+                    refuse_nested, serving_columns, split_spec, table_format)
 from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
 
 ROLES = {"text": "text", "tabular": "feature", "image": "image"}  # preprocessing kind → inputs
@@ -276,6 +277,8 @@ class TableReader:
                                 self.row_groups):
             if self.columns is None:
                 self.columns = self._choose_columns(frame)
+            # per chunk: a JSON column may turn to arrays in any chunk
+            refuse_nested(frame, [self.columns.label, *self.columns.inputs], self.path)
             if frame.empty:  # a header alone
                 continue
             ids = (frame.index.to_numpy() + 1).astype(str)  # 1-based data rows, no header
@@ -475,6 +478,20 @@ class PredictionWriter:
             self._flush()
             self.parquet.close()
 
+    def abandon(self) -> None:
+        """Let go of an unfinished Parquet file while its handle is still open (the temporary
+        file is removed next). Left open, pyarrow's ParquetWriter.__del__ would write the footer
+        to the closed handle after the run's last line, and print an "Exception ignored"
+        traceback. A no-op after close()."""
+        if self.parquet is None or not self.parquet.is_open:
+            return
+        try:
+            self.parquet.close()
+        except Exception as err:  # noqa: BLE001 - the file is discarded either way
+            LOG.debug("closing an abandoned Parquet writer: %s", err)
+        finally:
+            self.parquet.is_open = False  # pyarrow's __del__ closes only a writer still open
+
 
 # ----------------------------------------------------------------------------- running
 
@@ -572,7 +589,8 @@ def write_predictions(options: BatchOptions, manifest: dict, predicted: Iterator
     error_rows: list[tuple[str, str]] = []
     tally = Tally(len(labels))  # the rows with a true label among the classes
     started = time.perf_counter()
-    with atomic_write_stream(options.output, binary=fmt == "parquet") as handle:
+    with atomic_write_stream(options.output, binary=fmt == "parquet") as handle, \
+            contextlib.ExitStack() as before_closing:
         writer = None
         for item in progress(predicted, desc="predict", enabled=options.show_progress):
             run.rows += len(item.ids) + len(item.errors)
@@ -583,6 +601,7 @@ def write_predictions(options: BatchOptions, manifest: dict, predicted: Iterator
             if writer is None:
                 writer = PredictionWriter(handle, fmt, labels, top_k, item.labels is not None,
                                           list(item.extra))
+                before_closing.callback(writer.abandon)  # an interrupt, an error: let go
             writer.write(item.ids, item.probabilities, item.extra, item.labels)
             run.predicted += len(item.ids)
             if item.labels is not None:

@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,7 @@ import numpy as np
 
 from batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
                    folder_images, image_folder_frames, input_kind, write_predictions)
+from runtime import usable_cpus
 from tables import parquet_row_groups, table_format
 from utils import LOG, ConfigError, PipelineError, RuntimeFailure
 
@@ -72,9 +76,10 @@ def local_engine_section(run: BatchRun, threads: int) -> dict:
 
 
 def connect(options: RayOptions) -> tuple[str, float]:
-    """ray.init: a new local cluster (sized to hold the workers), or the one at --ray_address;
+    """ray.init: a new local cluster (of this machine's CPUs), or the one at --ray_address;
     its address and the seconds it took. Ray's own logs reach stderr at ERROR (all of them at
-    --log_level DEBUG); workers' prints stay in Ray's log folder, never on our stdout."""
+    --log_level DEBUG); workers' prints stay in Ray's log folder, never on our stdout. The
+    caller stops the cluster (stop_ray) whatever happens, this call failing included."""
     level = logging.DEBUG if options.debug else logging.ERROR
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report from cron jobs
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", logging.getLevelName(level))
@@ -87,10 +92,9 @@ def connect(options: RayOptions) -> tuple[str, float]:
         _require_reachable(options.address)
         _attach_token_if_any()
     started = time.perf_counter()
-    needed = options.workers * options.threads
     try:
-        with _quiet_native_logs(not options.debug):
-            _init(ray, options, needed, level)
+        with _signals_held(), _ray_sigterm_handler_off(), _quiet_native_logs(not options.debug):
+            _init(ray, options, level)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise RuntimeFailure(f"cannot reach a Ray cluster at {options.address}: "
                              f"{str(err).strip().splitlines()[0] if str(err).strip() else err}",
@@ -101,15 +105,125 @@ def connect(options: RayOptions) -> tuple[str, float]:
     return ray.get_runtime_context().gcs_address, seconds
 
 
-def _init(ray, options: RayOptions, needed: int, level: int) -> None:
+def _init(ray, options: RayOptions, level: int) -> None:
     if options.address is None:
-        # "local": always a new cluster (a bare ray.init() joins one `ray start` runs here)
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed),
+        # "local": always a new cluster (a bare ray.init() joins one `ray start` runs here), of
+        # the CPUs this process may use: config.py refused more workers than they hold
+        ray.init(address="local", num_cpus=usable_cpus(),
                  include_dashboard=False, log_to_driver=False, logging_level=level,
                  configure_logging=False)
     else:
         ray.init(address=options.address, log_to_driver=False, logging_level=level,
                  configure_logging=False)
+
+
+def stop_ray(stream: Iterator | None, local: bool) -> None:
+    """Stop the run's Ray Data stream, then leave the cluster (stopping it, and every process
+    of it, if the run started it: `local`), with Ctrl-C held off until both are done: a
+    shutdown cut short leaves Ray's processes behind, and one under a running stream can crash
+    the process at exit."""
+    ray = sys.modules.get("ray")
+    with _signals_held():
+        if stream is not None and hasattr(stream, "close"):
+            try:
+                stream.close()  # Ray Data's executor and its threads stop here
+            except Exception as err:  # noqa: BLE001 - the run's own outcome is what counts
+                LOG.debug("stopping the Ray Data stream: %s", err)
+        if ray is not None and ray.is_initialized():
+            processes = _local_cluster_processes() if local else []
+            _shutdown(ray)
+            _end_stragglers(processes)
+
+
+def _local_cluster_processes() -> list:
+    """The processes of the cluster this run started: its descendants, found while the cluster
+    runs (once the raylet is gone, its workers are nobody's children)."""
+    try:
+        import psutil  # Ray's own copy (ray/thirdparty_files) where none is installed
+    except ImportError:
+        return []
+    return psutil.Process().children(recursive=True)
+
+
+def _end_stragglers(processes: list, timeout: float = 10.0) -> None:
+    """ray.shutdown stops the cluster's services, and its idle workers outlive them by seconds
+    (a graceful exit of theirs took 2 s here): kill those, which hold nothing of the run's any
+    more, so that none outlives this process."""
+    if not processes:
+        return
+    import psutil
+
+    alive = [p for p in processes if _running(p)]
+    for process in alive:
+        with contextlib.suppress(psutil.Error):  # gone already; psutil checks a reused pid
+            process.kill()
+    deadline = time.monotonic() + timeout
+    while any(_running(p) for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running(process) -> bool:
+    """Not exited (a zombie has: it waits for its new parent, init, to reap it)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _shutdown(ray) -> None:
+    """ray.shutdown, waiting (where Ray can) until the processes it started have exited."""
+    import inspect
+
+    if "wait_for_processes" in inspect.signature(ray.shutdown).parameters:
+        ray.shutdown(wait_for_processes=True)
+    else:  # an older Ray
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends and are then delivered as usual: ray.init
+    cut short by Ctrl-C leaves the processes it started running (ray::DashboardAgent,
+    RuntimeEnvAgent) or crashes the process at exit. The handlers in place before the block are
+    back after it, also where ray.init replaced ours (its SIGTERM handler exits 15)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    caught: list[int] = []
+    for sig, handler in saved.items():
+        if callable(handler):  # ours (or Python's); an ignored SIGINT (nohup) stays ignored
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    if caught:
+        signal.raise_signal(caught[0])
+
+
+@contextlib.contextmanager
+def _ray_sigterm_handler_off() -> Iterator[None]:
+    """ray.init installs its own SIGTERM handler (sys.exit(15)) at its start, in place of the
+    one holding signals off: a SIGTERM then would stop it half-way. Keep it from doing so
+    (where this Ray version does it through ray._private.utils.set_sigterm_handler)."""
+    try:
+        import ray._private.utils as ray_utils
+    except ImportError:
+        ray_utils = None
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
 
 
 @contextlib.contextmanager
@@ -146,9 +260,10 @@ def _require_reachable(address: str, timeout: float = 10.0) -> None:
         raise RuntimeFailure("--ray_address auto found no Ray cluster started on this machine",
                              "start one with `ray start --head`, give its host:port, or leave "
                              "--ray_address out for a local cluster")
-    host, _, port = where.removeprefix("ray://").rpartition(":")
+    host, _, port = where.rpartition(":")
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)),
+                                 timeout=timeout).close()
     except (OSError, ValueError) as err:
         raise RuntimeFailure(f"no Ray cluster answers at {where or address} "
                              f"({getattr(err, 'strerror', None) or err})",
@@ -317,11 +432,12 @@ def predict_on_ray(options: BatchOptions, manifest: dict, make_predictor: Predic
     Ray batch does not stop there. Only batch-dependent methods (episodic TTT, dynamic int8)
     can tell."""
     parts = input_parts(manifest, options)  # before the cluster: a bad input fails at once
-    address, start_seconds = connect(ray_options)
-    import ray
-    import ray.data
-
+    stream = None
     try:
+        address, start_seconds = connect(ray_options)
+        import ray
+        import ray.data
+
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True  # rows come back in input order
         context.enable_progress_bars = False  # ours counts the rows written
@@ -337,13 +453,13 @@ def predict_on_ray(options: BatchOptions, manifest: dict, make_predictor: Predic
         # Ray Data restarts a dead actor and retries its tasks (max_restarts and
         # max_task_retries -1 by default), and preserve_order keeps the rows where they were
         timing = _FirstBatch()
-        batches = dataset.iter_batches(batch_size=None, batch_format="numpy")
-        run = write_predictions(options, manifest, timing.watch(map(predicted_from, batches)),
+        stream = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
+        run = write_predictions(options, manifest, timing.watch(map(predicted_from, stream)),
                                 report)
     except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
         raise _unwrapped(err) from None
     finally:
-        ray.shutdown()
+        stop_ray(stream, local=ray_options.address is None)
     report["engine"] = EngineStats(
         "ray", address, ray_options.workers, ray_options.threads, ray_options.worker_batch_size,
         round(start_seconds, 3), timing.seconds, run.rows, run.failed,

@@ -6,13 +6,15 @@ parsers from these fields, so a flag means the same thing everywhere.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from preprocess import HF_PREFIX, hf_source
-from runtime import RuntimeOptions, parse_ep_options, parse_providers
+from runtime import RuntimeOptions, parse_ep_options, parse_providers, usable_cpus
 from utils import ConfigError, DataError, check_paths
 
 if TYPE_CHECKING:
@@ -430,13 +432,14 @@ class Config:
     engine: str = opt("local", "where --input is predicted: local (this process) or ray (Ray "
                       "Data workers on a cluster; docs/deploy.md, Ray)", "batch",
                       choices=ENGINES, scripts="I")
-    ray_address: str | None = opt(None, "--engine ray: the cluster to join (auto: the one "
-                                  "`ray start` runs here; host:port); default (or local): start "
-                                  "a local one for the run", "batch", metavar="ADDRESS",
-                                  scripts="I")
+    ray_address: str | None = opt(None, "--engine ray: the cluster to join (host:port of its "
+                                  "head node; auto: the one `ray start` runs here); default (or "
+                                  "local): start a local one of this machine's CPUs for the run",
+                                  "batch", metavar="ADDRESS", scripts="I")
     num_workers: int | None = opt(None, "--engine ray: workers, each one ONNX Runtime session "
-                                  "with --num_threads threads (default 2)", "batch", type=int,
-                                  metavar="N", scripts="I")
+                                  "with --num_threads threads, which are the CPUs it reserves "
+                                  "(default 2, or 1 where a local cluster cannot hold 2)",
+                                  "batch", type=int, metavar="N", scripts="I")
     worker_batch_size: int | None = opt(None, "--engine ray: rows a worker reads, encodes and "
                                         "predicts at a time (default: --chunk_rows)", "batch",
                                         type=int, metavar="N", scripts="I")
@@ -537,11 +540,22 @@ class Config:
                               "use --iterative ensemble --ensemble_size 3, or an arch with "
                               "dropout (small_cnn, mobilenet_v3_small, efficientnet_b0)")
 
+    def ensemble_members(self) -> list[str]:
+        """--ensemble's bundle paths, blanks dropped."""
+        return [item for item in (p.strip() for p in (self.ensemble or "").split(",")) if item]
+
     def model_def_parts(self) -> tuple[Path, str]:
         """--model_def FILE.py:FACTORY as (file, factory name)."""
         path, _, factory = (self.model_def or "").rpartition(":")
         if not path or not factory.isidentifier():
             _bad("model_def", self.model_def, "expected FILE.py:FACTORY, e.g. mynet.py:build")
+        if Path(path).is_dir():
+            raise ConfigError(f"--model_def {path} is a folder, not a Python file",
+                              "name the .py file that defines the factory, e.g. "
+                              f"{Path(path) / 'mynet.py'}:{factory}")
+        if Path(path).suffix != ".py":
+            raise ConfigError(f"--model_def {path} is not a Python file (.py)",
+                              "name the .py file that defines the factory, e.g. mynet.py:build")
         return Path(path), factory
 
     def _validate_export_and_quantization(self) -> None:
@@ -588,6 +602,9 @@ class Config:
                  "more (64 is the default)")
         if self.ensemble_size > 1 and self.iterative == "none":
             self.iterative = "ensemble"  # a trained ensemble is measured against one model
+        if self.ensemble is not None and not self.ensemble_members():
+            _bad("ensemble", self.ensemble, "name one or more bundles, e.g. "
+                 "runs/b/model.onnx,runs/c/model.onnx")
         if self.iterative_tol is not None and self.iterative_tol <= 0:
             _bad("iterative_tol", self.iterative_tol, "use a small positive number like 1e-3")
         if self.iterative_tol is not None and self.iterative_backend != "python":
@@ -619,6 +636,9 @@ class Config:
         for name in ("num_workers", "worker_batch_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        _check_ray_address(self.ray_address)
+        if self.local_ray():
+            self._require_local_cpus()
         if self.profile:
             raise ConfigError("--profile profiles the ONNX Runtime session in this process, and "
                               "--engine ray predicts on worker processes",
@@ -627,6 +647,32 @@ class Config:
             raise ConfigError("--ttt_mode online carries the adaptation from one batch to the "
                               "next in input order, and Ray workers predict batches in "
                               "parallel", "use --ttt_mode episodic on Ray, or --engine local")
+
+    def local_ray(self) -> bool:
+        """--engine ray on a cluster started for the run (no --ray_address, or `local`)."""
+        return self.ray_address in (None, "local")
+
+    def ray_threads(self) -> int:
+        """ONNX Runtime intra-op threads per Ray worker, which are also the CPUs it reserves."""
+        return max(1, self.runtime().intra_op_threads)
+
+    def ray_workers(self) -> int:
+        """--num_workers; by default 2, or 1 where a local cluster cannot hold two."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return max(1, min(2, usable_cpus() // self.ray_threads())) if self.local_ray() else 2
+
+    def _require_local_cpus(self) -> None:
+        """A local cluster has this machine's CPUs: more workers than they hold would never be
+        placed (sizing the cluster to the request instead started them all, and hung)."""
+        workers, threads, cpus = self.ray_workers(), self.ray_threads(), usable_cpus()
+        if workers * threads > cpus:
+            asked = (f"--num_workers {workers} with {threads} thread(s) each needs"
+                     if self.num_workers is not None else
+                     f"one Ray worker with {threads} threads needs")
+            raise ConfigError(f"{asked} {workers * threads} CPUs, and a local Ray cluster has "
+                              f"this machine's {cpus}", "lower --num_workers or --num_threads, "
+                              "or join a larger cluster with --ray_address")
 
     def _validate_runtime(self) -> None:
         if self.num_threads < 0:
@@ -774,9 +820,8 @@ class Config:
         writes.update(self.visual_outputs())
         if self.profile_path() is not None:
             writes["--profile (the ONNX Runtime trace)"] = self.profile_path()
-        for i, member in enumerate(p.strip() for p in (self.ensemble or "").split(",")):
-            if member:
-                reads[f"--ensemble (bundle {i + 1})"] = Path(member)
+        for i, member in enumerate(self.ensemble_members()):
+            reads[f"--ensemble (bundle {i + 1})"] = Path(member)
         return reads, writes
 
     def validate_tta(self, model_type: str) -> None:
@@ -856,6 +901,35 @@ def _positive(name: str, value: float) -> None:
 
 def _bad(name: str, value: Any, hint: str) -> None:
     raise ConfigError(f"invalid --{name} {value!r}", hint)
+
+
+RAY_ADDRESS_HINT = "expected host:port, auto or local (e.g. 10.0.0.5:6379, the head node's port)"
+
+
+def _check_ray_address(address: str | None) -> None:
+    """--ray_address's form, before any work: auto, local, or HOST:PORT ([IPv6]:PORT). Ray
+    Client addresses (ray://) need Ray's client extra, which the tool does not install."""
+    if address is None or address in ("auto", "local"):
+        return
+    if address.startswith("ray://"):
+        raise ConfigError(f"invalid --ray_address {address!r}: a Ray Client address, which "
+                          "this tool does not use", f"{RAY_ADDRESS_HINT}; run on a node of the "
+                          "cluster with auto, or give the head node's host:port")
+    host, colon, port = address.rpartition(":")
+    if not (colon and _valid_host(host) and re.fullmatch(r"[0-9]{1,5}", port)
+            and 1 <= int(port) <= 65535):
+        _bad("ray_address", address, RAY_ADDRESS_HINT)
+
+
+def _valid_host(host: str) -> bool:
+    """A host name or IPv4 address, or an IPv6 address in brackets."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+            return True
+        except ValueError:
+            return False
+    return re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?", host) is not None
 
 
 # ----------------------------------------------------------------------------- argument parsing

@@ -22,7 +22,7 @@ import numpy as np
 from preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, hf_source,
                         image_files, text_tokenizer)
 from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
-                    joined_texts, label_texts, read_table, split_spec)
+                    joined_texts, label_texts, read_table, split_columns, split_spec)
 from utils import LOG, DataError, progress, first_line
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
@@ -513,8 +513,9 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
         if extra:
             frame = read_table(Path(extra), options.dataset_format, options.has_header,
                                [columns.label, *columns.inputs])
-            parts[split] = _clean_rows(frame, _same_columns(frame, main, columns, Path(extra)),
-                                       text, Path(extra), store_as=columns.inputs)
+            found = split_columns(frame, columns, list(main.columns), Path(extra),
+                                  f"--{split}_path")
+            parts[split] = _clean_rows(frame, found, text, Path(extra), store_as=columns.inputs)
     main_frame = parts["main"]
     if main_frame.empty:
         reasons = "; ".join(f"{d['count']} with {_a(d['reason'])}"
@@ -557,19 +558,6 @@ def _read_main_table(options: DataOptions):
     named = [*split_spec(options.text_column), *split_spec(options.feature_columns),
              *([options.label_column] if options.label_column else [])]
     return read_table(path, options.dataset_format, options.has_header, named), path
-
-
-def _same_columns(frame, main, columns: Columns, path: Path) -> Columns:
-    """The columns of a --val_path/--test_path file: same names, else same positions."""
-    def find(name: str) -> str:
-        if name in frame.columns:
-            return name
-        position = list(main.columns).index(name) if name in main.columns else -1
-        if 0 <= position < frame.shape[1]:
-            return frame.columns[position]
-        raise DataError(f"{path} has no column {name!r}; its columns are {list(frame.columns)}",
-                        "give it the same columns as the training file")
-    return Columns(find(columns.label), [find(c) for c in columns.inputs])
 
 
 def _clean_rows(frame, columns: Columns, text: bool, path, store_as: list[str] | None = None):

@@ -377,9 +377,7 @@ def ensemble_graph(config: Config, paths: BundlePaths, manifest: dict) -> tuple[
         model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "ensemble")))
         return model, manifest["extra_graphs"]["ensemble"]["members"]
     members = [onnx.load(str(require_onnx_in_bundle(paths, manifest)))]
-    for item in (p.strip() for p in config.ensemble.split(",")):
-        if not item:
-            continue
+    for item in config.ensemble_members():
         other_paths = BundlePaths.from_model_path(item)
         other = read_manifest(other_paths)
         if other["labels"] != manifest["labels"] or \
@@ -641,7 +639,7 @@ def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
 
     from cluster import RayOptions, predict_on_ray
 
-    threads = max(1, config.runtime().intra_op_threads)
+    threads = config.ray_threads()
     worker_config = dataclasses.replace(
         config, intra_op_threads=threads, inter_op_threads=1, no_progress=True,
         output_model=str(Path(config.output_model).absolute()))
@@ -653,8 +651,8 @@ def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
     gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
     del session
     predict_on_ray(options, manifest, functools.partial(worker_predictor, worker_config), report,
-                   RayOptions(None if config.ray_address == "local" else config.ray_address,
-                              config.num_workers or 2,
+                   RayOptions(None if config.local_ray() else config.ray_address,
+                              config.ray_workers(),
                               options.chunk_rows, threads, 1.0 if gpu else 0.0,
                               config.log_level == "DEBUG"))
 

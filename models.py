@@ -6,16 +6,19 @@ NaN for missing) and does its own normalisation, so the .onnx is self-contained.
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import pickle
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from hf import HFGraph, HFTextNet, hf_architecture
 from preprocess import hf_source
-from utils import ConfigError, ExportError, atomic_write, sha256_of, first_line
+from utils import (ConfigError, ExportError, UserCodeFailure, atomic_write, first_line,
+                   register_user_code, sha256_of, stdout_to_stderr)
 
 
 # The training split's statistics each network normalises with, as buffers (saved in model.pt and
@@ -330,6 +333,7 @@ class TorchvisionNet(nn.Module):
 # sha256 of a --model_def file → where this process read it (the user's file while training,
 # the bundle's copy afterwards): build_model imports the factory from there.
 _MODEL_SOURCES: dict[str, Path] = {}
+_BUNDLE_COPIES: set[Path] = set()  # those registered from a bundle (checked against its sha256)
 
 
 def register_model_source(path: Path, expected: str | None = None) -> str:
@@ -340,6 +344,8 @@ def register_model_source(path: Path, expected: str | None = None) -> str:
                           "restore the model definition written with the bundle, or re-create "
                           "the bundle with pipeline.py")
     _MODEL_SOURCES[digest] = path
+    if expected:
+        _BUNDLE_COPIES.add(path)
     return digest
 
 
@@ -376,29 +382,94 @@ def user_architecture(path: Path, factory: str, preprocessing: dict, num_classes
 
 def import_factory(path: Path, factory: str) -> Callable:
     """Import the user's file (running its code) and return its `factory`; any failure is one
-    ConfigError line."""
+    ConfigError line. Its folder comes first while it imports, so its own modules beside it
+    (a utils.py, a config.py) win over this tool's modules of the same names."""
     import importlib.util
     import sys
 
-    from utils import stdout_to_stderr
-
+    label = f"--model_def {path}"
     name = f"model_def_{sha256_of(path)[:16]}"
     module = sys.modules.get(name)
     if module is None:
-        try:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            with stdout_to_stderr():
-                spec.loader.exec_module(module)
-        except Exception as err:  # noqa: BLE001 - the user's code: any error is theirs
-            raise ConfigError(f"--model_def {path}: importing it failed: {_one_line(err)}",
-                              f"run `python {path}` to see the traceback") from None
+        register_user_code(path, label)
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:  # checked up front (config); a bundle's copy
+            raise ConfigError(f"{label} is not a Python file", "name a .py file")
+        module = importlib.util.module_from_spec(spec)
+        hint = f"run `python {path}` to see the traceback"
+        if path in _BUNDLE_COPIES:
+            hint += ("; the bundle keeps this one file: modules it imports from its own folder "
+                     "go beside it")
+        with siblings_first(path.parent), user_code(label, "importing it", hint):
+            spec.loader.exec_module(module)
         sys.modules[name] = module
     built = getattr(module, factory, None)
     if not callable(built):
-        raise ConfigError(f"--model_def {path} has no function {factory!r}",
+        raise ConfigError(f"{label} has no function {factory!r}",
                           f"define {factory}(num_classes, input_spec) returning an nn.Module")
     return built
+
+
+@contextlib.contextmanager
+def user_code(label: str, doing: str | Callable[[], str], hint: str) -> Iterator[None]:
+    """Run the user's --model_def code (its import, its factory, its forward, wherever the tool
+    calls it): what it prints goes to stderr (stdout carries the summary or the JSON report),
+    and SystemExit or any exception it raises becomes one UserCodeFailure, exit 2, naming
+    `label` and showing the user's own error. Ctrl-C (130) and running out of memory (5) stay
+    the tool's."""
+    try:
+        with stdout_to_stderr():
+            yield
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except (SystemExit, Exception) as err:  # noqa: BLE001 - the user's code: any error is theirs
+        exited = isinstance(err, SystemExit)
+        what = f"called sys.exit({err.code!r})" if exited else f"failed: {_one_line(err)}"
+        call = doing() if callable(doing) else doing
+        raise UserCodeFailure(ConfigError(f"{label}: {call} {what}", EXIT_HINT if exited
+                                          else hint)) from err
+
+
+EXIT_HINT = ("code this tool imports or calls must not exit: keep script code under "
+             "`if __name__ == \"__main__\":` and raise an exception for an error")
+
+
+# Where this tool's own top-level modules (utils.py, models.py, data.py, ...) live.
+TOOL_FOLDER = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def siblings_first(folder: Path) -> Iterator[None]:
+    """`folder` first on sys.path, as for `python mynet.py`, and this tool's modules named like
+    a module in it out of sys.modules meanwhile, so that the user's own utils.py is the one
+    imported; afterwards the tool's are back (the user's module keeps the siblings it bound)."""
+    import sys
+
+    folder = folder.resolve()
+    names = {p.stem for p in folder.glob("*.py")} | {
+        p.parent.name for p in folder.glob("*/__init__.py")}
+    if folder == TOOL_FOLDER or not names:
+        yield
+        return
+
+    def file_of(name: str) -> Path | None:
+        if name.partition(".")[0] not in names:
+            return None
+        file = getattr(sys.modules.get(name), "__file__", None)
+        return Path(file).resolve() if isinstance(file, str) else None
+
+    tools = {name: sys.modules.pop(name) for name in list(sys.modules)
+             if (file := file_of(name)) and file.parent == TOOL_FOLDER}
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(folder))
+        for name in [n for n in list(sys.modules) if (file := file_of(n)) and
+                     file.is_relative_to(folder)]:
+            del sys.modules[name]  # the user's: the tool's own imports must find the tool's
+        sys.modules.update(tools)
 
 
 def _one_line(err: BaseException) -> str:
@@ -411,7 +482,8 @@ class UserNetwork(nn.Module):
     """Your nn.Module behind the normalisation every network here does itself: images
     standardised by the training split's per-channel mean and std, tables imputed with the
     training medians (NaN = missing) and standardised, token ids as they are (0 = padding). Its
-    state-dict keys sit under `module.`."""
+    state-dict keys sit under `module.`. Every call into your code (import, factory, forward)
+    runs inside user_code."""
 
     def __init__(self, num_classes: int, model_def: dict, input_spec: dict,
                  mean: list[float] | None = None, std: list[float] | None = None,
@@ -422,24 +494,43 @@ class UserNetwork(nn.Module):
                  else input_spec.get("num_features") or 0)
         shape = (1, -1, 1, 1) if self.kind == "image" else (1, -1)
         register_statistics(self, width, shape, mean=mean, std=std, median=median)
-        factory = import_factory(model_source({"model_def": model_def}), model_def["factory"])
-        try:
+        path = model_source({"model_def": model_def})
+        factory = import_factory(path, model_def["factory"])
+        self.label = f"--model_def {path}:{model_def['factory']}"
+        with user_code(self.label, "the factory", _fix_hint(f"{model_def['factory']}()", path)):
             module = factory(num_classes=num_classes, input_spec=dict(input_spec))
-        except Exception as err:  # noqa: BLE001 - the user's code
-            raise ConfigError(f"--model_def {model_def['file']}:{model_def['factory']} failed: "
-                              f"{_one_line(err)}", "fix the factory") from None
         if not isinstance(module, nn.Module):
-            raise ConfigError(f"--model_def {model_def['file']}:{model_def['factory']} returned "
-                              f"a {type(module).__name__}, not a torch.nn.Module",
-                              "return the network (an nn.Module)")
+            raise ConfigError(f"{self.label} returned a {type(module).__name__}, not a "
+                              "torch.nn.Module", "return the network (an nn.Module)")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ConfigError(f"{self.label} returned a module with no trainable parameters: "
+                              "there is nothing to train",
+                              "give it a layer with weights (e.g. nn.Linear), requires_grad on")
         self.module = module
+        self.forward_hint = _fix_hint("forward", path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "image":
             x = (x - self.mean) / self.std
         elif self.kind == "tabular":
             x = standardised_features(self, x)
-        return self.module(x)
+        if torch.compiler.is_dynamo_compiling():  # strict export traces no fd juggling
+            return self.module(x)
+        with user_code(self.label, self._forward_call(x), self.forward_hint):
+            return self.module(x)
+
+    @staticmethod
+    def _forward_call(x: torch.Tensor) -> Callable[[], str]:
+        """What the error line says the failed forward was given (worded only on failure)."""
+        exporting = " (traced for the ONNX export)" if torch.compiler.is_exporting() else ""
+        return lambda: f"its forward{exporting} on a batch of {tuple(x.shape)} {x.dtype}"
+
+
+def _fix_hint(what: str, path: Path) -> str:
+    if path in _BUNDLE_COPIES:
+        return (f"fix {what} in the module this bundle was trained with and re-create the "
+                f"bundle ({path.name} is its copy)")
+    return f"fix {what} in {path}"
 
 
 # ----------------------------------------------------------------------------- choosing one
@@ -563,6 +654,19 @@ def save_weights(net: nn.Module, path: Path) -> str:
     return sha256_of(path)
 
 
+def weights_error(err: Exception) -> str:
+    """Why torch or safetensors could not read a weight file, in a few words. torch's own
+    message for a pickle it refuses advises loading with weights_only=False, which runs any
+    code the file holds: that advice is never passed on."""
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
+        return ("it is not a plain file of tensors (a corrupt file, or a pickle holding other "
+                "objects, which this tool never unpickles)")
+    if "zip archive" in text:
+        return "it is neither a torch file (no ZIP archive) nor readable as one: a corrupt file"
+    return first_line(err, 200)
+
+
 def load_weights(manifest: dict, path: Path) -> nn.Module:
     """Rebuild the manifest's network and load `model.pt` into it (weights_only: never unpickle).
     A --model_def network imports the bundle's copy of its file (which runs that code)."""
@@ -580,7 +684,6 @@ def load_weights(manifest: dict, path: Path) -> nn.Module:
         state = torch.load(path, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - any failure here means an unusable file
-        first = first_line(err)
-        raise ExportError(f"cannot load weights {path}: {first}",
+        raise ExportError(f"cannot load weights {path}: {weights_error(err)}",
                           "re-run train.py or pipeline.py") from None
     return net.eval()

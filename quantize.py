@@ -107,15 +107,17 @@ def prepare_for_quantization(src: Path, dst: Path) -> None:
 
     # When symbolic shape inference gives up (transformers graphs do) it leaves
     # sym_shape_infer_temp.onnx and a <uuid>.data file in the working directory: run it in
-    # dst's folder, a temporary one.
+    # dst's folder, a temporary one. Both paths are made absolute before the change of folder:
+    # a relative one would be read from inside it.
+    src, dst = src.resolve(), dst.resolve()
     with contextlib.chdir(dst.parent):
         try:
             with stdout_to_stderr():
-                quant_pre_process(str(src.resolve()), str(dst.resolve()))
+                quant_pre_process(str(src), str(dst))
         except Exception as err:  # noqa: BLE001 - the tool raises plain errors from deep inside
             LOG.debug("symbolic shape inference failed (%s); retrying without it", err)
             with stdout_to_stderr():
-                quant_pre_process(str(src.resolve()), str(dst.resolve()), skip_symbolic_shape=True)
+                quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
 
 
 def gemm_to_matmul(model: onnx.ModelProto) -> int:
@@ -604,8 +606,9 @@ def quantizer_step(mode: str, step: Callable[[], T]) -> T:
     except (ConfigError, ExportError):
         raise
     except Exception as err:  # noqa: BLE001 - the quantizer fails in many ways
+        other = "static" if mode == "dynamic" else "dynamic"
         raise ExportError(f"{mode} quantization failed: {first_line(err)}",
-                          "try --quantize dynamic, or --quantize none") from None
+                          f"try --quantize {other}, or --quantize none") from None
 
 
 def grown_time(fp32_path: Path, variant: bytes, runtime: RuntimeOptions, batch_size: int,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, ConfigError, DataError,
                    PipelineError, atomic_write_json, check_paths, exit_cli, run_cli,
-                   setup_logging)
+                   setup_logging, user_code_error)
 
 
 def _fmt(value: Any) -> str:
@@ -331,6 +331,7 @@ def emit_report(report: dict, report_json: str | None, json_stdout: bool = False
 
 
 def error_section(err: BaseException) -> dict:
+    err = user_code_error(err) or err  # the --model_def module's own failure (exit 2)
     if isinstance(err, PipelineError):
         return {"code": err.exit_code, "message": err.one_line()}
     if isinstance(err, KeyboardInterrupt):
@@ -445,10 +446,31 @@ def read_report(path: Path) -> dict:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"{path} is not JSON ({err})", "give the --report_json file of a run")
+    except RecursionError:
+        report = None  # nested deeper than the parser goes: no report of ours
+    if report is None or nesting_depth(report) > MAX_REPORT_DEPTH:
+        raise DataError(f"{path} is JSON nested deeper than {MAX_REPORT_DEPTH} levels, which no "
+                        "run's report is", "give the --report_json file of a run")
     if not isinstance(report, dict) or "version" not in report or "status" not in report:
         raise DataError(f"{path} is JSON but not a run's report (no version and status)",
                         "give the --report_json file of a run")
     return report
+
+
+# A run's report nests about 6 levels deep; this bounds the drawing code's recursion.
+MAX_REPORT_DEPTH = 32
+
+
+def nesting_depth(value: object) -> int:
+    """How deeply lists and objects nest in a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def main(argv: Sequence[str] | None = None) -> int:

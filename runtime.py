@@ -450,6 +450,15 @@ class CpuInfo:
         return f"{self.name}, {cores}, int8 dot product: {dot}"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or `taskset`'s share),
+    which is what a local Ray cluster is given."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # macOS, Windows: no affinity masks
+        return os.cpu_count() or 1
+
+
 def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
     """This machine's CPU from /proc/cpuinfo (or the given text of one); the platform module's
     name, with the instructions unknown, where there is none (macOS, Windows)."""

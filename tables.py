@@ -33,6 +33,9 @@ EMPTY = frozenset({""})
 MISSING = frozenset({"", "nan", "NaN", "NA", "N/A", "null", "None"})
 NUMERIC_MISSING = MISSING | {"?"}
 HEADER_SAMPLE_ROWS = 1000  # header detection looks at this many rows, whatever the chunk size
+# A frame's attrs key: {column: what nested values it holds} (a Parquet column's Arrow type,
+# "JSON arrays"); their cells read as text for column detection, but a run that uses one stops
+NESTED = "nested_columns"
 _INTEGER = re.compile(r"[+-]?\d+")
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
@@ -149,11 +152,23 @@ def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
         frames = (whole.iloc[start:start + step] for start in range(0, len(whole), step))
     rows = 0
     for frame in frames:
+        nested = [_json_nested(frame.iloc[:, j]) for j in range(frame.shape[1])]
         frame = frame.apply(lambda column: column.map(_cell_text)).astype(object)
         frame.columns = unique_names(frame.columns)
         frame.index = pd.RangeIndex(rows, rows + len(frame))
         rows += len(frame)
-        yield frame.where(frame.notna() & ~frame.isin(EMPTY)).dropna(how="all")
+        frame = frame.where(frame.notna() & ~frame.isin(EMPTY)).dropna(how="all")
+        frame.attrs[NESTED] = {n: k for n, k in zip(frame.columns, nested) if k}
+        yield frame
+
+
+def _json_nested(column) -> str | None:
+    """What nested values a JSON column holds ("JSON arrays", "JSON objects"), if any."""
+    if column.dtype != object:
+        return None
+    kinds = {type(v) for v in column if isinstance(v, (list, dict))}
+    return " and ".join(("JSON arrays" if k is list else "JSON objects")
+                        for k in sorted(kinds, key=lambda k: k.__name__)) or None
 
 
 # Parquet is decoded in record batches of at least this many rows, on Arrow's threads, then cut
@@ -183,26 +198,34 @@ def _parquet_chunks(path: Path, chunk_rows: int | None, numeric_columns: Sequenc
                   else range(handle.metadata.num_row_groups))
     rows = sum(handle.metadata.row_group(g).num_rows for g in range(groups[0])) if groups else 0
     names = unique_names(handle.schema_arrow.names)
+    nested = {name: str(column.type) for name, column in zip(names, handle.schema_arrow)
+              if _is_nested(column.type)}
     typed = set(numeric_columns)
     step = chunk_rows or PARQUET_BATCH_ROWS
     for batch in handle.iter_batches(batch_size=max(step, PARQUET_BATCH_ROWS),
                                      row_groups=groups, use_threads=True):
         for start in range(0, batch.num_rows, step):
             part = batch.slice(start, step)
-            yield _parquet_frame(part, names, typed, rows)
+            frame = _parquet_frame(part, names, typed, rows)
+            frame.attrs[NESTED] = nested
+            yield frame
             rows += part.num_rows
 
 
 def _parquet_frame(batch, names: list[str], numeric: set[str], first_row: int):
     """A record batch as iter_table's frames are: cells as CSV text (numbers kept in the
-    `numeric` columns), empty cells NaN, all-empty rows left out, the index the data row."""
+    `numeric` columns; dates and times as the numbers of temporal_numbers), empty cells NaN,
+    all-empty rows left out, the index the data row."""
     import pandas as pd
     import pyarrow.types as pa_types
 
     columns = {}
     for name, array in zip(names, batch.columns):
         kind = array.type
-        if name in numeric and (pa_types.is_integer(kind) or pa_types.is_floating(kind)):
+        moments = temporal_numbers(array)
+        if moments is not None:
+            columns[name] = moments if name in numeric else pd.Series(moments).map(_cell_text)
+        elif name in numeric and (pa_types.is_integer(kind) or pa_types.is_floating(kind)):
             columns[name] = array.to_numpy(zero_copy_only=False).astype(np.float64)
         elif pa_types.is_string(kind) or pa_types.is_large_string(kind):
             columns[name] = array.to_pandas()
@@ -214,6 +237,47 @@ def _parquet_frame(batch, names: list[str], numeric: set[str], first_row: int):
     if not cells.empty:
         frame[cells.columns] = cells.where(cells.notna() & ~cells.isin(EMPTY))
     return frame.dropna(how="all")
+
+
+def _is_nested(kind) -> bool:
+    """An Arrow type whose cells hold several values: list, large_list, fixed_size_list,
+    list_view, struct, map, union, or a dictionary or extension type of one."""
+    import pyarrow as pa
+    import pyarrow.types as pa_types
+
+    if isinstance(kind, pa.ExtensionType):
+        kind = kind.storage_type
+    if pa_types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa_types.is_nested(kind)
+
+
+# Units of an Arrow timestamp, duration or time of day in one second
+_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def temporal_numbers(array) -> np.ndarray | None:
+    """A Parquet timestamp, date, time or duration column as the float64 numbers a model reads
+    (NaN where null), None for other types: a timestamp is seconds since the Unix epoch, UTC (one without a
+    time zone is taken as UTC), a date is days since the epoch, a time of day is seconds since
+    midnight, a duration is seconds (docs/data.md)."""
+    import pyarrow as pa
+    import pyarrow.types as pa_types
+
+    kind = array.type
+    if pa_types.is_dictionary(kind) and pa_types.is_temporal(kind.value_type):
+        array, kind = array.dictionary_decode(), kind.value_type
+    if pa_types.is_date32(kind):
+        per_unit = 1  # stored as days
+    elif pa_types.is_date64(kind):
+        per_unit = 86_400_000  # stored as milliseconds
+    elif pa_types.is_timestamp(kind) or pa_types.is_duration(kind) or pa_types.is_time(kind):
+        per_unit = _PER_SECOND[kind.unit]
+    else:
+        return None
+    raw = array.cast(pa.int32() if kind.bit_width == 32 else pa.int64())
+    raw = raw.to_numpy(zero_copy_only=False)
+    return raw.astype(np.float64) / per_unit  # a division: whole seconds stay exact
 
 
 def _first_character(path: Path) -> str:
@@ -359,6 +423,7 @@ def detect_columns(frame, role: str, path: Path, label_spec: str | None = None,
         raise DataError(f"{path}: the label column {label!r} is also an input, or there are no "
                         f"input columns; its columns are {list(frame.columns)}",
                         f"pass --label_column and --{_flag(role)}")
+    refuse_nested(frame, [label, *inputs], path)
     return Columns(label, inputs)
 
 
@@ -404,7 +469,7 @@ def serving_columns(frame, trained: Columns, path: Path, role: str,
     elif not trained.inputs:
         inputs = [detect_input(frame, role, path)]
     else:
-        found = [_find(frame, name) for name in trained.inputs]
+        found = [locate_column(frame, name) for name in trained.inputs]
         headerless = all(c.isdigit() for c in frame.columns)
         if None not in found:
             inputs = found
@@ -417,16 +482,70 @@ def serving_columns(frame, trained: Columns, path: Path, role: str,
                             f"pass --{_flag(role)} naming them (names or 0-based positions)")
     if label_spec:
         return Columns(resolve(frame, label_spec, "label", path), inputs)
-    label = _find(frame, trained.label) if trained.label else None
+    label = locate_column(frame, trained.label) if trained.label else None
     return Columns(label if label not in inputs else None, inputs)
 
 
-def _find(frame, name: str) -> str | None:
+def split_columns(frame, trained: Columns, order: Sequence[str], path: Path,
+                  flag: str) -> Columns:
+    """The training table's label and input columns (`trained`; `order`: all its columns) in
+    the table given for another split (`flag`: --val_path or --test_path), by locate_column's
+    rule. Every one must be there; extra columns are ignored. Where positions decide (either
+    table has no header), both need as many columns, or each column after a missing one would
+    silently take its neighbour's place."""
+    positional = is_headerless(frame.columns) or is_headerless(order)
+    if positional and frame.shape[1] != len(order):
+        raise DataError(f"{flag} {path} has {frame.shape[1]} columns and the training table "
+                        f"{len(order)}; without a header row columns are matched by position",
+                        "give it the training table's columns in the same order, or give both "
+                        "tables a header row (columns are then matched by name)")
+    wanted = [trained.label, *trained.inputs]
+    found = [locate_column(frame, name, order) for name in wanted]
+    absent = [name for name, column in zip(wanted, found) if column is None]
+    if absent:
+        raise DataError(f"{flag} {path} lacks the training table's column(s) {absent[:5]}; its "
+                        f"columns are {list(frame.columns)[:20]}", "give it those columns, "
+                        "named as in the training table (any order; extra columns are ignored)")
+    columns = Columns(found[0], found[1:])
+    refuse_nested(frame, [columns.label, *columns.inputs], path)
+    return columns
+
+
+def locate_column(frame, name: str, order: Sequence[str] = ()) -> str | None:
+    """Where a column of the training table (`name`) is in a table read against it (a
+    --val_path or --test_path split, inference.py --input): the one rule for all of them. By
+    name; a digit name (training had no header) by that position; else, in a table without a
+    header, by the name's position among the training table's columns (`order`, when known).
+    None when it is not there: never a neighbour's column by position in a table with a header.
+    """
     if name in frame.columns:
         return name
     if name.isdigit() and int(name) < frame.shape[1]:
         return frame.columns[int(name)]
+    order = list(order)
+    if is_headerless(frame.columns) and name in order and order.index(name) < frame.shape[1]:
+        return frame.columns[order.index(name)]
     return None
+
+
+def is_headerless(columns: Sequence[str]) -> bool:
+    """Columns named 0, 1, ...: a CSV/TSV read without a header row."""
+    return [str(c) for c in columns] == [str(i) for i in range(len(columns))]
+
+
+def refuse_nested(frame, used: Sequence[str | None], path: Path) -> None:
+    """Exit 3 when a column the run uses holds nested values (a Parquet list, struct or map,
+    JSON arrays or objects): a model takes one number or text per cell, and the text of a list
+    (`"['Wat', 'uniform?']"`) is no input. Nested columns a run does not use are left alone."""
+    nested = frame.attrs.get(NESTED) or {}
+    bad = [f"{name!r} ({nested[name]})" for name in dict.fromkeys(used) if name in nested]
+    if bad:
+        one = len(bad) == 1
+        raise DataError(f"{path}: {'column' if one else 'columns'} {', '.join(bad[:5])} "
+                        f"{'holds' if one else 'hold'} nested values, and a model takes one "
+                        "number or text per cell", "flatten it into plain columns (one per "
+                        "field or element; a list of words joined into one string), or name "
+                        "the columns to use (--label_column, --feature_columns, --text_column)")
 
 
 # ----------------------------------------------------------------------------- cells

@@ -33,7 +33,7 @@ from dspy.utils.exceptions import AdapterParseError, LMError  # noqa: E402
 from data import Dataset, Split  # noqa: E402
 from preprocess import HF_TOKENIZER, HFTokenizer, Tokenizer, text_tokenizer  # noqa: E402
 from tables import (TEXT_NAMES, find_by_name, joined_texts, longest_text_column,  # noqa: E402
-                    read_table, resolve_all, split_spec)
+                    read_table, refuse_nested, resolve_all, split_spec)
 from utils import (LOG, ConfigError, DataError, RuntimeFailure, first_line,  # noqa: E402
                    progress, stdout_to_stderr)
 
@@ -180,6 +180,7 @@ def read_unlabeled(path: str, text_column: str | None) -> list[str]:
         frame = read_table(file, None, "auto", split_spec(text_column))
         columns = (resolve_all(frame, text_column, "text", file)
                    or [find_by_name(frame, TEXT_NAMES) or longest_text_column(frame)])
+        refuse_nested(frame, columns, file)
         texts = list(joined_texts(frame, columns))
     texts = [t for t in texts if t]
     if not texts:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models import IDENTITY_STATISTICS
+from models import IDENTITY_STATISTICS, weights_error
 from utils import ConfigError, DataError, first_line, sha256_of
 
 # Buffers that hold this run's data statistics, not learned weights: never overwritten.
@@ -46,9 +46,11 @@ class Transfer:
                 "notes": self.notes}
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, hint: str = "pass a .safetensors file or a torch state dict "
+                    "(torch.save(model.state_dict(), PATH))") -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file, or of a torch file (a state dict, or a checkpoint
-    holding one under `state_dict`/`model`), never unpickling code."""
+    holding one under `state_dict`/`model`), never unpickling code; `hint` says what to do
+    when the file cannot be read."""
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -57,10 +59,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure: not a weight file we can read
-        first = first_line(err, 200)
-        raise DataError(f"cannot read weights {path}: {first}",
-                        "pass a .safetensors file or a torch state dict (torch.save("
-                        "model.state_dict(), PATH))") from None
+        raise DataError(f"cannot read weights {path}: {weights_error(err)}", hint) from None
     if isinstance(state, dict):
         for key in ("state_dict", "model"):
             if isinstance(state.get(key), dict):
@@ -172,7 +171,8 @@ def init_from_pretrained(net: nn.Module, arch: str) -> Transfer:
     """--pretrained: torchvision's ImageNet weights into the network's `body`. A grayscale
     network takes the first conv's weights summed over the RGB channels (gray = R = G = B)."""
     path = require_pretrained_file(arch)
-    source = read_state_dict(path)
+    source = read_state_dict(path, f"the torch hub cache's copy is damaged: delete {path} and "
+                             f"put the file from {pretrained_file(arch)[1]} there again")
     target = learned_state(net)
     notes = []
     for key, tensor in source.items():

@@ -76,6 +76,46 @@ class RuntimeFailure(PipelineError):
     exit_code = EXIT_RUNTIME
 
 
+class UserCodeFailure(BaseException):
+    """The user's own code (a --model_def module) failed: carries the ConfigError (exit 2) that
+    blames it. A BaseException, like the SystemExit it may stand for, so that no `except
+    Exception` on its way out (dspy.Evaluate's, the ONNX exporter's, the tool's own) makes it
+    another error; run_cli and the report unwrap it (user_code_error)."""
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(error.one_line())
+        self.error = error
+
+
+# A user's code file (resolved) → how an error names it ("--model_def mynet.py"): an exception
+# raised there outside models.user_code (a custom backward, a hook) is still the user's.
+_USER_CODE_FILES: dict[str, str] = {}
+
+
+def register_user_code(path: Path, label: str) -> None:
+    _USER_CODE_FILES[str(Path(path).resolve())] = label
+
+
+def user_code_error(err: BaseException) -> PipelineError | None:
+    """The error to report when `err` came out of the user's code: a UserCodeFailure's own, or a
+    ConfigError for an exception (SystemExit too) raised in a registered user file; None when
+    it is the tool's, and for interrupts and running out of memory, which stay the tool's."""
+    if isinstance(err, UserCodeFailure):
+        return err.error
+    if not _USER_CODE_FILES or isinstance(err, (KeyboardInterrupt, MemoryError, PipelineError)):
+        return None
+    frames = [(frame.f_code.co_filename, line) for frame, line in
+              traceback.walk_tb(err.__traceback__)]
+    for filename, line in reversed(frames):  # the innermost frame of the user's code
+        label = _USER_CODE_FILES.get(str(Path(filename).resolve())) if filename else None
+        if label:
+            what = (f"called sys.exit({err.code!r})" if isinstance(err, SystemExit)
+                    else f"raised {type(err).__name__}: {first_line(err, 200)}")
+            return ConfigError(f"{label}: its code {what} (line {line})",
+                               "the error is in that module: fix it")
+    return None
+
+
 # ----------------------------------------------------------------------------- logging / output
 
 _DEBUG = False
@@ -187,10 +227,16 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         signal.signal(signal.SIGINT, _raise_interrupt)
     prog = Path(sys.argv[0]).name
     try:
-        return main(argv)
+        try:
+            return main(argv)
+        except (UserCodeFailure, SystemExit, Exception) as err:
+            blamed = user_code_error(err)  # the user's --model_def code failed: exit 2
+            if blamed is None:
+                raise
+            raise blamed from err
     except PipelineError as err:
         _print_traceback_if_debug()
-        print(f"{prog}: error: {err.one_line()}", file=sys.stderr)
+        say_error(prog, err.one_line())
         return err.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -198,20 +244,27 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except OSError as err:  # a full disk, a file too large, a permission: say which file
         _print_traceback_if_debug()
         where = f" {err.filename}" if err.filename else ""
-        print(f"{prog}: error: cannot read or write{where}: {err.strerror or err}; free disk "
-              "space, check permissions, or choose another path", file=sys.stderr)
+        say_error(prog, f"cannot read or write{where}: {err.strerror or err}; free disk space, "
+                  "check permissions, or choose another path")
         return EXIT_RUNTIME
     except MemoryError:
         _print_traceback_if_debug()
-        print(f"{prog}: error: out of memory; lower --batch_size or use smaller images",
-              file=sys.stderr)
+        say_error(prog, "out of memory; lower --batch_size or use smaller images")
         return EXIT_RUNTIME
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, not a traceback
         _print_traceback_if_debug()
         first = (str(err).strip().splitlines() or [""])[0]
-        print(f"{prog}: error: unexpected {type(err).__name__}: {first}; "
-              "rerun with --log_level DEBUG for the traceback and report it", file=sys.stderr)
+        say_error(prog, f"unexpected {type(err).__name__}: {first}; "
+                  "rerun with --log_level DEBUG for the traceback and report it")
         return EXIT_RUNTIME
+
+
+def say_error(prog: str, text: str) -> None:
+    """The one error line on stderr. Its text may quote a file name or a library's message:
+    control characters (a terminal's escape sequences, line breaks) are shown escaped, so the
+    line stays one line and cannot recolour or rewrite the user's terminal."""
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    print(f"{prog}: error: {shown}", file=sys.stderr)
 
 
 def exit_cli(code: int) -> NoReturn:
@@ -351,9 +404,10 @@ def same_file(a: Path, b: Path) -> bool:
 
 
 def check_paths(reads: dict[str, Path], writes: dict[str, Path]) -> None:
-    """Before any work: no output may be an input or another output, and every output must be
-    writable. Keys name where a path came from ("--report_json", "the bundle's manifest ...");
-    raises ConfigError (exit 2)."""
+    """Before any work: no output may be an input or another output, no output may need
+    another output to be its folder, and every output must be writable. Keys
+    name where a path came from ("--report_json", "the bundle's manifest ..."); raises
+    ConfigError (exit 2)."""
     names = list(writes)
     for i, name in enumerate(names):
         path = writes[name]
@@ -362,15 +416,26 @@ def check_paths(reads: dict[str, Path], writes: dict[str, Path]) -> None:
                 raise ConfigError(f"{name} {path} is the same file as {other} {other_path}; "
                                   "nothing was read or written",
                                   f"give {name.split()[0]} a path of its own")
+        for other, other_path in writes.items():
+            if other != name and inside(path, other_path):
+                raise ConfigError(f"{name} {path} would need {other} {other_path} to be a "
+                                  "folder; nothing was read or written",
+                                  f"give {name.split()[0]} a path of its own")
         problem = unwritable(path)
         if problem:
             raise ConfigError(f"{name} {path} cannot be written: {problem}",
                               "choose a writable location")
 
 
+def inside(path: Path, folder: Path) -> bool:
+    """Does `path` lie (at any depth) under `folder`, both resolved?"""
+    return folder.resolve() in path.resolve().parents
+
+
 def unwritable(path: Path) -> str | None:
     """Why `path` cannot be created or replaced (None: it can). A missing folder is fine when
-    it can be created: the nearest existing one must be a writable folder."""
+    it can be created: the nearest existing one must be a folder a file can be created in,
+    which is tried (as root, os.access says yes to /sys and to read-only mounts)."""
     if path.is_dir():
         return "it is a folder"
     folder = path.parent
@@ -382,4 +447,10 @@ def unwritable(path: Path) -> str | None:
         return f"{folder} is a file, not a folder"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"the folder {folder} is not writable"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ttc-probe-", suffix=".tmp", dir=folder)
+    except OSError as err:
+        return f"no file can be created in {folder} ({err.strerror or err})"
+    os.close(fd)
+    os.unlink(probe)
     return None

@@ -401,3 +401,150 @@ def test_the_bad_input_table_names_tests_that_exist():
     for row in rows:
         for name in re.findall(r"test_\w+", row.split("|")[-2]):
             assert (Path(__file__).parent / f"{name}.py").is_file(), (name, row)
+
+
+# ----------------------------------------------------------------------------- issue 36: 5 and 6
+
+
+def feature_table(path: Path, columns: list[str], rows: list[dict], header: bool = True) -> Path:
+    if not header:
+        path.write_text("".join(",".join(r[c] for c in columns) + "\n" for r in rows))
+        return path
+    return write_rows(path, columns, [[r[c] for c in columns] for r in rows])
+
+
+def test_split_files_take_the_training_columns_by_name_or_fail(tmp_path):
+    """A --val_path/--test_path table is matched by name: reordered columns and extra ones
+    train exactly as the training order does; a missing column, or a headerless table with
+    another column count, is exit 3 naming it and the file, before any bundle file."""
+    from conftest import feature_rows
+
+    rows = feature_rows(seed=9)
+    for r in rows:
+        r["note"] = "x"
+    names = ["height", "weight", "color", "kind"]
+    train = feature_table(tmp_path / "train.csv", names, rows[:110])
+    tables = {"val.csv": names, "shuffled.csv": ["note", "kind", "color", "height", "weight"]}
+    histories = []
+    for name, columns in tables.items():
+        out = tmp_path / name.removesuffix(".csv")
+        run = run_cli("train.py", *TABULAR, "--dataset_path", train, "--label_column", "kind",
+                      "--val_path", feature_table(tmp_path / name, columns, rows[110:]),
+                      "--output_model", out / "model.onnx", "--report_json", out / "r.json",
+                      "--num_threads", "1")
+        assert run.returncode == 0, run.stderr[-2000:]
+        report = json.loads((out / "r.json").read_text())
+        assert report["dataset"]["val"] == 40
+        histories.append([{k: v for k, v in epoch.items() if k != "seconds"}
+                          for epoch in report["train"]["history"]])
+    assert histories[0] == histories[1]
+    assert digest(tmp_path / "val" / "model.pt") == digest(tmp_path / "shuffled" / "model.pt")
+
+    bad = [("--test_path", ["height", "weight", "color"], True, ["--test_path", "['kind']"]),
+           ("--val_path", ["height", "weight", "kind", "note"], True, ["--val_path", "['color']"]),
+           ("--val_path", ["height", "weight", "kind"], False,
+            ["--val_path", "has 3 columns and the training table 4", "by position"])]
+    for k, (flag, columns, header, phrases) in enumerate(bad):
+        split = feature_table(tmp_path / f"bad{k}.csv", columns, rows[110:], header)
+        out = tmp_path / f"bad{k}"
+        run = run_cli("train.py", *TABULAR, "--dataset_path", train, "--label_column", "kind",
+                      flag, split, "--output_model", out / "model.onnx")
+        assert_clean_failure(run, 3, f"bad{k}.csv", *phrases)
+        assert not out.exists()
+
+
+def temporal_frame(n: int = 150):
+    """A date, a UTC timestamp and a number that give the class away, and a list column."""
+    import datetime as dt
+
+    import pyarrow as pa
+
+    rng = np.random.default_rng(3)
+    kind = [["early", "late"][i % 2] for i in range(n)]
+    days = [dt.date(2020, 1, 1) + dt.timedelta(days=int(400 * (k == "late")) + i)
+            for i, k in enumerate(kind)]
+    stamps = [dt.datetime(d.year, d.month, d.day, 6, 30, tzinfo=dt.timezone.utc) for d in days]
+    return pa.table({
+        "x": pa.array(rng.normal(size=n)), "day": pa.array(days, pa.date32()),
+        "seen": pa.array(stamps, pa.timestamp("ms", tz="UTC")),
+        "tags": pa.array([[k, "t"] for k in kind], pa.list_(pa.string())), "kind": kind})
+
+
+def test_dates_and_timestamps_are_numbers_in_training_and_serving(tmp_path):
+    """docs/data.md: a Parquet date is days since 1970-01-01, a timestamp seconds since the
+    Unix epoch (UTC); both are numeric features, read alike at inference, and a CSV holding
+    those numbers predicts identically. The unused list column does not stop the run."""
+    import pyarrow.parquet as pq
+
+    table = temporal_frame()
+    pq.write_table(table, tmp_path / "t.parquet")
+    epoch = np.datetime64("1970-01-01")
+    numbers = {"x": table["x"].to_pylist(),
+               "day": [int((np.datetime64(d) - epoch) // np.timedelta64(1, "D"))
+                       for d in table["day"].to_pylist()],
+               "seen": [d.timestamp() for d in table["seen"].to_pylist()]}
+    write_rows(tmp_path / "t.csv", ["x", "day", "seen", "kind"],
+               [[repr(float(numbers["x"][i])), numbers["day"][i], f"{numbers['seen'][i]:.0f}",
+                 table["kind"][i].as_py()] for i in range(len(table))])
+    model = tmp_path / "m" / "model.onnx"
+    run = run_cli("pipeline.py", *TABULAR, "--dataset_path", tmp_path / "t.parquet",
+                  "--label_column", "kind", "--feature_columns", "x,day,seen",
+                  "--output_model", model, "--num_threads", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    pre = json.loads((tmp_path / "m" / "model.json").read_text())["preprocessing"]
+    assert [(c["name"], c["type"]) for c in pre["columns"]] == [
+        ("x", "numeric"), ("day", "numeric"), ("seen", "numeric")]
+    for name in ("day", "seen"):  # the training mean lies among the documented numbers
+        mean = pre["mean"][pre["feature_names"].index(name)]
+        assert min(numbers[name]) < mean < max(numbers[name]), (name, mean)
+    outputs = []
+    for source in ("t.parquet", "t.csv"):
+        out = tmp_path / f"{source}.preds.csv"
+        served = run_cli("inference.py", "--model", model, "--input", tmp_path / source,
+                         "--output", out, "--top_k", "2")
+        assert served.returncode == 0, served.stderr[-2000:]
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1] and outputs[0].count("\n") == 151
+
+    # serving refuses a nested cell where the model reads a number
+    nested = table.set_column(1, "day", table["tags"])
+    pq.write_table(nested, tmp_path / "nested.parquet")
+    run = run_cli("inference.py", "--model", model, "--input", tmp_path / "nested.parquet",
+                  "--output", tmp_path / "p.csv")
+    assert_clean_failure(run, 3, "nested.parquet", "'day' (list<", "flatten")
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_nested_columns_that_a_run_uses_are_refused(tmp_path):
+    """Struct, list and map Parquet columns and JSON arrays or objects have no one value per
+    cell: used as features, text or label they are exit 3 naming the column and its type."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 40
+    kind = [["a", "b"][i % 2] for i in range(n)]
+    x = [float(i % 2) + 0.1 * i for i in range(n)]
+    cases = {
+        "struct.parquet": (pa.table({"x": x, "where": pa.array(
+            [{"lat": v, "lon": -v} for v in x]), "kind": kind}), TABULAR,
+            ["'where' (struct<lat: double, lon: double>)"]),
+        "map.parquet": (pa.table({"x": x, "attrs": pa.array(
+            [[("size", v)] for v in x], pa.map_(pa.string(), pa.float64())), "kind": kind}),
+            [*TABULAR, "--feature_columns", "attrs,x"], ["'attrs' (map<string, double"]),
+        "words.parquet": (pa.table({"words": pa.array(
+            [["rain", "today"] if k == "a" else ["goal", "now"] for k in kind],
+            pa.list_(pa.string())), "label": kind}),
+            ["--model_type", "text_classifier", *FAST_TRAINING, "--text_column", "words"],
+            ["'words' (list<"]),
+    }
+    for name, (table, flags, phrases) in cases.items():
+        pq.write_table(table, tmp_path / name)
+    (tmp_path / "objects.jsonl").write_text("".join(
+        json.dumps({"x": v, "box": {"w": v}, "kind": k}) + "\n" for v, k in zip(x, kind)))
+    cases["objects.jsonl"] = (None, TABULAR, ["'box' (JSON objects)"])
+    for name, (_, flags, phrases) in cases.items():
+        out = tmp_path / name.replace(".", "_")
+        run = run_cli("train.py", *flags, "--dataset_path", tmp_path / name, "--output_model",
+                      out / "model.onnx")
+        assert_clean_failure(run, 3, name, *phrases, "nested values", "flatten")
+        assert not out.exists()

@@ -334,3 +334,202 @@ def test_model_def_for_tables_through_the_stage_clis(tmp_path):
     rows[1, :5] = np.nan
     probabilities = onnx_probabilities(model, rows)
     assert np.isfinite(probabilities).all() and probabilities.shape == (2, 3)
+
+
+# ----------------------------------------------------------------------------- --model_def code
+# Whatever the user's module does wherever it runs (import, factory, forward at any batch size,
+# in training, validation or export) is its own: one line blaming it, exit 2, no bundle.
+
+SMALL_NET = '''
+import os
+import sys
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, channels, num_classes):
+        super().__init__()
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x):
+        {forward}
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def build(num_classes, input_spec):
+    {factory}
+    return Net(input_spec["channels"], num_classes)
+'''
+
+
+def small_net(folder: Path, forward: str = "pass", factory: str = "pass",
+              name: str = "mynet.py") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(SMALL_NET.replace("{forward}", forward).replace("{factory}", factory))
+    return path
+
+
+def train_model_def(digits_folder: Path, spec: object, out: Path, *extra: str):
+    return run_cli("train.py", "--dataset_path", digits_folder, "--model_def", spec,
+                   *ONE_EPOCH, "--num_threads", "1", "--output_model", out / "model.onnx",
+                   *extra)
+
+
+def assert_no_bundle(out: Path) -> None:
+    assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+
+
+@pytest.mark.parametrize("forward,factory,phrase", [
+    # the shape check runs a batch of 2; the training batch (63) is where it exits
+    ("if len(x) > 2: sys.exit(3)", "pass", "its forward on a batch of (63, 1, 16, 16) "
+     "torch.float32 called sys.exit(3)"),
+    ("pass", "raise SystemExit", "the factory called sys.exit(None)"),
+])
+def test_model_def_that_exits_is_exit_2_blaming_it(digits_folder, tmp_path, forward, factory,
+                                                   phrase):
+    source = small_net(tmp_path / "src", forward, factory)
+    run = train_model_def(digits_folder, f"{source}:build", tmp_path / "out")
+    assert_clean_failure(run, 2, f"--model_def {source}:build", phrase, "must not exit")
+    assert_no_bundle(tmp_path / "out")
+
+
+def test_model_def_interrupted_is_still_130(digits_folder, tmp_path):
+    source = small_net(tmp_path / "src", factory="raise KeyboardInterrupt")
+    run = train_model_def(digits_folder, f"{source}:build", tmp_path / "out")
+    assert run.returncode == 130, run.stderr[-2000:]
+    assert "train.py: interrupted" in run.stderr and "error:" not in run.stderr
+    assert_no_bundle(tmp_path / "out")
+
+
+def test_model_def_prints_never_reach_stdout(digits_folder, tmp_path):
+    """Python prints and writes to file descriptor 1, in the factory and in every forward."""
+    source = small_net(tmp_path / "src", forward="print('forward', len(x)); "
+                       "os.write(1, b'raw forward\\n')", factory="print('factory')")
+    run = train_model_def(digits_folder, f"{source}:build", tmp_path / "out",
+                          "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)  # stdout is the report alone
+    assert report["status"] == "ok"
+    assert "factory" in run.stderr and "forward 63" in run.stderr
+    assert "raw forward" in run.stderr
+
+
+BACKWARD_FAILS = '''
+import torch
+from torch import nn
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ArithmeticError("no gradient here")
+
+
+class Net(nn.Module):
+    def __init__(self, channels, num_classes):
+        super().__init__()
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x):
+        return Boom.apply(self.head(x.mean(dim=(2, 3))))
+
+
+def build(num_classes, input_spec):
+    return Net(input_spec["channels"], num_classes)
+'''
+
+
+@pytest.mark.parametrize("case,phrases", [
+    ("big_batch", ["its forward on a batch of (63, 1, 16, 16)",
+                   "ValueError: batch of 63 > 8", "fix forward in"]),
+    ("one_sample", ["its forward on a batch of (1, 1, 16, 16)", "KeyError: 'single'"]),
+    ("no_parameters", ["returned a module with no trainable parameters"]),
+    ("backward", ["its code raised ArithmeticError: no gradient here (line 13)"]),
+    ("folder", ["is a folder, not a Python file"]),
+    ("text_file", ["notes.txt is not a Python file (.py)"]),
+    ("csv_file", ["data.csv is not a Python file (.py)"]),
+])
+def test_model_def_errors_blame_the_module_not_the_tool(digits_folder, tmp_path, case, phrases):
+    """The user's module fails only at the training batch size (63, not the check's 2), only on
+    the one-sample batches validation predicts, in a custom backward, or has nothing to
+    train; or --model_def names no Python file: exit 2 before any bundle, never exit 5."""
+    src = tmp_path / "src"
+    spec = {
+        "big_batch": lambda: small_net(src, "if len(x) > 8: raise ValueError("
+                                            "f'batch of {len(x)} > 8')"),
+        "one_sample": lambda: small_net(src, "if len(x) == 1: raise KeyError('single')"),
+        "no_parameters": lambda: small_net(src, factory="return nn.Flatten()"),
+        "folder": lambda: src,
+        "text_file": lambda: src / "notes.txt",
+        "csv_file": lambda: src / "data.csv",
+    }.get(case, lambda: src / "backward.py")()
+    src.mkdir(exist_ok=True)
+    (src / "notes.txt").write_text(SMALL_NET)
+    (src / "data.csv").write_text("a,b\n1,2\n")
+    (src / "backward.py").write_text(BACKWARD_FAILS)
+    run = train_model_def(digits_folder, f"{spec}:build", tmp_path / "out")
+    assert_clean_failure(run, 2, *phrases)
+    assert "report it" not in run.stderr
+    assert_no_bundle(tmp_path / "out")
+
+
+def test_model_def_failing_only_in_the_export_blames_the_module(tmp_path):
+    """train.py writes the bundle; export.py rebuilds the module from the bundle's copy, and its
+    forward fails while traced for ONNX: exit 2 naming that copy, and no graph written."""
+    source = tmp_path / "tabnet.py"
+    source.write_text(TABULAR_DEF.replace(
+        "def build(num_classes, input_spec):",
+        "import torch\n\n\nclass Net(nn.Sequential):\n    def forward(self, x):\n"
+        "        if torch.compiler.is_exporting():\n"
+        "            raise NotImplementedError('no export, please')\n"
+        "        return super().forward(x)\n\n\ndef build(num_classes, input_spec):").replace(
+        "return nn.Sequential(", "return Net("))
+    model = tmp_path / "bundle" / "model.onnx"
+    run = run_cli("train.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  "builtin:wine", "--model_def", f"{source}:build", *ONE_EPOCH,
+                  "--output_model", model)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_cli("export.py", "--output_model", model)
+    assert_clean_failure(run, 2, "model.def.py:build: its forward (traced for the ONNX export)",
+                         "NotImplementedError: no export, please", "re-create the bundle")
+    assert not model.exists()
+
+
+SIBLING_MODULE = '''
+from torch import nn
+
+import config
+from utils import hidden_width
+
+
+def build(num_classes, input_spec):
+    return nn.Sequential(nn.Linear(input_spec["num_features"], hidden_width()), nn.ReLU(),
+                         nn.Linear(hidden_width(), num_classes), nn.Dropout(config.DROPOUT))
+'''
+
+
+def test_model_def_imports_its_own_siblings_not_the_tools(tmp_path):
+    """mynet.py imports its own utils.py and config.py, named like the tool's modules: it gets
+    its own, and the tool's modules are the tool's again for the rest of the run (export,
+    validation, the report)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mynet.py").write_text(SIBLING_MODULE)
+    (src / "utils.py").write_text("def hidden_width():\n    return 12\n")
+    (src / "config.py").write_text("DROPOUT = 0.0\n")
+    out = tmp_path / "bundle"
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  "builtin:wine", "--model_def", f"{src / 'mynet.py'}:build", *ONE_EPOCH,
+                  "--output_model", out / "model.onnx", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["export"]["top1_agreement"] == 1.0
+    weights = torch.load(out / "model.pt", weights_only=True)
+    assert weights["module.0.weight"].shape[0] == 12  # the user's hidden_width()

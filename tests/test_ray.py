@@ -1,10 +1,13 @@
 """Batch inference on Ray (`inference.py --input ... --engine ray`) against the local engine:
 the same ids, labels, probabilities and error rows on text, tabular (Parquet) and image-folder
-inputs; a worker killed mid-run, and a run interrupted; a running cluster joined by address;
-Parquet in and out (tabular, text and image-path tables).
+inputs; a worker killed mid-run, and a run interrupted (SIGINT, and SIGTERM while the cluster
+starts and mid-run: no process of it left); a running cluster joined by address; flags refused
+before Ray starts; Parquet in and out (tabular, text and image-path tables; Ctrl-C while a
+Parquet output is written).
 
-Every test here starts Ray clusters of 2 CPUs, so they share one xdist worker (one at a time:
-the killing test must find its own workers)."""
+The tests here start Ray clusters of the machine's CPUs (2 on the machine they were written
+on), so they share one xdist worker (one at a time: the killing test must find its own
+workers)."""
 from __future__ import annotations
 
 import csv
@@ -332,3 +335,154 @@ def test_text_and_image_path_tables_from_parquet_predict_as_from_csv(text_bundle
             outputs.append(out)
         preds = assert_same_predictions(*outputs)
         assert len(preds) == len(frame)
+
+
+# ----------------------------------------------------------------------------- issue #36
+
+
+def ray_failing_on_import(folder: Path) -> tuple[dict, Path]:
+    """An environment in which importing ray leaves a marker file and fails: a run in it that
+    exits without the marker never started (or imported) Ray."""
+    marker = folder / "ray-was-imported"
+    package = folder / "fake" / "ray"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                         "raise ImportError('ray must not be imported')\n")
+    return {"PYTHONPATH": str(package.parent)}, marker
+
+
+def test_more_local_workers_than_cpus_and_malformed_addresses_fail_before_ray(
+        tabular_bundle, tmp_path):
+    """A local cluster has this machine's CPUs: more workers x threads than those is exit 2
+    before Ray starts (it was sized to the request and hung with --num_workers 1000000); a
+    --ray_address that is no host:port, auto or local is exit 2 too (it was exit 5)."""
+    cpus = len(os.sched_getaffinity(0))
+    data = tmp_path / "new.csv"
+    pd.DataFrame(feature_rows(per_class=5)).to_csv(data, index=False)
+    out = tmp_path / "preds.csv"
+    env, marker = ray_failing_on_import(tmp_path)
+    base = ["--model", tabular_bundle["model"], "--input", data, "--output", out, "--engine",
+            "ray"]
+    cases = [(["--num_workers", "1000000"], "--num_workers 1000000", "needs 1000000 CPUs"),
+             (["--num_workers", str(cpus + 1)], f"needs {cpus + 1} CPUs",
+              f"local Ray cluster has this machine's {cpus}"),
+             (["--num_threads", str(cpus + 1)], f"one Ray worker with {cpus + 1} threads"),
+             (["--num_workers", "2", "--num_threads", str(cpus), "--ray_address", "local"],
+              f"needs {2 * cpus} CPUs")]
+    cases += [(["--ray_address", address], f"invalid --ray_address {address!r}",
+               "expected host:port, auto or local")
+              for address in ("host:", "host:99999", "host:0", "a b:1", "garbage", "http://x",
+                              ":::", "10.0.0.1:6379:1", "[not-ipv6]:1", "ray://10.0.0.1:10001")]
+    for args, *phrases in cases:
+        started = time.time()
+        run = run_cli("inference.py", *base, *args, timeout=60, extra_env=env)
+        assert_clean_failure(run, 2, *phrases)
+        assert time.time() - started < 30, args
+    assert not marker.exists() and not out.exists()
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The live processes below `pid` (zombies count as gone), with their command lines."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
+                b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z":
+            parents[int(entry.name)] = int(parent)
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {p: commands.get(p, "") for p in found}
+
+
+def still_running(pids: dict[int, str]) -> dict[int, str]:
+    """Those of `pids` that still run the same command (not exited, no zombie)."""
+    alive = {}
+    for pid, command in pids.items():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            now = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue
+        if state != "Z" and now == command:
+            alive[pid] = command
+    return alive
+
+
+def test_sigterm_while_ray_starts_and_mid_run_exits_130_and_leaves_no_ray_process(
+        tabular_bundle, tmp_path):
+    """SIGTERM (as a scheduler stops a job) while the local cluster starts, and again once its
+    workers predict: exit 130 with one `interrupted` line and nothing after it (it was exit 15,
+    or 139, and left ray::DashboardAgent / RuntimeEnvAgent running), no output, and no process
+    of the run's cluster left."""
+    frame = pd.DataFrame(feature_rows(per_class=400, seed=9) * 25)  # 30,000 rows
+    data = tmp_path / "many.parquet"
+    frame.to_parquet(data, row_group_size=5000)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for moment in ("cluster start", "workers predicting"):
+        out = tmp_path / moment.replace(" ", "_") / "preds.csv"
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "inference.py"), "--model",
+             str(tabular_bundle["model"]), "--input", str(data), "--output", str(out),
+             "--engine", "ray", "--no_progress", "true", "--chunk_rows", "64"], cwd=REPO,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen: dict[int, str] = {}
+        wanted = "raylet" if moment == "cluster start" else "PredictWorker"
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not any(
+                wanted in command for command in seen.values()):
+            seen.update(descendants(proc.pid))
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before {moment}"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 130, (moment, stderr[-2000:])
+        assert stderr.strip().splitlines()[-1] == "inference.py: interrupted", stderr[-2000:]
+        assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr[-2000:]
+        assert not list(out.parent.glob("*preds.csv*"))
+        left = still_running(seen)
+        grace = time.time() + 10  # a worker forked in the last instant, before its raylet died
+        while left and time.time() < grace:
+            time.sleep(0.2)
+            left = still_running(left)
+        assert not left, (moment, left)
+
+
+def test_sigint_while_a_parquet_output_is_written_prints_one_line_and_keeps_the_old_one(
+        tabular_bundle, tmp_path):
+    """Ctrl-C once the first Parquet row group of 65,536 rows is on disk, with 234,464 rows to
+    go: exit 130, `interrupted` and nothing after it (pyarrow's ParquetWriter used to close
+    itself later, onto the closed file: "Exception ignored ... write to closed file"), no
+    temporary file, the previous output as it was."""
+    data = tmp_path / "many.parquet"
+    pd.DataFrame(feature_rows(per_class=400, seed=10) * 250).to_parquet(data)  # 300,000 rows
+    out = tmp_path / "preds.parquet"
+    out.write_bytes(b"the previous predictions")
+    proc = subprocess.Popen([sys.executable, str(REPO / "inference.py"), "--model",
+                             str(tabular_bundle["model"]), "--input", str(data), "--output",
+                             str(out), "--no_progress", "true"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not any(
+            p.stat().st_size > 4096 for p in tmp_path.glob(".preds.parquet.*.tmp")):
+        time.sleep(0.01)
+    # past the row group's write_table: Ctrl-C inside that call printed nothing even before
+    time.sleep(0.3)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "inference.py: interrupted", stderr[-2000:]
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.parquet", "preds.parquet"]
+    assert out.read_bytes() == b"the previous predictions"
