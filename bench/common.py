@@ -1,8 +1,12 @@
-"""What the bench scripts share: set up quiet logging and one torch thread, and train + export a
-bundle in-process, exactly as pipeline.py does."""
+"""What the bench scripts share: set up quiet logging and one torch thread, train + export a
+bundle in-process exactly as pipeline.py does, scratch folders removed at exit, and what --quick
+needs (a stand-in for the SMS Spam Collection)."""
 from __future__ import annotations
 
+import argparse
+import random
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,3 +49,67 @@ def run_cases(cases, measure, *args) -> None:
             print(f"\n{case[0]}: skipped, {case[2]} not found")
             continue
         measure(*case, *args)
+
+
+QUICK_HELP = ("a smoke run in seconds: tiny data, one round, one epoch, the smallest sizes, "
+              "through the same code; its figures mean nothing")
+
+
+def add_quick_flag(parser: argparse.ArgumentParser) -> None:
+    """--quick, and --check_flags: parse the flags (an unknown or malformed one is exit 2, as
+    always) and stop there. The docs test runs a script's first documented command with --quick
+    and checks the flags of its others this way."""
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    parser.add_argument("--check_flags", action="store_true",
+                        help="check the flags and exit without running")
+    parse = parser.parse_args
+
+    def parse_or_stop(*args, **kwargs):
+        parsed = parse(*args, **kwargs)
+        if parsed.check_flags:
+            raise SystemExit(0)
+        return parsed
+
+    parser.parse_args = parse_or_stop
+
+
+_SCRATCH: tempfile.TemporaryDirectory | None = None
+
+
+def scratch_dir() -> Path:
+    """A fresh folder under one temporary directory that is removed when the script exits."""
+    global _SCRATCH
+    if _SCRATCH is None:
+        _SCRATCH = tempfile.TemporaryDirectory(prefix="bench_")
+    return Path(tempfile.mkdtemp(dir=_SCRATCH.name))
+
+
+HAM = ["see you at lunch tomorrow", "ok i will call you later", "are we still on for tonight",
+       "sorry i am running late again", "thanks for the ride home", "what time is the game",
+       "can you pick up some milk", "happy birthday hope you have a great day"]
+SPAM = ["WIN a free prize now", "URGENT claim your cash award today", "you have won a guaranteed "
+        "prize reply now", "free entry to win a new mobile", "call now to claim your reward",
+        "txt WIN to receive your cash offer"]
+
+
+def write_sms_standin(path: Path, rows: int = 80, seed: int = 0) -> Path:
+    """A headerless label<TAB>text TSV shaped like the SMS Spam Collection (about a third spam,
+    whose texts carry money words and long numbers): what --quick trains on when no SMS file is
+    given. Its figures mean nothing."""
+    rng = random.Random(seed)
+    lines = []
+    for k in range(rows):
+        if k % 3 == 0:
+            lines.append(f"spam\t{rng.choice(SPAM)} {rng.randint(10_000, 99_999)}")
+        else:
+            lines.append(f"ham\t{rng.choice(HAM)} {rng.choice(['', 'ok', 'x', ':)'])}".rstrip())
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def sms_or_standin(given: str | Path | None, quick: bool) -> str | None:
+    """The SMS TSV to use: the one given, else under --quick a stand-in in a scratch folder,
+    else None (the SMS case is skipped)."""
+    if given:
+        return str(given)
+    return str(write_sms_standin(scratch_dir() / "sms_standin.tsv")) if quick else None

@@ -18,6 +18,8 @@ its report JSON gives the accuracies. The timings are taken here with runtime.ti
 (runners in turns on the same batches of real test texts, tokenized by the bundle's tokenizer),
 --threads threads for PyTorch and ONNX Runtime alike, --repeats times. When (d) misses, where
 `inference.py --input` spends its time is profiled (cProfile, the reader thread run inline).
+--quick: a much smaller BERT (hidden 32, vocabulary 300), 1 epoch, 200 rows, 1 round, the
+profile always, in a temporary folder, on a generated stand-in for the SMS texts without --sms.
 """
 from __future__ import annotations
 
@@ -27,18 +29,24 @@ import json
 import pstats
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from common import REPO, Config, quiet_single_thread
+from common import REPO, Config, add_quick_flag, quiet_single_thread, sms_or_standin
 
 # The tiny BERT: BERT-Tiny's shape (Turc et al. 2019, L=2, H=128, A=2, intermediate 512) with a
 # WordPiece vocabulary trained on the SMS training texts, and 128 positions (SMS texts are short).
 BERT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
             max_position_embeddings=128)
 VOCAB_SIZE = 6000
+# --quick: the tests' tiny BERT (tests/conftest.py tiny_hf_model), seconds to train
+QUICK_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, max_position_embeddings=64)
+QUICK_VOCAB_SIZE = 300
+DEFAULT_OUT = "runs/bench_hf_text"
 TEST_FRACTION = 0.2
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 GOALS = {"a": 0.95, "b": 2.0, "c": 1.3, "c_drop": 0.01, "d": 0.8}
@@ -65,7 +73,8 @@ def split_tsv(sms: Path, out: Path, seed: int) -> tuple[Path, Path, list[str], l
             [t for t, k in zip(texts, test) if k])
 
 
-def tiny_bert(folder: Path, texts: list[str], seed: int) -> dict:
+def tiny_bert(folder: Path, texts: list[str], seed: int, shape: dict = BERT,
+              vocab_size: int = VOCAB_SIZE) -> dict:
     """A WordPiece tokenizer trained on `texts` and a randomly initialised BERT, written by
     save_pretrained as a hub checkpoint would be: what `--arch hf:<folder>` loads."""
     import torch
@@ -77,7 +86,7 @@ def tiny_bert(folder: Path, texts: list[str], seed: int) -> dict:
     backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE,
+    backend.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size,
                                                                  special_tokens=SPECIALS))
     cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
@@ -85,14 +94,14 @@ def tiny_bert(folder: Path, texts: list[str], seed: int) -> dict:
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=BERT["max_position_embeddings"])
+        sep_token="[SEP]", mask_token="[MASK]", model_max_length=shape["max_position_embeddings"])
     tokenizer.save_pretrained(folder)
     config = BertConfig(vocab_size=backend.get_vocab_size(), pad_token_id=tokenizer.pad_token_id,
-                        **BERT)
+                        **shape)
     torch.manual_seed(seed)
     model = BertForSequenceClassification(config)
     model.save_pretrained(folder)
-    return {**BERT, "vocab_size": config.vocab_size,
+    return {**shape, "vocab_size": config.vocab_size,
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -283,19 +292,30 @@ def main() -> None:
     parser.add_argument("--input_batch_size", type=int, default=32,
                         help="--batch_size of the inference.py --input run and its raw figure")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 epoch, 5,000 "
-                        "rows, 1 round")
-    parser.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
-                        help="profile inference.py --input when (d) misses (auto)")
+    add_quick_flag(parser)
+    parser.add_argument("--profile", choices=("auto", "always", "never"),
+                        help="profile inference.py --input when (d) misses (auto, the default; "
+                        "always with --quick)")
     parser.add_argument("--reuse", action="store_true", help="keep the model that an earlier "
                         "run left in --out (same flags): time it again without retraining")
-    parser.add_argument("--out", default="runs/bench_hf_text")
+    parser.add_argument("--out", help=f"where the model, data and results go (default: "
+                        f"{DEFAULT_OUT}; with --quick a temporary folder)")
     args = parser.parse_args()
-    if not args.sms:
+    if not args.sms and not args.quick:
         parser.exit(0, "skipped: pass --sms PATH (the SMS Spam Collection TSV)\n")
+    args.profile = args.profile or ("always" if args.quick else "auto")
     if args.quick:
-        args.epochs, args.rows, args.repeats = 1, 5_000, 1
-    out = Path(args.out).resolve()
+        args.epochs, args.rows, args.repeats = 1, 200, 1
+    args.sms = sms_or_standin(args.sms, args.quick)
+    if args.out or not args.quick:
+        measure(args, Path(args.out or DEFAULT_OUT).resolve())
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_hf_text_") as tmp:
+        measure(args, Path(tmp))
+
+
+def measure(args: argparse.Namespace, out: Path) -> None:
+    """Train (or --reuse) the tiny BERT in `out`, time it, print the goals."""
     out.mkdir(parents=True, exist_ok=True)
     quiet_single_thread()
     import torch
@@ -305,7 +325,8 @@ def main() -> None:
     train_path, test_path, train_texts, test_texts = split_tsv(Path(args.sms), out, args.seed)
     shape = (json.loads((out / "hf_text.json").read_text())["model"]
              if args.reuse and (out / "hf_text.json").is_file()
-             else tiny_bert(out / "tiny_bert", train_texts, args.seed))
+             else tiny_bert(out / "tiny_bert", train_texts, args.seed,
+                            *((QUICK_BERT, QUICK_VOCAB_SIZE) if args.quick else ())))
     print(f"tiny BERT: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"{shape['num_attention_heads']} heads, intermediate {shape['intermediate_size']}, "
           f"{shape['max_position_embeddings']} positions, WordPiece vocabulary "

@@ -1,13 +1,14 @@
 """Are ONNX Runtime's int8 matrix kernels faster than its fp32 ones on this CPU?
 
-    python bench/int8_gemm.py [--threads 1] [--runs 30]
+    python bench/int8_gemm.py [--threads 1] [--runs 30] [--quick]
 
 Whether `--quantize dynamic` can speed a model up is decided below the graph: by the CPU's int8
 instructions and the kernels ONNX Runtime picks for them. This times one MatMul against the same
 MatMul as the tool's dynamic quantizer writes it (onnxruntime.quantization.quantize_dynamic,
 int8 weights, which ONNX Runtime fuses into DynamicQuantizeMatMul), in turns on the same
 inputs, for the shapes of the tiny BERT of bench/hf_text.py (a batch of 32 texts of 64 tokens)
-and of BERT-base (hidden 768). No model, no data: the CPU and ONNX Runtime alone.
+and of BERT-base (hidden 768). No model, no data: the CPU and ONNX Runtime alone. --quick: one
+small shape, 3 turns.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-import common  # noqa: F401 - puts the repository on sys.path
+from common import add_quick_flag  # also puts the repository on sys.path
 from config import Config
 from runtime import cpu_info, create_session, time_runners
 
@@ -28,6 +29,7 @@ from runtime import cpu_info, create_session, time_runners
 SHAPES = [("tiny BERT, attention out", 2048, 128, 128), ("tiny BERT, FFN in", 2048, 128, 512),
           ("tiny BERT, FFN out", 2048, 512, 128), ("BERT-base, attention out", 512, 768, 768),
           ("BERT-base, FFN in", 512, 768, 3072), ("BERT-base, FFN out", 512, 3072, 768)]
+QUICK_SHAPES = [("quick, 64 rows", 64, 128, 128)]
 
 
 def matmul_graph(k: int, n: int, seed: int) -> onnx.ModelProto:
@@ -58,14 +60,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     parser.add_argument("--runs", type=int, default=30, help="timed turns per shape (at least)")
+    add_quick_flag(parser)
     args = parser.parse_args()
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.quick:
+        args.runs = 3
     logging.getLogger().setLevel(logging.ERROR)  # the quantizer's advice to pre-process
     runtime = Config(num_threads=args.threads).cpu_runtime()
     print(f"CPU: {cpu_info().describe()}; {args.threads} ONNX Runtime thread(s)")
     print(f"{'shape':<26} {'rows x in -> out':>20} {'fp32 ms':>9} {'int8 ms':>9} "
           f"{'fp32 GFLOP/s':>13} {'int8 / fp32 speed':>18}")
     ratios = []
-    for k, (name, rows, d_in, d_out) in enumerate(SHAPES):
+    for k, (name, rows, d_in, d_out) in enumerate(shapes):
         model = matmul_graph(d_in, d_out, seed=k)
         with tempfile.TemporaryDirectory(prefix="int8-gemm-") as scratch:
             sessions = [create_session(model.SerializeToString(), runtime),

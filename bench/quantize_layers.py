@@ -1,6 +1,6 @@
 """Issue 23's goals, measured side by side in one run, through the CLIs as a user types them:
 
-    python bench/quantize_layers.py --sms DATA/sms_spam.tsv [--repeats 2] [--out DIR]
+    python bench/quantize_layers.py --sms DATA/sms_spam.tsv [--repeats 2] [--out DIR] [--quick]
 
 (1) SMS (text, the default bag model) and builtin:breast_cancer (tabular MLP), each trained once
 by pipeline.py, then quantized statically by quantize.py four ways on the same bundle:
@@ -15,6 +15,10 @@ channel 1000x wider than the rest shares one activation scale with the informati
 many steps it takes to recover, and what the verdict says.
 (3) The digits CNN (builtin:digits, small_cnn): inference.py --profile at batch 1 and 64, the
 top op type and node and their share of the kernel time.
+Without --out the bundles go to a temporary folder, removed at the end.
+--quick: 1 epoch, one repeat, one way per model (SMS: auto ops with auto exclusion; the hostile
+CNN: default ops), the hostile CNN's bundle profiled in (3), and a generated stand-in for the SMS
+texts without --sms.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, add_quick_flag, sms_or_standin
+
 GOAL_DROP, GOAL_SPEEDUP = 0.01, 1.2
 STATIC_WAYS = {"default ops": [],
                "all ops": ["--quantize_ops", "all", "--quantize_exclude", "none"],
@@ -100,13 +105,15 @@ def profile_rows(model: Path, out: Path) -> None:
 HOSTILE_NET = REPO / "tests" / "hostile_net.py"  # the --model_def the tests use too
 
 
-def hostile_rows(out: Path) -> None:
+def hostile_rows(out: Path, epochs: int = 10, ways: tuple[str, ...] = (
+        "default ops", "all ops, auto exclusion")) -> Path:
+    """The hostile CNN's rows and auto exclusion's steps; its bundle."""
     folder = out / "hostile"
     folder.mkdir(parents=True, exist_ok=True)
     model = train(folder, "--dataset_path", "builtin:digits", "--model_def",
-                  f"{HOSTILE_NET}:build", "--epochs", "10")
+                  f"{HOSTILE_NET}:build", "--epochs", epochs)
     print_rows("digits, a CNN built to lose under int8 (static)",
-               [quantize_row(model, way) for way in ("default ops", "all ops, auto exclusion")])
+               [quantize_row(model, way) for way in ways])
     steps = cli("quantize.py", "--output_model", model, "--quantize", "static",
                 "--quantize_exclude", "auto")["quantize"]["exclusion"]["steps"]
     print("  default ops with auto exclusion, step by step (validation accuracy int8 / fp32):")
@@ -114,27 +121,48 @@ def hostile_rows(out: Path) -> None:
         print(f"    {k}: {step['accuracy_val']:.4f} / {step['accuracy_val_fp32']:.4f}, "
               f"{step['latency_ms_p50']:.3g} / {step['latency_ms_p50_fp32']:.3g} ms, "
               f"kept in fp32: {', '.join(step['excluded']) or '-'}")
+    return model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sms", type=Path, required=True)
+    parser.add_argument("--sms", type=Path, help="the SMS spam TSV (label, text); required "
+                        "but with --quick")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="keep the bundles here (default: "
+                        "a temporary folder, removed)")
+    add_quick_flag(parser)
     args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="bench_quantize_"))
-    cases = {"SMS (text, bag)": ["--model_type", "text_classifier", "--dataset_path",
-                                 args.sms.resolve()],
+    if not args.sms and not args.quick:
+        parser.error("the following arguments are required: --sms")
+    if args.quick:
+        args.repeats = 1
+    sms = Path(sms_or_standin(args.sms, args.quick)).resolve()
+    if args.out:
+        measure(args, sms, args.out)
+        print(f"\nbundles in {args.out}")
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_quantize_") as tmp:
+        measure(args, sms, Path(tmp))
+
+
+def measure(args: argparse.Namespace, sms: Path, out: Path) -> None:
+    cases = {"SMS (text, bag)": ["--model_type", "text_classifier", "--dataset_path", sms],
              "breast_cancer (tabular, mlp)": ["--model_type", "tabular_classifier",
                                               "--dataset_path", "builtin:breast_cancer"]}
+    if args.quick:  # one case, two ways, the hostile CNN's bundle profiled
+        cases = {"SMS (text, bag)": cases["SMS (text, bag)"] + ["--epochs", 1]}
+    ways = ("auto ops, auto exclusion",) if args.quick else tuple(STATIC_WAYS)
     for name, flags in cases.items():
         model = train(out / name.split()[0].lower(), *flags)
         for k in range(args.repeats):
-            print_rows(f"{name}, repeat {k + 1}", [quantize_row(model, w) for w in STATIC_WAYS])
+            print_rows(f"{name}, repeat {k + 1}", [quantize_row(model, w) for w in ways])
+    if args.quick:
+        profile_rows(hostile_rows(out, 1, ("default ops",)), out)
+        return
     hostile_rows(out)
     digits = train(out / "digits", "--dataset_path", "builtin:digits", "--epochs", "10")
     profile_rows(digits, out)
-    print(f"\nbundles in {out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Parquet and Ray for batch inference (issue 22), measured side by side in one run.
 
     python bench/ray_batch.py [--rows 1000000] [--texts 100000] [--sms PATH] [--workers 2]
+                              [--quick]
 
 1. Tabular from Parquet, local engine: `inference.py --input rows.parquet` end-to-end rows/s
    (its report's predictions.rows_per_s: reading, encoding, predicting and writing) against raw
@@ -12,11 +13,16 @@
    --sms PATH, else generated topic texts): wall seconds of the whole command, rows/s, and Ray's
    fixed start-up cost (a 100-row input: Ray's wall time minus the local engine's), from which
    the input size where Ray starts to pay off on this machine follows.
+
+--quick: 2,000 rows and 300 texts, 1 epoch, one timing of each, the local engine with 1 thread
+against Ray on a local cluster of at most 2 CPUs, without the 100-row runs (one Ray start per
+kind of data).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,8 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
-from batch_scale import write_texts
-from common import REPO, Config, quiet_single_thread, train_bundle
+from batch_scale import TEXT_HEADER, write_texts
+from common import REPO, Config, add_quick_flag, quiet_single_thread, train_bundle
+
+QUICK_CPUS = 2  # --quick: the inference.py runs (and so a local Ray cluster) get 2 CPUs at most
+CPU_LIMIT: list[int] = []  # the CPUs the inference.py runs may use; empty: all
+
+
+def limit_cpus() -> None:
+    """In the child, before inference.py starts: keep it to CPU_LIMIT (Ray's local cluster gets
+    the CPUs of the affinity mask)."""
+    if CPU_LIMIT:
+        os.sched_setaffinity(0, CPU_LIMIT)
 
 
 def write_tabular_parquet(path: Path, rows: int, features: list[str], seed: int = 0) -> None:
@@ -58,7 +74,7 @@ def run(model: Path, data: Path, output: Path, *args: object) -> tuple[float, di
     proc = subprocess.run([sys.executable, str(REPO / "inference.py"), "--model", str(model),
                            "--input", str(data), "--output", str(output), "--quiet", "true",
                            "--report_json", str(report), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO)
+                          capture_output=True, text=True, cwd=REPO, preexec_fn=limit_cpus)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
@@ -156,7 +172,7 @@ def cpu_per_row(model: Path, data: Path, batch_size: int) -> dict[str, float]:
             "cores": float(os.cpu_count() or 1)}
 
 
-def parquet_goal(model: Path, work: Path, rows: int, batch_size: int) -> None:
+def parquet_goal(model: Path, work: Path, rows: int, batch_size: int, repeats: int = 2) -> None:
     print(f"\n1. tabular, {rows:,} rows, batch {batch_size}, local engine, 1 thread:")
     data = work / "tab.parquet"
     csv_data = work / "tab.csv"
@@ -177,7 +193,7 @@ def parquet_goal(model: Path, work: Path, rows: int, batch_size: int) -> None:
                                   (data, "preds.parquet", 65536), (data, "preds.csv", batch_size),
                                   (csv_data, "preds.csv", batch_size)):
         speeds = [run(model, source, work / output, "--batch_size", batch_size, "--chunk_rows",
-                      chunk)[1]["predictions"]["rows_per_s"] for _ in range(2)]
+                      chunk)[1]["predictions"]["rows_per_s"] for _ in range(repeats)]
         speed = max(speeds)
         share = speed / raw
         goal = f" (goal ≥ 80%: {'met' if share >= 0.8 else 'NOT met'})" \
@@ -187,27 +203,38 @@ def parquet_goal(model: Path, work: Path, rows: int, batch_size: int) -> None:
 
 
 def engines(name: str, model: Path, data: Path, rows: int, work: Path, workers: int,
-            batch_args: list, small: Path) -> None:
+            batch_args: list, small: Path | None) -> None:
+    """Each engine on `data` and on the 100-row `small` input (None, under --quick: the local
+    engine with 2 threads and the 100-row runs left out, so Ray's start-up cost is not told
+    apart)."""
     print(f"\n2. {name}, {rows:,} rows:")
     results = {}
     for label, args in (("local, 1 thread", []), ("local, 2 threads", ["--num_threads", 2]),
                         (f"ray, {workers} workers x 1 thread",
                          ["--engine", "ray", "--num_workers", workers])):
+        if small is None and label == "local, 2 threads":
+            continue
         wall, report = run(model, data, work / "out.parquet", *batch_args, *args)
-        small_wall, _ = run(model, small, work / "small.parquet", *batch_args, *args)
+        small_wall = run(model, small, work / "small.parquet", *batch_args, *args)[0] \
+            if small else None
         engine = report["engine"]
         results[label] = (wall, small_wall)
         extra = (f"; cluster start {engine['cluster_start_s']:.1f} s, first predictions after "
                  f"{engine['first_batch_s']:.1f} s" if engine["engine"] == "ray" else "")
-        print(f"   {label:<26} {wall:7.1f} s wall = {rows / wall:>9,.0f} rows/s; 100 rows: "
-              f"{small_wall:5.1f} s{extra}")
+        small_part = f"; 100 rows: {small_wall:5.1f} s" if small else ""
+        print(f"   {label:<26} {wall:7.1f} s wall = {rows / wall:>9,.0f} rows/s{small_part}"
+              f"{extra}")
     local_wall, local_small = results["local, 1 thread"]
     ray_wall, ray_small = results[f"ray, {workers} workers x 1 thread"]
+    print(f"   ray / local (1 thread) rows/s, whole command: {local_wall / ray_wall:.2f}x",
+          end="")
+    if small is None:
+        print("; Ray's fixed start-up cost: not measured (--quick)")
+        return
     fixed = ray_small - local_small
-    local_rate = rows / (local_wall - local_small)
+    local_rate = rows / max(local_wall - local_small, 1e-9)
     ray_rate = rows / max(ray_wall - ray_small, 1e-9)
-    print(f"   ray / local (1 thread) rows/s, whole command: {local_wall / ray_wall:.2f}x; "
-          f"Ray's fixed start-up cost: {fixed:.1f} s")
+    print(f"; Ray's fixed start-up cost: {fixed:.1f} s")
     if ray_rate > local_rate:
         breakeven = fixed / (1 / local_rate - 1 / ray_rate)
         print(f"   after start-up: ray {ray_rate:,.0f} vs local {local_rate:,.0f} rows/s; Ray "
@@ -226,47 +253,60 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--sms", help="the SMS Spam Collection TSV (label<TAB>text)")
     parser.add_argument("--sections", default="1,2", help="1: Parquet goal, 2: Ray vs local")
+    add_quick_flag(parser)
     args = parser.parse_args()
-    sections = set(args.sections.split(","))
+    if args.quick:
+        args.rows, args.texts = 2_000, 300
+        if hasattr(os, "sched_getaffinity"):
+            CPU_LIMIT[:] = sorted(os.sched_getaffinity(0))[:QUICK_CPUS]
+        args.workers = min(args.workers, len(CPU_LIMIT) or QUICK_CPUS)  # one CPU each
     quiet_single_thread()
-    work = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory(prefix="bench_ray_batch_") as tmp:
+        measure(args, Path(tmp))
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    sections = set(args.sections.split(","))
+    epochs = 1 if args.quick else 5
     config = Config(model_type="tabular_classifier", dataset_path="builtin:breast_cancer",
-                    epochs=5, no_progress=True, output_model=str(work / "tab" / "model.onnx"))
+                    epochs=epochs, no_progress=True, output_model=str(work / "tab" / "model.onnx"))
     dataset, _, paths, _ = train_bundle(config)
     features = dataset.preprocessing["feature_names"]
     write_tabular_parquet(work / "tab.parquet", args.rows, features)
     write_tabular_parquet(work / "tab_small.parquet", 100, features)
     if "1" in sections:
-        parquet_goal(paths.onnx, work, args.rows, args.batch_size)
+        parquet_goal(paths.onnx, work, args.rows, args.batch_size, 1 if args.quick else 2)
     if "2" not in sections:
         return
     engines("tabular (30 features, Parquet)", paths.onnx, work / "tab.parquet", args.rows, work,
             args.workers, ["--batch_size", args.batch_size, "--chunk_rows", args.batch_size],
-            work / "tab_small.parquet")
+            None if args.quick else work / "tab_small.parquet")
+    text_epochs = 1 if args.quick else 3
     if args.sms:
         texts = [line.split("\t", 1)[-1]
                  for line in Path(args.sms).read_text(errors="replace").splitlines()]
-        text_config = Config(model_type="text_classifier", dataset_path=args.sms, epochs=3,
-                             no_progress=True, output_model=str(work / "text" / "model.onnx"))
+        text_config = Config(model_type="text_classifier", dataset_path=args.sms,
+                             epochs=text_epochs, no_progress=True,
+                             output_model=str(work / "text" / "model.onnx"))
         name = "text (SMS, CSV)"
     else:
         sys.path.insert(0, str(REPO / "tests"))
         from conftest import topic_texts
 
-        pairs = topic_texts(per_class=400)
+        pairs = topic_texts(per_class=30 if args.quick else 400)
         texts = [t for t, _ in pairs]
         (work / "topics.csv").write_text("text,label\n" + "".join(
             f'"{t}",{label}\n' for t, label in pairs))
         text_config = Config(model_type="text_classifier", dataset_path=str(work / "topics.csv"),
-                             epochs=3, no_progress=True,
+                             epochs=text_epochs, no_progress=True,
                              output_model=str(work / "text" / "model.onnx"))
         name = "text (generated topics, CSV)"
     _, _, text_paths, _ = train_bundle(text_config)
     write_texts(work / "texts.csv", args.texts, texts)
     write_texts(work / "texts_small.csv", 100, texts)
     engines(name, text_paths.onnx, work / "texts.csv", args.texts, work, args.workers,
-            ["--batch_size", args.text_batch_size, "--text_column", "text"],
-            work / "texts_small.csv")
+            ["--batch_size", args.text_batch_size, "--text_column", TEXT_HEADER],
+            None if args.quick else work / "texts_small.csv")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the report's pictures cost the main job (issue 20's goal: ≤ 1 s for metrics + plots + page).
 
-    python bench/report_cost.py --runs 5
+    python bench/report_cost.py --runs 5 [--quick]
 
 runs the README's first command (pipeline.py on builtin:digits) as a subprocess, alternately
 with its pictures (`--report_json R.json`: the plots beside it, the page) and without them
@@ -9,7 +9,7 @@ differences, and the in-run time of the drawing step (`seconds_visuals`) and of 
 shared machine identical runs of the main job vary by seconds, more than the pictures cost, so
 it also measures the pictures' own work directly: in a fresh interpreter, importing matplotlib
 and plots.py (in a run, a thread does this during training: report.preload_plots) and drawing
-the plots and the page of the last run's report.
+the plots and the page of the last run's report. --quick: one run of each, 1 epoch.
 """
 from __future__ import annotations
 
@@ -23,17 +23,20 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, add_quick_flag
+
 MAIN_JOB = ["--model_type", "image_classifier", "--dataset_path", "builtin:digits"]
 
 
-def run_main_job(folder: Path, pictures: bool) -> tuple[float, float, dict]:
+def run_main_job(folder: Path, pictures: bool, extra_flags: tuple = ()
+                 ) -> tuple[float, float, dict]:
     report = folder / "report.json"
     extra = ["--report_json", str(report)] if pictures else ["--plots", "none",
                                                              "--report_json", "-"]
     started, cpu_before = time.perf_counter(), children_cpu()
     proc = subprocess.run([sys.executable, str(REPO / "pipeline.py"), *MAIN_JOB,
-                           "--output_model", str(folder / "model.onnx"), *extra],
+                           "--output_model", str(folder / "model.onnx"), *extra,
+                           *extra_flags],
                           capture_output=True, text=True, check=True)
     wall, cpu = time.perf_counter() - started, children_cpu() - cpu_before
     return wall, cpu, json.loads(report.read_text() if pictures else proc.stdout)
@@ -89,7 +92,11 @@ def cold_cost(report_path: Path, repeats: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of each kind (alternating)")
+    add_quick_flag(parser)
     args = parser.parse_args()
+    extra_flags = ("--epochs", "1") if args.quick else ()
+    if args.quick:
+        args.runs = 1
     walls: dict[bool, list[float]] = {True: [], False: []}
     cpus: dict[bool, list[float]] = {True: [], False: []}
     visuals: list[float] = []
@@ -97,7 +104,7 @@ def main() -> None:
         for k in range(args.runs):
             for pictures in ((True, False) if k % 2 == 0 else (False, True)):
                 folder = Path(tmp) / f"{k}-{pictures}"
-                wall, cpu, report = run_main_job(folder, pictures)
+                wall, cpu, report = run_main_job(folder, pictures, extra_flags)
                 walls[pictures].append(wall)
                 cpus[pictures].append(cpu)
                 if pictures:
@@ -119,7 +126,8 @@ def main() -> None:
     print(f"the pictures' own work, fresh interpreter, median of {args.runs}: import "
           f"{imported:.3f} s (hidden by training in a run), plots + page {drawn:.3f} s, total "
           f"{imported + drawn:.3f} s")
-    print(f"evaluation section: {evaluation_seconds(report) * 1000:.2f} ms")
+    repeats = 5 if args.quick else 200
+    print(f"evaluation section: {evaluation_seconds(report, repeats) * 1000:.2f} ms")
 
 
 if __name__ == "__main__":

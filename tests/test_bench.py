@@ -1,0 +1,79 @@
+"""Every bench script runs end to end with --quick (tiny data, one round, one epoch, generated
+stand-ins for the SMS texts), so that a change to the code a benchmark calls cannot leave the
+benchmark broken unnoticed; and none of them leaves a file in the repository.
+
+A script whose command docs/benchmarks.md shows runs there, as documented plus --quick
+(tests/test_docs_commands.py, which checks PRINTS too); the ones no page shows run here."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PAGES, REPO, page_commands
+
+BENCH = REPO / "bench"
+SHARED_HELPERS = {"common.py"}
+
+# script → words its printed table, ratios or goals must contain
+PRINTS = {
+    "archs.py": ("arch", "params", "int8 speed-up", "bn-TTT shifted", "small_cnn"),
+    "batch_scale.py": ("tabular (30 features)", "text (SMS)", "peak RSS", "raw session.run",
+                       "a prediction run imports"),
+    "calibration.py": ("builtin:digits: test split", "under shift", "SMS (sms_standin.tsv)"),
+    "hf_text.py": ("tiny BERT", "(b) ORT fp32 / eager at batch 1", "goal (d)",
+                   "profile of inference.py --input"),
+    "int8_gemm.py": ("fp32 ms", "int8 / fp32 speed over these shapes"),
+    "iterative_speed.py": ("MC-dropout (batched)", "loop/py", "calibration over 2 seeds"),
+    "quantize_layers.py": ("auto exclusion", "step by step", "inference.py --profile"),
+    "ray_batch.py": ("raw session.run", "end to end", "local, 1 thread", "ray, "),
+    "report_cost.py": ("main job", "drawing step", "evaluation section"),
+    "runtime_speed.py": ("digits CNN", "Gemm-heavy MLP", "ORT fp32 / PyTorch eager",
+                         "int8 auto"),
+    "teacher_distill.py": ("teacher: scripted keyword rule", "student_accuracy_with_teacher"),
+    "text_export.py": ("max |onnx - torch|", "torch/onnx"),
+    "train_augment.py": ("train_augment", "shifted accuracy", "mean"),
+    "tta_speed.py": ("digits CNN", "SMS text", "breast_cancer MLP", "loop/graph"),
+    "ttt_shift.py": ("mean of the shifts", "bn adapt+predict"),
+}
+RAY = {"ray_batch.py"}  # starts Ray clusters of 2 CPUs: one at a time, with tests/test_ray.py
+
+
+def repository_files() -> set[Path]:
+    """Every file under the repository but git's, the virtual environment's and the caches'."""
+    skipped = {".git", ".venv", "__pycache__", ".pytest_cache"}
+    found = set()
+    for root, folders, files in os.walk(REPO):
+        folders[:] = [f for f in folders if f not in skipped]
+        found.update(Path(root, name).relative_to(REPO) for name in files)
+    return found
+
+
+def documented_scripts() -> set[str]:
+    """The bench scripts whose commands the docs show (tests/test_docs_commands.py runs them)."""
+    return {word.removeprefix("bench/") for page in PAGES for command in page_commands(page)
+            for word in command.split() if word.startswith("bench/")}
+
+
+def test_every_bench_script_has_a_smoke_test():
+    scripts = {path.name for path in BENCH.glob("*.py")} - SHARED_HELPERS
+    assert scripts == set(PRINTS), "a bench script without its --quick smoke test (or gone)"
+    assert documented_scripts() <= scripts
+
+
+@pytest.mark.parametrize("script", [
+    pytest.param(name, marks=pytest.mark.xdist_group("ray")) if name in RAY else name
+    for name in sorted(set(PRINTS) - documented_scripts())])
+def test_bench_script_runs_quick(script):
+    before = repository_files()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, str(BENCH / script), "--quick"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    for words in PRINTS[script]:
+        assert words in run.stdout, (words, run.stdout[-3000:])
+    assert repository_files() - before == set()

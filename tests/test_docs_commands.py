@@ -1,0 +1,304 @@
+"""Every command README.md and docs/*.md show a user, run as the user would type it.
+
+Each page's fenced `bash` lines run, in the page's order, through bash from the root of a copy of
+the repository (relative paths, `python` on PATH as the test's interpreter). Data a clone has not
+got (the user's `photos/`, `sms.tsv`, `customers.csv`, ...) is laid there first as small
+stand-ins under the same names, and a bundle a page reads before any of its commands writes it
+(`runs/x/model.onnx`) is built first from a stand-in. Three kinds of command do not run as
+written, each by a rule below and not by editing the command:
+- those that cannot run inside a test suite (NOT_RUN, with the reason);
+- training on builtin:digits, a full data set that no stand-in shrinks, runs with `--epochs 2`
+  appended (except README's main command, which runs as written);
+- benchmark scripts run with `--quick` appended (their smoke mode, on the stand-in data) for
+  a script's first documented command, and with `--check_flags` (parse the flags, stop) for its
+  others, which differ in sizes and rounds that --quick overrides anyway.
+A command a page adds must run, or be listed in NOT_RUN: test_every_documented_command_is_run
+fails otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (PAGES, REPO, digits_images, feature_rows, page_commands, tiny_hf_model,
+                      topic_texts)
+from test_bench import PRINTS
+
+
+# Commands that cannot run in a test: the reason, checked against the pages so the list cannot
+# go stale.
+NOT_RUN = {
+    ".venv/bin/python -m pytest -q": "the test suite itself",
+    "ray start --head --port 6379 --num-cpus 16": "starts a cluster node that outlives the test",
+    "ray start --address HEAD_IP:6379": "joins a cluster that is not there",
+    "python inference.py --model /shared/runs/x/model.onnx --input /shared/in/rows.parquet "
+    "--output preds.parquet --engine ray --ray_address auto --num_workers 8 --num_threads 2":
+        "a multi-node cluster with shared storage",
+    "python pipeline.py --model_type text_classifier --dataset_path sms.tsv --label_column 0 "
+    "--text_column 1 --teacher_lm openai/gpt-4o-mini --unlabeled_path new_texts.txt "
+    "--output_model runs/sms/model.onnx": "a hosted LM (tests/test_teacher.py runs a local one)",
+    "OPENAI_API_KEY=local python pipeline.py --model_type text_classifier --dataset_path sms.tsv "
+    "--label_column 0 --text_column 1 --teacher_lm openai/llama3 --teacher_api_base "
+    "http://localhost:8000/v1 --unlabeled_path new_texts.txt --output_model runs/sms/model.onnx":
+        "an LM server on a fixed port (tests/test_teacher.py runs one on a free port)",
+    "python -c \"import transformers as t; t.AutoTokenizer.from_pretrained("
+    "'distilbert-base-uncased'); t.AutoModelForSequenceClassification.from_pretrained("
+    "'distilbert-base-uncased')\"": "a download from the Hugging Face hub",
+    "python pipeline.py --model_type text_classifier --dataset_path sms.tsv --label_column 0 "
+    "--text_column 1 --arch hf:distilbert-base-uncased --learning_rate 2e-5 --epochs 5 "
+    "--batch_size 32 --quantize dynamic --output_model runs/sms_distilbert/model.onnx":
+        "a model from the Hugging Face hub (tests/test_hf.py trains a local tiny one)",
+}
+# The set-up command's install steps are what .ci/run does; the rest of it runs here.
+INSTALL = "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && "
+README_MAIN = ".venv/bin/python pipeline.py --model_type image_classifier --dataset_path " \
+              "builtin:digits --output_model runs/digits/model.onnx --report_json " \
+              "runs/digits/report.json"
+# A provider this machine may not have: --strict_ep makes its absence exit 5, as documented.
+NEEDS_GPU = ("--ep tensorrt",)
+
+
+def bench_script(command: str) -> str | None:
+    """The bench script a command runs (its file name), if any."""
+    return next((w.removeprefix("bench/") for w in command.split() if w.startswith("bench/")),
+                None)
+
+
+def as_run(page: str, command: str) -> str | None:
+    """The command line the test runs for a documented one (None: not run here)."""
+    if command in NOT_RUN:
+        return None
+    if command.startswith(INSTALL):
+        command = command[len(INSTALL):]
+    words = shlex.split(command)
+    if "builtin:digits" in words and {"pipeline.py", "train.py"} & set(words) and \
+            command != README_MAIN:
+        return command + " --epochs 2"
+    script = bench_script(command)
+    if script:
+        first = next(c for p in PAGES for c in page_commands(p) if bench_script(c) == script)
+        return command + (" --quick" if command == first else " --check_flags")
+    return command
+
+
+def test_every_documented_command_is_run():
+    """No page holds a command this file does not run or explain, and NOT_RUN names only
+    commands the pages hold."""
+    documented = {c for page in PAGES for c in page_commands(page)}
+    assert set(NOT_RUN) <= documented, set(NOT_RUN) - documented
+    assert any(c.startswith(INSTALL) and c[len(INSTALL):] == README_MAIN
+               for c in page_commands("README.md"))
+    for page in PAGES:
+        for command in page_commands(page):
+            assert "..." not in command and "[" not in command.split("#")[0], (page, command)
+
+
+# ----------------------------------------------------------------------------- stand-in data
+
+SPAM = ["win", "free", "prize", "claim", "cash", "urgent", "call", "txt", "offer", "now"]
+HAM = ["see", "you", "later", "lunch", "home", "thanks", "meeting", "tonight", "ok", "love"]
+
+
+def sms_rows(count: int = 160, seed: int = 0) -> list[tuple[str, str]]:
+    """(label, text) in the SMS Spam Collection's layout: ham or spam, words that say which."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(count):
+        label = "spam" if i % 4 == 0 else "ham"
+        words = rng.choice(SPAM if label == "spam" else HAM, rng.integers(3, 8))
+        rows.append((label, " ".join(words).capitalize()))
+    return rows
+
+
+def page_files(page: str) -> dict[str, str]:
+    """The files a page shows whole: a fenced python block whose first line is `# NAME.py`."""
+    text = (REPO / page).read_text(encoding="utf-8")
+    return {m.group(1): m.group(2) for m in re.finditer(r"```python\n# (\w+\.py)\n(.*?)```",
+                                                        text, re.S)}
+
+
+def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
+    """The user's own data the pages name, small, under the names the pages use."""
+    import pandas as pd
+
+    for label, row, img in digits_images((0, 1, 2), 24):
+        (tree / "photos" / label).mkdir(parents=True, exist_ok=True)
+        img.convert("RGB").save(tree / "photos" / label / f"{row}.png")
+        if row % 6 == 0:
+            (tree / "incoming").mkdir(exist_ok=True)
+            img.convert("RGB").save(tree / "incoming" / f"{row}.png")
+    for label, row, img in digits_images((3, 5, 8), 20, size=28):
+        (tree / "mnist28" / label).mkdir(parents=True, exist_ok=True)
+        img.save(tree / "mnist28" / label / f"{row}.png")
+    sms = sms_rows()
+    tsv = "".join(f"{label}\t{text}\n" for label, text in sms)
+    for name in ("sms.tsv", "sms_spam.tsv"):
+        (tree / name).write_text(tsv)
+    (tree / "train.tsv").write_text("".join(f"{lb}\t{t}\n" for lb, t in sms[:120]))
+    (tree / "test.tsv").write_text("".join(f"{lb}\t{t}\n" for lb, t in sms[120:]))
+    (tree / "messages.txt").write_text("".join(f"{t}\n" for _, t in sms_rows(12, seed=1)))
+    (tree / "new.csv").write_text("".join(f"{t}\n" for _, t in sms_rows(12, seed=2)))
+    (tree / "new_texts.txt").write_text("".join(f"{t}\n" for _, t in sms_rows(12, seed=3)))
+    customers = pd.DataFrame(feature_rows()).rename(columns={"kind": "churned"})
+    customers.to_csv(tree / "customers.csv", index=False)
+    features = customers.drop(columns="churned").head(30)
+    features.to_csv(tree / "new_data.csv", index=False)
+    features.to_parquet(tree / "rows.parquet", index=False)
+    if "hf:tiny_bert" in " ".join(commands):  # transformers is slow to import: only if used
+        tiny_hf_model(tree / "tiny_bert", [t for _, t in sms] + [t for t, _ in topic_texts(5)])
+
+
+# Bundles (and reports) a page may read before writing: how to make each from the stand-ins.
+STAND_IN_RUNS = {
+    "runs/digits/model.onnx": "python pipeline.py --dataset_path builtin:digits "
+                              "--output_model runs/digits/model.onnx --epochs 2",
+    "runs/photos/model.onnx": "python pipeline.py --dataset_path photos "
+                              "--output_model runs/photos/model.onnx --epochs 3",
+    "runs/sms/model.onnx": "python pipeline.py --model_type text_classifier --dataset_path sms.tsv "
+                           "--label_column 0 --text_column 1 --output_model runs/sms/model.onnx "
+                           "--epochs 3",
+    "runs/x/model.onnx": "python pipeline.py --model_type tabular_classifier --dataset_path "
+                         "customers.csv --label_column churned --output_model runs/x/model.onnx "
+                         "--report_json runs/x/report.json --epochs 3",
+    "runs/x/report.json": "python pipeline.py --model_type tabular_classifier --dataset_path "
+                          "customers.csv --label_column churned --output_model "
+                          "runs/x/model.onnx --report_json runs/x/report.json --epochs 3",
+    "cron/2026-11-23.json": "mkdir -p cron && cp runs/x/report.json cron/2026-11-23.json",
+    # ensemble members: one --seed (one split, one normalisation), other learning rates
+    **{f"runs/{name}/model.onnx": f"python pipeline.py --dataset_path builtin:digits "
+                                  f"--output_model runs/{name}/model.onnx --epochs 1 "
+                                  f"--learning_rate {rate}"
+       for rate, name in zip(("1e-3", "3e-3", "1e-2"), "abc")},
+}
+
+
+def reads_and_writes(command: str) -> tuple[list[str], list[str]]:
+    """The bundles and reports a command reads and the ones it writes, by its flags."""
+    words = shlex.split(command)
+    reads, writes = [], []
+    for flag, value in zip(words, words[1:]):
+        if flag == "--model":
+            reads.append(value)
+        elif flag == "--ensemble":
+            reads += value.split(",")
+        elif flag in ("--output_model", "--report_json"):
+            writes.append(value)
+    if "report.py" in words:
+        reads.append(words[words.index("report.py") + 1])
+    if "quantize.py" in words or "export.py" in words:
+        reads += [w for f, w in zip(words, words[1:]) if f == "--output_model"]
+    return reads, writes
+
+
+def stand_in_runs(commands: list[str]) -> list[str]:
+    """The stand-in runs the page needs: for each bundle or report a command reads before an
+    earlier command of the page wrote it, in order (a report's run before a copy of it)."""
+    written, needed = set(), []
+    for command in commands:
+        reads, writes = reads_and_writes(command)
+        for path in reads:
+            if path not in written and path in STAND_IN_RUNS:
+                if path == "cron/2026-11-23.json":
+                    needed.append(STAND_IN_RUNS["runs/x/report.json"])
+                needed.append(STAND_IN_RUNS[path])
+                written.add(path)
+        written |= set(writes)
+    return list(dict.fromkeys(needed))
+
+
+def user_checkout(tmp_path: Path) -> Path:
+    """A copy of the repository as a user's clone holds it, with `python` on PATH."""
+    tree = tmp_path / "checkout"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "__pycache__", ".pytest_cache", "*.tmp"))
+    bin_dir = tree / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "python3"):
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        shim.chmod(0o755)
+    return tree
+
+
+def run_in(tree: Path, command: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PATH=f"{tree / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run(["bash", "-c", command], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def expected_codes(command: str) -> set[int]:
+    if any(marker in command for marker in NEEDS_GPU):
+        return {0, 5}  # 5: the provider cannot start here, and --strict_ep forbids the fallback
+    return {0}
+
+
+def runs_of(page: str) -> list[tuple[str, str]]:
+    """(documented, run) for the page's commands that run here. A command an earlier page
+    already runs, whose outputs no later command of this page reads, is not run twice."""
+    earlier = {c for p in PAGES[:PAGES.index(page)] for c in page_commands(p)}
+    runs = [(c, as_run(page, c)) for c in page_commands(page)]
+    runs = [(c, r) for c, r in runs if r is not None]
+    kept = []
+    for i, (documented, command) in enumerate(runs):
+        later_reads = {path for _, r in runs[i + 1:] for path in reads_and_writes(r)[0]}
+        if documented in earlier and not set(reads_and_writes(command)[1]) & later_reads:
+            continue
+        kept.append((documented, command))
+    return kept
+
+
+PART_SIZE = 4  # commands per test at most, where the page's order allows a cut
+
+
+def page_parts(page: str) -> list[list[tuple[str, str]]]:
+    """The page's runs in consecutive parts that share nothing (no command reads a bundle or
+    report an earlier part wrote), so that xdist can spread a long page over both cores."""
+    runs, parts = runs_of(page), []
+    for i, run in enumerate(runs):
+        if parts and (len(parts[-1]) < PART_SIZE or not _cut_allowed(runs, i)):
+            parts[-1].append(run)
+        else:
+            parts.append([run])
+    return parts
+
+
+def _cut_allowed(runs: list[tuple[str, str]], i: int) -> bool:
+    """May runs[i:] start a part of their own: does none of them read what runs[:i] wrote?"""
+    written = {path for _, r in runs[:i] for path in reads_and_writes(r)[1]}
+    return not any(set(reads_and_writes(r)[0]) & written for _, r in runs[i:])
+
+
+@pytest.mark.parametrize("page,part", [(page, k) for page in PAGES
+                                       for k in range(len(page_parts(page)))])
+def test_the_page_s_commands_run_as_written(page, part, tmp_path):
+    runs = page_parts(page)[part]
+    tree = user_checkout(tmp_path)
+    lay_stand_in_data(tree, [r for _, r in runs])
+    for name, code in page_files(page).items():
+        (tree / name).write_text(code)
+    for setup in stand_in_runs([r for _, r in runs]):
+        done = run_in(tree, setup)
+        assert done.returncode == 0, (setup, done.stderr[-3000:])
+    for documented, command in runs:
+        done = run_in(tree, command)
+        assert done.returncode in expected_codes(command), (
+            page, documented, done.returncode, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr, (page, documented, done.stderr[-3000:])
+        if done.returncode == 5:
+            assert "execution provider" in done.stderr, done.stderr[-2000:]
+        if "--report_json -" in command:
+            json.loads(done.stdout)
+        script = bench_script(command) if "--quick" in command else None
+        for words in PRINTS.get(script, ()):
+            assert words in done.stdout, (documented, words, done.stdout[-3000:])
+
