@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models import IDENTITY_STATISTICS, weights_error
-from utils import ConfigError, DataError, first_line, sha256_of
+from utils import ConfigError, DataError, sha256_of
 
 # Buffers that hold this run's data statistics, not learned weights: never overwritten.
 DATA_STATISTICS = tuple(IDENTITY_STATISTICS)

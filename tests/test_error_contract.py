@@ -52,7 +52,7 @@ def test_plots_that_would_need_the_report_page_or_trace_to_be_a_folder_exit_2_fi
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     line = [x for x in done.stderr.splitlines() if "error:" in x]
-    assert len(line) == 1 and f"would need" in line[0] and plots in line[0], done.stderr
+    assert len(line) == 1 and "would need" in line[0] and plots in line[0], done.stderr
     assert not (tmp_path / "out").exists()  # nothing written, not even a stray temporary
 
 
