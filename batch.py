@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from evaluation import Tally, bundle_evaluation
+from limits import LIMITS, images_per_chunk, row_hint
 from preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     refuse_nested, serving_columns, split_spec, table_format)
@@ -65,6 +66,9 @@ class BatchOptions:
     image_column: str | None = None
     dataset_format: str | None = None
     show_progress: bool = True
+    max_row_bytes: int | None = None
+    batch_size: int = 64
+    ttt: bool = False
 
     @classmethod
     def from_config(cls, config, chunk_rows: int) -> "BatchOptions":
@@ -75,6 +79,14 @@ class BatchOptions:
     def input_spec(self, role: str) -> str | None:
         return {"text": self.text_column, "feature": self.feature_columns,
                 "image": self.image_column}[role]
+
+    def rows_per_chunk(self, manifest: dict) -> int:
+        """--chunk_rows, or fewer where the bundle's images would not fit
+        --max_image_memory_mb (whole test-time training batches kept)."""
+        preprocessing = manifest["preprocessing"]
+        if preprocessing["kind"] != "image":
+            return self.chunk_rows
+        return images_per_chunk(preprocessing, self.chunk_rows, self.batch_size if self.ttt else 1)
 
 
 def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
@@ -273,8 +285,8 @@ class TableReader:
         numeric = ([c["name"] for c in self.encoder.columns if c["type"] == "numeric"]
                    if self.encoder is not None else [])
         for frame in iter_table(self.path, self.fmt, self.recorded.get("has_header") or "auto",
-                                self._named_columns(), self.options.chunk_rows, numeric,
-                                self.row_groups):
+                                self._named_columns(), self.options.rows_per_chunk(self.manifest),
+                                numeric, self.row_groups, self.options.max_row_bytes):
             if self.columns is None:
                 self.columns = self._choose_columns(frame)
             # per chunk: a JSON column may turn to arrays in any chunk
@@ -316,16 +328,17 @@ class TableReader:
 # ----------------------------------------------------------------------------- stdin
 
 
-def stdin_frames(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None = None
-                 ) -> Iterator:
-    """One text per line (a blank line is an empty text)."""
+def stdin_frames(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None = None,
+                 max_row_bytes: int | None = None) -> Iterator:
+    """One text per line (a blank line is an empty text); a line longer than `max_row_bytes`
+    characters (default --max_row_bytes) is refused (exit 3) without being read whole."""
     if manifest["preprocessing"]["kind"] != "text":
         raise ConfigError("--input - reads one text per line, and this is a "
                           f"{manifest['model_type']}", "give a file or folder as --input")
     texts: list[str] = []
     row = 0
-    for line in stream or sys.stdin:
-        texts.append(line.rstrip("\r\n"))
+    for line in bounded_lines(stream or sys.stdin, max_row_bytes or LIMITS.max_row_bytes):
+        texts.append(line)
         if len(texts) == chunk_rows:
             yield row_frame([str(row + i + 1) for i in range(len(texts))], None,
                             {f"{ROW_TEXT}0": texts})
@@ -334,6 +347,20 @@ def stdin_frames(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None =
     if texts:
         yield row_frame([str(row + i + 1) for i in range(len(texts))], None,
                         {f"{ROW_TEXT}0": texts})
+
+
+def bounded_lines(stream: io.TextIOBase, limit: int) -> Iterator[str]:
+    """The lines of a text stream without their line ends, each read at most `limit` characters
+    (and its line end) at a time."""
+    number = 0
+    while line := stream.readline(limit + 2):
+        number += 1
+        text = line.rstrip("\r\n")
+        if len(text) > limit:
+            raise DataError(f"line {number} of the standard input is longer than "
+                            f"--max_row_bytes {limit}; one text is never that long",
+                            row_hint(limit))
+        yield text
 
 
 def input_kind(manifest: dict, options: BatchOptions) -> str:
@@ -357,9 +384,10 @@ def input_frames(manifest: dict, options: BatchOptions) -> Iterator:
     """The row frames of --input, whatever it is."""
     kind = input_kind(manifest, options)
     if kind == "stdin":
-        return stdin_frames(manifest, options.chunk_rows)
+        return stdin_frames(manifest, options.chunk_rows, max_row_bytes=options.max_row_bytes)
     if kind == "images":
-        return image_folder_frames(Path(options.input), manifest, options.chunk_rows)
+        return image_folder_frames(Path(options.input), manifest,
+                                   options.rows_per_chunk(manifest))
     return TableReader(Path(options.input), manifest, options).frames()
 
 

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from preprocess import HF_TOKENIZER, PADDING_ID_KEY, hf_tokenizer_text, register_hf_tokenizer
-from utils import ExportError, sha256_of, staged_files
+from limits import graph_size_problem
+from manifest_schema import MAX_DEPTH, OUTPUT_NAMES, agreement_problem, manifest_problem
+from preprocess import HF_TOKENIZER, PAD_ID, PADDING_ID_KEY, register_hf_tokenizer
+from utils import ConfigError, ExportError, nesting_depth, quoted, sha256_of, staged_files
 
 BUNDLE_FORMAT = "ttc-model-bundle"
 BUNDLE_FORMAT_VERSION = 1
-OUTPUT_NAMES = ("logits", "probabilities")  # every graph's outputs, (batch, classes) float32
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,51 @@ class BundlePaths:
         return self.onnx.with_suffix(f".{key}.onnx")
 
 
+MiB, GiB = 1 << 20, 1 << 30
+# The largest file of each kind the tool opens in a bundle, whatever its manifest says (a
+# manifest is written by whoever made the bundle): checked before the file is opened, so that a
+# 1 TB sparse file is refused at once instead of hashed for an hour. An ONNX graph is a
+# protobuf, which cannot pass 2 GiB (larger models keep their weights in external data).
+FILE_SIZE_LIMITS = {"manifest": 64 * MiB, "tokenizer": 256 * MiB, "model definition": 16 * MiB,
+                    "graph": 2 * GiB, "weights": 16 * GiB, "external data": 16 * GiB}
+FILE_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+              (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def bundle_file(path: Path, kind: str) -> os.stat_result | None:
+    """The lstat of a file the tool is about to read from a bundle (`kind`: a key of
+    FILE_SIZE_LIMITS), None when there is none. Checked before anything opens it: the file must
+    be a regular file in the bundle's folder (the folder may be reached through a link the user
+    named; the files in it may not be links, even to a file beside them) and within its kind's
+    size limit; anything else is an ExportError (exit 4)."""
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        raise ExportError(f"the bundle's {kind} {path} cannot be read ({err.strerror or err})",
+                          "check the bundle folder's permissions") from None
+    what = next((name for test, name in FILE_KINDS if test(info.st_mode)),
+                None if stat.S_ISREG(info.st_mode) else "not a regular file")
+    if what is not None:
+        target = f" to {quoted(os.readlink(path), 60)}" if stat.S_ISLNK(info.st_mode) else ""
+        raise ExportError(f"the bundle's {kind} {path} is {what}{target}, not a regular file: "
+                          "a bundle's files must be plain files in its folder, and none was "
+                          "opened", "replace it with the file itself (a copy, not a link), or "
+                          "re-create the bundle with pipeline.py")
+    limit = FILE_SIZE_LIMITS[kind]
+    if info.st_size > limit:
+        raise ExportError(f"the bundle's {kind} {path} is {info.st_size:,} bytes, over the "
+                          f"{limit // MiB:,} MiB a bundle's {kind} may have; it was not read",
+                          "this is not a file the tool wrote: re-create the bundle with "
+                          "pipeline.py")
+    return info
+
+
 def read_manifest(paths: BundlePaths) -> dict:
     """Load and sanity-check a bundle manifest; any problem is an ExportError (exit 4)."""
-    if not paths.manifest.is_file():
+    if bundle_file(paths.manifest, "manifest") is None:
         raise ExportError(f"bundle manifest {paths.manifest} not found",
                           "train first (pipeline.py or train.py) with --output_model "
                           f"{paths.onnx}")
@@ -91,14 +136,23 @@ def read_manifest(paths: BundlePaths) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ExportError(f"bundle manifest {paths.manifest} is not valid JSON ({err})",
                           "re-create the bundle with pipeline.py") from None
+    except RecursionError:  # nested deeper than the parser goes
+        manifest = None
+    if manifest is None or nesting_depth(manifest) > MAX_DEPTH:
+        raise ExportError(f"{paths.manifest} is JSON nested deeper than {MAX_DEPTH} levels, "
+                          "which no bundle manifest is", "re-create the bundle with pipeline.py")
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise ExportError(f"{paths.manifest} is not a model bundle manifest",
                           "pass the .onnx written by pipeline.py or export.py")
     if manifest.get("format_version") != BUNDLE_FORMAT_VERSION:
-        raise ExportError(f"{paths.manifest} has format version {manifest.get('format_version')!r}, "
-                          f"this tool reads version {BUNDLE_FORMAT_VERSION}",
+        raise ExportError(f"{paths.manifest} has format version "
+                          f"{str(manifest.get('format_version'))[:20]}, this tool reads version "
+                          f"{BUNDLE_FORMAT_VERSION}",
                           "re-create the bundle with this version of the tool")
     problem = manifest_problem(manifest)
+    if problem is None and (problem := agreement_problem(manifest)) and \
+            (manifest.get("files") or {}).get("onnx"):
+        require_onnx_in_bundle(paths, manifest)  # an edited manifest: the graph's check says how
     if problem:
         raise ExportError(f"{paths.manifest} is not a valid manifest: {problem}",
                           "re-create the bundle with pipeline.py")
@@ -114,65 +168,39 @@ def register_tokenizer_file(manifest: dict, paths: BundlePaths) -> None:
     name = (manifest.get("files") or {}).get("tokenizer")
     path = paths.manifest.parent / name if name else paths.tokenizer
     try:
+        if bundle_file(path, "tokenizer") is None:
+            raise FileNotFoundError(2, "No such file or directory")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ExportError(f"the bundle's tokenizer {path} cannot be read ({err.strerror or err})",
                           "keep the .tokenizer.json written with the bundle next to its "
                           "model.json") from None
-    register_hf_tokenizer(text, manifest["preprocessing"]["sha256"])
+    register_hf_tokenizer(text, manifest["preprocessing"]["sha256"], str(path))
 
 
-MANIFEST_KEYS = {"format", "format_version", "created", "model_type", "labels", "input",
-                 "outputs", "preprocessing", "architecture", "dataset", "training", "export",
-                 "quantization", "fp16", "extra_graphs", "files", "calibration"}
-MODEL_KINDS = {"image_classifier": "image", "text_classifier": "text",
-               "tabular_classifier": "tabular"}
+TRUST_HINT = "pass --trust_model_code true if you trust whoever made this bundle"
 
 
-def manifest_problem(manifest: dict) -> str | None:
-    """What is wrong with a manifest's shape (keys, types, ranges), checked before anything in
-    it is used; None when it is sound."""
-    unknown = sorted(set(manifest) - MANIFEST_KEYS)
-    if unknown:
-        return f"unknown keys {unknown[:5]}"
-    for key in ("model_type", "labels", "input", "preprocessing", "architecture"):
-        if key not in manifest:
-            return f"the key {key!r} is missing"
-    kind = MODEL_KINDS.get(manifest["model_type"]) if isinstance(manifest["model_type"], str) \
-        else None
-    if kind is None:
-        return f"model_type {manifest['model_type']!r} is not one of {sorted(MODEL_KINDS)}"
-    labels = manifest["labels"]
-    if not (isinstance(labels, list) and len(labels) >= 2 and
-            all(isinstance(v, str) for v in labels) and len(set(labels)) == len(labels)):
-        return "labels must be a list of 2 or more distinct strings"
-    spec = manifest["input"]
-    if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and
-            isinstance(spec.get("shape"), list)):
-        return "input must name the graph input and its shape"
-    pre = manifest["preprocessing"]
-    if not isinstance(pre, dict) or pre.get("kind") != kind:
-        return f"preprocessing must be a {kind} preprocessing for a {manifest['model_type']}"
-    if not isinstance(manifest["architecture"], dict) or \
-            not isinstance(manifest["architecture"].get("name"), str):
-        return "architecture must name the network"
-    calibration = manifest.get("calibration")
-    if calibration is not None:
-        t = calibration.get("temperature") if isinstance(calibration, dict) else None
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            return "calibration.temperature must be a positive number"
-    files = manifest.get("files") or {}
-    if not isinstance(files, dict) or not isinstance(files.get("sha256", {}), dict):
-        return "files must map names and sha256 hashes"
-    for key, name in files.items():
-        if key != "sha256" and name is not None and (
-                not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")):
-            return f"files.{key} must be a bare file name, not {name!r}"
-    for key, digest in files.get("sha256", {}).items():
-        if not (isinstance(digest, str) and len(digest) == 64 and
-                all(c in "0123456789abcdef" for c in digest)):
-            return f"files.sha256.{key} is not a sha256 hex digest"
-    return None
+def require_trusted_model_code(manifest: dict, paths: BundlePaths, trusted: bool) -> None:
+    """A --model_def bundle's network is a Python file of the bundle: rebuilding it (export.py,
+    Tent) imports that file, which runs whatever code it holds. Refused with a ConfigError
+    (exit 2), before anything else is read or run, unless the user trusts the bundle
+    (--trust_model_code true, or the user's own --model_def trained in this process)."""
+    architecture = manifest["architecture"]
+    if architecture.get("name") != "UserNetwork" or trusted:
+        return
+    model_def = architecture.get("model_def")
+    if not isinstance(model_def, dict):
+        raise ExportError(f"{paths.manifest} is not a valid manifest: architecture.model_def "
+                          "must name the network's file and factory",
+                          "re-create the bundle with pipeline.py --model_def")
+    name = (manifest.get("files") or {}).get("model_def") or paths.model_def.name
+    factory = model_def.get("factory")
+    call = (f"{factory}()" if isinstance(factory, str) and factory.isidentifier()
+            and len(factory) <= 60 else f"factory {quoted(factory, 60)}")
+    raise ConfigError(f"this bundle's network is Python code: rebuilding it would import "
+                      f"{paths.manifest.parent / name} and call its {call}, running whatever "
+                      "that file holds; nothing was imported", TRUST_HINT)
 
 
 def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "onnx") -> Path:
@@ -196,10 +224,10 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
                       "MC-dropout existed, has none)",
                 "ensemble": "ensemble graph (train one with --ensemble_size N)"}[variant]
         raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
-    if not path.is_file():
+    info = bundle_file(path, "graph")  # a link, a FIFO or a 1 TB file: refused unread
+    if info is None:
         raise ExportError(f"model file {path} not found", f"run: {fix}")
-    stat = path.stat()
-    checked = (str(path.resolve()), expected, stat.st_size, stat.st_mtime_ns,
+    checked = (str(path.resolve()), expected, info.st_size, info.st_mtime_ns,
                contract_digest(manifest))
     if checked in _VERIFIED:  # a run asks again for a graph it already checked: skip the I/O
         return path
@@ -208,8 +236,9 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
                           "(sha256 differs: the files come from different runs or were modified)",
                           f"re-run: {fix}")
     model = _parsed_graph(path)
-    if model is None:  # truncated or foreign: reported when a session loads it
-        return path
+    if model is None:
+        raise ExportError(f"cannot load {path}: it is not an ONNX model (a truncated file, or "
+                          "a file of another kind)", f"re-run: {fix}")
     problem = external_data_problem(model, path)
     if problem:
         raise ExportError(f"{path} refused: {problem}",
@@ -220,6 +249,11 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
                           "(the manifest was edited, or comes from another run)",
                           "restore the manifest written with the graph, or re-create the "
                           "bundle with pipeline.py")
+    problem = graph_size_problem(model)  # before ONNX Runtime folds or allocates it
+    if problem:
+        raise ExportError(f"{path} refused: {problem}", "a graph this tool exports fixes no "
+                          "tensor that large; raise --max_runtime_memory_mb only for a bundle "
+                          "you trust")
     _VERIFIED.add(checked)
     return path
 
@@ -291,8 +325,14 @@ def contract_problem(model: Any, manifest: dict) -> str | None:
                and len(_static_dims(o)) == 2}
     for name, count in classes.items():
         if count is not None and count != len(manifest["labels"]):
-            return f"the graph's {name} has {count} classes and the manifest {len(manifest['labels'])} labels"
-    stamped = {p.key: p.value for p in model.metadata_props}.get(CONTRACT_KEY)
+            return (f"the graph's {name} has {count} classes and the manifest "
+                    f"{len(manifest['labels'])} labels")
+    metadata = {p.key: p.value for p in model.metadata_props}
+    padding = metadata.get(PADDING_ID_KEY)
+    if padding is not None and padding != str(spec.get("padding_id", PAD_ID)):
+        return (f"its metadata's {PADDING_ID_KEY} {quoted(padding)} is not the input's padding id "
+                f"{spec.get('padding_id', PAD_ID)}")
+    stamped = metadata.get(CONTRACT_KEY)
     if stamped and stamped != contract_digest(manifest):
         return "its labels, input or preprocessing differ from those the graph was exported for"
     return None
@@ -315,30 +355,55 @@ def _expected_input_dims(manifest: dict) -> list[int | None]:
 
 def external_data_problem(model: Any, path: Path) -> str | None:
     """Why an ONNX file's external data is unsafe to load (a location outside its folder, so
-    a crafted model could read any file), or None."""
+    a crafted model could read any file, or in a subfolder), or None; an external data file
+    that is a link, a FIFO or too large is refused here too (bundle_file), before it is read."""
     import onnx
 
     folder = path.parent.resolve()
-    for tensor in _all_tensors(model.graph):
+    for tensor in _model_tensors(model):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         location = next((e.value for e in tensor.external_data if e.key == "location"), "")
         if not (folder / location).resolve().is_relative_to(folder):
             return f"tensor {tensor.name!r} reads external data from {location!r}, outside {folder}"
+        if Path(location).name != location:
+            return (f"tensor {quoted(tensor.name, 40)} reads external data from "
+                    f"{quoted(location, 60)}, not a file directly in the bundle's folder")
+        bundle_file(path.parent / location, "external data")  # a link or a FIFO: refused
     return None
+
+
+def _model_tensors(model: Any) -> Iterator[Any]:
+    """Every tensor an ONNX model holds: its graph's and subgraphs', and those in the nodes of
+    its model-local functions (which onnx.load reads external data for too)."""
+    yield from _all_tensors(model.graph)
+    for function in model.functions:
+        yield from _node_tensors(function.node)
 
 
 def _all_tensors(graph: Any) -> Iterator[Any]:
     yield from graph.initializer
-    for node in graph.node:
+    yield from _sparse_parts(graph.sparse_initializer)
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Any) -> Iterator[Any]:
+    for node in nodes:
         for attribute in node.attribute:
             if attribute.HasField("t"):
                 yield attribute.t
             yield from attribute.tensors
+            yield from _sparse_parts(([attribute.sparse_tensor] if attribute.HasField(
+                "sparse_tensor") else []) + list(attribute.sparse_tensors))
             for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                 yield from _all_tensors(sub)
 
 
+def _sparse_parts(sparse_tensors: Any) -> Iterator[Any]:
+    """The values and indices of sparse tensors: dense tensors, which may be external too."""
+    for sparse in sparse_tensors:
+        yield sparse.values
+        yield sparse.indices
 
 
 # ----------------------------------------------------------------------------- building
@@ -375,31 +440,9 @@ def record_weights(manifest: dict, paths: BundlePaths, digest: str) -> None:
     manifest["files"].update(weights=paths.weights.name, sha256={"weights": digest})
 
 
-def side_files(manifest: dict) -> dict[str, bytes]:
-    """The files besides weights and graphs that a manifest needs in its bundle, by key: a
-    --model_def network's Python file, an hf arch's tokenizer.json."""
-    files = {}
-    source = model_def_source(manifest)
-    if source is not None:
-        files["model_def"] = source.read_bytes()
-    if manifest["preprocessing"].get("tokenizer") == HF_TOKENIZER:
-        files["tokenizer"] = hf_tokenizer_text(manifest["preprocessing"]).encode("utf-8")
-    return files
-
-
 def record_side_file(manifest: dict, paths: BundlePaths, key: str, digest: str) -> None:
     manifest["files"][key] = paths.side_file(key).name
     manifest["files"]["sha256"][key] = digest
-
-
-def model_def_source(manifest: dict) -> Path | None:
-    """The --model_def file a UserNetwork manifest needs in its bundle (registered in
-    models._MODEL_SOURCES by whoever built the network), or None for the built-in networks."""
-    if manifest["architecture"].get("name") != "UserNetwork":
-        return None
-    from models import model_source  # torch: only --model_def bundles get here
-
-    return model_source(manifest["architecture"])
 
 
 def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict[str, dict],

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ import numpy as np
 
 from batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
                    folder_images, image_folder_frames, input_kind, write_predictions)
+from limits import LIMITS, Limits, use_limits
 from runtime import usable_cpus
 from tables import parquet_row_groups, table_format
 from utils import LOG, ConfigError, PipelineError, RuntimeFailure
@@ -184,14 +186,16 @@ def _shutdown(ray) -> None:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends and are then delivered as usual: ray.init
-    cut short by Ctrl-C leaves the processes it started running (ray::DashboardAgent,
-    RuntimeEnvAgent) or crashes the process at exit. The handlers in place before the block are
-    back after it, also where ray.init replaced ours (its SIGTERM handler exits 15)."""
+    """SIGINT, SIGTERM and --timeout_s wait until the block ends and are then delivered as
+    usual: ray.init cut short by Ctrl-C leaves the processes it started running
+    (ray::DashboardAgent, RuntimeEnvAgent) or crashes the process at exit. The handlers in
+    place before the block are back after it, also where ray.init replaced ours (its SIGTERM
+    handler exits 15)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)  # SIGALRM: --timeout_s
+    saved = {sig: signal.getsignal(sig) for sig in held}
     caught: list[int] = []
     for sig, handler in saved.items():
         if callable(handler):  # ours (or Python's); an ignored SIGINT (nohup) stays ignored
@@ -314,8 +318,9 @@ def input_parts(manifest: dict, options: BatchOptions) -> list[Callable[[], Iter
     path = Path(options.input).absolute()
     if kind == "images":  # parts of whole worker batches
         files = folder_images(path)
-        step = options.chunk_rows * max(1, IMAGES_PER_PART // options.chunk_rows)
-        return [_ImagePart(path, manifest, options.chunk_rows, files[start:start + step])
+        rows = options.rows_per_chunk(manifest)
+        step = rows * max(1, IMAGES_PER_PART // rows)
+        return [_ImagePart(path, manifest, rows, files[start:start + step])
                 for start in range(0, len(files), step)]
     options = BatchOptions(**{**vars(options), "input": str(path)})
     if table_format(path, options.dataset_format) == "parquet" and path.is_file():
@@ -376,7 +381,9 @@ class PredictWorker:
     """A Ray actor: row frames in, predictions out. One ONNX Runtime session (made by the
     factory, with intra-op threads = the actor's CPUs) lives as long as the actor."""
 
-    def __init__(self, make_predictor: PredictorFactory, manifest: dict) -> None:
+    def __init__(self, make_predictor: PredictorFactory, manifest: dict,
+                 limits: Limits | None = None) -> None:
+        use_limits(limits)  # the driver's --max_* flags, in this worker process
         self.predict, self.extra_names = make_predictor()
         self.encoder = RowEncoder(manifest)
         self.classes = len(manifest["labels"])
@@ -446,7 +453,7 @@ def predict_on_ray(options: BatchOptions, manifest: dict, make_predictor: Predic
         # default read parallelism), cut into batches of the worker batch size
         dataset = ray.data.read_datasource(input_datasource(parts), num_cpus=0,
                                            override_num_blocks=len(parts)).map_batches(
-            PredictWorker, fn_constructor_args=(make_predictor, manifest),
+            PredictWorker, fn_constructor_args=(make_predictor, manifest, copy(LIMITS)),
             batch_size=ray_options.worker_batch_size, batch_format="pandas",
             compute=ray.data.ActorPoolStrategy(size=ray_options.workers),
             num_cpus=ray_options.threads, num_gpus=ray_options.gpus or None)

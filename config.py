@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from preprocess import HF_PREFIX, hf_source
 from runtime import RuntimeOptions, parse_ep_options, parse_providers, usable_cpus
-from utils import ConfigError, DataError, check_paths
+from limits import MAX_TEXT_LENGTH
+from utils import ConfigError, DataError, check_paths, quoted
 
 if TYPE_CHECKING:
     from tta import TTAOptions
@@ -143,7 +145,10 @@ class Config:
         None, "images: builtin:digits, a folder ROOT/<class>/*.png (optionally with train/ val/ "
         "test/ subfolders), or a table of image paths and labels; text and tabular: a "
         "CSV/TSV/JSON/JSONL file, or builtin:iris, builtin:wine, builtin:breast_cancer",
-        "data", metavar="PATH", scripts="PTEQI")
+        "data", metavar="PATH", scripts="PTEQI", help_for={
+            letter: "the data the bundle was trained on, split as at training: required unless "
+            "it was a builtin: data set (a path the bundle records is never read)"
+            for letter in "EQI"})
     dataset_format: str | None = opt(None, "table format, overriding the file extension",
                                      "data", choices=TABLE_FORMAT_NAMES, scripts="PTI")
     has_header: str = opt("auto", "whether a CSV/TSV file's first row is a header; auto "
@@ -161,9 +166,14 @@ class Config:
                                    "0-based position; default: detected)", "data",
                                    metavar="COL", scripts="PTI")
     val_path: str | None = opt(None, "a separate validation file (same columns); default: "
-                               "split from the data", "data", metavar="PATH", scripts="PT")
+                               "split from the data", "data", metavar="PATH", scripts="PTEQI",
+                               help_for={letter: "the bundle's separate validation file, "
+                                         "required when it was trained with one"
+                                         for letter in "EQI"})
     test_path: str | None = opt(None, "a separate test file (same columns); default: split "
-                                "from the data", "data", metavar="PATH", scripts="PT")
+                                "from the data", "data", metavar="PATH", scripts="PTEQI",
+                                help_for={letter: "the bundle's separate test file, required "
+                                          "when it was trained with one" for letter in "EQI"})
     image_size: tuple[int, int] | None = opt(
         None, "resize images to this size, e.g. 32 or 24,32 (height,width); default: the most "
         "common size in the data, capped at 64 pixels per side", "data", type=parse_image_size,
@@ -182,6 +192,14 @@ class Config:
                                "dataset has no test split", "data", type=float, scripts="PT")
     seed: int = opt(0, "seed for the split, initialisation, augmentation and shuffling", "data",
                     type=int, scripts="PTI")
+    max_row_bytes: int = opt(1048576, "the longest row of a text input (a CSV/TSV/JSONL line, a "
+                             "text cell, a line of stdin) in bytes; a longer one is refused "
+                             "(exit 3) before it is parsed", "data", type=int, metavar="N",
+                             scripts="PTEQI")
+    max_image_memory_mb: int = opt(4096, "the most memory (MB) images decoded at a bundle's "
+                                   "image size may take at once: a split evaluated whole is "
+                                   "refused beyond it (exit 4), --input chunks shrink to fit",
+                                   "data", type=int, metavar="MB", scripts="EQI")
     # training
     epochs: int = opt(20, "training epochs (the best epoch on the validation split is kept)",
                       "training", type=int, scripts="PT")
@@ -200,6 +218,12 @@ class Config:
                                 "num_classes=..., input_spec=...) returns an nn.Module. This "
                                 "imports FILE.py, running its code; the bundle keeps a copy",
                                 "training", metavar="FILE:FN", scripts="PT")
+    trust_model_code: bool = opt(False, "let a --model_def bundle's own Python file "
+                                 "(model.def.py) run: export.py and --ttt_method tent import "
+                                 "it to rebuild the network. Only for a bundle whose maker you "
+                                 "trust; without it such a bundle is refused (exit 2) before "
+                                 "anything runs", "training", type=parse_bool, metavar="BOOL",
+                                 scripts="EI")
     init_weights: str | None = opt(None, "start from these weights (.safetensors, or a torch "
                                    "state dict, read with weights_only): tensors load where "
                                    "name and shape match; the report counts loaded, skipped "
@@ -392,6 +416,12 @@ class Config:
                         "file, beside the model); an int8 or fp16 variant no faster than fp32 "
                         "has its verdict name the op types whose time grew", "runtime",
                         type=parse_bool, metavar="BOOL", scripts="PQI")
+    max_runtime_memory_mb: int = opt(4096, "the most CPU memory (MB) ONNX Runtime may take for "
+                                     "a graph's tensors (weights aside): a graph with a tensor "
+                                     "of fixed size beyond it is refused before running (exit "
+                                     "4), an allocation beyond it at run time fails the run "
+                                     "(exit 5)", "runtime", type=int, metavar="MB",
+                                     scripts="PEQI")
     strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
                           "execution provider cannot run", "runtime", type=parse_bool,
                           metavar="BOOL", scripts="PI")
@@ -410,6 +440,10 @@ class Config:
     num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
                            "(1 is fastest for small models on busy machines)", "runtime",
                            type=int, metavar="N", scripts="PTEQI")
+    timeout_s: float = opt(0.0, "end the run after this many seconds of wall-clock time, also "
+                           "inside ONNX Runtime (a graph that loops for ever): exit 124, "
+                           "nothing half-written; 0: no limit", "runtime", type=float,
+                           metavar="SECONDS", scripts="PTEQI")
     # batch inference (inference.py)
     input: str | None = opt(None, "inference.py: predict new data instead of evaluating the test "
                             "split: an image file, a folder of images (recursive), a "
@@ -495,6 +529,11 @@ class Config:
         if self.max_vocab < 3:
             _bad("max_vocab", self.max_vocab, "use at least 3 (padding, unknown and one word)")
         _positive("max_length", self.max_length)
+        for name in ("max_row_bytes", "max_image_memory_mb", "max_runtime_memory_mb"):
+            _positive(name, getattr(self, name))
+        if self.max_length > MAX_TEXT_LENGTH:
+            _bad("max_length", self.max_length, f"use at most {MAX_TEXT_LENGTH} token ids (a "
+                 "bundle's manifest may not hold more)")
 
     def _validate_training(self) -> None:
         if self.learning_rate is None:
@@ -675,6 +714,8 @@ class Config:
                               "or join a larger cluster with --ray_address")
 
     def _validate_runtime(self) -> None:
+        if not 0 <= self.timeout_s < 1e9:  # also NaN; setitimer takes no more
+            _bad("timeout_s", self.timeout_s, "use a number of seconds, or 0 for no limit")
         if self.num_threads < 0:
             _bad("num_threads", self.num_threads, "use 0 (library default) or a positive count")
         parse_ep_options(self.ep_options, parse_providers(self.ep))
@@ -726,7 +767,8 @@ class Config:
             if self.dataset_path not in BUILTIN_DATASETS:
                 raise ConfigError(f"unknown built-in dataset {self.dataset_path!r}",
                                   f"use one of: {', '.join(BUILTIN_DATASETS)}")
-            if BUILTIN_DATASETS[self.dataset_path] != self.model_type:
+            if ("model_type" in self.names()  # a bundle's script: its manifest says
+                    and BUILTIN_DATASETS[self.dataset_path] != self.model_type):
                 raise ConfigError(f"{self.dataset_path} is data for "
                                   f"{BUILTIN_DATASETS[self.dataset_path]}, not {self.model_type}",
                                   f"use --model_type {BUILTIN_DATASETS[self.dataset_path]}")
@@ -741,6 +783,7 @@ class Config:
         if self.report_json and self.report_json != "-" and Path(self.report_json).is_dir():
             _bad("report_json", self.report_json, "it is a folder; give a file path")
         folder = self.plots_folder()
+        refuse_linked_plots_folder(folder, named=bool(self.plots))
         if folder is not None and folder.exists() and not folder.is_dir():
             _bad("plots", str(folder), "it is a file; give a folder, or 'none'")
         reads, writes = self.files_read_and_written()
@@ -748,7 +791,8 @@ class Config:
             path = reads.get(f"--{flag}")
             if path is not None and not path.exists():
                 raise DataError(f"--{flag} {path} does not exist", "check the path")
-        if self.model_type == "image_classifier" and (self.val_path or self.test_path):
+        if ("model_type" in self.names() and self.model_type == "image_classifier"
+                and (self.val_path or self.test_path)):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",
                               "lay the images out as ROOT/train/<class>/, ROOT/val/<class>/ and "
@@ -851,7 +895,8 @@ class Config:
         return TTTSettings(self.ttt_method, self.ttt_mode, self.ttt_iterations,
                            self.ttt_learning_rate, self.ttt_bn_prior, self.ttt_reset_every,
                            self.batch_size, parse_shift_names(self.eval_shift, kind),
-                           self.shift_severity, self.seed, self.num_threads)
+                           self.shift_severity, self.seed, self.num_threads,
+                           self.trust_model_code)
 
     def providers(self) -> list[str]:
         return parse_providers(self.ep)
@@ -955,6 +1000,17 @@ def visuals_beside(path: Path) -> Path:
     return path.parent / ("plots" if path.stem in ("report", "model") else f"{path.stem}_plots")
 
 
+def refuse_linked_plots_folder(folder: Path | None, named: bool) -> None:
+    """A plots folder the tool chose (beside the report or the model, not named with --plots)
+    must be a real folder, never a symbolic link: one placed there (in a shared or downloaded
+    folder) would send the PNGs wherever it points. ConfigError (exit 2), before any work."""
+    if folder is None or named or not folder.is_symlink():
+        return
+    raise ConfigError(f"the plots folder {folder} is a symbolic link (to "
+                      f"{quoted(os.readlink(folder), 80)}), and plots are written only into a "
+                      "real folder", "remove the link, or name the folder with --plots DIR")
+
+
 def page_beside(report_json: Path) -> Path:
     """The HTML page beside a report file: its name with .html (a report named *.html gets
     .report.html, so the page never replaces it)."""
@@ -1019,13 +1075,17 @@ def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
 
 def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Config:
     """Parse, set up logging, validate, and log the configuration summary (stderr)."""
-    from utils import LOG, setup_logging
+    from utils import LOG, setup_logging, stop_after
 
     config = parse_config(parser, argv)
     if config.quiet:  # nothing but errors
         config.log_level, config.no_progress = "ERROR", True
     setup_logging(config.log_level)
     config.validate()
+    stop_after(config.timeout_s)  # the run's clock starts once its flags are read
+    from limits import configure
+
+    configure(config)
     LOG.info("configuration (* = not the default):\n%s", "\n".join(config.summary_lines()))
     return config
 

@@ -19,11 +19,12 @@ from typing import Sequence
 
 import numpy as np
 
+from limits import check_decoded_images
 from preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, hf_source,
                         image_files, text_tokenizer)
 from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_columns, split_spec)
-from utils import LOG, DataError, progress, first_line
+from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
                   "builtin:breast_cancer": "load_breast_cancer"}
@@ -67,15 +68,69 @@ class DataOptions:
                    **{name: getattr(config, name) for name in names})
 
     @classmethod
-    def from_manifest(cls, recorded: dict, path: str | None = None,
-                      show_progress: bool = True) -> "DataOptions":
-        """The bundle's dataset (or `path`), split exactly as at training time."""
-        kept = {k: recorded[k] for k in cls.RECORDED if recorded.get(k) is not None}
-        return cls(path=path or recorded["path"], show_progress=show_progress, **kept)
+    def from_manifest(cls, recorded: dict, path: str | None = None, show_progress: bool = True,
+                      split_paths: dict[str, str | None] | None = None,
+                      alternative: str = "") -> "DataOptions":
+        """The data the user named (`path`; `split_paths` holds --val_path and --test_path),
+        read with the options the bundle recorded and split exactly as at training time.
+
+        A path a bundle records is information about where its training data was, never an
+        instruction to read: only a built-in data set's name is taken from it. Raises
+        ConfigError (exit 2), before anything is read, when the user must name the data;
+        `alternative` ends its hint (e.g. inference.py's --input)."""
+        split_paths = split_paths or {}
+        kept = {k: recorded[k] for k in cls.RECORDED
+                if recorded.get(k) is not None and k not in ("val_path", "test_path")}
+        path = path or _recorded_builtin(recorded, alternative)
+        _require_builtin_of_its_kind(path, recorded.get("model_type"))
+        for split in ("val", "test"):
+            _require_split_path(recorded, split, split_paths.get(split))
+        if recorded.get("model_type") == "image_classifier" and any(split_paths.values()):
+            raise ConfigError("--val_path and --test_path are for text and tabular tables; "
+                              "images take their splits from folders",
+                              "drop them: an image folder's val/ and test/ subfolders are used")
+        return cls(path=path, show_progress=show_progress, **kept,
+                   val_path=split_paths.get("val"), test_path=split_paths.get("test"))
 
     def to_manifest(self) -> dict:
         return {"path": _absolute(self.path), **{k: getattr(self, k) for k in self.RECORDED},
                 "val_path": _absolute(self.val_path), "test_path": _absolute(self.test_path)}
+
+
+BUILTIN_NAMES = ("builtin:digits", *BUILTIN_TABLES)
+
+
+def _recorded_builtin(recorded: dict, alternative: str) -> str:
+    """The built-in data set a bundle was trained on; for any other recorded path, the
+    ConfigError that asks the user to name the data."""
+    where = recorded.get("path")
+    if where in BUILTIN_NAMES:
+        return where
+    said = (f"records that it was trained on {quoted(where, 80)}" if isinstance(where, str)
+            and where else "records no built-in data set it was trained on")
+    raise ConfigError(f"the bundle {said}, and this tool does not read a path a bundle names "
+                      "on its own", "pass --dataset_path PATH to name the data (split as at "
+                      f"training){alternative}")
+
+
+def _require_builtin_of_its_kind(path: str, model_type: str | None) -> None:
+    kind = ("image_classifier" if path == "builtin:digits" else
+            "tabular_classifier" if path in BUILTIN_TABLES else None)
+    if kind and model_type and kind != model_type:
+        raise ConfigError(f"{path} is data for {kind}, and this bundle is a {model_type}",
+                          "pass the data it was trained on with --dataset_path")
+
+
+def _require_split_path(recorded: dict, split: str, given: str | None) -> None:
+    """A bundle trained with a separate --val_path / --test_path file: the user names it again
+    (the recorded path is never read; cutting that split from the main file instead would
+    evaluate on rows the model was trained on)."""
+    where = recorded.get(f"{split}_path")
+    if where and not given:
+        raise ConfigError(f"the bundle was trained with a separate {split} file "
+                          f"{quoted(where, 80)} (--{split}_path), and this tool does not read a "
+                          "path a bundle names on its own",
+                          f"pass --{split}_path PATH (with --dataset_path) to name it")
 
 
 def _absolute(path: str | None) -> str | None:
@@ -176,10 +231,30 @@ def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
     return dataset
 
 
+def bundle_data_options(manifest: dict, path: str | None, show_progress: bool = True,
+                        split_paths: dict[str, str | None] | None = None,
+                        alternative: str = "") -> DataOptions:
+    """The data the user named for a bundle (`path`: --dataset_path; `split_paths`: --val_path
+    and --test_path), with the bundle's recorded reading options; ConfigError (exit 2) when
+    the user must name it (DataOptions.from_manifest). Scripts call it before any work: it
+    reads nothing."""
+    recorded = manifest.get("dataset")
+    return DataOptions.from_manifest(recorded if isinstance(recorded, dict) else {}, path,
+                                     show_progress, split_paths, alternative)
+
+
+def split_paths_of(config) -> dict[str, str | None]:
+    """--val_path and --test_path as bundle_data_options takes them."""
+    return {"val": config.val_path, "test": config.test_path}
+
+
 def load_bundle_dataset(manifest: dict, path: str | None, splits: Sequence[str],
-                        show_progress: bool = True) -> Dataset:
-    """A bundle's dataset (or `path`), split and encoded exactly as at training time."""
-    options = DataOptions.from_manifest(manifest["dataset"], path, show_progress)
+                        show_progress: bool = True,
+                        split_paths: dict[str, str | None] | None = None,
+                        alternative: str = "") -> Dataset:
+    """The data the user named (bundle_data_options), split and encoded exactly as at training
+    time."""
+    options = bundle_data_options(manifest, path, show_progress, split_paths, alternative)
     return load_dataset(options, preprocessing=manifest["preprocessing"],
                         labels=manifest["labels"], splits=splits)
 
@@ -195,6 +270,10 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
     derived = preprocessing is None
     if derived:
         preprocessing = _derive_preprocessing(items, builtin_pixels, options)
+    else:  # the bundle's image size, whatever it claims, times the user's images
+        kept = [i for i in items if i.split in splits]
+        check_decoded_images(preprocessing, len(kept), f"the {' and '.join(splits)} split"
+                             + ("s" if len(splits) > 1 else ""))
     decoded: dict[str, Split] = {}
     skipped: list[str] = []
     for split in splits:
@@ -322,16 +401,20 @@ def _sorted_labels(values) -> list[str]:
 
 
 def _check_labels(present: set[str], labels: list[str], source: str, trained: bool) -> None:
+    """Labels are data: the messages quote a few, cut short (quoted_sample), and a count."""
     if len(labels) < 2:
-        raise DataError(f"{source} has {len(labels)} class(es) {labels} for training; a "
-                        "classifier needs at least 2", "add a folder (or label) per class")
+        raise DataError(f"{source} has {len(labels)} class(es) {quoted_sample(labels)} for "
+                        "training; a classifier needs at least 2",
+                        "add a folder (or label) per class")
     unknown = sorted(present - set(labels))
     if unknown and trained:
-        raise DataError(f"{source} has labels the model was not trained on: {unknown[:5]}",
-                        f"the model knows {labels}")
+        raise DataError(f"{source} has labels the model was not trained on: "
+                        f"{quoted_sample(unknown)}",
+                        f"the model knows {len(labels)}: {quoted_sample(labels, 10)}")
     if unknown:
         raise DataError(f"{source} has classes in its val/test split that the training split "
-                        f"lacks: {unknown[:5]}", "add training images for them or remove them")
+                        f"lacks: {quoted_sample(unknown)}",
+                        "add training images for them or remove them")
 
 
 def assign_splits(labels: Sequence[str], val_fraction: float, test_fraction: float,
@@ -624,8 +707,9 @@ def _encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.nda
     encoder = TabularEncoder.from_manifest(preprocessing)
     missing = [c["name"] for c in encoder.columns if c["name"] not in inputs.columns]
     if missing:
-        raise DataError(f"the data lacks the feature columns {missing[:5]} the model was trained on",
-                        f"its columns are {list(inputs.columns)}")
+        raise DataError(f"the data lacks the feature columns {quoted_sample(missing)} the model "
+                        "was trained on",
+                        f"its columns are {quoted_sample(inputs.columns, 10)}")
     x, bad = encoder.transform(inputs)
     if bad:
         LOG.warning("%d rows of the %s split hold a non-numeric or out-of-range value in a "

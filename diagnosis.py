@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import onnx
 
+from runtime import stoppable_session
 from utils import stdout_to_stderr
 
 # Ops the int8 graph computes in integers, or that carry quantized tensors
@@ -116,8 +117,8 @@ def _intermediate_runs(model_path: Path, feeds: Sequence[dict[str, np.ndarray]]
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 3
-        session = ort.InferenceSession(str(augmented), options,
-                                       providers=["CPUExecutionProvider"])
+        session = stoppable_session(str(augmented), options,
+                                    providers=["CPUExecutionProvider"])  # SIGTERM ends its runs
     names = [o.name for o in session.get_outputs()]
     for feed in feeds:
         values = session.run(None, feed)

@@ -13,34 +13,43 @@ from typing import Sequence
 
 import numpy as np
 
-from metrics import (ECE_BINS, class_scores, confusion_matrix, ece_from_bin_sums,
-                     reliability_sums)
-from utils import LOG
+from metrics import ECE_BINS, class_scores_from_totals, ece_from_bin_sums, reliability_sums
+from utils import LOG, quoted
 
 BASELINE_MARGIN = 0.01  # a model must beat the majority class by a point to count as useful
 TOP_CONFUSIONS = 5
+LABEL_WIDTH = 40  # a class name in a warning: the bundle's, so quoted short
+# The report's confusion matrix is classes² numbers (20,000 classes: 400 million). Up to this
+# many classes it is there in full; beyond, the report lists the most frequent confusions
+# (CONFUSION_PAIRS of them), and the tally, which keeps only the cells that occur, is exact.
+DENSE_CONFUSION_CLASSES = 1000
+CONFUSION_PAIRS = 1000
 
 
 @dataclass
 class Tally:
-    """Counts that chunks of predictions add to: the confusion matrix and, per confidence bin,
-    samples, Σ confidence and Σ correct (the reliability diagram)."""
+    """Counts that chunks of predictions add to: the confusion matrix's cells that occur
+    (true × classes + predicted → count: memory grows with the samples, not with classes²) and,
+    per confidence bin, samples, Σ confidence and Σ correct (the reliability diagram)."""
 
     num_classes: int
-    confusion: np.ndarray = field(init=False)
+    cells: dict[int, int] = field(init=False)
     bin_count: np.ndarray = field(init=False)
     bin_confidence: np.ndarray = field(init=False)
     bin_correct: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.confusion = np.zeros((self.num_classes, self.num_classes), np.int64)
+        self.cells = {}
         self.bin_count = np.zeros(ECE_BINS, np.int64)
         self.bin_confidence = np.zeros(ECE_BINS)
         self.bin_correct = np.zeros(ECE_BINS)
 
     def add(self, probabilities: np.ndarray, y: np.ndarray) -> "Tally":
         if len(y):
-            self.confusion += confusion_matrix(y, probabilities.argmax(1), self.num_classes)
+            keys = np.asarray(y, np.int64) * self.num_classes + probabilities.argmax(1)
+            found, counts = np.unique(keys, return_counts=True)
+            for key, count in zip(found.tolist(), counts.tolist()):
+                self.cells[key] = self.cells.get(key, 0) + count
             count, confidence, correct = reliability_sums(probabilities, y)
             self.bin_count += count
             self.bin_confidence += confidence
@@ -49,7 +58,28 @@ class Tally:
 
     @property
     def samples(self) -> int:
-        return int(self.confusion.sum())
+        return sum(self.cells.values())
+
+    def triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cells that occur as (true classes, predicted classes, counts), by cell index."""
+        keys = np.array(sorted(self.cells), dtype=np.int64)
+        counts = np.array([self.cells[k] for k in keys.tolist()], dtype=np.int64)
+        return keys // self.num_classes, keys % self.num_classes, counts
+
+    def totals(self) -> dict[str, np.ndarray]:
+        """Per class: right predictions, predictions, and samples (the support)."""
+        true, predicted, counts = self.triples()
+        n, right = self.num_classes, true == predicted
+        return {name: np.bincount(classes, weights, n).astype(np.int64) for name, classes, weights
+                in (("hits", true[right], counts[right]), ("predicted", predicted, counts),
+                    ("support", true, counts))}
+
+    def dense(self) -> np.ndarray:
+        """The classes × classes confusion matrix (rows true, columns predicted)."""
+        matrix = np.zeros((self.num_classes, self.num_classes), np.int64)
+        true, predicted, counts = self.triples()
+        matrix[true, predicted] = counts
+        return matrix
 
 
 def reliability(probabilities: np.ndarray, y: np.ndarray) -> dict:
@@ -72,17 +102,17 @@ def majority_baseline(labels: Sequence[str], train_counts: Sequence[int] | None,
     (recorded in the bundle), or the evaluated data's own for a bundle from before that record."""
     if train_counts is not None and len(train_counts) == len(labels) and sum(train_counts):
         return int(np.argmax(train_counts)), "train split"
-    return int(np.argmax(tally.confusion.sum(1))), "evaluated data"
+    return int(np.argmax(tally.totals()["support"])), "evaluated data"
 
 
 def evaluation_section(tally: Tally, labels: Sequence[str],
                        train_counts: Sequence[int] | None, split: str = "test") -> dict:
     """The report's `evaluation`: per-class figures, baseline and verdict with its warnings."""
-    confusion = tally.confusion
-    scores = class_scores(confusion)
+    totals = tally.totals()
+    scores = class_scores_from_totals(totals["hits"], totals["predicted"], totals["support"])
     samples = tally.samples
     support = scores["support"]
-    accuracy = float(np.trace(confusion) / samples) if samples else 0.0
+    accuracy = float(totals["hits"].sum() / samples) if samples else 0.0
     baseline, source = majority_baseline(labels, train_counts, tally)
     baseline_accuracy = float(support[baseline] / samples) if samples else 0.0
     present = support > 0
@@ -93,8 +123,7 @@ def evaluation_section(tally: Tally, labels: Sequence[str],
                        "support": int(support[k])} for k, label in enumerate(labels)],
         "macro_f1": float(scores["f1"][present].mean()) if present.any() else 0.0,
         "balanced_accuracy": float(scores["recall"][present].mean()) if present.any() else 0.0,
-        "confusion_matrix": confusion.tolist(),
-        "top_confusions": top_confusions(confusion, labels),
+        **confusion_entries(tally, labels),
         "baseline_class": labels[baseline], "baseline_accuracy": baseline_accuracy,
         "baseline_source": source,
         "ece": ece_from_bin_sums(tally.bin_correct, tally.bin_confidence, samples),
@@ -115,14 +144,27 @@ def bundle_evaluation(manifest: dict, tally: Tally, split: str = "test") -> dict
     return section
 
 
-def top_confusions(confusion: np.ndarray, labels: Sequence[str],
+def confusion_entries(tally: Tally, labels: Sequence[str]) -> dict:
+    """The report's confusion matrix (null beyond DENSE_CONFUSION_CLASSES classes, with the
+    CONFUSION_PAIRS most frequent confusions in `confusion_pairs` instead) and top confusions."""
+    entries = {"confusion_matrix": None, "top_confusions": top_confusions(tally, labels)}
+    if tally.num_classes <= DENSE_CONFUSION_CLASSES:
+        entries["confusion_matrix"] = tally.dense().tolist()
+    else:
+        entries["confusion_pairs"] = top_confusions(tally, labels, CONFUSION_PAIRS)
+    return entries
+
+
+def top_confusions(tally: Tally, labels: Sequence[str],
                    count: int = TOP_CONFUSIONS) -> list[dict]:
-    """The most frequent (true → predicted) mistakes, most frequent first."""
-    off = confusion.copy()
-    np.fill_diagonal(off, 0)
-    order = np.argsort(-off, axis=None, kind="stable")[:count]
-    return [{"true": labels[t], "predicted": labels[p], "count": int(off[t, p])}
-            for t, p in zip(*np.unravel_index(order, off.shape)) if off[t, p] > 0]
+    """The most frequent (true → predicted) mistakes, most frequent first (ties: by true class,
+    then predicted class)."""
+    true, predicted, counts = tally.triples()
+    wrong = true != predicted
+    true, predicted, counts = true[wrong], predicted[wrong], counts[wrong]
+    order = np.argsort(-counts, kind="stable")[:count]
+    return [{"true": labels[true[k]], "predicted": labels[predicted[k]],
+             "count": int(counts[k])} for k in order]
 
 
 def usefulness_warnings(section: dict) -> list[str]:
@@ -133,13 +175,14 @@ def usefulness_warnings(section: dict) -> list[str]:
     if section["samples"] and gain < BASELINE_MARGIN:
         warnings.append(
             f"{section['split']} accuracy {section['accuracy']:.4f} does not beat always "
-            f"answering the majority class {section['baseline_class']!r} "
+            f"answering the majority class {quoted(section['baseline_class'], LABEL_WIDTH)} "
             f"({section['baseline_accuracy']:.4f}) by at least {BASELINE_MARGIN * 100:g} point: "
             "the model has not learned the task; try more --epochs or another learning rate "
             "(--lr_candidates)")
     dead = [row for row in section["per_class"] if row["support"] and row["recall"] == 0]
     if dead:
-        shown = ", ".join(f"{row['label']!r} ({row['support']} samples)" for row in dead[:5])
+        shown = ", ".join(f"{quoted(row['label'], LABEL_WIDTH)} ({row['support']} samples)"
+                          for row in dead[:5])
         more = f" and {len(dead) - 5} more" if len(dead) > 5 else ""
         warnings.append(f"recall 0 for {len(dead)} class{'es' if len(dead) > 1 else ''}: "
                         f"{shown}{more} never predicted right: the model answers other "
@@ -151,7 +194,7 @@ def usefulness_warnings(section: dict) -> list[str]:
 def verdict(section: dict) -> str:
     gain = section["accuracy"] - section["baseline_accuracy"]
     against = (f"accuracy {section['accuracy']:.4f} against {section['baseline_accuracy']:.4f} "
-               f"for always {section['baseline_class']!r} ({gain:+.4f})")
+               f"for always {quoted(section['baseline_class'], LABEL_WIDTH)} ({gain:+.4f})")
     if section["warnings"]:
         return f"NOT USEFUL as it is: {against}; " + (
             "a class is never recognised" if gain >= BASELINE_MARGIN else

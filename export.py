@@ -18,12 +18,13 @@ import onnx
 
 from calibrate import fit_with_interval, log_scores, rescale, softmax
 from config import Config, build_parser, start_cli
-from data import load_bundle_dataset
+from data import bundle_data_options, load_bundle_dataset, split_paths_of
 from metrics import top1_agreement
 from runtime import RuntimeOptions, create_session, input_padding_id, session_feeder
 from preprocess import text_graph_feed, trim_padding
 from bundle import (BundlePaths, mark_padding_id, manifest_text, network_temperature,
-                    read_manifest, record_export, side_files, stamp_contract)
+                    read_manifest, record_export, require_trusted_model_code,
+                    stamp_contract)
 from report import run_with_report
 from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of, staged_files, stdout_to_stderr, first_line)
@@ -565,6 +566,8 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
     while writing leaves the previous bundle as it was."""
     import torch
 
+    from models import side_files
+
     paths, manifest = result.paths, result.manifest
     extras = extras or {}
     weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
@@ -612,7 +615,7 @@ def load_held_out(config: Config, manifest: dict
     check), the validation split's inputs (its fallback) and the validation split (the
     averaged graphs' temperatures)."""
     data = load_bundle_dataset(manifest, config.dataset_path, ("val", "test"),
-                               not config.no_progress)
+                               not config.no_progress, split_paths_of(config))
     return data.test.x, data.val.x, (data.val.x, data.val.y)
 
 
@@ -635,7 +638,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stages(report: dict) -> None:
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
-        net = load_weights(manifest, paths.weights)
+        require_trusted_model_code(manifest, paths, config.trust_model_code)  # before any work
+        bundle_data_options(manifest, config.dataset_path,  # the data is named: before any work
+                            split_paths=split_paths_of(config))
+        net = load_weights(manifest, paths.weights, config.trust_model_code)
         held_out, fallback, val = load_held_out(config, manifest)
         result = export_bundle(config, net, manifest, held_out, fallback, paths, val=val)
         report["export"] = result.report_section()

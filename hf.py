@@ -18,7 +18,7 @@ from torch import nn
 
 from preprocess import (HF_PREFIX, HF_TOKENIZER, configure_hf_backend,
                         register_hf_tokenizer)
-from utils import LOG, ConfigError, DataError, first_line, stdout_to_stderr
+from utils import LOG, ConfigError, DataError, ExportError, first_line, stdout_to_stderr
 
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -144,15 +144,19 @@ class HFTextNet(nn.Module):
         super().__init__()
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        config = AutoConfig.for_model(**hf_config)
         if pretrained:
             self.model = from_pretrained(AutoModelForSequenceClassification, source,
-                                         config=config, ignore_mismatched_sizes=True)
+                                         config=AutoConfig.for_model(**hf_config),
+                                         ignore_mismatched_sizes=True)
         else:
-            self.model = AutoModelForSequenceClassification.from_config(config)
+            self.model = rebuilt_model(hf_config)
         if self.model.config.num_labels != num_classes:
-            raise ConfigError(f"hf:{source} has {self.model.config.num_labels} outputs, the data "
-                              f"{num_classes} classes", "report it")
+            if pretrained:
+                raise ConfigError(f"hf:{source} has {self.model.config.num_labels} outputs, the "
+                                  f"data {num_classes} classes", "report it")
+            raise ExportError("the bundle's architecture.hf_config makes a network of "
+                              f"{self.model.config.num_labels} outputs for {num_classes} classes",
+                              "re-create the bundle with pipeline.py")
         self.pad_id = pad_id
         self.graph_inputs = tuple(graph_inputs)
 
@@ -164,6 +168,19 @@ class HFTextNet(nn.Module):
                       token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         extra = {"token_type_ids": token_type_ids} if "token_type_ids" in self.graph_inputs else {}
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+
+
+def rebuilt_model(hf_config: dict) -> nn.Module:
+    """An hf network from a bundle's manifest (architecture.hf_config, whoever wrote it): a
+    config transformers cannot build a model from is an ExportError (exit 4)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        return AutoModelForSequenceClassification.from_config(AutoConfig.for_model(**hf_config))
+    except Exception as err:  # noqa: BLE001 - transformers raises several types for a config
+        raise ExportError("the bundle's architecture.hf_config does not make a transformers "
+                          f"model: {first_line(err, 160)}",
+                          "re-create the bundle with pipeline.py") from None
 
 
 class HFGraph(nn.Module):

@@ -1,9 +1,10 @@
 """Run a model bundle with ONNX Runtime: accuracy, latency and throughput on held-out data.
 
-    python inference.py --model runs/digits/model.onnx
+    python inference.py --model runs/sms/model.onnx --dataset_path sms.tsv
 
-evaluates the test split of the dataset recorded in the bundle (or --dataset_path, split the same
-way), with test-time augmentation, test-time training or iterative inference when asked; with
+evaluates the test split of --dataset_path, split as at training (a bundle trained on a built-in
+data set such as builtin:digits needs no --dataset_path; a path the bundle records is never
+read), with test-time augmentation, test-time training or iterative inference when asked; with
 --input it predicts new data (batch.py). This path imports neither torch nor dspy.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from bundle import BundlePaths, network_temperature, read_manifest, require_onnx_in_bundle
+from bundle import (BundlePaths, network_temperature, read_manifest, require_onnx_in_bundle,
+                    require_trusted_model_code)
 from config import Config, build_parser, start_cli
 from evaluation import Tally, bundle_evaluation
 from metrics import accuracy, ece_change_interval, entropy
@@ -73,7 +75,7 @@ def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[
         if variant != "onnx" and variant not in (manifest.get("files") or {}):
             continue
         path = require_onnx_in_bundle(paths, manifest, variant)
-        session = create_session(str(path), config.runtime())
+        session = create_session(str(path), config.runtime(), classes=len(manifest["labels"]))
         if variant == "fp16" and session.get_providers()[0] == "CPUExecutionProvider":
             continue  # fp16 rows only where a GPU provider runs them
         mode = (manifest.get("quantization") or {}).get("mode")
@@ -108,7 +110,7 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     the manifest promises."""
     manifest = read_manifest(paths)
     model_path = require_onnx_in_bundle(paths, manifest, variant)
-    session = create_session(str(model_path), config.runtime())
+    session = create_session(str(model_path), config.runtime(), classes=len(manifest["labels"]))
     graph_input = session.get_inputs()[0]
     if graph_input.name != manifest["input"]["name"]:
         raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
@@ -152,7 +154,8 @@ def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
                       len(manifest["labels"]))
     merged = None
     if model is not None:
-        merged = session_runner(create_session(model.SerializeToString(), runtime))
+        merged = session_runner(create_session(model.SerializeToString(), runtime,
+                                               classes=len(manifest["labels"]), source=model_path))
     return TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
                      merged)
 
@@ -334,10 +337,12 @@ def mc_sampler(config: Config, paths: BundlePaths, manifest: dict
     import iterative as it
     from calibrate import softmax
 
-    mc_model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "mc")))
+    mc_path = require_onnx_in_bundle(paths, manifest, "mc")
+    mc_model = onnx.load(str(mc_path))
     graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations,
                             len(manifest["labels"]), config.seed)
-    session = create_session(graph.SerializeToString(), config.runtime(), it.MC_SESSION_ARGS)
+    session = create_session(graph.SerializeToString(), config.runtime(), it.MC_SESSION_ARGS,
+                             classes=len(manifest["labels"]), source=mc_path)
     if config.iterative_backend == "python":
         logits = session_runner(session, "logits")
         run = lambda batch: softmax(logits(batch)).astype(np.float32)  # noqa: E731
@@ -359,7 +364,9 @@ def ensemble_sampler(config: Config, paths: BundlePaths, manifest: dict
     import iterative as it
 
     model, members = ensemble_graph(config, paths, manifest)
-    run = session_runner(create_session(model.SerializeToString(), config.runtime()),
+    source = paths.variant("ensemble") if not config.ensemble else "the --ensemble graphs"
+    run = session_runner(create_session(model.SerializeToString(), config.runtime(),
+                                        classes=len(manifest["labels"]), source=source),
                          it.PASSES_OUTPUT)
     temperature = None
     if not config.ensemble:
@@ -504,10 +511,11 @@ def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
     from ttt import AdaptationGraph, Tent
 
     variant = "onnx" if require_ttt_method_applies(settings.method, manifest) else "bn"
-    graph = AdaptationGraph(onnx.load(str(require_onnx_in_bundle(paths, manifest, variant))),
-                            lambda m: create_session(m, runtime))
+    path = require_onnx_in_bundle(paths, manifest, variant)
+    graph = AdaptationGraph(onnx.load(str(path)), lambda m: create_session(
+        m, runtime, classes=len(manifest["labels"]), source=path))
     tent = (Tent(manifest, paths.weights, graph.layers, settings.learning_rate,
-                 settings.iterations, settings.num_threads)
+                 settings.iterations, settings.num_threads, settings.trust_model_code)
             if "tent" in settings.methods else None)
     return graph, tent
 
@@ -661,8 +669,10 @@ def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "inference", "Evaluate a model bundle with ONNX Runtime on the test split of its "
-        "dataset (or of --dataset_path): accuracy, latency p50/p95 and throughput.",
+        "inference", "Evaluate a model bundle with ONNX Runtime on the test split of "
+        "--dataset_path, split as at training (not needed for a bundle trained on a builtin: "
+        "data set; a path the bundle records is never read): accuracy, latency p50/p95 and "
+        "throughput; or predict new data with --input.",
         required=["output_model"], aliases={"output_model": ["--model"]},
         epilog="example:\n  python inference.py --model runs/digits/model.onnx --batch_size 64 "
                "--ep cpu --report_json runs/digits/inference.json")
@@ -671,6 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stages(report: dict) -> None:
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
+        if config.ttt and config.ttt_method in ("tent", "all"):  # Tent rebuilds it in PyTorch
+            require_trusted_model_code(manifest, paths, config.trust_model_code)
         require_onnx_in_bundle(paths, manifest)  # graph and manifest agree, before any data
         config.validate_tta(manifest["model_type"])
         if config.ttt:
@@ -678,11 +690,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.input:
             predict_new_data(config, paths, report)
             return
-        from data import load_bundle_dataset
+        from data import load_bundle_dataset, split_paths_of
 
         data = load_bundle_dataset(manifest, config.dataset_path,
                                    ("val", "test") if config.tta else ("test",),
-                                   not config.no_progress)
+                                   not config.no_progress, split_paths_of(config),
+                                   ", or --input PATH to predict new data")
         report["dataset"] = data.report_section()
         variant = input_variant(config)
         if variant != "onnx":

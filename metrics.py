@@ -107,19 +107,12 @@ def accuracy_at_coverage(probabilities: np.ndarray, y: np.ndarray, uncertainty: 
 
 
 
-def confusion_matrix(y_true: np.ndarray, y_pred: np.ndarray, num_classes: int) -> np.ndarray:
-    """Counts of (true class, predicted class): rows are true classes, columns predictions."""
-    pairs = np.asarray(y_true, np.int64) * num_classes + np.asarray(y_pred, np.int64)
-    return np.bincount(pairs, minlength=num_classes * num_classes).reshape(num_classes,
-                                                                           num_classes)
-
-
-def class_scores(confusion: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-class precision, recall, F1 and support from a confusion matrix. A class never
-    predicted has precision 0, a class absent from the data recall 0 (scikit-learn's
-    zero_division=0)."""
-    hits = np.diag(confusion).astype(np.float64)
-    predicted, support = confusion.sum(0), confusion.sum(1)
+def class_scores_from_totals(hits: np.ndarray, predicted: np.ndarray, support: np.ndarray
+                             ) -> dict[str, np.ndarray]:
+    """Per-class precision, recall, F1 and support from each class's right predictions,
+    predictions and samples. A class never predicted has precision 0, a class absent from the
+    data recall 0 (scikit-learn's zero_division=0)."""
+    hits = np.asarray(hits).astype(np.float64)
     precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
     recall = np.divide(hits, support, out=np.zeros_like(hits), where=support > 0)
     both = precision + recall

@@ -426,6 +426,10 @@ def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots,
         parts.append(_line(f"confusion matrix of {len(matrix)} classes: see its plot"
                            if plots.has("confusion_matrix") else
                            f"confusion matrix of {len(matrix)} classes: in the report JSON"))
+    elif data.get("confusion_pairs"):
+        parts.append(_line(f"no confusion matrix for {len(labels)} classes (too many to keep "
+                           "dense): the report JSON lists the most frequent confusions in "
+                           "evaluation.confusion_pairs"))
     parts.append(plots.figures("confusion_matrix", *["reliability"] * reliability))
     return parts
 

@@ -457,9 +457,12 @@ def ttt_shifts(report: dict) -> Figure | None:
     fig, ax = grouped_bars([name for name, _ in groups], series)
     ax.set_ylim(0, 1.0)
     ax.set_ylabel("accuracy")
-    detail = ", ".join([plain(ttt["mode"])] * isinstance(ttt.get("mode"), str)
-                       + [f"severity {next(iter(severities)):g}"] * (len(severities) == 1))
-    ax.set_title("Test-time adaptation under shift" + (f" ({detail})" if detail else ""))
+    details = [plain(ttt["mode"])] if isinstance(ttt.get("mode"), str) else []
+    if len(severities) == 1:  # none at all without --eval_shift: the clean split alone
+        details.append(f"severity {next(iter(severities)):g}")
+    detail = ", ".join(details)
+    title = "Test-time adaptation " + ("under shift" if shifts else "on the clean test split")
+    ax.set_title(title + (f" ({detail})" if detail else ""))
     return fig
 
 

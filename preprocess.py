@@ -5,22 +5,26 @@ encoder. No torch here.
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import sys
+import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from tables import IMAGE_EXTENSIONS, category_cells, numeric_cells, numeric_share
-from utils import LOG, ExportError
+from utils import LOG, STDERR_FD_LOCK, ExportError, first_line
 
 if TYPE_CHECKING:
     from PIL import Image
 
 PAD_ID, UNK_ID = 0, 1
+T = TypeVar("T")
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 _LONG_NUMBER = re.compile(r"^\d{5,}$")
 
@@ -203,11 +207,13 @@ def hf_source(arch: str | None) -> str | None:
 
 
 _HF_TOKENIZERS: dict[str, str] = {}  # sha256 → tokenizer.json text, registered in this process
+_HF_TOKENIZER_FILES: dict[str, str] = {}  # sha256 → the bundle file it was read from
 
 
-def register_hf_tokenizer(text: str, expected: str | None = None) -> str:
+def register_hf_tokenizer(text: str, expected: str | None = None,
+                          origin: str | None = None) -> str:
     """Keep a tokenizer.json text under its sha256 (what the manifest names it by); a text whose
-    hash is not `expected` is refused."""
+    hash is not `expected` is refused. `origin`: the file it was read from (errors name it)."""
     import hashlib
 
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -216,6 +222,8 @@ def register_hf_tokenizer(text: str, expected: str | None = None) -> str:
                           "restore the tokenizer.json written with the bundle, or re-create the "
                           "bundle with pipeline.py")
     _HF_TOKENIZERS[digest] = text
+    if origin:
+        _HF_TOKENIZER_FILES[digest] = origin
     return digest
 
 
@@ -243,16 +251,62 @@ class HFTokenizer:
     def from_manifest(cls, spec: dict) -> "HFTokenizer":
         from tokenizers import Tokenizer as RustTokenizer
 
-        backend = RustTokenizer.from_str(hf_tokenizer_text(spec))
-        configure_hf_backend(backend, spec)
-        return cls(backend, spec)
+        text = hf_tokenizer_text(spec)
+
+        def load() -> object:
+            backend = RustTokenizer.from_str(text)
+            configure_hf_backend(backend, spec)
+            return backend
+
+        return cls(rust_tokenizer_call(load, spec, "cannot be loaded"), spec)
 
     def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
         """int64 (N, longest) input ids, right-padded with the pad id; batch encoding in Rust."""
         if not len(texts):
             return np.zeros((0, 1), dtype=np.int64)
-        encodings = self.backend.encode_batch_fast(list(texts))
+        encodings = rust_tokenizer_call(lambda: self.backend.encode_batch_fast(list(texts)),
+                                        self.spec, "failed on the texts")
         return np.array([e.ids for e in encodings], dtype=np.int64)
+
+
+def rust_tokenizer_call(call: Callable[[], T], spec: dict, failing: str) -> T:
+    """call() into the Rust tokenizers library on a tokenizer.json (which a bundle brings, so it
+    may be hostile). Any failure is one ExportError (exit 4) naming the file: a malformed file,
+    or a regular expression that hits the regex engine's retry limit, which the library raises
+    as pyo3's PanicException (a BaseException) after printing Rust's panic report and backtrace
+    on stderr. What the library writes to stderr is held meanwhile, and all but a panic's report
+    is passed on."""
+    with STDERR_FD_LOCK, tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        failure: BaseException | None = None
+        try:
+            return call()
+        except BaseException as err:
+            if isinstance(err, ExportError) or not (isinstance(err, Exception) or
+                                                    type(err).__name__ == "PanicException"):
+                raise  # Ctrl-C, SystemExit, our own errors
+            failure = err
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            sys.stderr.write(_without_panic_report(held.read().decode("utf-8", "replace")))
+    file = _HF_TOKENIZER_FILES.get(spec.get("sha256", ""))
+    what = f"the bundle's tokenizer {file}" if file else \
+        f"the tokenizer of hf:{str(spec.get('source'))[:200]}"
+    panicked = "" if isinstance(failure, Exception) else "the tokenizers library panicked: "
+    raise ExportError(f"{what} {failing}: {panicked}{first_line(failure, 200)}",
+                      "restore the tokenizer.json written with the bundle, or re-create the "
+                      "bundle with pipeline.py") from None
+
+
+def _without_panic_report(text: str) -> str:
+    """stderr output without a Rust panic's report ("thread '…' panicked at …" and on)."""
+    start = re.search(r"^thread '.*' .*panicked at ", text, re.M)
+    return text[: start.start()] if start else text
 
 
 def configure_hf_backend(backend, spec: dict) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -30,8 +29,8 @@ from runtime import (RuntimeOptions, batches_of, cpu_info, create_session, graph
 from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract)
 from report import run_with_report
-from utils import (LOG, ConfigError, ExportError, debug_enabled, exit_cli, first_line, run_cli,
-                   stdout_to_stderr)
+from utils import (LOG, ConfigError, ExportError, debug_enabled, exit_cli, first_line,
+                   native_section, run_cli, scratch_folder, stdout_to_stderr)
 
 # --quantize_ops default. Static QDQ only around the weight-heavy ops: quantizing the in-graph
 # preprocessing or an embedding Gather too costs speed (bench/quantize_layers.py, every op type:
@@ -240,11 +239,12 @@ def quantize_prepared(prepared: Path, dst: Path, mode: str, op_types: Sequence[s
             return dst
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                   "percentile": CalibrationMethod.Percentile}[config.calibration_method]
-        quantize_static(str(prepared), str(dst), make_calibration_reader(feeds),
-                        quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        calibrate_method=method, op_types_to_quantize=list(op_types),
-                        nodes_to_exclude=list(exclude))
+        with native_section("ONNX Runtime's quantization calibration"):  # its own sessions
+            quantize_static(str(prepared), str(dst), make_calibration_reader(feeds),
+                            quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            calibrate_method=method, op_types_to_quantize=list(op_types),
+                            nodes_to_exclude=list(exclude))
     return dst
 
 
@@ -505,7 +505,7 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
              ", auto" if config.quantize == "auto" else "")
     exclusion = config.exclusion()
     on_val = val is not None and len(val[0]) > 0
-    with tempfile.TemporaryDirectory(dir=paths.onnx.parent) as tmp:
+    with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
         graph = onnx.load(str(prepared))
         candidates = op_set_candidates(config.op_set(), mode,
@@ -629,8 +629,8 @@ def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> 
     manifest = read_manifest(paths)
     int8_path = require_onnx_in_bundle(paths, manifest, "int8")
     mode = (manifest.get("quantization") or {}).get("mode") or "static"
-    source = onnx.load(str(paths.onnx))
-    with tempfile.TemporaryDirectory(dir=paths.onnx.parent) as tmp:
+    source = onnx.load(str(require_onnx_in_bundle(paths, manifest)))
+    with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
         feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
         layers = diagnose(prepared, int8_path, feeds[:DIAGNOSIS_BATCHES],
@@ -682,19 +682,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv)
 
     def stages(report: dict) -> None:
-        from data import load_bundle_dataset
+        from data import load_bundle_dataset, split_paths_of
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
+
+        def named_data(splits: tuple[str, ...]):  # the data the flags name, never the bundle
+            return load_bundle_dataset(manifest, config.dataset_path, splits,
+                                       not config.no_progress, split_paths_of(config))
+
         if config.diagnose:
             require_onnx_in_bundle(paths, manifest, "int8")  # before any data is read
-            data = load_bundle_dataset(manifest, config.dataset_path, ("train",),
-                                       not config.no_progress)
+            require_onnx_in_bundle(paths, manifest)  # and the fp32 graph it is compared with
+            data = named_data(("train",))
             report["dataset"] = data.report_section()
             report["quantize"] = diagnose_bundle(config, paths, data.train.x)
             return
-        data = load_bundle_dataset(manifest, config.dataset_path, ("train", "val", "test"),
-                                   not config.no_progress)
+        data = named_data(("train", "val", "test"))
         report["dataset"] = data.report_section()
         val, test = (data.val.x, data.val.y), (data.test.x, data.test.y)
         if config.quantize == "none" and not config.fp16:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
+import re
 import sys
 import threading
 import time
@@ -18,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, ConfigError, DataError,
-                   PipelineError, atomic_write_json, check_paths, exit_cli, run_cli,
-                   setup_logging, user_code_error)
+                   PipelineError, atomic_write_json, check_paths, exit_cli, first_line,
+                   nesting_depth, run_cli, setup_logging, stop_error, user_code_error)
 
 
 def _fmt(value: Any) -> str:
@@ -332,6 +334,8 @@ def emit_report(report: dict, report_json: str | None, json_stdout: bool = False
 
 def error_section(err: BaseException) -> dict:
     err = user_code_error(err) or err  # the --model_def module's own failure (exit 2)
+    if isinstance(err, KeyboardInterrupt):
+        err = stop_error() or err  # --timeout_s: exit 124
     if isinstance(err, PipelineError):
         return {"code": err.exit_code, "message": err.one_line()}
     if isinstance(err, KeyboardInterrupt):
@@ -400,7 +404,8 @@ def write_visuals(report: dict, plots_folder: Path | None, page: Path | None,
     except Exception as err:  # noqa: BLE001 - pictures must never cost a finished run its JSON
         if strict:
             raise
-        LOG.warning("could not write the plots or the report page: %s", err)
+        LOG.warning("could not write the plots or the report page: %s: %s",
+                    type(err).__name__, first_line(err, 300))
         report["html"] = None
     report["seconds_visuals"] = round(time.perf_counter() - started, 3)
     LOG.info("plots and page written in %.2f s", report["seconds_visuals"])
@@ -442,8 +447,16 @@ def read_report(path: Path) -> dict:
     """A report JSON as the scripts write it; exit 3 for a missing, unreadable or foreign file."""
     if not path.is_file():
         raise DataError(f"{path} does not exist", "give the --report_json file of a run")
+    size = path.stat().st_size
+    if size > MAX_REPORT_BYTES:
+        raise DataError(f"{path} is {size:,} bytes, over the {MAX_REPORT_BYTES >> 20} MiB no "
+                        "run's report comes near; it was not read",
+                        "give the --report_json file of a run")
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        # bounded before parsing: json's parser recurses once per level, so it never sees a
+        # file nested deeper than any report (RecursionError stays a fallback)
+        report = json.loads(text) if text_nesting_depth(text) <= MAX_REPORT_DEPTH else None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"{path} is not JSON ({err})", "give the --report_json file of a run")
     except RecursionError:
@@ -459,22 +472,28 @@ def read_report(path: Path) -> dict:
 
 # A run's report nests about 6 levels deep; this bounds the drawing code's recursion.
 MAX_REPORT_DEPTH = 32
+# A run's report is tens of KB (a 1,000-class confusion matrix: about 5 MB).
+MAX_REPORT_BYTES = 64 << 20
 
 
-def nesting_depth(value: object) -> int:
-    """How deeply lists and objects nest in a parsed JSON value, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1)
-                         for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+# a string, or an unterminated one up to the end: never a failed match to retry from each
+# later quote (which would take quadratic time on a file of escaped quotes)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def text_nesting_depth(text: str) -> int:
+    """How deeply brackets nest in JSON text, outside strings, without parsing it: an upper
+    bound of the parsed value's nesting_depth for any prefix the parser accepts."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    steps = (1 if char in "[{" else -1 for char in brackets)
+    return max(itertools.accumulate(steps, initial=0))
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from config import LOG_LEVELS, PLOT_NAMES, OneLineParser, page_beside, visuals_beside
+    from config import (LOG_LEVELS, PLOT_NAMES, OneLineParser, page_beside,
+                        refuse_linked_plots_folder, visuals_beside)
 
     parser = OneLineParser(
         prog="report.py", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -500,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plots is None and page is None:
         raise ConfigError("--plots none and --html none leave nothing to write",
                           "drop one of them")
+    refuse_linked_plots_folder(plots, named=bool(args.plots))
     if plots is not None and plots.exists() and not plots.is_dir():
         raise ConfigError(f"--plots {plots} is a file", "give a folder, or 'none'")
     writes = ({f"--plots ({name}.png)": plots / f"{name}.png" for name in PLOT_NAMES}

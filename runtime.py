@@ -11,15 +11,18 @@ import os
 import platform
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from limits import arena_exhausted, arena_message, cap_session_memory
 from preprocess import PAD_ID, PADDING_ID_KEY, text_graph_feed, trim_padding
-from utils import (LOG, ConfigError, ExportError, RuntimeFailure, captured_stderr, debug_enabled,
-                   stdout_to_stderr, first_line)
+from utils import (LOG, ConfigError, ExportError, PipelineError, RuntimeFailure, captured_stderr,
+                   debug_enabled, enter_native, first_line, leave_native, on_stop,
+                   raise_if_interrupted, stdout_to_stderr, stopped)
 
 if TYPE_CHECKING:  # onnxruntime is imported where a session is made: config.py imports this
     import onnxruntime as ort
@@ -147,8 +150,11 @@ CPU_UNFUSED = ("SkipLayerNormFusion",)
 
 def create_session(model: str | bytes, runtime: RuntimeOptions,
                    session_args: dict | None = None,
-                   profile_prefix: str | None = None) -> ort.InferenceSession:
-    """An ORT session with all graph optimisations, on the first usable of `runtime.providers`.
+                   profile_prefix: str | None = None, classes: int | None = None,
+                   source: str | Path | None = None) -> ort.InferenceSession:
+    """An ORT session with all graph optimisations, on the first usable of `runtime.providers`;
+    `classes`: a bundle graph's label count, which every run's outputs are checked against
+    (expect_classes); `source`: the bundle file a graph given as bytes was made from.
 
     onnxruntime-gpu lists CUDA and TensorRT as available even without a GPU, prints red errors
     and silently runs on CPU. We capture those errors, compare the active providers with the
@@ -174,6 +180,7 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
     options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if runtime.execution_mode == "parallel"
                               else ort.ExecutionMode.ORT_SEQUENTIAL)
     options.log_severity_level = 0 if debug_enabled() else 3
+    cap_session_memory(options)  # limits.py: --max_runtime_memory_mb for the graph's tensors
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
@@ -188,13 +195,13 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
         # ORT's Python layer print()s provider errors to stdout: keep them off our stdout.
         if debug_enabled():
             with stdout_to_stderr():
-                session = ort.InferenceSession(model, options, providers=with_options,
-                                               **session_args)
+                session = stoppable_session(model, options, providers=with_options,
+                                            **session_args)
             ort_errors: list[str] = []
         else:
             with captured_stderr() as ort_errors, stdout_to_stderr():
-                session = ort.InferenceSession(model, options, providers=with_options,
-                                               **session_args)
+                session = stoppable_session(model, options, providers=with_options,
+                                            **session_args)
     except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
         name = model if isinstance(model, str) else "the exported graph"
         first = first_line(err)
@@ -205,7 +212,131 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
     if inactive:
         fallback(f"{', '.join(inactive)} could not start: {provider_failure_reason(ort_errors)}; "
                  f"running on {', '.join(session.get_providers())}", strict)
+    if classes is not None:
+        named = source or (model if isinstance(model, str) else "the bundle's graph")
+        expect_classes(session, classes, str(named))
     return session
+
+
+# ----------------------------------------------------------------------------- checking outputs
+
+# The outputs whose last axis holds one value per class: every bundle graph's logits and
+# probabilities, and the passes an MC-dropout or ensemble graph stacks (iterative.PASSES_OUTPUT).
+CLASS_OUTPUTS = ("logits", "probabilities", "pass_probabilities")
+_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session → (classes, graph)
+
+
+def expect_classes(session: ort.InferenceSession, classes: int, graph: str) -> None:
+    """Check every run of a bundle graph's `session` against the bundle's `classes`: a graph
+    declares its output shapes, and a symbolic class axis, or a declared one its nodes do not
+    compute, only shows when it runs (3 classes behind 10 labels would predict wrong labels, or
+    fail on an index). A mismatch, or a graph ONNX Runtime fails to run, is an ExportError
+    (exit 4)."""
+    _CLASSES[session] = (classes, graph)
+    plain_run, plain_bound_run = session.run, session.run_with_iobinding
+
+    def run(output_names, input_feed, run_options=None):  # session.run's signature
+        try:
+            outputs = plain_run(output_names, input_feed, run_options)
+        except Exception as err:  # noqa: BLE001 - ORT raises several types for a failing node
+            raise _graph_failure(err, graph) from None
+        for name, value in zip(output_names or [o.name for o in session.get_outputs()], outputs):
+            check_classes(session, name, value)
+        return outputs
+
+    def run_with_iobinding(iobinding, run_options=None):
+        try:
+            return plain_bound_run(iobinding, run_options)
+        except Exception as err:  # noqa: BLE001
+            raise _graph_failure(err, graph) from None
+
+    session.run, session.run_with_iobinding = run, run_with_iobinding
+
+
+def _graph_failure(err: Exception, graph: str) -> Exception:
+    """ONNX Runtime failing inside a bundle's graph (a node whose shapes do not work out) is the
+    bundle's problem; our own errors and the memory cap's refusal keep theirs."""
+    if isinstance(err, PipelineError):
+        return err
+    return ExportError(f"ONNX Runtime cannot run {graph}: {first_line(err, 300)}",
+                       "restore the bundle's files, or re-create the bundle with pipeline.py")
+
+
+def check_classes(session: ort.InferenceSession, output: str, value: object) -> None:
+    """Refuse a run's `output` whose class axis is not the bundle's (expect_classes)."""
+    expected = _CLASSES.get(session)
+    shape = getattr(value, "shape", None)
+    if expected is None or output not in CLASS_OUTPUTS or not shape or shape[-1] == expected[0]:
+        return
+    classes, graph = expected
+    raise ExportError(f"{graph} computes {shape[-1]} classes in its {output} output and its "
+                      f"manifest has {classes} labels (the graph or the manifest was replaced)",
+                      "restore the bundle's files, or re-create the bundle with pipeline.py")
+
+
+# ----------------------------------------------------------------------------- stopping runs
+
+IN_ORT = "ONNX Runtime's session.run"  # how a run stopped in there says where
+_RUN_OPTIONS: ort.RunOptions | None = None  # what every run gets: a stop sets its terminate
+_SESSION_CLASS: type | None = None
+
+
+def stoppable_session(*args, **kwargs) -> ort.InferenceSession:
+    """ort.InferenceSession(*args, **kwargs) whose runs a stop ends (SIGTERM, SIGINT,
+    --timeout_s; utils.py, "stopping a run"): each gets the process's RunOptions, whose
+    terminate flag the stop sets from the watcher thread (ONNX Runtime checks it before each
+    node, in a Loop's body too), and counts as a native section (a graph that ignores the flag
+    ends the process)."""
+    global _SESSION_CLASS, _RUN_OPTIONS
+    if _SESSION_CLASS is None:
+        import onnxruntime as ort
+
+        _RUN_OPTIONS = ort.RunOptions()
+        _RUN_OPTIONS.log_severity_level = 0 if debug_enabled() else 4  # not the terminate error
+        on_stop(_terminate_runs)
+        if stopped():
+            _terminate_runs()
+        _SESSION_CLASS = _stoppable_session_class(ort.InferenceSession)
+    return _SESSION_CLASS(*args, **kwargs)
+
+
+def memory_cap_failure(err: Exception) -> Exception:
+    """ONNX Runtime's arena refusing an allocation over --max_runtime_memory_mb is a run that
+    needs more memory than allowed (exit 5, saying which limit); any other error is itself."""
+    if not arena_exhausted(err):
+        return err
+    return PipelineError(arena_message(err), "raise --max_runtime_memory_mb if the machine has "
+                         "the memory and you trust the bundle, or lower --batch_size")
+
+
+def _terminate_runs() -> None:
+    if _RUN_OPTIONS is not None:
+        _RUN_OPTIONS.terminate = True
+
+
+def _stoppable_session_class(base: type) -> type:
+    class StoppableSession(base):  # type: ignore[misc, valid-type]
+        def run(self, output_names, input_feed, run_options=None):
+            previous = enter_native(IN_ORT)
+            try:
+                return super().run(output_names, input_feed, run_options or _RUN_OPTIONS)
+            except Exception as err:
+                raise_if_interrupted()  # ORT's "terminate flag" error is the stop
+                raise memory_cap_failure(err) from None
+            finally:
+                leave_native(previous)
+
+        def run_with_iobinding(self, iobinding, run_options=None):
+            previous = enter_native(IN_ORT)
+            try:
+                return super().run_with_iobinding(iobinding, run_options or _RUN_OPTIONS)
+            except Exception as err:
+                raise_if_interrupted()
+                raise memory_cap_failure(err) from None
+            finally:
+                leave_native(previous)
+
+    return StoppableSession
 
 
 _WARNED: set[str] = set()  # fallbacks already reported in this process (one run)
@@ -320,7 +451,9 @@ def iobinding_runner(session: ort.InferenceSession, device: str, device_id: int 
                                                                                device_id))
         binding.bind_output(output, device, device_id)
         session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
+        values = binding.copy_outputs_to_cpu()[0]
+        check_classes(session, output, values)
+        return values
 
     return run
 

@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from utils import DataError
+from limits import LIMITS, check_line_lengths, check_text_lengths
+from utils import DataError, quoted, quoted_sample
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",
                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -67,8 +68,8 @@ def read_table(path: Path, fmt: str | None = None, has_header: str = "auto",
 
 def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
                named_columns: Sequence[str] = (), chunk_rows: int | None = None,
-               numeric_columns: Sequence[str] = (), row_groups: range | None = None
-               ) -> Iterator:
+               numeric_columns: Sequence[str] = (), row_groups: range | None = None,
+               max_row_bytes: int | None = None) -> Iterator:
     """DataFrames of `chunk_rows` rows (all rows when None): cells are strings, empty cells are
     NaN (and NUMERIC_MISSING markers in `numeric_columns`), rows with every cell empty are left
     out, the index is the data row (0-based, header excluded), and columns are named by the
@@ -77,10 +78,14 @@ def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
     Whether a CSV/TSV's first row is a header is decided once, on its first HEADER_SAMPLE_ROWS
     rows (`named_columns`, names the user or the bundle gave, count as evidence). The
     `numeric_columns` are left to the C parser's number reading (10x faster for wide numeric
-    tables; a chunk where such a column holds a non-number gets that column as strings)."""
+    tables; a chunk where such a column holds a non-number gets that column as strings).
+    A CSV, TSV or JSONL file with a line longer than `max_row_bytes` (default: the process's
+    --max_row_bytes) is refused before it is parsed."""
     kind = table_format(path, fmt)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist", "check the path")
+    if kind in LINE_FORMATS:
+        checked_line_lengths(path, max_row_bytes)
     try:
         if kind in ("csv", "tsv"):
             yield from _delimited_chunks(path, kind, has_header, named_columns, chunk_rows,
@@ -102,6 +107,19 @@ def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
         first = (str(err).strip().splitlines() or [""])[0]
         raise DataError(f"cannot parse {path} as {kind.upper()}: {first or 'no data'}",
                         "check the file's format, or pass --dataset_format") from None
+
+
+LINE_FORMATS = ("csv", "tsv", "jsonl")  # one row a line (a quoted CSV cell may span lines)
+_LINES_CHECKED: set[tuple] = set()  # (file identity, limit) whose lines were checked
+
+
+def checked_line_lengths(path: Path, limit: int | None) -> None:
+    """limits.check_line_lengths, once per file version and limit in this process."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, limit or LIMITS.max_row_bytes)
+    if key not in _LINES_CHECKED:
+        check_line_lengths(path, limit)
+        _LINES_CHECKED.add(key)
 
 
 def _csv_options(kind: str) -> dict:
@@ -370,7 +388,8 @@ def resolve(frame, spec: str, role: str, path: Path) -> str:
         return spec
     if spec.isdigit() and int(spec) < len(columns):
         return columns[int(spec)]
-    raise DataError(f"{path} has no column {spec!r} for the {role}; its columns are {columns}",
+    raise DataError(f"{path} has no column {quoted(spec, 40)} for the {role}; its columns are "
+                    f"{quoted_sample(columns, 10)}",
                     f"pass --{_flag(role)} with one of them (a name or a 0-based position)")
 
 
@@ -390,8 +409,8 @@ def find_by_name(frame, names: Sequence[str], exclude: Sequence[str] = ()) -> st
 
 def undetectable(path: Path, role: str, frame) -> DataError:
     return DataError(f"cannot tell which column of {path} holds the {role}; its columns are "
-                     f"{list(frame.columns)}", f"pass --{_flag(role)} (a name or a 0-based "
-                     "position)")
+                     f"{quoted_sample(frame.columns, 10)}",
+                     f"pass --{_flag(role)} (a name or a 0-based position)")
 
 
 def detect_columns(frame, role: str, path: Path, label_spec: str | None = None,
@@ -420,8 +439,9 @@ def detect_columns(frame, role: str, path: Path, label_spec: str | None = None,
     if not inputs:
         inputs = [c for c in frame.columns if c != label]
     if label in inputs or not inputs:
-        raise DataError(f"{path}: the label column {label!r} is also an input, or there are no "
-                        f"input columns; its columns are {list(frame.columns)}",
+        raise DataError(f"{path}: the label column {quoted(label, 40)} is also an input, or "
+                        "there are no input columns; its columns are "
+                        f"{quoted_sample(frame.columns, 10)}",
                         f"pass --label_column and --{_flag(role)}")
     refuse_nested(frame, [label, *inputs], path)
     return Columns(label, inputs)
@@ -477,8 +497,8 @@ def serving_columns(frame, trained: Columns, path: Path, role: str,
             inputs = list(frame.columns)  # a file of the inputs alone
         else:
             absent = [n for n, f in zip(trained.inputs, found) if f is None]
-            raise DataError(f"{path} lacks the {role} columns {absent[:5]} the model was "
-                            f"trained on; its columns are {list(frame.columns)[:20]}",
+            raise DataError(f"{path} lacks the {role} columns {quoted_sample(absent)} the model "
+                            f"was trained on; its columns are {quoted_sample(frame.columns, 10)}",
                             f"pass --{_flag(role)} naming them (names or 0-based positions)")
     if label_spec:
         return Columns(resolve(frame, label_spec, "label", path), inputs)
@@ -503,8 +523,9 @@ def split_columns(frame, trained: Columns, order: Sequence[str], path: Path,
     found = [locate_column(frame, name, order) for name in wanted]
     absent = [name for name, column in zip(wanted, found) if column is None]
     if absent:
-        raise DataError(f"{flag} {path} lacks the training table's column(s) {absent[:5]}; its "
-                        f"columns are {list(frame.columns)[:20]}", "give it those columns, "
+        raise DataError(f"{flag} {path} lacks the training table's column(s) "
+                        f"{quoted_sample(absent)}; its columns are "
+                        f"{quoted_sample(frame.columns, 10)}", "give it those columns, "
                         "named as in the training table (any order; extra columns are ignored)")
     columns = Columns(found[0], found[1:])
     refuse_nested(frame, [columns.label, *columns.inputs], path)
@@ -557,7 +578,9 @@ def joined_texts(frame, columns: Sequence[str]):
 
     if frame.empty:
         return pd.Series([], index=frame.index, dtype=object)
-    return frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+    texts = frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+    check_text_lengths(texts)
+    return texts
 
 
 def label_text(value) -> str | None:

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from config import Config, build_parser, start_cli
 from data import Dataset, DataOptions, load_dataset
-from bundle import (BundlePaths, manifest_text, new_manifest, record_side_file, record_weights,
-                    side_files)
+from bundle import BundlePaths, manifest_text, new_manifest, record_side_file, record_weights
 from report import run_with_report
 from utils import (LOG, atomic_write, atomic_write_text, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of)
@@ -204,7 +203,7 @@ def class_counts(y, num_classes: int) -> list[int]:
 def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
                     paths: BundlePaths, teacher: dict | None = None) -> dict:
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
-    from models import save_weights
+    from models import save_weights, side_files
 
     manifest = build_manifest(config, trained, dataset, teacher)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))

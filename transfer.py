@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from limits import inflating_archive_problem
 from models import IDENTITY_STATISTICS, weights_error
 from utils import ConfigError, DataError, sha256_of
 
@@ -51,6 +52,9 @@ def read_state_dict(path: Path, hint: str = "pass a .safetensors file or a torch
     """The tensors of a .safetensors file, or of a torch file (a state dict, or a checkpoint
     holding one under `state_dict`/`model`), never unpickling code; `hint` says what to do
     when the file cannot be read."""
+    problem = None if path.suffix == ".safetensors" else inflating_archive_problem(path)
+    if problem:  # a ZIP bomb: torch.load would inflate it whole
+        raise DataError(f"cannot read weights {path}: {problem}", hint)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

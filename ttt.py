@@ -329,7 +329,8 @@ class Tent:
     names."""
 
     def __init__(self, manifest: dict, weights: Path, layers: list[BNLayer] | list[AffineNorm],
-                 learning_rate: float, steps: int, num_threads: int = 1) -> None:
+                 learning_rate: float, steps: int, num_threads: int = 1,
+                 trust_model_code: bool = False) -> None:
         import torch
 
         from bundle import network_temperature
@@ -341,7 +342,7 @@ class Tent:
             torch.set_num_threads(num_threads)
 
         self.torch, self.steps, self.learning_rate = torch, steps, learning_rate
-        self.net = load_weights(manifest, weights).eval()
+        self.net = load_weights(manifest, weights, trust_model_code).eval()
         self.net.requires_grad_(False)
         self.temperature = network_temperature(manifest)
         if all(isinstance(layer, BNLayer) for layer in layers):
@@ -496,6 +497,7 @@ class TTTSettings:
     severity: int
     seed: int
     num_threads: int = 1  # tent's PyTorch threads
+    trust_model_code: bool = False  # tent may import a --model_def bundle's model.def.py
 
     @property
     def methods(self) -> list[str]:

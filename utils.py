@@ -10,9 +10,12 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence, TextIO
@@ -30,6 +33,7 @@ EXIT_USAGE = 2
 EXIT_DATA = 3
 EXIT_EXPORT = 4
 EXIT_RUNTIME = 5
+EXIT_TIMEOUT = 124  # --timeout_s, as coreutils' timeout
 EXIT_INTERRUPTED = 130
 
 
@@ -51,6 +55,21 @@ class PipelineError(Exception):
 def first_line(err: BaseException, limit: int | None = None) -> str:
     """An exception's message as one line (its first), or its type's name when it has none."""
     return ((str(err).strip().splitlines() or [type(err).__name__])[0])[:limit]
+
+
+def quoted(value: object, width: int = 20) -> str:
+    """A value a user may not have given (a cell, a column name, a path a bundle records) as a
+    short quoted string: escaped like repr, cut to `width` characters with "…"."""
+    text = str(value)
+    return repr(text[:width]) + ("…" if len(text) > width else "")
+
+
+def quoted_sample(values: Iterable[object], shown: int = 3, width: int = 20) -> str:
+    """At most `shown` values, each quoted(), and how many more there are: an error message
+    says which values are wrong without printing a file's (or a bundle's) content."""
+    values = list(values)
+    more = f" and {len(values) - shown} more" if len(values) > shown else ""
+    return "[" + ", ".join(quoted(v, width) for v in values[:shown]) + "]" + more
 
 
 class ConfigError(PipelineError):
@@ -174,13 +193,30 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved_fd)
 
 
+def nesting_depth(value: object) -> int:
+    """How deeply lists and objects nest in a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+# fd 2 belongs to the process: whoever redirects it (captured_stderr, preprocess's tokenizer
+# calls) holds this lock, so two threads never swap it under each other.
+STDERR_FD_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def captured_stderr() -> Iterator[list[str]]:
     """Collect what C++ libraries write to fd 2 (ONNX Runtime's provider errors) into a list."""
     lines: list[str] = []
-    sys.stderr.flush()
-    saved_fd = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
+    with STDERR_FD_LOCK, tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved_fd = os.dup(2)
         os.dup2(sink.fileno(), 2)
         try:
             yield lines
@@ -201,20 +237,210 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
                 dynamic_ncols=True)
 
 
-_INTERRUPTED = False
+# ----------------------------------------------------------------------------- stopping a run
+#
+# SIGTERM, SIGINT and --timeout_s (SIGALRM) stop a run. In Python code the handler raises
+# KeyboardInterrupt in the main thread: staged files are discarded on the way out and run_cli
+# exits 130 (124 for --timeout_s, as coreutils' timeout). But Python runs signal handlers only in
+# the main thread, between bytecodes: while that thread is in native code (session.run on a graph
+# whose Loop runs 10^12 times) the handler waits for it. So Python's C-level handler also writes
+# the signal's number to a wakeup pipe, and a watcher thread reads it at once: it calls the stop
+# callbacks (runtime.py's sets the terminate flag of the RunOptions every session.run gets, which
+# ONNX Runtime checks before each node, also in a Loop's body), and where a thread is still in a
+# native section STOP_GRACE_S later (a Loop body without nodes never checks the flag; ONNX
+# Runtime's quantization calibrator runs sessions of its own), it removes every staged file and
+# scratch folder and ends the process itself: the same last line and exit code, no report.
+# The watcher and the timer are POSIX's (elsewhere a stop waits for the main thread, as before).
+
+STOP_GRACE_S = 2.0  # how long native code may take to honour a stop before the process ends
+_TIMER_SIGNAL = getattr(signal, "SIGALRM", None)
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, _TIMER_SIGNAL} - {None})
+_stopped_by: int | None = None  # the signal that stopped the run; SIGALRM: --timeout_s
+_stopped_in: str | None = None  # the native section the main thread was in at that moment
+_timeout_s = 0.0
+_stop_callbacks: list[Callable[[], None]] = []
+_native: dict[int, str] = {}  # thread id → the native section it is in
+_left_behind: set[Path] = set()  # staged files and scratch folders a hard end removes
+_wakeup: tuple[int, int] | None = None  # the watcher's pipe: (read end, write end)
+_fork_hook = False
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    global _INTERRUPTED
-    _INTERRUPTED = True
+def _stop_handler(signum: int, frame: Any) -> None:
+    note_stop(signum)
     raise KeyboardInterrupt
 
 
+def note_stop(signum: int) -> None:
+    """Record the first stop of the run (later ones do not change what it was)."""
+    global _stopped_by, _stopped_in
+    if _stopped_by is None:
+        _stopped_in = _native.get(threading.main_thread().ident or 0)
+        _stopped_by = signum
+
+
+def stopped() -> bool:
+    return _stopped_by is not None
+
+
 def raise_if_interrupted() -> None:
-    """Re-raise a SIGINT/SIGTERM that a library swallowed: dspy.Evaluate's executor turns
-    Ctrl-C into a cancelled evaluation, and training would go on. Call between steps."""
-    if _INTERRUPTED:
+    """Re-raise a SIGINT/SIGTERM (or --timeout_s) that a library swallowed: dspy.Evaluate's
+    executor turns Ctrl-C into a cancelled evaluation, and training would go on. Call between
+    steps; and in place of the error ONNX Runtime raises for a run a stop ended."""
+    if _stopped_by is not None:
         raise KeyboardInterrupt
+
+
+class TimedOut(PipelineError):
+    """The run went past --timeout_s (exit 124, as coreutils' timeout)."""
+
+    exit_code = EXIT_TIMEOUT
+
+
+def stop_error() -> PipelineError | None:
+    """The error a KeyboardInterrupt stands for when --timeout_s raised it; None for SIGINT and
+    SIGTERM (exit 130, `interrupted`)."""
+    if _stopped_by is None or _stopped_by != _TIMER_SIGNAL:
+        return None
+    what = f"ran longer than --timeout_s {_timeout_s:g} s"
+    if not _stopped_in:
+        return TimedOut(what, "allow more time with --timeout_s, or 0 for no limit")
+    return TimedOut(f"{what} (stopped inside {_stopped_in})",
+                    "allow more time with --timeout_s; a graph runs as long as it says (a "
+                    "Loop's trip count can be 10^12): run only bundles you trust")
+
+
+def on_stop(callback: Callable[[], None]) -> None:
+    """Call `callback` from the watcher thread as soon as a stop arrives, even while the main
+    thread is in native code (it must be quick and thread-safe)."""
+    _stop_callbacks.append(callback)
+
+
+def stop_after(seconds: float) -> None:
+    """--timeout_s: stop the run `seconds` of wall-clock time from now (SIGALRM); 0: never."""
+    global _timeout_s
+    if seconds <= 0:
+        return
+    if not hasattr(signal, "setitimer"):
+        raise ConfigError("--timeout_s needs a POSIX system (Linux, macOS)",
+                          "leave it out here, and limit the run from outside")
+    _timeout_s = seconds
+    signal.signal(signal.SIGALRM, _stop_handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def enter_native(what: str) -> str | None:
+    """This thread runs `what` in native code, where a stop waits; returns the section it was
+    in, for leave_native. Two dict operations: cheap enough for every session.run."""
+    ident = threading.get_ident()
+    previous = _native.get(ident)
+    _native[ident] = what
+    return previous
+
+
+def leave_native(previous: str | None) -> None:
+    ident = threading.get_ident()
+    if previous is None:
+        _native.pop(ident, None)
+    else:
+        _native[ident] = previous
+
+
+@contextlib.contextmanager
+def native_section(what: str) -> Iterator[None]:
+    """A block in native code that no stop can interrupt (ONNX Runtime's own sessions): a stop
+    that finds a thread still in it STOP_GRACE_S later ends the process."""
+    previous = enter_native(what)
+    try:
+        yield
+    finally:
+        leave_native(previous)
+
+
+def watch_stops() -> None:
+    """SIGTERM and SIGINT stop the run (SIGINT not where it is ignored: nohup, `&`), and the
+    watcher thread starts. Call from the main thread; once per process is enough."""
+    signal.signal(signal.SIGTERM, _stop_handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _stop_handler)
+    global _wakeup, _fork_hook
+    if _wakeup is not None or os.name != "posix":
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # the C-level handler must never block
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # another's (an event loop's): leave it to them
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+        return
+    _wakeup = (read_end, write_end)
+    if not _fork_hook:
+        os.register_at_fork(after_in_child=_forget_stops_in_child)
+        _fork_hook = True
+    threading.Thread(target=_watch_stops, args=(read_end,), name="stop-watcher",
+                     daemon=True).start()
+
+
+def _forget_stops_in_child() -> None:
+    """A forked child (a DataLoader worker) shares neither the parent's pipe nor its files."""
+    global _wakeup
+    _left_behind.clear()
+    _native.clear()
+    if _wakeup is None:
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):  # forked from a thread Python does not call main: keep it
+        return
+    for fd in _wakeup:
+        os.close(fd)
+    _wakeup = None
+
+
+def _watch_stops(read_end: int) -> None:
+    while True:
+        try:
+            data = os.read(read_end, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        stops = [signum for signum in data if signum in _STOP_SIGNALS]
+        if stops:
+            _stop_native_code(stops[0])
+
+
+def _stop_native_code(signum: int) -> None:
+    """Ask native code to stop; end the process if a thread is still inside it after the grace
+    (where none is, the main thread's handler carries on in Python)."""
+    note_stop(signum)
+    for callback in list(_stop_callbacks):
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - one failing callback must not keep the others
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    while _native and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if _native:
+        _end_now()
+
+
+def _end_now() -> None:
+    """Remove what was staged, say what the main thread would have said, and exit."""
+    for path in list(_left_behind):
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        except OSError:
+            pass
+    prog = Path(sys.argv[0]).name
+    stuck = ", ".join(sorted(set(_native.values())))
+    lines = [f"{prog}: {stuck} did not stop within {STOP_GRACE_S:g} s: ended at once, "
+             "without writing a report"]
+    timeout = stop_error()
+    lines.append(f"{prog}: error: {timeout.one_line()}" if timeout else f"{prog}: interrupted")
+    os.write(2, ("\n".join(lines) + "\n").encode("utf-8", "replace"))
+    os._exit(EXIT_TIMEOUT if timeout else EXIT_INTERRUPTED)
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
@@ -222,9 +448,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
 
     A traceback is printed only at --log_level DEBUG.
     """
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup)
-        signal.signal(signal.SIGINT, _raise_interrupt)
+    watch_stops()  # SIGTERM and SIGINT stop it, also inside ONNX Runtime
     prog = Path(sys.argv[0]).name
     try:
         try:
@@ -234,11 +458,19 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
             if blamed is None:
                 raise
             raise blamed from err
+        finally:  # the run is over: --timeout_s no longer cuts its last line or its exit
+            if _timeout_s:
+                signal.setitimer(signal.ITIMER_REAL, 0)
     except PipelineError as err:
         _print_traceback_if_debug()
         say_error(prog, err.one_line())
         return err.exit_code
     except KeyboardInterrupt:
+        timeout = stop_error()
+        if timeout is not None:
+            _print_traceback_if_debug()
+            say_error(prog, timeout.one_line())
+            return timeout.exit_code
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as err:  # a full disk, a file too large, a permission: say which file
@@ -313,6 +545,7 @@ class StagedFiles:
         """A temporary file that replaces `path` on commit."""
         tmp = _temp_file_beside(Path(path))
         self.staged.append((tmp, Path(path)))
+        _left_behind.add(tmp)  # removed even by a stop that ends the process at once
         return tmp
 
     def __call__(self, path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -325,11 +558,13 @@ class StagedFiles:
     def commit(self) -> None:
         for tmp, path in self.staged:
             os.replace(tmp, path)
+            _left_behind.discard(tmp)
         self.staged = []
 
     def discard(self) -> None:
         for tmp, _ in self.staged:
             tmp.unlink(missing_ok=True)
+            _left_behind.discard(tmp)
         self.staged = []
 
 
@@ -353,6 +588,18 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     with staged_files() as stage:
         stage(path, write)
     return Path(path)
+
+
+@contextlib.contextmanager
+def scratch_folder(parent: Path) -> Iterator[str]:
+    """A temporary folder in `parent` (e.g. beside a bundle), removed when the block ends, also
+    by a stop that ends the process inside native code (see "stopping a run")."""
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        _left_behind.add(Path(tmp))
+        try:
+            yield tmp
+        finally:
+            _left_behind.discard(Path(tmp))
 
 
 @contextlib.contextmanager

@@ -55,9 +55,11 @@ def train(out: Path, *args: object) -> Path:
     return model
 
 
-def quantize_row(model: Path, way: str) -> dict:
-    q = cli("quantize.py", "--output_model", model, "--quantize", "static",
-            *STATIC_WAYS[way])["quantize"]
+def quantize_row(model: Path, way: str, data: object) -> dict:
+    """`data`: the --dataset_path the bundle was trained on (a bundle's own record is never
+    read)."""
+    q = cli("quantize.py", "--output_model", model, "--dataset_path", data, "--quantize",
+            "static", *STATIC_WAYS[way])["quantize"]
     exclusion = q.get("exclusion") or {}
     return {"way": way, "test_fp32": q["accuracy_fp32"], "test_int8": q["accuracy"],
             "val_fp32": q["accuracy_val_fp32"], "val_int8": q["accuracy_val"],
@@ -113,7 +115,7 @@ def hostile_rows(out: Path, epochs: int = 10, ways: tuple[str, ...] = (
     model = train(folder, "--dataset_path", "builtin:digits", "--model_def",
                   f"{HOSTILE_NET}:build", "--epochs", epochs)
     print_rows("digits, a CNN built to lose under int8 (static)",
-               [quantize_row(model, way) for way in ways])
+               [quantize_row(model, way, "builtin:digits") for way in ways])
     steps = cli("quantize.py", "--output_model", model, "--quantize", "static",
                 "--quantize_exclude", "auto")["quantize"]["exclusion"]["steps"]
     print("  default ops with auto exclusion, step by step (validation accuracy int8 / fp32):")
@@ -156,7 +158,8 @@ def measure(args: argparse.Namespace, sms: Path, out: Path) -> None:
     for name, flags in cases.items():
         model = train(out / name.split()[0].lower(), *flags)
         for k in range(args.repeats):
-            print_rows(f"{name}, repeat {k + 1}", [quantize_row(model, w) for w in ways])
+            data = flags[flags.index("--dataset_path") + 1]
+            print_rows(f"{name}, repeat {k + 1}", [quantize_row(model, w, data) for w in ways])
     if args.quick:
         profile_rows(hostile_rows(out, 1, ("default ops",)), out)
         return

@@ -1,9 +1,11 @@
 """Helpers shared by the tests: run the CLIs as subprocesses and write small real datasets."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -327,3 +329,28 @@ def hf_pad1_bundle(tmp_path_factory) -> dict:
                            "--ensemble_size", "3", "--tta", "true", "--tta_transforms",
                            "token_dropout:0.2,token_dropout:0.1", "--ttt", "true",
                            "--ttt_method", "tent", "--eval_shift", "unknown_tokens,token_deletion")
+
+
+# ----------------------------------------------------------------------------- hostile copies
+# The untrusted-bundle tests edit copies of the session bundles as an attacker would.
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def copy_bundle(bundle: dict, folder: Path) -> Path:
+    """The bundle's model.* files copied into `folder`; the copy's model.onnx."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in Path(bundle["dir"]).glob("model.*"):
+        shutil.copy(path, folder / path.name)
+    return folder / "model.onnx"
+
+
+def edit_manifest(model: Path, change) -> dict:
+    """Apply change(manifest) to the bundle's model.json; the manifest written."""
+    path = model.with_suffix(".json")
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+    return manifest

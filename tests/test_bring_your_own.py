@@ -264,16 +264,20 @@ def test_model_def_through_bn_ttt_tent_and_int8(digits_folder, tmp_path):
     copy = out / manifest["files"]["model_def"]
     assert copy.name == "model.def.py" and copy.read_text() == MODEL_DEF
     assert manifest["architecture"]["model_def"]["factory"] == "build"
-    # Tent and export rebuild the module from the bundle's copy: the original may go
+    # Tent and export rebuild the module from the bundle's copy (which runs its code: only
+    # with --trust_model_code, tests/test_untrusted_files.py): the original may go
     shutil.rmtree(source.parent)
     run = run_cli("inference.py", "--model", out / "model.onnx", "--ttt", "true",
-                  "--ttt_method", "tent")
+                  "--ttt_method", "tent", "--dataset_path", digits_folder,
+                  "--trust_model_code", "true")
     assert run.returncode == 0, run.stderr[-3000:]
-    run = run_cli("export.py", "--output_model", out / "model.onnx")
+    run = run_cli("export.py", "--output_model", out / "model.onnx", "--dataset_path",
+                  digits_folder, "--trust_model_code")
     assert run.returncode == 0, run.stderr[-3000:]
     copy.write_text(MODEL_DEF + "\n# edited\n")
     run = run_cli("inference.py", "--model", out / "model.onnx", "--ttt", "true",
-                  "--ttt_method", "tent")
+                  "--ttt_method", "tent", "--dataset_path", digits_folder,
+                  "--trust_model_code", "true")
     assert_clean_failure(run, 4, "model.def.py does not match its manifest")
 
 
@@ -326,7 +330,7 @@ def test_model_def_for_tables_through_the_stage_clis(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "bundle" / "model.def.py").read_text() == TABULAR_DEF
     source.unlink()
-    run = run_cli("export.py", "--output_model", model)
+    run = run_cli("export.py", "--output_model", model, "--trust_model_code", "true")
     assert run.returncode == 0, run.stderr[-3000:]
     manifest = json.loads((tmp_path / "bundle" / "model.json").read_text())
     assert manifest["files"]["model_def"] == "model.def.py"
@@ -496,7 +500,7 @@ def test_model_def_failing_only_in_the_export_blames_the_module(tmp_path):
                   "builtin:wine", "--model_def", f"{source}:build", *ONE_EPOCH,
                   "--output_model", model)
     assert run.returncode == 0, run.stderr[-3000:]
-    run = run_cli("export.py", "--output_model", model)
+    run = run_cli("export.py", "--output_model", model, "--trust_model_code", "true")
     assert_clean_failure(run, 2, "model.def.py:build: its forward (traced for the ONNX export)",
                          "NotImplementedError: no export, please", "re-create the bundle")
     assert not model.exists()

@@ -73,7 +73,8 @@ def bundle_test_inputs(bundle: dict) -> tuple[np.ndarray, dict]:
     from data import load_bundle_dataset
 
     manifest = read_manifest(BundlePaths.from_model_path(bundle["model"]))  # an hf tokenizer too
-    data = load_bundle_dataset(manifest, None, ("test",), False)
+    recorded = manifest["dataset"]  # the test's own data: a bundle's path is never read alone
+    data = load_bundle_dataset(manifest, recorded["path"], ("test",), False)
     return data.test.x[:64], manifest
 
 

@@ -150,7 +150,8 @@ def test_export_refuses_held_out_samples_with_infinite_values(tmp_path):
                       tmp_path / "train.csv", "--test_path", tmp_path / "test.csv",
                       "--label_column", "kind", "--epochs", "2", "--output_model", model, *FAST)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    run = run_cli("export.py", "--output_model", model, *FAST)
+    run = run_cli("export.py", "--output_model", model, "--dataset_path", tmp_path / "train.csv",
+                  "--test_path", tmp_path / "test.csv", *FAST)
     assert_clean_failure(run, 3, "1 held-out sample holds an infinite value",
                          "outputs on them are not finite (nan)", "remove those rows")
     assert TOLERANCE_ADVICE not in run.stderr

@@ -144,11 +144,11 @@ def test_stage_clis_rebuild_the_network_without_the_checkpoint(hf_model_dir, tmp
     assert json.loads((tmp_path / "train.json").read_text())["config"]["learning_rate"] == 2e-5
     shutil.rmtree(source)
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    run = run_cli("export.py", "--output_model", model, "--no_progress", "true",
-                  extra_env=offline)
-    assert run.returncode == 0, run.stderr[-2000:]
-    run = run_cli("quantize.py", "--output_model", model, "--quantize", "dynamic",
+    run = run_cli("export.py", "--output_model", model, "--dataset_path", data,
                   "--no_progress", "true", extra_env=offline)
+    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_cli("quantize.py", "--output_model", model, "--dataset_path", data, "--quantize",
+                  "dynamic", "--no_progress", "true", extra_env=offline)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out" / "model.int8.onnx").is_file()
 

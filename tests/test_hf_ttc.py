@@ -208,8 +208,9 @@ def test_mc_dropout_backends_and_window_tta_on_a_pad_id_1_bundle(hf_pad1_bundle,
     rows = {}
     for backend in ("python", "loop", "batched"):
         out = tmp_path / f"{backend}.json"
-        run = run_cli("inference.py", "--model", hf_pad1_bundle["model"], "--iterative",
-                      "mc_dropout", "--iterative_backend", backend, "--iterations", "8",
+        run = run_cli("inference.py", "--model", hf_pad1_bundle["model"], "--dataset_path",
+                      hf_pad1_bundle["dir"] / "texts.csv", "--iterative", "mc_dropout",
+                      "--iterative_backend", backend, "--iterations", "8",
                       "--num_threads", "1", "--report_json", out,
                       *(("--tta", "true", "--tta_transforms", "window:3,token_dropout:0.2")
                         if backend == "batched" else ()))
@@ -227,7 +228,8 @@ def test_mc_dropout_backends_and_window_tta_on_a_pad_id_1_bundle(hf_pad1_bundle,
 
 def test_tent_adapts_the_hf_layernorms_and_bn_does_not_apply(hf_bundle, tmp_path):
     out = tmp_path / "ttt.json"
-    run = run_cli("inference.py", "--model", hf_bundle["model"], "--ttt", "true",
+    run = run_cli("inference.py", "--model", hf_bundle["model"], "--dataset_path",
+                  hf_bundle["dir"] / "texts.csv", "--ttt", "true",
                   "--ttt_method", "all", "--eval_shift", "token_deletion", "--num_threads", "1",
                   "--report_json", out)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -63,8 +63,9 @@ def test_leaf_modules_stay_leaves():
     graph = import_graph()
     assert graph["utils"] == set()
     assert graph["metrics"] == set()
-    assert graph["runtime"] <= {"utils", "preprocess"}
-    assert graph["tables"] <= {"utils"}
+    assert graph["limits"] <= {"utils"}
+    assert graph["runtime"] <= {"utils", "preprocess", "limits"}
+    assert graph["tables"] <= {"utils", "limits"}
     assert graph["profiling"] <= {"utils", "runtime"}
 
 

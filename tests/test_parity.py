@@ -52,7 +52,9 @@ def training_path_predictions(model: Path) -> dict[str, str]:
     from data import load_bundle_dataset
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
-    test = load_bundle_dataset(manifest, None, ("test",), False).test
+    recorded = manifest["dataset"]  # the test's own data: a bundle's paths are never read alone
+    test = load_bundle_dataset(manifest, recorded["path"], ("test",), False,
+                               {"val": recorded["val_path"], "test": recorded["test_path"]}).test
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     predicted = np.concatenate([session.run(["probabilities"], {name: test.x[i:i + 1]})[0]

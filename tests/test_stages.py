@@ -26,14 +26,16 @@ def test_stage_clis_chain_into_a_working_bundle(tmp_path):
     early = run_cli("inference.py", "--model", model)
     assert_clean_failure(early, 4, "no exported ONNX graph", "export.py")
 
-    export = run_cli("export.py", "--output_model", model, "--report_json", tmp_path / "e.json")
+    export = run_cli("export.py", "--output_model", model, "--dataset_path", table,
+                     "--report_json", tmp_path / "e.json")
     assert export.returncode == 0, export.stderr[-2000:]
     figures = json.loads((tmp_path / "e.json").read_text())["export"]
     assert figures["max_abs_diff"] <= 1e-4 and figures["checker"] == "passed"
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     assert session.get_outputs()[1].name == "probabilities"
 
-    infer = run_cli("inference.py", "--model", model, "--report_json", "-")
+    infer = run_cli("inference.py", "--model", model, "--dataset_path", table,
+                    "--report_json", "-")
     assert infer.returncode == 0, infer.stderr[-2000:]
     report = json.loads(infer.stdout)
     assert report["inference"]["accuracy"] >= 0.8 and report["dataset"]["test"] > 0

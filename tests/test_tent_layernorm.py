@@ -174,7 +174,8 @@ def test_shared_layernorm_parameters_get_a_copy_per_layer():
 
 
 def test_ttt_method_all_reports_bn_not_applicable(transformer):
-    run = run_cli("inference.py", "--model", transformer["model"], "--ttt", "true",
+    run = run_cli("inference.py", "--model", transformer["model"], "--dataset_path",
+                  transformer["dir"] / "texts.csv", "--ttt", "true",
                   "--ttt_method", "all", "--eval_shift", "unknown_tokens", "--num_threads", "1",
                   "--report_json", "-")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -239,11 +240,13 @@ def test_a_graph_with_neither_batchnorm_nor_layernorm_exits_2(transformer, tmp_p
     manifest = json.loads((tmp_path / "model.json").read_text())
     manifest["files"]["sha256"]["onnx"] = hashlib.sha256(model.read_bytes()).hexdigest()
     (tmp_path / "model.json").write_text(json.dumps(manifest))
-    plain = run_cli("inference.py", "--model", model, "--report_json", "-")
+    plain = run_cli("inference.py", "--model", model, "--dataset_path",
+                    transformer["dir"] / "texts.csv", "--report_json", "-")
     assert plain.returncode == 0, plain.stderr[-2000:]  # the graph itself still serves
     assert json.loads(plain.stdout)["inference"]["accuracy"] == pytest.approx(
         transformer["report"]["inference"]["accuracy"])
-    run = run_cli("inference.py", "--model", model, "--ttt", "true", "--ttt_method", "tent")
+    run = run_cli("inference.py", "--model", model, "--dataset_path",
+                  transformer["dir"] / "texts.csv", "--ttt", "true", "--ttt_method", "tent")
     assert_clean_failure(run, 2, "no BatchNorm layers and no LayerNorm or GroupNorm",
                          "without --ttt")
 

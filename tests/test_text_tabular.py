@@ -137,12 +137,14 @@ def test_text_stage_clis_reuse_the_stored_tokenizer_and_split(tmp_path):
     assert train.returncode == 0, train.stderr[-2000:]
     trained = json.loads((tmp_path / "train.json").read_text())
     assert trained["dataset"]["num_classes"] == 3
-    export = run_cli("export.py", "--output_model", model, "--report_json", "-", *common)
+    export = run_cli("export.py", "--output_model", model, "--dataset_path", tmp_path / "t.tsv",
+                     "--report_json", "-", *common)
     assert export.returncode == 0, export.stderr[-2000:]
     assert json.loads(export.stdout)["export"]["padding_max_diff"] <= 1e-4
     # One evaluation run with TTA also reports the plain accuracy on the re-derived split.
-    infer = run_cli("inference.py", "--model", model, "--tta", "true", "--tta_transforms",
-                    "window:4,token_dropout:0.2", "--report_json", "-", *common)
+    infer = run_cli("inference.py", "--model", model, "--dataset_path", tmp_path / "t.tsv",
+                    "--tta", "true", "--tta_transforms", "window:4,token_dropout:0.2",
+                    "--report_json", "-", *common)
     assert infer.returncode == 0, infer.stderr[-2000:]
     report = json.loads(infer.stdout)
     assert report["dataset"]["model_type"] == "text_classifier"
