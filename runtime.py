@@ -11,7 +11,6 @@ import os
 import platform
 import re
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -223,48 +222,30 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
 # The outputs whose last axis holds one value per class: every bundle graph's logits and
 # probabilities, and the passes an MC-dropout or ensemble graph stacks (iterative.PASSES_OUTPUT).
 CLASS_OUTPUTS = ("logits", "probabilities", "pass_probabilities")
-_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session → (classes, graph)
-
-
 def expect_classes(session: ort.InferenceSession, classes: int, graph: str) -> None:
     """Check every run of a bundle graph's `session` against the bundle's `classes`: a graph
     declares its output shapes, and a symbolic class axis, or a declared one its nodes do not
     compute, only shows when it runs (3 classes behind 10 labels would predict wrong labels, or
     fail on an index). A mismatch, or a graph ONNX Runtime fails to run, is an ExportError
-    (exit 4)."""
-    _CLASSES[session] = (classes, graph)
-    plain_run, plain_bound_run = session.run, session.run_with_iobinding
-
-    def run(output_names, input_feed, run_options=None):  # session.run's signature
-        try:
-            outputs = plain_run(output_names, input_feed, run_options)
-        except Exception as err:  # noqa: BLE001 - ORT raises several types for a failing node
-            raise _graph_failure(err, graph) from None
-        for name, value in zip(output_names or [o.name for o in session.get_outputs()], outputs):
-            check_classes(session, name, value)
-        return outputs
-
-    def run_with_iobinding(iobinding, run_options=None):
-        try:
-            return plain_bound_run(iobinding, run_options)
-        except Exception as err:  # noqa: BLE001
-            raise _graph_failure(err, graph) from None
-
-    session.run, session.run_with_iobinding = run, run_with_iobinding
+    (exit 4). The session's class (stoppable_session) does the checking."""
+    session.bundle_classes = (classes, graph)
 
 
-def _graph_failure(err: Exception, graph: str) -> Exception:
-    """ONNX Runtime failing inside a bundle's graph (a node whose shapes do not work out) is the
-    bundle's problem; our own errors and the memory cap's refusal keep theirs."""
-    if isinstance(err, PipelineError):
+def run_failure(session: ort.InferenceSession, err: Exception) -> Exception:
+    """What a failed run raises: the memory cap's refusal says so (exit 5); ONNX Runtime failing
+    inside a bundle's graph (a node whose shapes do not work out) is the bundle's problem
+    (exit 4); our own errors and anything else stay as they are."""
+    err = memory_cap_failure(err)
+    expected = getattr(session, "bundle_classes", None)
+    if expected is None or isinstance(err, PipelineError):
         return err
-    return ExportError(f"ONNX Runtime cannot run {graph}: {first_line(err, 300)}",
+    return ExportError(f"ONNX Runtime cannot run {expected[1]}: {first_line(err, 300)}",
                        "restore the bundle's files, or re-create the bundle with pipeline.py")
 
 
 def check_classes(session: ort.InferenceSession, output: str, value: object) -> None:
     """Refuse a run's `output` whose class axis is not the bundle's (expect_classes)."""
-    expected = _CLASSES.get(session)
+    expected = getattr(session, "bundle_classes", None)
     shape = getattr(value, "shape", None)
     if expected is None or output not in CLASS_OUTPUTS or not shape or shape[-1] == expected[0]:
         return
@@ -316,15 +297,22 @@ def _terminate_runs() -> None:
 
 def _stoppable_session_class(base: type) -> type:
     class StoppableSession(base):  # type: ignore[misc, valid-type]
+        bundle_classes: tuple[int, str] | None = None  # set by expect_classes
+
         def run(self, output_names, input_feed, run_options=None):
             previous = enter_native(IN_ORT)
             try:
-                return super().run(output_names, input_feed, run_options or _RUN_OPTIONS)
+                outputs = super().run(output_names, input_feed, run_options or _RUN_OPTIONS)
             except Exception as err:
                 raise_if_interrupted()  # ORT's "terminate flag" error is the stop
-                raise memory_cap_failure(err) from None
+                raise run_failure(self, err) from None
             finally:
                 leave_native(previous)
+            if self.bundle_classes is not None:
+                names = output_names or [o.name for o in self.get_outputs()]
+                for name, value in zip(names, outputs):
+                    check_classes(self, name, value)
+            return outputs
 
         def run_with_iobinding(self, iobinding, run_options=None):
             previous = enter_native(IN_ORT)
@@ -332,7 +320,7 @@ def _stoppable_session_class(base: type) -> type:
                 return super().run_with_iobinding(iobinding, run_options or _RUN_OPTIONS)
             except Exception as err:
                 raise_if_interrupted()
-                raise memory_cap_failure(err) from None
+                raise run_failure(self, err) from None
             finally:
                 leave_native(previous)
 
