@@ -14,14 +14,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from preprocess import HF_PREFIX, hf_source
-from runtime import RuntimeOptions, parse_ep_options, parse_providers, usable_cpus
-from limits import MAX_TEXT_LENGTH
+from ttc.inputs.preprocess import HF_PREFIX, hf_source
+from ttc.serving.runtime import RuntimeOptions, parse_ep_options, parse_providers, usable_cpus
+from ttc.inputs.limits import MAX_TEXT_LENGTH
 from utils import ConfigError, DataError, check_paths, quoted
 
 if TYPE_CHECKING:
-    from tta import TTAOptions
-    from ttt import TTTSettings
+    from ttc.testtime.tta import TTAOptions
+    from ttc.testtime.ttt import TTTSettings
 
 MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
 QUANTIZE_MODES = ("none", "dynamic", "static", "auto")
@@ -848,7 +848,7 @@ class Config:
         """Every file this script reads and every file it writes, keyed by the flag that names
         it: pipeline.py and train.py write the --output_model bundle, export.py and quantize.py
         add to it, inference.py reads it (and the --ensemble bundles)."""
-        from bundle import BundlePaths
+        from ttc.serving.bundle import BundlePaths
 
         reads = {f"--{flag}": Path(value) for flag in self.READ_FLAGS
                  if (value := getattr(self, flag)) and value != "-"
@@ -872,25 +872,25 @@ class Config:
         """--tta_transforms and --eval_shift against the model type (known from the flags, or
         from a bundle)."""
         if self.tta or self.tta_transforms:
-            from tta import parse_transform_specs
+            from ttc.testtime.tta import parse_transform_specs
 
             parse_transform_specs(self.tta_transforms, model_type.split("_")[0])
         if self.eval_shift:
-            from shifts import parse_shift_names
+            from ttc.inputs.shifts import parse_shift_names
 
             parse_shift_names(self.eval_shift, model_type.split("_")[0])
 
     def tta_options(self) -> "TTAOptions":
         """What test-time augmentation takes from the flags."""
-        from tta import TTAOptions
+        from ttc.testtime.tta import TTAOptions
 
         return TTAOptions(self.tta_transforms, self.tta_merge, self.tta_threshold,
                           self.batch_size, self.seed)
 
     def ttt_settings(self, kind: str) -> "TTTSettings":
         """What test-time training takes from the flags, for a model of preprocessing `kind`."""
-        from shifts import parse_shift_names
-        from ttt import TTTSettings
+        from ttc.inputs.shifts import parse_shift_names
+        from ttc.testtime.ttt import TTTSettings
 
         return TTTSettings(self.ttt_method, self.ttt_mode, self.ttt_iterations,
                            self.ttt_learning_rate, self.ttt_bn_prior, self.ttt_reset_every,
@@ -1083,7 +1083,7 @@ def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Co
     setup_logging(config.log_level)
     config.validate()
     stop_after(config.timeout_s)  # the run's clock starts once its flags are read
-    from limits import configure
+    from ttc.inputs.limits import configure
 
     configure(config)
     LOG.info("configuration (* = not the default):\n%s", "\n".join(config.summary_lines()))

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import onnx
 
-from calibrate import fit_with_interval, log_scores, rescale, softmax
+from ttc.testtime.calibrate import fit_with_interval, log_scores, rescale, softmax
 from config import Config, build_parser, start_cli
-from data import bundle_data_options, load_bundle_dataset, split_paths_of
-from metrics import top1_agreement
-from runtime import RuntimeOptions, create_session, input_padding_id, session_feeder
-from preprocess import text_graph_feed, trim_padding
-from bundle import (BundlePaths, mark_padding_id, manifest_text, network_temperature,
+from ttc.inputs.data import bundle_data_options, load_bundle_dataset, split_paths_of
+from ttc.reporting.metrics import top1_agreement
+from ttc.serving.runtime import RuntimeOptions, create_session, input_padding_id, session_feeder
+from ttc.inputs.preprocess import text_graph_feed, trim_padding
+from ttc.serving.bundle import (BundlePaths, mark_padding_id, manifest_text, network_temperature,
                     read_manifest, record_export, require_trusted_model_code,
                     stamp_contract)
 from report import run_with_report
@@ -84,7 +84,7 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
 
     The exporter's progress prints go to stderr."""
     import torch
-    from models import export_wrapper
+    from ttc.nets.models import export_wrapper
 
     wrapper = export_wrapper(net, temperature)
     wrapper = wrapper if keep_modes else wrapper.eval()
@@ -191,7 +191,7 @@ def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one
     (the probabilities with the manifest's temperature)."""
     import torch
-    from models import WithProbabilities
+    from ttc.nets.models import WithProbabilities
 
     session = create_session(model.SerializeToString(), RuntimeOptions(intra_op_threads=num_threads))
     feed = session_feeder(session)
@@ -347,7 +347,7 @@ def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, ma
     dynamo graph at batch 32 and dynamic int8 1.3x the fused fp32), checked like the exported
     graph (checker, PyTorch on the same probes and batch sizes): (graph, check, the manifest's
     record), or None, and the dynamo graph serves, when it does not fuse or fails a check."""
-    from hf import FUSED_OPS, HFTextNet, fused_graph
+    from ttc.nets.hf import FUSED_OPS, HFTextNet, fused_graph
 
     if not isinstance(net, HFTextNet):
         return None
@@ -437,7 +437,7 @@ def check_norms_adaptable(net: torch.nn.Module, slimmed: onnx.ModelProto) -> Non
     A WARNING when not: the bundle still serves, only --ttt refuses it."""
     import torch
 
-    from ttt import affine_norm_model, paired_norm_modules
+    from ttc.testtime.ttt import affine_norm_model, paired_norm_modules
     from utils import PipelineError
 
     if not any(isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) for m in net.modules()):
@@ -531,7 +531,7 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
     """Every member exported and slimmed like model.onnx, merged into one graph that returns
     their mean (iterative.ensemble_model), rescaled by a temperature fitted on `val`; checked
     against the PyTorch members' mean, rescaled the same way."""
-    from iterative import ensemble_model
+    from ttc.testtime.iterative import ensemble_model
 
     output_names = [o["name"] for o in manifest["outputs"]]
     spec = manifest["input"]
@@ -566,7 +566,7 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
     while writing leaves the previous bundle as it was."""
     import torch
 
-    from models import side_files
+    from ttc.nets.models import side_files
 
     paths, manifest = result.paths, result.manifest
     extras = extras or {}
@@ -629,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv)
     import torch
 
-    from models import load_weights
+    from ttc.nets.models import load_weights
 
     quiet_library_loggers()
     if config.num_threads > 0:

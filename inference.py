@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from bundle import (BundlePaths, network_temperature, read_manifest, require_onnx_in_bundle,
+from ttc.serving.bundle import (BundlePaths, network_temperature, read_manifest, require_onnx_in_bundle,
                     require_trusted_model_code)
 from config import Config, build_parser, start_cli
-from evaluation import Tally, bundle_evaluation
-from metrics import accuracy, ece_change_interval, entropy
-from profiling import PROFILED_RUNS, profile_runs, profile_section, profiled_batches
+from ttc.reporting.evaluation import Tally, bundle_evaluation
+from ttc.reporting.metrics import accuracy, ece_change_interval, entropy
+from ttc.serving.profiling import PROFILED_RUNS, profile_runs, profile_section, profiled_batches
 from report import run_with_report
-from runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
+from ttc.serving.runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
                      predict_proba, session_device, session_runner, state_input, time_runners,
                      whole_batches)
 from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
@@ -30,11 +30,11 @@ from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_c
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from batch import BatchOptions, Predictor
-    from iterative import MCSampler, Passes
-    from runtime import RuntimeOptions
-    from tta import TTAOptions, TTARunner
-    from ttt import AdaptationGraph, Tent, TTTSettings
+    from ttc.serving.batch import BatchOptions, Predictor
+    from ttc.testtime.iterative import MCSampler, Passes
+    from ttc.serving.runtime import RuntimeOptions
+    from ttc.testtime.tta import TTAOptions, TTARunner
+    from ttc.testtime.ttt import AdaptationGraph, Tent, TTTSettings
 
 
 @dataclass
@@ -147,7 +147,7 @@ def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
     on the same providers) where the transforms allow, else numpy views around `session`."""
     import onnx
 
-    from tta import TTARunner, build_transforms, tta_model
+    from ttc.testtime.tta import TTARunner, build_transforms, tta_model
 
     transforms = build_transforms(options.transforms, manifest["preprocessing"], options.seed)
     model = tta_model(onnx.load(str(model_path)), transforms, options.merge,
@@ -165,7 +165,7 @@ def run_ttt(config: Config, paths: BundlePaths, manifest: dict,
             ) -> dict:
     """Test-time training on the bundle's adaptation graph, on the test split and its corrupted
     copies; `predict` (the chosen graph, unadapted) is the baseline. torch only for tent."""
-    from ttt import evaluate_ttt
+    from ttc.testtime.ttt import evaluate_ttt
 
     settings = config.ttt_settings(manifest["preprocessing"]["kind"])
     graph, tent = adaptation(settings, paths, manifest, config.runtime())
@@ -196,7 +196,7 @@ def single_variants(session: ort.InferenceSession, manifest: dict, batch_size: i
 def averaged_variants(name: str, passes: Callable[[np.ndarray], "Passes"],
                       temperature: float | None) -> Variants:
     """An average of passes or members, and the average rescaled by its own temperature."""
-    from calibrate import rescale
+    from ttc.testtime.calibrate import rescale
 
     def variants(x: np.ndarray) -> dict:
         mean = passes(x).mean
@@ -210,7 +210,7 @@ def without_temperature(session: ort.InferenceSession, x: np.ndarray, batch_size
                         ) -> np.ndarray | None:
     """softmax(logits) of the graph on x: the single pass without its temperature (None for a
     graph without a logits output)."""
-    from calibrate import softmax
+    from ttc.testtime.calibrate import softmax
 
     if "logits" not in {o.name for o in session.get_outputs()}:
         return None
@@ -221,7 +221,7 @@ def run_calibration(config: Config, manifest: dict, raw: np.ndarray | None,
                     probabilities: np.ndarray, y: np.ndarray) -> dict | None:
     """The report's `calibration`: the bundle's temperature and what it does on the test split,
     from the single pass without (`raw`) and with it (None without a raw pass)."""
-    from calibrate import calibration_section, no_fit
+    from ttc.testtime.calibrate import calibration_section, no_fit
 
     if raw is None:
         return None
@@ -238,8 +238,8 @@ def calibration_under_shift(config: Config, manifest: dict, variants: Variants,
                             test: tuple[np.ndarray, np.ndarray]) -> dict:
     """--eval_shift: accuracy, ECE and NLL of every variant on each corrupted copy of the test
     split (Ovadia et al. 2019's protocol), and which variant is best calibrated on average."""
-    from calibrate import best_calibrated, shift_rows
-    from shifts import corrupt, parse_shift_names
+    from ttc.testtime.calibrate import best_calibrated, shift_rows
+    from ttc.inputs.shifts import corrupt, parse_shift_names
 
     x, y = test
     shifts = []
@@ -262,7 +262,7 @@ def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
     (the single pass: the bundle's; an average: its own, calibrate.rescale). Also the mode's
     variants as a function of the inputs (--eval_shift), None for state. `raw`: the test
     split's single pass without temperature (None: the graph has no logits output)."""
-    import iterative as it
+    from ttc.testtime import iterative as it
 
     x, y = test
     batches = batches_of(x, config.batch_size, input_padding_id(manifest["input"]))
@@ -306,8 +306,8 @@ def run_averaged(config: Config, paths: BundlePaths, manifest: dict,
                  ) -> tuple[np.ndarray, list[dict], Variants]:
     """MC-dropout or an ensemble on the test batches: its mean, its row and, where its average
     has a temperature, its "+T" row; and its variants as a function of the inputs."""
-    import iterative as it
-    from calibrate import rescale
+    from ttc.testtime import iterative as it
+    from ttc.testtime.calibrate import rescale
 
     name, members = config.iterative, None
     if name == "mc_dropout":
@@ -334,8 +334,8 @@ def mc_sampler(config: Config, paths: BundlePaths, manifest: dict
     for a bundle without one)."""
     import onnx
 
-    import iterative as it
-    from calibrate import softmax
+    from ttc.testtime import iterative as it
+    from ttc.testtime.calibrate import softmax
 
     mc_path = require_onnx_in_bundle(paths, manifest, "mc")
     mc_model = onnx.load(str(mc_path))
@@ -361,7 +361,7 @@ def ensemble_sampler(config: Config, paths: BundlePaths, manifest: dict
                      ) -> tuple["MCSampler", float | None, int]:
     """The ensemble's members (uncalibrated) per batch, the temperature of their average (the
     bundle's ensemble graph's; None for --ensemble bundles merged here) and their count."""
-    import iterative as it
+    from ttc.testtime import iterative as it
 
     model, members = ensemble_graph(config, paths, manifest)
     source = paths.variant("ensemble") if not config.ensemble else "the --ensemble graphs"
@@ -378,7 +378,7 @@ def ensemble_graph(config: Config, paths: BundlePaths, manifest: dict) -> tuple[
     """The bundle's ensemble graph, or one merged from --model and the --ensemble bundles."""
     import onnx
 
-    from iterative import ensemble_model
+    from ttc.testtime.iterative import ensemble_model
 
     if not config.ensemble:
         model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "ensemble")))
@@ -413,7 +413,7 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     raw = without_temperature(session, test[0], config.batch_size)
     report["calibration"] = run_calibration(config, manifest, raw, probabilities, test[1])
     if config.tta:
-        from tta import evaluate_tta
+        from ttc.testtime.tta import evaluate_tta
 
         tta = evaluate_tta(tta_runner(session, model_path, manifest, config.tta_options(),
                                       config.runtime()), test, val,
@@ -508,7 +508,7 @@ def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
     with `all` it is reported not applicable)."""
     import onnx
 
-    from ttt import AdaptationGraph, Tent
+    from ttc.testtime.ttt import AdaptationGraph, Tent
 
     variant = "onnx" if require_ttt_method_applies(settings.method, manifest) else "bn"
     path = require_onnx_in_bundle(paths, manifest, variant)
@@ -553,7 +553,7 @@ def require_ttt_method_applies(method: str, manifest: dict) -> bool:
 
 
 def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
-    from ttt import OnlineCarry, adapt_and_predict
+    from ttc.testtime.ttt import OnlineCarry, adapt_and_predict
 
     if config.ttt_method == "all":
         raise ConfigError("--ttt_method all compares methods on the test split; predictions "
@@ -569,7 +569,7 @@ def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predict
 def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
     """MC-dropout or ensemble: the mean (rescaled by its temperature where the bundle has one),
     its entropy, and the std across passes (or members) of the predicted class's probability."""
-    from calibrate import rescale
+    from ttc.testtime.calibrate import rescale
 
     if config.iterative == "ensemble":
         sampler, temperature, _ = ensemble_sampler(config, paths, manifest)
@@ -590,7 +590,7 @@ def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Pred
 def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
     """--input: the chosen graph with the test-time compute asked for, over the input's chunks:
     in this process (batch.py), or on Ray workers (cluster.py) running the same predictor."""
-    from batch import BatchOptions, predict_input
+    from ttc.serving.batch import BatchOptions, predict_input
 
     chunk_rows = config.worker_batch_size or config.chunk_rows
     if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
@@ -605,7 +605,7 @@ def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
     if config.profile:
         predict = keeping_first_rows(predict, seen, config.batch_size * PROFILED_RUNS)
     run = predict_input(options, manifest, predict, report)
-    from cluster import local_engine_section
+    from ttc.serving.cluster import local_engine_section
 
     report["engine"] = local_engine_section(run, config.runtime().intra_op_threads)
     if config.profile and seen:
@@ -645,7 +645,7 @@ def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
     import dataclasses
     import functools
 
-    from cluster import RayOptions, predict_on_ray
+    from ttc.serving.cluster import RayOptions, predict_on_ray
 
     threads = config.ray_threads()
     worker_config = dataclasses.replace(
@@ -690,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.input:
             predict_new_data(config, paths, report)
             return
-        from data import load_bundle_dataset, split_paths_of
+        from ttc.inputs.data import load_bundle_dataset, split_paths_of
 
         data = load_bundle_dataset(manifest, config.dataset_path,
                                    ("val", "test") if config.tta else ("test",),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import build_parser, start_cli
-from bundle import BundlePaths
+from ttc.serving.bundle import BundlePaths
 from report import preload_plots, run_with_report
 from utils import LOG, exit_cli, run_cli
 
@@ -42,7 +42,7 @@ def torch_variant(net, paths: BundlePaths):
     import torch
 
     from inference import Variant
-    from models import WithProbabilities
+    from ttc.nets.models import WithProbabilities
 
     wrapper = WithProbabilities(net).eval()
 
@@ -58,7 +58,7 @@ def train_ensemble_members(config, dataset, first) -> list:
     learning rate the candidate search chose for the first."""
     from dataclasses import replace
 
-    from program import train_classifier
+    from ttc.nets.program import train_classifier
 
     members = []
     for k in range(1, config.ensemble_size):
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv)
     config.validate_tta(config.model_type)
 
-    from data import DataOptions, load_dataset  # pandas and numpy, no torch
+    from ttc.inputs.data import DataOptions, load_dataset  # pandas and numpy, no torch
 
     paths = BundlePaths.from_model_path(config.output_model)
 
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from export import export_bundle
         from inference import run_on_bundle
         from quantize import fp16_bundle, quantize_bundle
-        from program import set_torch_threads  # imports torch and DSPy
+        from ttc.nets.program import set_torch_threads  # imports torch and DSPy
         from train import build_manifest, cap_batch_size, train_stage
         from utils import quiet_library_loggers
 

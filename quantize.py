@@ -21,12 +21,12 @@ import numpy as np
 import onnx
 
 from config import Config, build_parser, start_cli
-from diagnosis import SHOWN_LAYERS, LayerError, diagnose
-from metrics import accuracy, top1_agreement
-from runtime import (RuntimeOptions, batches_of, cpu_info, create_session, graph_padding_id,
+from ttc.convert.diagnosis import SHOWN_LAYERS, LayerError, diagnose
+from ttc.reporting.metrics import accuracy, top1_agreement
+from ttc.serving.runtime import (RuntimeOptions, batches_of, cpu_info, create_session, graph_padding_id,
                      model_feeder, predict_proba, session_runner, time_runners,
                      whole_batches)
-from bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
+from ttc.serving.bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract)
 from report import run_with_report
 from utils import (LOG, ConfigError, ExportError, debug_enabled, exit_cli, first_line,
@@ -615,7 +615,7 @@ def grown_time(fp32_path: Path, variant: bytes, runtime: RuntimeOptions, batch_s
                x: np.ndarray) -> list[dict]:
     """--profile: both graphs through ONNX Runtime's profiler on the same batches; the op types
     whose time per run grew in the variant, most first."""
-    from profiling import grown_op_types, profile_runs, profiled_batches
+    from ttc.serving.profiling import grown_op_types, profile_runs, profiled_batches
 
     batches = profiled_batches(batches_of(x, batch_size,
                                           graph_padding_id(onnx.load(str(fp32_path)))))
@@ -682,7 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = start_cli(parser, argv)
 
     def stages(report: dict) -> None:
-        from data import load_bundle_dataset, split_paths_of
+        from ttc.inputs.data import load_bundle_dataset, split_paths_of
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)

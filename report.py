@@ -374,7 +374,7 @@ def preload_plots() -> None:
 
 def _import_plots() -> None:
     try:
-        importlib.import_module("plots")
+        importlib.import_module("ttc.reporting.plots")
     except Exception:  # noqa: BLE001 - write_visuals imports it again and says what is wrong
         pass
 
@@ -391,12 +391,12 @@ def write_visuals(report: dict, plots_folder: Path | None, page: Path | None,
     try:
         plots: dict[str, str] = {}
         if plots_folder is not None:
-            from plots import write_plots  # matplotlib, only when pictures are wanted
+            from ttc.reporting.plots import write_plots  # matplotlib, only when pictures are wanted
 
             plots = write_plots(report, plots_folder)
         report["plots"] = plots
         if page is not None:
-            from page import write_page
+            from ttc.reporting.page import write_page
 
             report["html"] = str(page)
             write_page(report, {name: Path(path) for name, path in plots.items()}, page,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from config import Config, build_parser, start_cli
-from data import Dataset, DataOptions, load_dataset
-from bundle import BundlePaths, manifest_text, new_manifest, record_side_file, record_weights
+from ttc.inputs.data import Dataset, DataOptions, load_dataset
+from ttc.serving.bundle import BundlePaths, manifest_text, new_manifest, record_side_file, record_weights
 from report import run_with_report
 from utils import (LOG, atomic_write, atomic_write_text, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of)
@@ -19,7 +19,7 @@ from utils import (LOG, atomic_write, atomic_write_text, exit_cli, quiet_library
 if TYPE_CHECKING:  # torch and dspy load only once flags are parsed: --help stays instant
     import dspy
 
-    from program import TrainedModel
+    from ttc.nets.program import TrainedModel
 
 
 def cap_batch_size(config: Config, dataset: Dataset) -> None:
@@ -38,14 +38,14 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     unlabeled texts and the student is trained twice, without and with them, so the report can
     say what the teacher's labels bought. Returns the model to export and the data it saw.
     `teacher_lm` replaces the LM --teacher_lm names (tests pass dspy.utils.DummyLM)."""
-    from program import train_classifier
+    from ttc.nets.program import train_classifier
 
     if not config.teacher_lm:
         trained = train_classifier(config, dataset)
         report["train"] = train_section(trained, dataset)
         calibrate_network(config, trained, dataset, report)
         return trained, dataset
-    from teacher import distill
+    from ttc.nets.teacher import distill
 
     distilled = distill(config, dataset, teacher_lm)
     report["teacher"] = distilled.section
@@ -63,8 +63,8 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
                       report: dict) -> None:
     """--calibrate temperature: fit T on the validation split's logits (calibrate.py); the
     manifest records it and export bakes it into every graph. In the report: train.calibration."""
-    from calibrate import fit_with_interval, no_fit
-    from program import split_logits
+    from ttc.testtime.calibrate import fit_with_interval, no_fit
+    from ttc.nets.program import split_logits
 
     if config.calibrate == "none":
         fit = no_fit("--calibrate none")
@@ -102,7 +102,7 @@ def prior_loss(counts: list[int]) -> float:
     that learned nothing from its inputs reaches at best."""
     import numpy as np
 
-    from metrics import entropy
+    from ttc.reporting.metrics import entropy
 
     return float(entropy(np.asarray(counts, np.float64) / max(1, sum(counts))))
 
@@ -144,7 +144,7 @@ def learning_rate_advice(trained: TrainedModel) -> str:
 def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: TrainedModel,
                        enlarged: Dataset) -> dict:
     """Student accuracy without and with the teacher's data, and a plain verdict."""
-    from program import split_accuracy
+    from ttc.nets.program import split_accuracy
 
     test = "test" in dataset.splits
     row = {"student_val_accuracy_without_teacher": baseline.val_accuracy,
@@ -170,7 +170,7 @@ def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: Traine
 def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                    teacher: dict | None = None) -> dict:
     """The bundle manifest as training knows it (bundle.new_manifest); export fills the rest."""
-    from models import input_spec
+    from ttc.nets.models import input_spec
 
     return new_manifest(
         model_type=config.model_type, labels=trained.labels,
@@ -203,7 +203,7 @@ def class_counts(y, num_classes: int) -> list[int]:
 def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
                     paths: BundlePaths, teacher: dict | None = None) -> dict:
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
-    from models import save_weights, side_files
+    from ttc.nets.models import save_weights, side_files
 
     manifest = build_manifest(config, trained, dataset, teacher)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))
@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "--output_model runs/digits/model.onnx --epochs 20")
     config = start_cli(parser, argv)
     config.validate_tta(config.model_type)
-    from program import set_torch_threads  # imports torch and dspy
+    from ttc.nets.program import set_torch_threads  # imports torch and dspy
 
     quiet_library_loggers()
     set_torch_threads(config.num_threads)

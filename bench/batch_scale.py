@@ -82,9 +82,9 @@ def run_inference(case: Case, data: Path) -> tuple[float, float]:
 def raw_throughput(case: Case, data: Path, rows: int = 100_000) -> float:
     """session.run rows/s on rows read and encoded beforehand, same graph and batch size."""
     from config import Config as RunConfig
-    from batch import BatchOptions, input_chunks
-    from bundle import BundlePaths, read_manifest
-    from runtime import batches_of, create_session
+    from ttc.serving.batch import BatchOptions, input_chunks
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.serving.runtime import batches_of, create_session
 
     manifest = read_manifest(BundlePaths.from_model_path(case.model))
     chunks = input_chunks(manifest, BatchOptions(str(data), "unused.csv", rows,

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from config import Config  # noqa: E402
-from bundle import BundlePaths
+from ttc.serving.bundle import BundlePaths
 from utils import quiet_library_loggers, setup_logging  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def quiet_single_thread() -> None:
     setup_logging("ERROR")
     import torch
 
-    import program  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
+    from ttc.nets import program  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
 
     quiet_library_loggers()
     torch.set_num_threads(1)
@@ -29,9 +29,9 @@ def quiet_single_thread() -> None:
 
 def train_bundle(config: Config):
     """Train and export; returns (dataset, trained model, bundle paths, export result)."""
-    from data import DataOptions, load_dataset
+    from ttc.inputs.data import DataOptions, load_dataset
     from export import export_bundle
-    from program import train_classifier
+    from ttc.nets.program import train_classifier
     from train import build_manifest
 
     dataset = load_dataset(DataOptions.from_config(config))

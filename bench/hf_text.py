@@ -137,10 +137,10 @@ def side_by_side(model: Path, texts: list[str], threads: int) -> dict:
     """(b) eager vs ORT fp32 at batch 1 and (c) ORT fp32 vs int8 at batch 32, in turns."""
     import torch
 
-    from bundle import BundlePaths, read_manifest
-    from models import WithProbabilities, load_weights
-    from preprocess import text_tokenizer
-    from runtime import create_session, session_runner, time_runners
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.nets.models import WithProbabilities, load_weights
+    from ttc.inputs.preprocess import text_tokenizer
+    from ttc.serving.runtime import create_session, session_runner, time_runners
 
     paths = BundlePaths.from_model_path(model)
     manifest = read_manifest(paths)  # registers the bundle's tokenizer.json
@@ -196,8 +196,8 @@ def end_to_end(model: Path, data: Path, batch_size: int, threads: int) -> dict:
 def encoded_input(model: Path, data: Path) -> list[np.ndarray]:
     """The input's token ids, chunk by chunk, read and encoded beforehand by batch.py's own
     reader (the chunks inference.py --input predicts, 4,096 rows each)."""
-    from batch import BatchOptions, input_chunks
-    from bundle import BundlePaths, read_manifest
+    from ttc.serving.batch import BatchOptions, input_chunks
+    from ttc.serving.bundle import BundlePaths, read_manifest
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
     return [chunk.x for chunk in input_chunks(manifest, BatchOptions(str(data), "unused.csv",
@@ -210,9 +210,9 @@ def raw_throughput(model: Path, chunks: list[np.ndarray], batch_size: int, threa
     the same ids as inference.py --input runs (runtime.batches_of within each chunk); with
     `by_length`, each chunk's rows sorted by token count first (what inference.py does not do:
     an estimate of what length-bucketing would gain)."""
-    from bundle import BundlePaths, read_manifest
-    from preprocess import trim_padding
-    from runtime import batches_of, create_session, session_feeder
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.inputs.preprocess import trim_padding
+    from ttc.serving.runtime import batches_of, create_session, session_feeder
 
     pad_id = read_manifest(BundlePaths.from_model_path(model))["preprocessing"]["pad_id"]
     session = create_session(str(model), Config(num_threads=threads).cpu_runtime())
@@ -241,10 +241,10 @@ STAGES = [("read the CSV (tables.iter_table, pandas)", ("tables.py", "iter_table
 def profile_input(model: Path, data: Path, batch_size: int, threads: int) -> None:
     """inference.py --input in this process under cProfile, the reader thread's work inline
     (cProfile sees one thread): the cumulative seconds of each stage."""
-    import batch
+    from ttc.serving import batch
     from config import Config as RunConfig
     from inference import predict_new_data
-    from bundle import BundlePaths
+    from ttc.serving.bundle import BundlePaths
 
     config = RunConfig(output_model=str(model), input=str(data), batch_size=batch_size,
                        output=str(data.with_name("profile_preds.csv")), num_threads=threads,
@@ -377,7 +377,7 @@ def measure(args: argparse.Namespace, out: Path) -> None:
              "c": min(r["int8_over_fp32_32"] for r in rounds),
              "d": min(r["e2e_over_raw"] for r in rounds)}
     names = [f"round {k + 1}" for k in range(len(rounds))]
-    from runtime import cpu_info
+    from ttc.serving.runtime import cpu_info
 
     cpu = cpu_info().describe()
     print(f"\nCPU: {cpu} (int8 speed depends on it: bench/int8_gemm.py)")

@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from common import add_quick_flag  # also puts the repository on sys.path
 from config import Config
-from runtime import cpu_info, create_session, time_runners
+from ttc.serving.runtime import cpu_info, create_session, time_runners
 
 # (rows, in, out): rows = texts x tokens of a batch
 SHAPES = [("tiny BERT, attention out", 2048, 128, 128), ("tiny BERT, FFN in", 2048, 128, 512),

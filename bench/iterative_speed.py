@@ -38,8 +38,8 @@ BACKENDS = ("python", "batched", "loop")
 
 def measure(name: str, model_type: str, dataset_path: str, passes: int, epochs: int,
             runs: int) -> None:
-    import iterative as it
-    from runtime import batches_of, create_session, session_runner, time_runners
+    from ttc.testtime import iterative as it
+    from ttc.serving.runtime import batches_of, create_session, session_runner, time_runners
 
     config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
                     no_progress=True, output_model=str(scratch_dir() / "model.onnx"))
@@ -76,9 +76,9 @@ def measure(name: str, model_type: str, dataset_path: str, passes: int, epochs: 
 
 def calibration_over_seeds(name: str, model_type: str, dataset_path: str, passes: int,
                            epochs: int, seeds: int, training: dict) -> None:
-    import iterative as it
-    import metrics
-    from runtime import batches_of, create_session, session_runner
+    from ttc.testtime import iterative as it
+    from ttc.reporting import metrics
+    from ttc.serving.runtime import batches_of, create_session, session_runner
 
     print(f"\n{name}: calibration over {seeds} seeds, K = {passes} (batched backend)")
     print(f"{'seed':>4} {'test':>5} {'accuracy':>8} {'ECE single':>10} {'ECE MC':>8} "

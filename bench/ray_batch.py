@@ -83,9 +83,9 @@ def run(model: Path, data: Path, output: Path, *args: object) -> tuple[float, di
 
 def raw_throughput(model: Path, data: Path, batch_size: int, rows: int) -> float:
     """session.run rows/s on `rows` rows read and encoded beforehand (batch.py's reader)."""
-    from batch import BatchOptions, input_chunks
-    from bundle import BundlePaths, read_manifest
-    from runtime import batches_of, create_session
+    from ttc.serving.batch import BatchOptions, input_chunks
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.serving.runtime import batches_of, create_session
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
     x = np.concatenate([c.x for c in input_chunks(manifest, BatchOptions(
@@ -107,8 +107,8 @@ def stage_ceilings(model: Path, data: Path, batch_size: int) -> tuple[float, flo
     """rows/s of the local engine's stages alone, in this process, one thread each: reading and
     encoding (batch.input_chunks: the reader thread's work) and writing Parquet
     (PredictionWriter: the main thread's, beside session.run)."""
-    from batch import BatchOptions, PredictionWriter, input_chunks
-    from bundle import BundlePaths, read_manifest
+    from ttc.serving.batch import BatchOptions, PredictionWriter, input_chunks
+    from ttc.serving.bundle import BundlePaths, read_manifest
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
     started = time.perf_counter()
@@ -136,9 +136,9 @@ def cpu_per_row(model: Path, data: Path, batch_size: int) -> dict[str, float]:
 
     import pyarrow.parquet as pq
 
-    from batch import PredictionWriter
-    from bundle import BundlePaths, read_manifest
-    from runtime import batches_of, create_session
+    from ttc.serving.batch import PredictionWriter
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.serving.runtime import batches_of, create_session
 
     def cpu(work) -> float:
         started = time.process_time()

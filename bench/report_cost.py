@@ -54,7 +54,7 @@ def evaluation_seconds(report: dict, repeats: int = 200) -> float:
     sys.path.insert(0, str(REPO))
     import numpy as np
 
-    from evaluation import Tally, evaluation_section
+    from ttc.reporting.evaluation import Tally, evaluation_section
 
     labels = report["evaluation"]["labels"]
     rng = np.random.default_rng(0)
@@ -71,7 +71,7 @@ import json, sys, tempfile, time
 from pathlib import Path
 started = time.perf_counter()
 import report
-import plots
+from ttc.reporting import plots
 imported = time.perf_counter()
 data = json.loads(Path(sys.argv[1]).read_text())
 with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from common import Config, add_quick_flag, quiet_single_thread, scratch_dir, train_bundle
-from bundle import read_manifest
+from ttc.serving.bundle import read_manifest
 
 
 def digits_table(folder: Path) -> str:
@@ -36,7 +36,7 @@ def measure(name: str, config: Config) -> None:
     from inference import benchmark_variants, bundle_variants
     from pipeline import torch_variant
     from quantize import quantize_bundle
-    from runtime import input_padding_id
+    from ttc.serving.runtime import input_padding_id
 
     dataset, trained, paths, _ = train_bundle(config)
     x, y = dataset.test.x, dataset.test.y
@@ -75,7 +75,7 @@ def main() -> None:
     if args.quick:
         args.epochs, args.hidden = 1, 32
     quiet_single_thread()
-    import models
+    from ttc.nets import models
 
     work = scratch_dir()
     common = dict(epochs=args.epochs, no_progress=True, batch_size=64)

@@ -42,8 +42,8 @@ def main() -> None:
     quiet_single_thread()
     import torch
 
-    from runtime import batches_of, create_session
-    from models import WithProbabilities
+    from ttc.serving.runtime import batches_of, create_session
+    from ttc.nets.models import WithProbabilities
 
     out = scratch_dir()
     config = Config(model_type="text_classifier", dataset_path=args.data,

@@ -19,9 +19,9 @@ from common import Config, add_quick_flag, quiet_single_thread, scratch_dir, tra
 
 
 def score(dataset_path: str, augment: bool, epochs: int, seed: int) -> list[float]:
-    import metrics
-    from runtime import batches_of, create_session, session_runner
-    from shifts import CORRUPTIONS
+    from ttc.reporting import metrics
+    from ttc.serving.runtime import batches_of, create_session, session_runner
+    from ttc.inputs.shifts import CORRUPTIONS
 
     config = Config(dataset_path=dataset_path, epochs=epochs, seed=seed, train_augment=augment,
                     no_progress=True, output_model=str(scratch_dir() / "model.onnx"))

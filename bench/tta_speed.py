@@ -38,10 +38,10 @@ CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot18
 def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: int, runs: int,
             threads: int) -> None:
     from inference import tta_runner
-    from runtime import time_runners
-    from runtime import batches_of, create_session, session_runner
-    from tta import TTARunner, merge
-    from bundle import read_manifest
+    from ttc.serving.runtime import time_runners
+    from ttc.serving.runtime import batches_of, create_session, session_runner
+    from ttc.testtime.tta import TTARunner, merge
+    from ttc.serving.bundle import read_manifest
 
     config = Config(model_type=model_type, dataset_path=dataset_path, epochs=epochs,
                     no_progress=True, num_threads=threads, tta_transforms=specs,

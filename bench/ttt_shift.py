@@ -26,10 +26,10 @@ SHIFTS = ["gaussian_noise", "contrast", "blur"]
 
 
 def measure(name: str, dataset_path: str, epochs: int, batch_size: int, runs: int) -> None:
-    from runtime import time_runners
-    from runtime import create_session, session_runner
-    from ttt import AdaptationGraph, Tent, TTTSettings, evaluate_ttt
-    from bundle import read_manifest
+    from ttc.serving.runtime import time_runners
+    from ttc.serving.runtime import create_session, session_runner
+    from ttc.testtime.ttt import AdaptationGraph, Tent, TTTSettings, evaluate_ttt
+    from ttc.serving.bundle import read_manifest
     from report import format_ttt
 
     config = Config(dataset_path=dataset_path, epochs=epochs, no_progress=True,

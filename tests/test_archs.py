@@ -22,7 +22,7 @@ def texts_csv(tmp_path_factory):
 
 
 def padded_probabilities(model, manifest, texts: list[str], extra: int) -> np.ndarray:
-    from preprocess import Tokenizer
+    from ttc.inputs.preprocess import Tokenizer
 
     ids = Tokenizer.from_manifest(manifest["preprocessing"]).encode_batch(texts)
     ids = np.concatenate([ids, np.zeros((len(ids), extra), dtype=ids.dtype)], axis=1)
@@ -74,7 +74,7 @@ def test_an_arch_of_another_model_type_or_ttt_without_batchnorm_is_refused(texts
 
 def test_the_arch_names_of_config_and_models_agree():
     from config import ARCHS
-    from models import ARCH_KIND, ARCHITECTURES, DEFAULT_ARCH
+    from ttc.nets.models import ARCH_KIND, ARCHITECTURES, DEFAULT_ARCH
 
     kinds = {"image_classifier": "image", "text_classifier": "text",
              "tabular_classifier": "tabular"}

@@ -77,7 +77,7 @@ def test_resnet34_builds_like_resnet18():
     with the small stem and one input channel, it maps a batch to one logit per class."""
     import torch
 
-    from models import TorchvisionNet
+    from ttc.nets.models import TorchvisionNet
 
     net = TorchvisionNet("resnet34", in_channels=1, num_classes=3, small_stem=True).eval()
     assert net.body.conv1.in_channels == 1 and net.body.conv1.stride == (1, 1)
@@ -87,7 +87,7 @@ def test_resnet34_builds_like_resnet18():
 
 
 def test_an_imagenet_stem_for_large_images_and_mc_dropout_refused_without_dropout(tmp_path):
-    from models import TorchvisionNet
+    from ttc.nets.models import TorchvisionNet
 
     net = TorchvisionNet("resnet18", in_channels=3, num_classes=4, small_stem=False)
     assert net.body.conv1.kernel_size == (7, 7) and net.body.conv1.stride == (2, 2)

@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from calibrate import T_MAX, T_MIN, fit_temperature, rescale, softmax
+from ttc.testtime.calibrate import T_MAX, T_MIN, fit_temperature, rescale, softmax
 from conftest import FAST_TRAINING, pipeline_bundle, run_cli
 
 
@@ -69,8 +69,8 @@ def test_a_temperature_changes_no_prediction(temperature):
 
 
 def bundle_test_inputs(bundle: dict) -> tuple[np.ndarray, dict]:
-    from bundle import BundlePaths, read_manifest
-    from data import load_bundle_dataset
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.inputs.data import load_bundle_dataset
 
     manifest = read_manifest(BundlePaths.from_model_path(bundle["model"]))  # an hf tokenizer too
     recorded = manifest["dataset"]  # the test's own data: a bundle's path is never read alone
@@ -79,7 +79,7 @@ def bundle_test_inputs(bundle: dict) -> tuple[np.ndarray, dict]:
 
 
 def run_graph(path, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
-    from runtime import session_feeder
+    from ttc.serving.runtime import session_feeder
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feed = session_feeder(session)(x)
@@ -210,7 +210,7 @@ def test_a_bad_temperature_in_a_manifest_is_refused(digits_bundle, tmp_path):
 def test_the_temperature_interval_narrows_with_more_validation_data():
     """fit_with_interval: a 90% bootstrap interval that holds the fitted T, and is wider on a
     split of 300 than on one of 5,000 (what a few validation errors cost)."""
-    from calibrate import fit_with_interval
+    from ttc.testtime.calibrate import fit_with_interval
 
     rng = np.random.default_rng(4)
     logits = rng.normal(0, 3, (5000, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from quantize import VariantResult, cpu_section, judge
-from runtime import cpu_info
+from ttc.serving.runtime import cpu_info
 
 INTEL_VNNI = "".join(f"processor\t: {k}\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) "
                      "Platinum 8375C CPU @ 2.90GHz\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f "

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from evaluation import Tally, evaluation_section
-from metrics import expected_calibration_error
+from ttc.reporting.evaluation import Tally, evaluation_section
+from ttc.reporting.metrics import expected_calibration_error
 
 # (true, predicted) pairs whose confusion matrix is [[3, 1, 0], [0, 2, 2], [1, 0, 1]]
 PAIRS = [(0, 0)] * 3 + [(0, 1)] + [(1, 1)] * 2 + [(1, 2)] * 2 + [(2, 0), (2, 2)]

@@ -198,8 +198,8 @@ def test_threads_sharing_a_session_get_single_threaded_results(digits_bundle):
 def test_test_time_training_in_one_thread_never_leaks_into_another(digits_bundle):
     from sklearn.datasets import load_digits
 
-    from shifts import corrupt
-    from ttt import AdaptationGraph, adapt_and_predict
+    from ttc.inputs.shifts import corrupt
+    from ttc.testtime.ttt import AdaptationGraph, adapt_and_predict
 
     x = (load_digits().images / 16.0).astype(np.float32)[:256, None]
     graph = AdaptationGraph(onnx.load(str(digits_bundle["dir"] / "model.bn.onnx")),

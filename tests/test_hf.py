@@ -118,8 +118,8 @@ def test_inference_serves_hf_bundles_without_torch_or_transformers(hf_bundle, tm
 def test_special_token_text_is_read_as_text(hf_bundle):
     """"[PAD]" or "[SEP]" written in a text are words, never the padding or separator ids (the
     attention mask is built from the padding id)."""
-    from bundle import BundlePaths, read_manifest
-    from preprocess import text_tokenizer
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.inputs.preprocess import text_tokenizer
 
     manifest = read_manifest(BundlePaths.from_model_path(hf_bundle["model"]))
     pre = manifest["preprocessing"]

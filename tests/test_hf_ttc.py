@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from calibrate import rescale, softmax
+from ttc.testtime.calibrate import rescale, softmax
 from conftest import assert_clean_failure, run_cli, topic_texts
 
 CLS, SEP, PAD1, UNK = 2, 3, 1, 0
@@ -36,8 +36,8 @@ def assert_specials_in_place(plain: np.ndarray, view: np.ndarray) -> None:
 
 def bundle_ids(bundle: dict) -> tuple[dict, np.ndarray]:
     """The bundle's manifest and its data's texts tokenized as the bundle does."""
-    from preprocess import text_tokenizer
-    from bundle import BundlePaths, read_manifest
+    from ttc.inputs.preprocess import text_tokenizer
+    from ttc.serving.bundle import BundlePaths, read_manifest
 
     manifest = read_manifest(BundlePaths.from_model_path(bundle["model"]))
     texts = [t for t, _ in topic_texts()][:40]
@@ -48,7 +48,7 @@ def bundle_ids(bundle: dict) -> tuple[dict, np.ndarray]:
 
 
 def test_token_views_drop_real_tokens_only_into_the_bundle_padding():
-    from tta import build_transforms, expand, random_augment
+    from ttc.testtime.tta import build_transforms, expand, random_augment
 
     ids = pad1_ids()
     stacked, owners = expand(ids, build_transforms("token_dropout:0.5,token_dropout:0.99",
@@ -73,7 +73,7 @@ def test_token_views_drop_real_tokens_only_into_the_bundle_padding():
 
 
 def test_windows_keep_the_special_tokens_and_pad_with_the_bundle_pad_id():
-    from tta import build_transforms, expand
+    from ttc.testtime.tta import build_transforms, expand
 
     stacked, owners = expand(pad1_ids(), build_transforms("window:4", PAD1_TEXT))
     assert list(owners) == [0, 1, 2, 0, 0]  # the 6-token text: windows [0:4] and [2:6]
@@ -118,8 +118,8 @@ def test_in_graph_token_dropout_on_a_three_input_graph_equals_the_numpy_views():
     """The TTA graph derives each view's attention mask and token types from its own ids, so
     it takes input_ids alone, and gives what numpy views fed through the graph's feeder do."""
     import onnxruntime as ort
-    from runtime import session_feeder, session_runner
-    from tta import TTARunner, build_transforms, tta_model
+    from ttc.serving.runtime import session_feeder, session_runner
+    from ttc.testtime.tta import TTARunner, build_transforms, tta_model
 
     for pad_id, pre in ((1, PAD1_TEXT), (0, {**PAD1_TEXT, "pad_id": 0, "unk_id": 1,
                                              "special_ids": [0, 1, 2, 3]})):
@@ -141,7 +141,7 @@ def test_in_graph_token_dropout_on_a_three_input_graph_equals_the_numpy_views():
 
 
 def test_text_shifts_leave_special_tokens_and_use_the_bundle_ids():
-    from shifts import corrupt
+    from ttc.inputs.shifts import corrupt
 
     ids = np.repeat(pad1_ids(), 30, 0)
     unknown = corrupt(ids, "unknown_tokens", 5, PAD1_TEXT, seed=0)
@@ -184,7 +184,7 @@ def test_pipeline_on_a_pad_id_1_bundle_reports_tta_tent_and_the_ensemble(hf_pad1
 
 def test_ensemble_graph_takes_the_hf_inputs_and_averages_its_members(hf_pad1_bundle):
     import onnxruntime as ort
-    from runtime import session_feeder
+    from ttc.serving.runtime import session_feeder
 
     manifest, ids = bundle_ids(hf_pad1_bundle)
     session = ort.InferenceSession(str(hf_pad1_bundle["dir"] / "model.ensemble.onnx"),
@@ -252,10 +252,10 @@ def test_tent_pairs_every_hf_layernorm_when_slimming_merged_their_parameters(hf_
     scale and bias, named after the embeddings' LayerNorm: Tent gives each node its own copy and
     pairs the PyTorch layers with the nodes in order."""
     import torch
-    from bundle import BundlePaths, read_manifest
+    from ttc.serving.bundle import BundlePaths, read_manifest
     from export import export_graph, slim_graph
-    from models import load_weights
-    from ttt import affine_norm_model, paired_norm_modules
+    from ttc.nets.models import load_weights
+    from ttc.testtime.ttt import affine_norm_model, paired_norm_modules
 
     torch.set_num_threads(1)
     paths = BundlePaths.from_model_path(hf_bundle["model"])
@@ -279,9 +279,9 @@ def test_tent_parameters_fed_into_the_hf_graph_give_the_adapted_network(hf_pad1_
     name (with the attention mask built from pad id 1) they give that network's probabilities."""
     import onnx
     import torch
-    from bundle import BundlePaths
-    from runtime import RuntimeOptions, create_session
-    from ttt import AdaptationGraph, Tent
+    from ttc.serving.bundle import BundlePaths
+    from ttc.serving.runtime import RuntimeOptions, create_session
+    from ttc.testtime.ttt import AdaptationGraph, Tent
 
     paths = BundlePaths.from_model_path(hf_pad1_bundle["model"])
     manifest, ids = bundle_ids(hf_pad1_bundle)

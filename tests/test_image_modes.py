@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from preprocess import decode_image_file
+from ttc.inputs.preprocess import decode_image_file
 
 LUMA = np.array([0.299, 0.587, 0.114])  # ITU-R 601-2, what Pillow's convert("L") uses
 
@@ -189,7 +189,7 @@ def _write_digits(root: Path, dtype, classes=(0, 1, 2), per_class: int = 12) -> 
 
 def test_16_bit_folder_decodes_like_the_8_bit_folder(tmp_path: Path):
     """Issue #17: the same digits as 16-bit PNGs used to clip to 255 and train to 0.83."""
-    from data import DataOptions, load_dataset
+    from ttc.inputs.data import DataOptions, load_dataset
 
     loaded = {}
     for dtype in (np.uint8, np.uint16):

@@ -12,12 +12,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from calibrate import rescale, softmax
+from ttc.testtime.calibrate import rescale, softmax
 from conftest import assert_clean_failure, run_cli
 
 
 def test_ece_and_abstention_match_hand_computations():
-    from metrics import accuracy_at_coverage, expected_calibration_error, nll
+    from ttc.reporting.metrics import accuracy_at_coverage, expected_calibration_error, nll
 
     p = np.array([[0.95, 0.05], [0.58, 0.42], [0.3, 0.7], [0.55, 0.45]])
     y = np.array([0, 1, 1, 0])
@@ -42,7 +42,7 @@ def naive_ece(p, y, bins=15):
 
 
 def test_binned_ece_matches_the_bin_by_bin_formula_on_edges_too():
-    from metrics import expected_calibration_error
+    from ttc.reporting.metrics import expected_calibration_error
 
     rng = np.random.default_rng(0)
     for classes in (2, 3, 10):
@@ -54,8 +54,8 @@ def test_binned_ece_matches_the_bin_by_bin_formula_on_edges_too():
 
 
 def test_ece_interval_and_verdict_tell_a_real_gain_from_noise():
-    from iterative import calibration_row, calibration_verdict
-    from metrics import ece_change_interval
+    from ttc.testtime.iterative import calibration_row, calibration_verdict
+    from ttc.reporting.metrics import ece_change_interval
 
     rng = np.random.default_rng(1)
     y = rng.integers(0, 2, 400)
@@ -92,14 +92,14 @@ def mc(digits_bundle):
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
-    from iterative import MC_SESSION_ARGS
+    from ttc.testtime.iterative import MC_SESSION_ARGS
 
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"],
                                 **MC_SESSION_ARGS)
 
 
 def test_dropout_is_really_active_and_the_seed_reproduces(mc):
-    from iterative import seeded_dropout
+    from ttc.testtime.iterative import seeded_dropout
 
     model, x = mc
     first = session(seeded_dropout(model, 3))
@@ -115,7 +115,7 @@ def test_dropout_is_really_active_and_the_seed_reproduces(mc):
 
 
 def test_the_three_backends_agree(mc):
-    from iterative import PASSES_OUTPUT, MCSampler, mc_model_for
+    from ttc.testtime.iterative import PASSES_OUTPUT, MCSampler, mc_model_for
 
     model, x = mc
     means = {}
@@ -135,7 +135,7 @@ def test_the_three_backends_agree(mc):
 
 
 def test_early_stopping_stops(mc):
-    from iterative import python_loop, seeded_dropout
+    from ttc.testtime.iterative import python_loop, seeded_dropout
 
     model, x = mc
     graph = session(seeded_dropout(model, 0))

@@ -1,5 +1,6 @@
-"""The shape of the code base: no import cycle among the top-level modules (function-level
-imports included), each stage module runs alone, and nothing points outside the repository."""
+"""The shape of the code base: the root holds the CLIs and the card, everything else the ttc
+package; no import cycle among all modules (function-level imports included), the leaves stay
+leaves, each CLI runs alone, and nothing points outside the repository."""
 from __future__ import annotations
 
 import ast
@@ -10,21 +11,45 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MODULES = {p.stem: p for p in REPO.glob("*.py")}
+PACKAGE = "ttc"
+CLIS = {"pipeline", "train", "export", "quantize", "inference", "report"}
+ROOT_MODULES = CLIS | {"config", "utils"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in [*REPO.glob("*.py"), *REPO.glob(f"{PACKAGE}/**/*.py")]}
+
+
+def imported_modules(node: ast.AST) -> set[str]:
+    """The repository modules one import statement names (`from ttc.x import y` names ttc.x.y
+    where y is a module, else ttc.x)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        inner = {f"{node.module}.{alias.name}" for alias in node.names}
+        return {name for name in inner if name in MODULES} or {node.module}
+    return set()
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module → the top-level modules it imports anywhere in its code."""
+    """module → the repository modules it imports anywhere in its code."""
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
         imported: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported.add(node.module.split(".")[0])
+            imported |= imported_modules(node)
         graph[name] = {m for m in imported if m in MODULES and m != name}
     return graph
+
+
+def short(graph: dict[str, set[str]], name: str) -> set[str]:
+    """What `name` (a module's last part) imports, by last parts."""
+    [full] = [m for m in graph if m.rpartition(".")[2] == name and m != PACKAGE]
+    return {m.rpartition(".")[2] for m in graph[full]}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -49,7 +74,64 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_among_top_level_modules():
+def test_the_root_holds_only_the_command_line_tools_and_the_card():
+    assert {p.stem for p in REPO.glob("*.py")} == ROOT_MODULES
+
+
+def test_every_package_folder_is_a_package_that_says_what_lives_there():
+    for folder in [REPO / PACKAGE, *(p for p in (REPO / PACKAGE).iterdir() if p.is_dir()
+                                     and p.name != "__pycache__")]:
+        init = folder / "__init__.py"
+        assert init.is_file(), folder
+        assert ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), init
+
+
+def test_the_package_imports_no_command_line_tool():
+    """The package may use the card (config, utils); the CLIs chain the package, never the
+    reverse."""
+    graph = import_graph()
+    offenders = {name: graph[name] & CLIS for name in graph
+                 if name.startswith(PACKAGE + ".") and graph[name] & CLIS}
+    assert offenders == {}
+
+
+# What each folder of the package may import from outside itself (docs/design.md's module map).
+ALLOWED = {
+    "inputs": {"utils", "ttc.nets.hf"},
+    "nets": {"config", "utils", "ttc.inputs.*", "ttc.serving.bundle", "ttc.testtime.tta",
+             "ttc.reporting.metrics"},
+    "serving": {"utils", "ttc.inputs.*", "ttc.reporting.evaluation"},
+    "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*"},
+    "reporting": {"utils"},
+    "convert": {"utils", "ttc.serving.runtime"},
+}
+
+
+def allowed(rules: set[str], module: str) -> bool:
+    return module in rules or any(rule.endswith(".*") and module.startswith(rule[:-1])
+                                  for rule in rules)
+
+
+def test_each_folder_imports_only_what_the_module_map_allows():
+    graph = import_graph()
+    offenders = {}
+    for name, deps in graph.items():
+        if not name.startswith(PACKAGE + ".") or name.count(".") < 2:
+            continue
+        folder = name.split(".")[1]
+        outside = {d for d in deps if not d.startswith(f"{PACKAGE}.{folder}.")}
+        if bad := {d for d in outside if not allowed(ALLOWED[folder], d)}:
+            offenders[name] = bad
+    assert offenders == {}
+
+
+def test_the_import_graph_sees_the_package():
+    graph = import_graph()
+    assert "ttc.serving.runtime" in graph["inference"]
+    assert "ttc.inputs.tables" in graph["ttc.inputs.preprocess"]
+
+
+def test_no_import_cycle_among_all_modules():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -61,16 +143,16 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_leaf_modules_stay_leaves():
     graph = import_graph()
-    assert graph["utils"] == set()
-    assert graph["metrics"] == set()
-    assert graph["limits"] <= {"utils"}
-    assert graph["runtime"] <= {"utils", "preprocess", "limits"}
-    assert graph["tables"] <= {"utils", "limits"}
-    assert graph["profiling"] <= {"utils", "runtime"}
+    assert short(graph, "utils") == set()
+    assert short(graph, "metrics") == set()
+    assert short(graph, "limits") <= {"utils"}
+    assert short(graph, "runtime") <= {"utils", "preprocess", "limits"}
+    assert short(graph, "tables") <= {"utils", "limits"}
+    assert short(graph, "profiling") <= {"utils", "runtime"}
 
 
 @pytest.mark.parametrize("script", ["pipeline.py", "train.py", "export.py", "quantize.py",
-                                    "inference.py"])
+                                    "inference.py", "report.py"])
 def test_each_stage_runs_alone(script):
     result = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
@@ -79,7 +161,7 @@ def test_each_stage_runs_alone(script):
 
 
 def test_nothing_refers_outside_the_repository():
-    texts = [*REPO.glob("*.py"), *REPO.glob("tests/*.py"), *REPO.glob("bench/*.py"),
+    texts = [*REPO.glob("*.py"), *REPO.glob(f"{PACKAGE}/**/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("bench/*.py"),
              *REPO.glob("docs/*.md"), REPO / "README.md"]
     offenders = [str(p.relative_to(REPO)) for p in texts
                  if any(word in p.read_text(encoding="utf-8")

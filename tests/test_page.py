@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import report as report_module
-from page import render_page, write_page
+from ttc.reporting.page import render_page, write_page
 
 SCRIPT = "<script>alert(1)</script>"
 ESCAPED_SCRIPT = "&lt;script&gt;alert(1)&lt;/script&gt;"

@@ -48,8 +48,8 @@ def training_path_predictions(model: Path) -> dict[str, str]:
     ONNX Runtime: {sample id: predicted label}."""
     import onnxruntime as ort
 
-    from bundle import BundlePaths, read_manifest
-    from data import load_bundle_dataset
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.inputs.data import load_bundle_dataset
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
     recorded = manifest["dataset"]  # the test's own data: a bundle's paths are never read alone
@@ -158,7 +158,7 @@ def test_image_folder_is_served_as_trained(tmp_path):
                                              ("-3.00", "-3"), ("1.5", "1.5"), ("NA", "NA"),
                                              ("", None), (None, None), (float("nan"), None)])
 def test_one_label_rule(value, expected):
-    from tables import label_text
+    from ttc.inputs.tables import label_text
 
     assert label_text(value) == expected
 
@@ -166,7 +166,7 @@ def test_one_label_rule(value, expected):
 def test_training_and_serving_read_the_same_cells(tmp_path):
     """Whole-file reading (training) and chunked reading with typed numbers (serving) give the
     same cells, header and row numbers."""
-    from tables import iter_table, read_table
+    from ttc.inputs.tables import iter_table, read_table
 
     path = write_csv(tmp_path / "t.csv", mixed_table_rows(50, seed=3) + [["", "", "", ""]],
                      ["size", "noise", "plan", "label"])
@@ -179,7 +179,7 @@ def test_training_and_serving_read_the_same_cells(tmp_path):
     assert list(joined.index) == list(whole.index) and len(whole) == 50
     for column in ("plan", "label"):
         assert joined[column].tolist() == whole[column].tolist()
-    from tables import numeric_cells
+    from ttc.inputs.tables import numeric_cells
 
     for column in ("size", "noise"):
         typed, _ = numeric_cells(joined[column])

@@ -80,7 +80,7 @@ def test_onnx_is_one_self_contained_checked_file(digits_bundle):
 
 
 def test_manifest_and_weights_rebuild_the_same_model(digits_bundle):
-    from models import build_model
+    from ttc.nets.models import build_model
     from utils import sha256_of
 
     out = digits_bundle["dir"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import plots
+from ttc.reporting import plots
 
 NAMES = ["training_curves", "confusion_matrix", "reliability", "calibration_shift", "ttt_shifts",
          "benchmark", "tta"]

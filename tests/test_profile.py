@@ -128,7 +128,7 @@ def run_event(ts: int, dur: int) -> dict:
 
 
 def test_the_trace_reader_skips_the_warm_up_run_and_finds_what_grew(tmp_path):
-    from profiling import grown_op_types, profile_section, read_trace
+    from ttc.serving.profiling import grown_op_types, profile_section, read_trace
 
     def trace(name: str, conv_op: str, conv_us: int, extra: list[dict]) -> Path:
         events = [run_event(0, 5000), node_event("conv", conv_op, 10, 4000),  # warm-up
@@ -158,7 +158,7 @@ def test_the_trace_reader_skips_the_warm_up_run_and_finds_what_grew(tmp_path):
 def test_run_time_and_kernel_time_are_both_means_so_kernels_never_exceed_the_run(tmp_path):
     """Three runs of 1, 1 and 10 ms whose kernels fill 0.9, 0.9 and 9.9 ms: a median run
     (1 ms) beside the kernels' mean (3.9 ms) would show kernels longer than the run."""
-    from profiling import profile_section, read_trace
+    from ttc.serving.profiling import profile_section, read_trace
 
     events = [run_event(0, 5000), node_event("conv", "Conv", 10, 4000)]  # warm-up
     for start, run_us in ((10_000, 1000), (20_000, 1000), (30_000, 10_000)):

@@ -36,7 +36,7 @@ def test_booleans(value):
      "token_dropout:0.5", "window:4", "flip", "identity", "shift:1.5", ":", ""])).map(",".join)),
     st.sampled_from(["image", "text", "tabular"]))
 def test_transform_specs(spec, kind):
-    from tta import REGISTRY, parse_transform_specs
+    from ttc.testtime.tta import REGISTRY, parse_transform_specs
 
     try:
         parsed = parse_transform_specs(spec, kind)
@@ -50,7 +50,7 @@ def test_transform_specs(spec, kind):
 @given(st.one_of(text, st.lists(st.sampled_from(
     ["cpu", "cuda", "tensorrt", "CUDAExecutionProvider", "gpu", "dml", " ", ""])).map(",".join)))
 def test_provider_lists(value):
-    from runtime import parse_ep_options, parse_providers
+    from ttc.serving.runtime import parse_ep_options, parse_providers
 
     try:
         providers = parse_providers(value)
@@ -72,7 +72,7 @@ manifest_keys = st.sampled_from(["format", "format_version", "model_type", "labe
 @FAST
 @given(st.dictionaries(manifest_keys, json_values, max_size=10), st.booleans())
 def test_manifests(fields, real_format):
-    from bundle import BundlePaths, read_manifest
+    from ttc.serving.bundle import BundlePaths, read_manifest
 
     if real_format:
         fields.update(format="ttc-model-bundle", format_version=1)
@@ -88,7 +88,7 @@ def test_manifests(fields, real_format):
 @FAST
 @given(st.binary(max_size=300), st.sampled_from(["csv", "tsv", "json", "jsonl"]))
 def test_tables_from_random_bytes(data, fmt):
-    from tables import read_table
+    from ttc.inputs.tables import read_table
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"data.{fmt}"
@@ -108,7 +108,7 @@ cell = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(str),
 @FAST
 @given(st.lists(st.lists(cell, min_size=3, max_size=3), min_size=1, max_size=30))
 def test_random_csvs_through_the_batch_reader(rows):
-    from batch import BatchOptions, TableReader
+    from ttc.serving.batch import BatchOptions, TableReader
 
     manifest = {"model_type": "tabular_classifier", "labels": ["a", "b"], "dataset": {},
                 "preprocessing": {"kind": "tabular", "columns": [

@@ -10,7 +10,7 @@ import onnxruntime as ort
 from sklearn.datasets import load_digits
 
 from conftest import assert_clean_failure, run_cli
-from runtime import cpu_info
+from ttc.serving.runtime import cpu_info
 from utils import sha256_of
 
 QUANTIZE_KEYS = {"mode", "path", "size_bytes_fp32", "size_bytes", "accuracy", "accuracy_fp32",
@@ -147,7 +147,7 @@ def test_fp16_graph_is_validated_and_only_used_on_a_gpu_provider(wine_bundle):
 
 def test_iobinding_runner_matches_session_run(digits_bundle):
     """The IOBinding path used on CUDA, exercised on the CPU device: same probabilities."""
-    from runtime import iobinding_runner, session_runner
+    from ttc.serving.runtime import iobinding_runner, session_runner
 
     session = ort.InferenceSession(str(digits_bundle["model"]), providers=["CPUExecutionProvider"])
     x = (load_digits().images[:7] / 16.0).astype(np.float32)[:, None]

@@ -186,7 +186,7 @@ def test_the_diagnosis_ranks_the_node_with_a_sabotaged_scale_first(tmp_path, sab
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
 
-    from diagnosis import diagnose
+    from ttc.convert.diagnosis import diagnose
 
     rng = np.random.default_rng(0)
     fp32 = tmp_path / "fp32.onnx"

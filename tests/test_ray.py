@@ -289,7 +289,7 @@ def test_parquet_round_trip_and_training_from_parquet(tmp_path):
 def test_parquet_and_csv_of_one_table_are_read_alike(tmp_path):
     """The same cells in Parquet (typed: integers, nulls, floats) and in CSV give the same
     encoded rows and labels: one reading rule for both."""
-    from batch import BatchOptions, TableReader
+    from ttc.serving.batch import BatchOptions, TableReader
 
     manifest = {"model_type": "tabular_classifier", "labels": ["1", "2", "3.5"], "dataset": {},
                 "preprocessing": {"kind": "tabular", "columns": [

@@ -158,8 +158,8 @@ def test_teacher_path_with_dummy_lm_end_to_end(tmp_path):
     from dspy.utils import DummyLM
 
     from config import Config
-    from data import DataOptions, load_dataset
-    from teacher import distill
+    from ttc.inputs.data import DataOptions, load_dataset
+    from ttc.nets.teacher import distill
     from train import train_stage
 
     labelled, _, _ = write_texts(tmp_path)
@@ -214,7 +214,7 @@ def test_teacher_calls_are_retried(retries):
     """An overloaded server (two 503s, then answers): with --teacher_retries 2 the call gets
     through on the third try; with 0 the first failure stops the run (exit 5)."""
     from config import Config
-    from teacher import ask_teacher, make_lm, teacher_program
+    from ttc.nets.teacher import ask_teacher, make_lm, teacher_program
     from utils import RuntimeFailure
 
     with FakeChatServer(keyword_label, fail_first=2) as server:
@@ -234,7 +234,7 @@ def test_chain_of_thought_teacher_reads_a_table_of_texts(tmp_path):
     """--teacher_program cot and an unlabeled CSV: the text column is found by its name."""
     from dspy.utils import DummyLM
 
-    from teacher import ask_teacher, read_unlabeled, teacher_program
+    from ttc.nets.teacher import ask_teacher, read_unlabeled, teacher_program
 
     table = tmp_path / "new.csv"
     table.write_text('id,message\n1,"snow and fog, cold"\n2,bake the garlic\n3,\n')
@@ -252,8 +252,8 @@ def test_a_teacher_that_never_answers_in_format_stops_compiling():
     not a pass over every training example."""
     from dspy.utils import DummyLM
 
-    from data import Split
-    from teacher import MAX_BOOTSTRAP_ERRORS, compile_teacher, teacher_program
+    from ttc.inputs.data import Split
+    from ttc.nets.teacher import MAX_BOOTSTRAP_ERRORS, compile_teacher, teacher_program
     from utils import RuntimeFailure
 
     texts = [f"text number {i}" for i in range(40)]

@@ -41,7 +41,7 @@ def session_of(model: onnx.ModelProto | bytes | str) -> ort.InferenceSession:
 
 
 def token_ids(manifest: dict, rows: list[tuple[str, str]]) -> np.ndarray:
-    from preprocess import Tokenizer
+    from ttc.inputs.preprocess import Tokenizer
 
     return Tokenizer.from_manifest(manifest["preprocessing"]).encode_batch([t for t, _ in rows])
 
@@ -67,10 +67,10 @@ def test_layernorm_parameters_fed_into_the_graph_give_the_adapted_network(transf
     entropy, and equal the adapted PyTorch network's, so each reached its own layer."""
     import torch
 
-    from bundle import BundlePaths, read_manifest
-    from metrics import entropy
-    from models import WithProbabilities
-    from ttt import AdaptationGraph, Tent
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.reporting.metrics import entropy
+    from ttc.nets.models import WithProbabilities
+    from ttc.testtime.ttt import AdaptationGraph, Tent
 
     paths = BundlePaths.from_model_path(transformer["model"])
     manifest = read_manifest(paths)
@@ -101,8 +101,8 @@ def test_online_tent_starts_each_run_from_the_bundle(transformer):
     """Online adaptation carries over within a run (and across the calls sharing a carry), but a
     run with a fresh carry, such as each case of --eval_shift, starts from the bundle's
     parameters: the same data gives the same predictions twice."""
-    from bundle import BundlePaths, read_manifest
-    from ttt import AdaptationGraph, OnlineCarry, Tent, adapt_and_predict
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.testtime.ttt import AdaptationGraph, OnlineCarry, Tent, adapt_and_predict
 
     paths = BundlePaths.from_model_path(transformer["model"])
     manifest = read_manifest(paths)
@@ -121,9 +121,9 @@ def test_online_tent_starts_each_run_from_the_bundle(transformer):
 def test_layers_pair_by_name_and_a_mismatch_is_exit_4(transformer):
     from dataclasses import replace
 
-    from bundle import BundlePaths, read_manifest
-    from models import load_weights
-    from ttt import AdaptationGraph, paired_norm_modules
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.nets.models import load_weights
+    from ttc.testtime.ttt import AdaptationGraph, paired_norm_modules
     from utils import ExportError
 
     paths = BundlePaths.from_model_path(transformer["model"])
@@ -154,7 +154,7 @@ def two_layer_norms_sharing_parameters() -> onnx.ModelProto:
 
 
 def test_shared_layernorm_parameters_get_a_copy_per_layer():
-    from ttt import AdaptationGraph
+    from ttc.testtime.ttt import AdaptationGraph
 
     model = two_layer_norms_sharing_parameters()
     graph = AdaptationGraph(model, session_of)
@@ -286,7 +286,7 @@ def test_inference_input_runs_tent_episodic_and_online(transformer, tmp_path):
 
 @pytest.mark.parametrize("name", ["unknown_tokens", "token_deletion"])
 def test_text_corruptions_keep_padding_and_grow_with_severity(name):
-    from shifts import corrupt
+    from ttc.inputs.shifts import corrupt
 
     pre = {"kind": "text", "pad_id": 0, "unk_id": 1}
     rng = np.random.default_rng(4)

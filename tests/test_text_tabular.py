@@ -39,7 +39,7 @@ def test_text_csv_with_header_bom_and_bad_rows(text_bundle):
     assert report["export"]["padding_max_diff"] <= 1e-4
     assert set(report["export"]["probes"]) == {"held_out", "length_1", "padded"}
 
-    from preprocess import Tokenizer
+    from ttc.inputs.preprocess import Tokenizer
 
     session, manifest = session_and_manifest(text_bundle["dir"])
     assert manifest["labels"] == ["food", "sports", "weather"]

@@ -19,7 +19,7 @@ IMAGE_SPECS = {"hflip": 1, "flip": 1, "vflip": 1, "rot90": 1, "rot180": 1, "rot2
 
 
 def build(spec, pre, seed=0):
-    from tta import build_transforms
+    from ttc.testtime.tta import build_transforms
 
     return build_transforms(spec, pre, seed)
 
@@ -57,7 +57,7 @@ IMAGE_SHAPE = (3, 6, 6)
 def runners(kind, spec, pre, features, merge_mode="mean", batch_size=4):
     """The same TTA through the ONNX graph and through numpy views, on a tiny model."""
     import onnxruntime as ort
-    from tta import TTARunner, tta_model
+    from ttc.testtime.tta import TTARunner, tta_model
 
     model = tiny_classifier(kind, features)
     transforms = build(spec, pre, seed=7)
@@ -74,7 +74,7 @@ def runners(kind, spec, pre, features, merge_mode="mean", batch_size=4):
 
 @pytest.mark.parametrize("spec,views", IMAGE_SPECS.items())
 def test_image_transforms_keep_shape_dtype_and_range(spec, views):
-    from tta import expand
+    from ttc.testtime.tta import expand
 
     x = np.random.default_rng(0).random((5, 3, 6, 6)).astype(np.float32)
     stacked, owners = expand(x, build(spec, IMAGE))
@@ -109,7 +109,7 @@ def test_rotate_small_angle_is_close_and_rot90_needs_square_images():
 
 
 def test_token_dropout_keeps_order_and_a_token_and_windows_cover_long_texts():
-    from tta import expand
+    from ttc.testtime.tta import expand
 
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 0, 0, 0, 0, 0, 0]], dtype=np.int64)
     stacked, owners = expand(ids, build("token_dropout:0.5", TEXT, seed=3))
@@ -159,14 +159,14 @@ def test_text_and_tabular_views_and_every_merge_in_the_graph_match_numpy(merge_m
 
 
 def test_window_views_fall_back_to_numpy():
-    from tta import tta_model
+    from ttc.testtime.tta import tta_model
 
     model = tiny_classifier("text", 20)
     assert tta_model(model, build("window:4", TEXT), "mean", 3) is None
 
 
 def test_merge_rules_match_hand_computed_values():
-    from tta import merge
+    from ttc.testtime.tta import merge
 
     # two samples, two views each (views stacked: sample 0, sample 1, sample 0, sample 1)
     probs = np.array([[0.6, 0.4], [0.2, 0.8], [0.2, 0.8], [0.4, 0.6]], dtype=np.float32)
@@ -185,7 +185,7 @@ def test_merge_rules_match_hand_computed_values():
 
 def test_every_tta_merge_choice_is_a_merge_rule_and_others_exit_2():
     from config import FIELDS
-    from tta import merge
+    from ttc.testtime.tta import merge
     from utils import ConfigError
 
     probs = np.array([[0.6, 0.4], [0.2, 0.8], [0.2, 0.8], [0.4, 0.6]], dtype=np.float32)
@@ -209,7 +209,7 @@ def test_every_transform_the_error_lists_is_in_the_help_and_builds_its_example(k
     import re
 
     from config import FIELDS
-    from tta import expand, parse_transform_specs, views_per_sample
+    from ttc.testtime.tta import expand, parse_transform_specs, views_per_sample
     from utils import ConfigError
 
     with pytest.raises(ConfigError) as unknown:
@@ -234,7 +234,7 @@ def test_every_transform_the_error_lists_is_in_the_help_and_builds_its_example(k
 
 
 def test_adaptive_threshold_only_touches_uncertain_samples():
-    from tta import TTARunner
+    from ttc.testtime.tta import TTARunner
 
     x = np.random.default_rng(4).random((10, 3, 6, 6)).astype(np.float32)
     calls = []

@@ -46,7 +46,7 @@ def session_of(model_bytes: bytes) -> ort.InferenceSession:
 
 
 def test_adapted_statistics_equal_numpy_statistics_of_the_layer_input_and_patch_cleanly():
-    from ttt import AdaptationGraph, patched_model
+    from ttc.testtime.ttt import AdaptationGraph, patched_model
 
     model, weight = one_bn_model()
     graph = AdaptationGraph(model, session_of)
@@ -70,7 +70,7 @@ def test_adapted_statistics_equal_numpy_statistics_of_the_layer_input_and_patch_
 
 
 def test_collapse_guard():
-    from ttt import collapse_reason
+    from ttc.testtime.ttt import collapse_reason
 
     piled = np.tile([[0.97, 0.01, 0.01, 0.01]], (20, 1))
     spread = np.eye(4)[np.arange(20) % 4] * 0.9 + 0.025
@@ -83,7 +83,7 @@ def test_collapse_guard():
 
 @pytest.mark.parametrize("name", ["gaussian_noise", "contrast", "blur", "shift", "brightness"])
 def test_image_corruptions_keep_shape_and_range_and_grow_with_severity(name):
-    from shifts import corrupt
+    from ttc.inputs.shifts import corrupt
 
     ramp = np.add.outer(np.arange(8), np.arange(8)) / 14
     x = (ramp * np.random.default_rng(2).uniform(0.3, 1, (64, 1, 1, 1))).astype(np.float32)
@@ -99,7 +99,7 @@ def test_image_corruptions_keep_shape_and_range_and_grow_with_severity(name):
 
 
 def test_tabular_corruptions_touch_numeric_features_only():
-    from shifts import corrupt
+    from ttc.inputs.shifts import corrupt
 
     pre = {"kind": "tabular", "feature_names": ["a", "b", "c=x"], "std": [2.0, 0.5, 0.4],
            "columns": [{"name": "a", "type": "numeric"}, {"name": "b", "type": "numeric"},
@@ -113,8 +113,8 @@ def test_tabular_corruptions_touch_numeric_features_only():
 
 @pytest.fixture(scope="module")
 def adaptation(digits_bundle):
-    from ttt import AdaptationGraph
-    from bundle import BundlePaths, read_manifest
+    from ttc.testtime.ttt import AdaptationGraph
+    from ttc.serving.bundle import BundlePaths, read_manifest
 
     paths = BundlePaths.from_model_path(digits_bundle["model"])
     manifest = read_manifest(paths)
@@ -126,9 +126,9 @@ def adaptation(digits_bundle):
 
 
 def test_tent_lowers_entropy_and_episodic_mode_restores_the_outputs_exactly(adaptation):
-    from metrics import entropy
-    from ttt import Tent, adapt_and_predict
-    from shifts import corrupt
+    from ttc.reporting.metrics import entropy
+    from ttc.testtime.ttt import Tent, adapt_and_predict
+    from ttc.inputs.shifts import corrupt
 
     paths, manifest, graph, x = adaptation
     shifted = corrupt(x, "contrast", 3, {"kind": "image"}, 0)[:64]

@@ -363,7 +363,7 @@ def test_a_terabyte_sparse_file_is_refused_unread(digits_bundle, tmp_path, name,
 def test_the_size_check_reads_no_byte(digits_bundle, tmp_path, atime_moves):
     """In process: a 1 TB graph is refused without reading any of it (hashing it would take
     an hour)."""
-    from bundle import BundlePaths, read_manifest, require_onnx_in_bundle
+    from ttc.serving.bundle import BundlePaths, read_manifest, require_onnx_in_bundle
     from utils import ExportError
 
     model = copy_bundle(digits_bundle, tmp_path / "bundle")

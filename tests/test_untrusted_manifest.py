@@ -43,7 +43,7 @@ def put_graph(model: Path, key: str, data: bytes) -> None:
 def restamp(model: Path) -> None:
     """After editing the labels, input or preprocessing: stamp every graph with the edited
     manifest's contract (bundle.stamp_contract), and their hashes, as an attacker would."""
-    from bundle import CONTRACT_KEY, contract_digest
+    from ttc.serving.bundle import CONTRACT_KEY, contract_digest
 
     digest = contract_digest(json.loads(model.with_suffix(".json").read_text()))
     for key in ("onnx", "bn", "mc"):
@@ -342,18 +342,18 @@ def test_a_tokenizer_regex_that_panics_the_rust_library_is_exit_4(hf_bundle, tmp
 def test_the_schema_knows_the_networks_and_archs_models_builds():
     """manifest_schema names models.py's networks and torchvision archs without importing torch
     (inference reads it): the lists must stay the same."""
-    import manifest_schema
-    import models
+    from ttc.serving import manifest_schema
+    from ttc.nets import models
 
     assert set(manifest_schema.NETWORKS) == set(models.NETWORKS)
     assert set(manifest_schema.TORCHVISION_ARCHS) == set(models.TORCHVISION_ARCHS)
-    from hf import GRAPH_INPUTS
+    from ttc.nets.hf import GRAPH_INPUTS
 
     assert manifest_schema.HF_GRAPH_INPUTS == GRAPH_INPUTS
 
 
 def test_the_session_bundles_pass_the_schema(digits_bundle, text_bundle):
-    from manifest_schema import agreement_problem, manifest_problem
+    from ttc.serving.manifest_schema import agreement_problem, manifest_problem
 
     for bundle in (digits_bundle, text_bundle):
         manifest = json.loads(bundle["model"].with_suffix(".json").read_text())

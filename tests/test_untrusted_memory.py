@@ -60,7 +60,7 @@ def measured(script: str, *args: object, timeout: int = 120, stdin: Path | None 
 def replace_graph(model: Path, variant: str, graph) -> None:
     """Write `graph` as the bundle's `variant` file, stamped with the manifest's contract and
     named by its sha256 in the manifest, as an attacker (or a real exporter) would."""
-    from bundle import stamp_contract
+    from ttc.serving.bundle import stamp_contract
 
     manifest = json.loads(model.with_suffix(".json").read_text())
     path = model if variant == "onnx" else model.with_suffix(f".{variant}.onnx")
@@ -278,7 +278,7 @@ def test_an_image_size_beyond_any_graph_is_a_bundle_error(digits_bundle, tmp_pat
 
 
 def test_input_chunks_of_big_images_shrink_to_the_memory_limit(tmp_path):
-    from limits import LIMITS, images_per_chunk
+    from ttc.inputs.limits import LIMITS, images_per_chunk
 
     pre = {"image_size": [2048, 2048], "channels": 3}  # 50 MB per decoded image
     assert images_per_chunk(pre, 4096) == LIMITS.max_image_memory_mb * 2**20 // (4 * 50331648)

@@ -30,9 +30,9 @@ import dspy  # noqa: E402
 import numpy as np  # noqa: E402
 from dspy.utils.exceptions import AdapterParseError, LMError  # noqa: E402
 
-from data import Dataset, Split  # noqa: E402
-from preprocess import HF_TOKENIZER, HFTokenizer, Tokenizer, text_tokenizer  # noqa: E402
-from tables import (TEXT_NAMES, find_by_name, joined_texts, longest_text_column,  # noqa: E402
+from ttc.inputs.data import Dataset, Split  # noqa: E402
+from ttc.inputs.preprocess import HF_TOKENIZER, HFTokenizer, Tokenizer, text_tokenizer  # noqa: E402
+from ttc.inputs.tables import (TEXT_NAMES, find_by_name, joined_texts, longest_text_column,  # noqa: E402
                     read_table, refuse_nested, resolve_all, split_spec)
 from utils import (LOG, ConfigError, DataError, RuntimeFailure, first_line,  # noqa: E402
                    progress, stdout_to_stderr)

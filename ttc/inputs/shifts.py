@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from preprocess import PAD_ID, UNK_ID, real_tokens
+from ttc.inputs.preprocess import PAD_ID, UNK_ID, real_tokens
 from utils import ConfigError
 
 Corruption = Callable[[np.ndarray, int, dict, np.random.Generator], np.ndarray]

@@ -14,8 +14,8 @@ import math
 import reprlib
 from typing import Any, Callable
 
-from limits import MAX_IMAGE_SIDE, MAX_LABELS, MAX_TEXT_LENGTH
-from preprocess import HF_TOKENIZER, PAD_ID, UNK_ID
+from ttc.inputs.limits import MAX_IMAGE_SIDE, MAX_LABELS, MAX_TEXT_LENGTH
+from ttc.inputs.preprocess import HF_TOKENIZER, PAD_ID, UNK_ID
 
 # (value, its place in the manifest such as "preprocessing.vocabulary") → the problem, or None
 Check = Callable[[Any, str], "str | None"]

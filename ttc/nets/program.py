@@ -24,13 +24,13 @@ from dspy.teleprompt import Teleprompter
 from torch import nn
 
 from config import Config
-from data import Dataset, Split
-from models import architecture_for, build_model, count_parameters, user_architecture
-from preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
-from transfer import (Transfer, head_parameters, init_from_file, init_from_pretrained,
+from ttc.inputs.data import Dataset, Split
+from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
+from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
+from ttc.nets.transfer import (Transfer, head_parameters, init_from_file, init_from_pretrained,
                       require_pretrained_file)
-from tta import build_transforms, random_augment
-from metrics import accuracy, nll
+from ttc.testtime.tta import build_transforms, random_augment
+from ttc.reporting.metrics import accuracy, nll
 from utils import (LOG, ConfigError, DataError, TrainingError, progress, raise_if_interrupted,
                    stdout_to_stderr)
 

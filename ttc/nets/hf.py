@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from preprocess import (HF_PREFIX, HF_TOKENIZER, configure_hf_backend,
+from ttc.inputs.preprocess import (HF_PREFIX, HF_TOKENIZER, configure_hf_backend,
                         register_hf_tokenizer)
 from utils import LOG, ConfigError, DataError, ExportError, first_line, stdout_to_stderr
 

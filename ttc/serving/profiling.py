@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from runtime import RuntimeOptions, create_session, session_runner
+from ttc.serving.runtime import RuntimeOptions, create_session, session_runner
 from utils import RuntimeFailure
 
 TOP_NODES = 10

@@ -25,11 +25,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from calibrate import LOG_FLOOR
-from evaluation import reliability
-from metrics import accuracy, accuracy_at_coverage, entropy, expected_calibration_error, nll
-from preprocess import PADDING_ID_KEY
-from tta_graph import GraphNodes
+from ttc.testtime.calibrate import LOG_FLOOR
+from ttc.reporting.evaluation import reliability
+from ttc.reporting.metrics import accuracy, accuracy_at_coverage, entropy, expected_calibration_error, nll
+from ttc.inputs.preprocess import PADDING_ID_KEY
+from ttc.testtime.tta_graph import GraphNodes
 from utils import LOG, ConfigError
 
 PASSES_OUTPUT = "pass_probabilities"  # (passes, N, classes)

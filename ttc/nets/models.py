@@ -15,10 +15,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from bundle import BundlePaths, bundle_file, require_trusted_model_code
-from hf import HFGraph, HFTextNet, hf_architecture
-from limits import inflating_archive_problem, size_text
-from preprocess import HF_TOKENIZER, hf_source, hf_tokenizer_text
+from ttc.serving.bundle import BundlePaths, bundle_file, require_trusted_model_code
+from ttc.nets.hf import HFGraph, HFTextNet, hf_architecture
+from ttc.inputs.limits import inflating_archive_problem, size_text
+from ttc.inputs.preprocess import HF_TOKENIZER, hf_source, hf_tokenizer_text
 from utils import (LOG, ConfigError, ExportError, UserCodeFailure, atomic_write, first_line,
                    register_user_code, sha256_of, stdout_to_stderr)
 
@@ -436,8 +436,9 @@ EXIT_HINT = ("code this tool imports or calls must not exit: keep script code un
              "`if __name__ == \"__main__\":` and raise an exception for an error")
 
 
-# Where this tool's own top-level modules (utils.py, models.py, data.py, ...) live.
-TOOL_FOLDER = Path(__file__).resolve().parent
+# The repository root: this tool's own top-level modules (utils.py, config.py, the CLIs) and
+# its package live there.
+TOOL_FOLDER = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
@@ -461,7 +462,8 @@ def siblings_first(folder: Path) -> Iterator[None]:
         return Path(file).resolve() if isinstance(file, str) else None
 
     tools = {name: sys.modules.pop(name) for name in list(sys.modules)
-             if (file := file_of(name)) and file.parent == TOOL_FOLDER}
+             if (file := file_of(name)) and (file.parent == TOOL_FOLDER
+                                                    or file.is_relative_to(TOOL_FOLDER / "ttc"))}
     sys.path.insert(0, str(folder))
     try:
         yield

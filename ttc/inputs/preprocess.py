@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVa
 
 import numpy as np
 
-from tables import IMAGE_EXTENSIONS, category_cells, numeric_cells, numeric_share
+from ttc.inputs.tables import IMAGE_EXTENSIONS, category_cells, numeric_cells, numeric_share
 from utils import LOG, STDERR_FD_LOCK, ExportError, first_line
 
 if TYPE_CHECKING:

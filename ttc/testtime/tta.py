@@ -20,10 +20,10 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx
 
-import tta_graph
-from preprocess import PAD_ID, real_tokens, trim_padding
-from runtime import batches_of, best_of
-from tta_graph import GraphNodes, ViewBuilder
+from ttc.testtime import tta_graph
+from ttc.inputs.preprocess import PAD_ID, real_tokens, trim_padding
+from ttc.serving.runtime import batches_of, best_of
+from ttc.testtime.tta_graph import GraphNodes, ViewBuilder
 from utils import LOG, ConfigError
 
 DEFAULT_TRANSFORMS = {"image": "shift:1", "text": "token_dropout:0.1", "tabular": "jitter:0.1"}

@@ -38,9 +38,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from metrics import accuracy, entropy
-from runtime import batches_of, best_of, graph_padding_id, model_feeder
-from tta_graph import GraphNodes
+from ttc.reporting.metrics import accuracy, entropy
+from ttc.serving.runtime import batches_of, best_of, graph_padding_id, model_feeder
+from ttc.testtime.tta_graph import GraphNodes
 from utils import LOG, ConfigError, ExportError
 
 if TYPE_CHECKING:  # torch loads only for tent
@@ -333,8 +333,8 @@ class Tent:
                  trust_model_code: bool = False) -> None:
         import torch
 
-        from bundle import network_temperature
-        from models import load_weights
+        from ttc.serving.bundle import network_temperature
+        from ttc.nets.models import load_weights
         from utils import quiet_library_loggers
 
         quiet_library_loggers()  # importing torch resets some loggers
@@ -535,7 +535,7 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
     test split and on every corrupted copy of it; cost = adaptation time / plain inference time
     on the same batches. A method asked for that does not apply (bn without BatchNorm) keeps
     null figures and its reason in `not_applicable`."""
-    from shifts import corrupt
+    from ttc.inputs.shifts import corrupt
 
     methods = graph.applicable(settings.methods)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from limits import graph_size_problem
-from manifest_schema import MAX_DEPTH, OUTPUT_NAMES, agreement_problem, manifest_problem
-from preprocess import HF_TOKENIZER, PAD_ID, PADDING_ID_KEY, register_hf_tokenizer
+from ttc.inputs.limits import graph_size_problem
+from ttc.serving.manifest_schema import MAX_DEPTH, OUTPUT_NAMES, agreement_problem, manifest_problem
+from ttc.inputs.preprocess import HF_TOKENIZER, PAD_ID, PADDING_ID_KEY, register_hf_tokenizer
 from utils import ConfigError, ExportError, nesting_depth, quoted, sha256_of, staged_files
 
 BUNDLE_FORMAT = "ttc-model-bundle"

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from limits import inflating_archive_problem
-from models import IDENTITY_STATISTICS, weights_error
+from ttc.inputs.limits import inflating_archive_problem
+from ttc.nets.models import IDENTITY_STATISTICS, weights_error
 from utils import ConfigError, DataError, sha256_of
 
 # Buffers that hold this run's data statistics, not learned weights: never overwritten.

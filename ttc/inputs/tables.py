@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from limits import LIMITS, check_line_lengths, check_text_lengths
+from ttc.inputs.limits import LIMITS, check_line_lengths, check_text_lengths
 from utils import DataError, quoted, quoted_sample
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",

@@ -26,11 +26,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
+from ttc.serving.batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
                    folder_images, image_folder_frames, input_kind, write_predictions)
-from limits import LIMITS, Limits, use_limits
-from runtime import usable_cpus
-from tables import parquet_row_groups, table_format
+from ttc.inputs.limits import LIMITS, Limits, use_limits
+from ttc.serving.runtime import usable_cpus
+from ttc.inputs.tables import parquet_row_groups, table_format
 from utils import LOG, ConfigError, PipelineError, RuntimeFailure
 
 PredictorFactory = Callable[[], tuple[Predictor, list[str]]]  # picklable; run on each worker

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from metrics import ece_change_interval, expected_calibration_error, nll, nll_change_interval
+from ttc.reporting.metrics import ece_change_interval, expected_calibration_error, nll, nll_change_interval
 
 T_MIN, T_MAX = 0.05, 20.0
 BISECTIONS = 60  # β's bracket shrinks 2**60-fold: far below float precision
@@ -198,7 +198,7 @@ def calibration_section(fit: dict, raw: np.ndarray, calibrated: np.ndarray, y: n
                         seed: int) -> dict:
     """The report's `calibration`: the bundle's fit (manifest) and what it does on the test
     split: `raw` is softmax(logits), `calibrated` the graph's probabilities."""
-    from evaluation import reliability
+    from ttc.reporting.evaluation import reliability
 
     row = before_after(raw, calibrated, y, seed)
     return {"temperature": fit["temperature"], "method": fit["method"],

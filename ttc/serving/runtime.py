@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from limits import arena_exhausted, arena_message, cap_session_memory
-from preprocess import PAD_ID, PADDING_ID_KEY, text_graph_feed, trim_padding
+from ttc.inputs.limits import arena_exhausted, arena_message, cap_session_memory
+from ttc.inputs.preprocess import PAD_ID, PADDING_ID_KEY, text_graph_feed, trim_padding
 from utils import (LOG, ConfigError, ExportError, PipelineError, RuntimeFailure, captured_stderr,
                    debug_enabled, enter_native, first_line, leave_native, on_stop,
                    raise_if_interrupted, stdout_to_stderr, stopped)

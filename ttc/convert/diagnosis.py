@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import onnx
 
-from runtime import stoppable_session
+from ttc.serving.runtime import stoppable_session
 from utils import stdout_to_stderr
 
 # Ops the int8 graph computes in integers, or that carry quantized tensors

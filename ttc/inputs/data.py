@@ -19,10 +19,10 @@ from typing import Sequence
 
 import numpy as np
 
-from limits import check_decoded_images
-from preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, hf_source,
+from ttc.inputs.limits import check_decoded_images
+from ttc.inputs.preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, hf_source,
                         image_files, text_tokenizer)
-from tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_columns, split_spec)
 from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
 
@@ -688,7 +688,7 @@ def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> 
     if len(train_inputs) == 0:
         raise DataError(f"no training rows in {options.path}", "add rows of data")
     if text and hf_source(options.arch) is not None:
-        from hf import tokenizer_preprocessing  # torch and transformers: hf only
+        from ttc.nets.hf import tokenizer_preprocessing  # torch and transformers: hf only
 
         return tokenizer_preprocessing(hf_source(options.arch), options.max_length)
     if text:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from metrics import ECE_BINS, class_scores_from_totals, ece_from_bin_sums, reliability_sums
+from ttc.reporting.metrics import ECE_BINS, class_scores_from_totals, ece_from_bin_sums, reliability_sums
 from utils import LOG, quoted
 
 BASELINE_MARGIN = 0.01  # a model must beat the majority class by a point to count as useful

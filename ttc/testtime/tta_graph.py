@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from preprocess import PADDING_ID_KEY
-from runtime import TEXT_COMPANIONS
+from ttc.inputs.preprocess import PADDING_ID_KEY
+from ttc.serving.runtime import TEXT_COMPANIONS
 
 MIN_OPSET = 18  # ReduceMean/ReduceMax take their axes as an input from opset 18 on
 THROUGH_START = -(2**63)  # a Slice end that, with step −1, runs to the first element

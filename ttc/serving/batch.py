@@ -24,10 +24,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from evaluation import Tally, bundle_evaluation
-from limits import LIMITS, images_per_chunk, row_hint
-from preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
-from tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
+from ttc.reporting.evaluation import Tally, bundle_evaluation
+from ttc.inputs.limits import LIMITS, images_per_chunk, row_hint
+from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     refuse_nested, serving_columns, split_spec, table_format)
 from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
 

@@ -1,0 +1,1 @@
+"""The graph conversions after export: the per-layer diagnosis of an int8 graph."""

@@ -1,0 +1,1 @@
+"""What a run reports: the evaluation section, metrics, plots and the HTML page."""
