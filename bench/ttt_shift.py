@@ -30,7 +30,7 @@ def measure(name: str, dataset_path: str, epochs: int, batch_size: int, runs: in
     from ttc.serving.runtime import create_session, session_runner
     from ttc.testtime.ttt import AdaptationGraph, Tent, TTTSettings, evaluate_ttt
     from ttc.serving.bundle import read_manifest
-    from report import format_ttt
+    from ttc.reporting.summary import format_ttt
 
     config = Config(dataset_path=dataset_path, epochs=epochs, no_progress=True,
                     output_model=str(scratch_dir() / "model.onnx"))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import report as report_module
 from ttc.reporting.page import render_page, write_page
+from ttc.reporting.sections import PREDICTION_KEYS, SUMMARY_KEYS
 
 SCRIPT = "<script>alert(1)</script>"
 ESCAPED_SCRIPT = "&lt;script&gt;alert(1)&lt;/script&gt;"
@@ -189,8 +189,7 @@ def make_plots(folder: Path) -> dict[str, Path]:
 
 
 def render(report: dict, plots: dict) -> str:
-    return render_page(report, plots, report_module._SUMMARY_KEYS,
-                       report_module.PREDICTION_KEYS)
+    return render_page(report, plots, SUMMARY_KEYS, PREDICTION_KEYS)
 
 
 class Page(HTMLParser):

@@ -4,7 +4,8 @@ external font, stylesheet or image: the page opens offline, from an artifact or 
 
 Every string taken from the report (labels, paths, file names, verdicts, error messages, config
 values, dict keys) goes through `_esc`; markup built here is an `_Html` string, the only kind
-inserted as is. stdlib + utils only: report.py passes its label lists (`summary_keys`,
+inserted as is. stdlib + utils only; which sections, in what order, under which title, with which
+plots: the table of ttc/reporting/sections.py. report.py passes its label lists (`summary_keys`,
 `prediction_keys`); without them each section shows its plain keys under their own names.
 """
 from __future__ import annotations
@@ -12,41 +13,18 @@ from __future__ import annotations
 import base64
 import html
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from ttc.reporting.sections import PLOT_CAPTIONS, SECTION, SECTIONS, KeyLabels, Section
 from utils import atomic_write_text
-
-KeyLabels = Sequence[tuple[str, str]]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_MATRIX_CLASSES = 20  # a bigger confusion matrix is left to its plot
 LONG_VALUE = 48  # characters: a longer value gets a row of its own
-PLOT_CAPTIONS = {
-    "training_curves": "training curves: loss and accuracy per epoch",
-    "confusion_matrix": "confusion matrix (rows: true class, columns: predicted class)",
-    "reliability": "reliability diagram: accuracy against confidence per bin, without and with "
-                   "the temperature",
-    "calibration_shift": "calibration under shift: ECE per variant and corruption",
-    "ttt_shifts": "test-time training: accuracy per shift",
-    "benchmark": "benchmark: latency, throughput and accuracy per variant",
-    "tta": "test-time augmentation",
-}
-TITLES = {
-    "dataset": "Dataset", "teacher": "Teacher", "train": "Training", "evaluation": "Evaluation",
-    "calibration": "Calibration",
-    "export": "ONNX export", "quantize": "Quantization", "fp16": "FP16",
-    "inference": "Inference (ONNX Runtime)", "tta": "Test-time augmentation",
-    "ttt": "Test-time training", "iterative": "Iterative inference", "benchmark": "Benchmark",
-    "predictions": "Predictions", "engine": "Engine", "config": "Configuration",
-    "profile": "Profile (ONNX Runtime)",
-}
-# keys a section renders in its own tables, so not among its key/value rows
-OWN_TABLES = {
-    "dataset": {"dropped_reasons"},
-    "train": {"candidates", "chosen_candidate", "diverged_candidates", "history", "health"},
-    "tta": set(),
-}
+CONFIG_TITLE = "Configuration"  # the run's settings, last on the page
+TITLES = {**{section.key: section.title for section in SECTIONS}, "config": CONFIG_TITLE}
 EVALUATION_KEYS = [("split", "split"), ("samples", "samples"), ("accuracy", "accuracy"),
                    ("macro_f1", "macro-F1"), ("balanced_accuracy", "balanced accuracy"),
                    ("ece", "ECE (15 bins)"), ("baseline_accuracy", "baseline accuracy"),
@@ -270,6 +248,24 @@ class _Plots:
         return [name for name in self.uris if name not in self.placed]
 
 
+@dataclass(frozen=True)
+class _View:
+    """What a section's renderer gets besides its data: its row of the table, the caller's
+    labels for its keys (None: its plain keys), the plots, and the section that shows the
+    reliability diagram (None: the iterative block)."""
+
+    section: Section
+    keys: KeyLabels | None
+    plots: _Plots
+    diagram_in: str | None
+
+    def figures(self) -> _Html:
+        """The plots this section owns, the reliability diagram only in its one place."""
+        home = self.diagram_in or "iterative"
+        return self.plots.figures(*[name for name in self.section.plots
+                                    if name != "reliability" or self.section.key == home])
+
+
 # ----------------------------------------------------------------------------- sections
 
 
@@ -320,8 +316,14 @@ def _headline(report: dict, sections: Sequence[str]) -> _Html:
     return _Html('<header class="headline">' + "".join(parts) + "</header>")
 
 
-def _dataset(data: dict, keys: KeyLabels | None) -> list[str]:
-    parts = [_kv_table(_pairs(data, keys, OWN_TABLES["dataset"]))]
+def _render_keys(data: dict, view: _View) -> list[str]:
+    """The key/value rows (all but those the section shows in tables of their own) and its
+    plots."""
+    return [_kv_table(_pairs(data, view.keys, view.section.own_tables)), view.figures()]
+
+
+def _render_dataset(data: dict, view: _View) -> list[str]:
+    parts = [_kv_table(_pairs(data, view.keys, view.section.own_tables))]
     dropped = [d for d in data.get("dropped_reasons") or [] if isinstance(d, dict)]
     if dropped:
         rows = [(d.get("count"), d.get("reason"), Path(str(d.get("file", ""))).name,
@@ -332,8 +334,8 @@ def _dataset(data: dict, keys: KeyLabels | None) -> list[str]:
     return parts
 
 
-def _train(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
-    parts = [_kv_table(_pairs(data, keys, OWN_TABLES["train"]))]
+def _render_train(data: dict, view: _View) -> list[str]:
+    parts = [_kv_table(_pairs(data, view.keys, view.section.own_tables))]
     health = _dict(data.get("health"))
     if health:
         if health.get("loss_start") is not None and health.get("loss_end") is not None:
@@ -361,7 +363,7 @@ def _train(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
                  d.get("learning_rate"), d.get("reason")) for d in diverged]
         parts += ["<h3>Diverged candidates (skipped)</h3>",
                   _table(["candidate", "learning rate", "reason"], rows)]
-    parts.append(plots.figures("training_curves"))
+    parts.append(view.figures())
     history = [h for h in data.get("history") or [] if isinstance(h, dict)]
     if history:
         rows = [(h.get("epoch"), h.get("loss"), h.get("train_accuracy"), h.get("val_accuracy"),
@@ -397,11 +399,10 @@ def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> 
                  + "".join(body) + "</tbody></table></div>")
 
 
-def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots,
-                reliability: bool = True) -> list[str]:
-    """The evaluation's tables and plots; `reliability`: its diagram too (False when the
-    calibration section shows it)."""
-    parts = [_kv_table(_pairs(data, keys if keys is not None else EVALUATION_KEYS))]
+def _render_evaluation(data: dict, view: _View) -> list[str]:
+    """The evaluation's tables and plots (the reliability diagram unless the calibration
+    section shows it)."""
+    parts = [_kv_table(_pairs(data, view.keys if view.keys is not None else EVALUATION_KEYS))]
     tables = []
     per_class = [r for r in data.get("per_class") or [] if isinstance(r, dict)]
     if per_class:
@@ -424,13 +425,13 @@ def _evaluation(data: dict, keys: KeyLabels | None, plots: _Plots,
         parts += ["<h3>Confusion matrix</h3>", _confusion_table(labels, matrix)]
     elif matrix:
         parts.append(_line(f"confusion matrix of {len(matrix)} classes: see its plot"
-                           if plots.has("confusion_matrix") else
+                           if view.plots.has("confusion_matrix") else
                            f"confusion matrix of {len(matrix)} classes: in the report JSON"))
     elif data.get("confusion_pairs"):
         parts.append(_line(f"no confusion matrix for {len(labels)} classes (too many to keep "
                            "dense): the report JSON lists the most frequent confusions in "
                            "evaluation.confusion_pairs"))
-    parts.append(plots.figures("confusion_matrix", *["reliability"] * reliability))
+    parts.append(view.figures())
     return parts
 
 
@@ -512,7 +513,7 @@ def _under_shift(data: dict) -> list[str]:
     return parts
 
 
-def _calibration(data: dict, plots: _Plots) -> list[str]:
+def _render_calibration(data: dict, view: _View) -> list[str]:
     """The temperature and its fit, what it changes on the test split, the variants under
     shift, and the reliability and shift plots."""
     parts: list[str] = [_calibration_head(data)]
@@ -522,15 +523,11 @@ def _calibration(data: dict, plots: _Plots) -> list[str]:
     if data.get("verdict"):
         parts.append(_labelled_line("verdict", data["verdict"]))
     parts += _under_shift(data)
-    parts.append(plots.figures("reliability", "calibration_shift"))
+    parts.append(view.figures())
     return parts
 
 
-def _tta(data: dict, keys: KeyLabels | None, plots: _Plots) -> list[str]:
-    return [_kv_table(_pairs(data, keys, OWN_TABLES["tta"])), plots.figures("tta")]
-
-
-def _ttt(data: dict, plots: _Plots) -> list[str]:
+def _render_ttt(data: dict, view: _View) -> list[str]:
     clean = data.get("clean") if isinstance(data.get("clean"), dict) else None
     shifts = [s for s in data.get("shifts") or [] if isinstance(s, dict)]
     rows: list[tuple[str, dict]] = [("clean", clean)] if clean else []
@@ -556,13 +553,13 @@ def _ttt(data: dict, plots: _Plots) -> list[str]:
                             [(k, v) for k, v in not_applicable.items()]))
     if data.get("verdict"):
         parts.append(_labelled_line("verdict", data["verdict"]))
-    parts.append(plots.figures("ttt_shifts"))
+    parts.append(view.figures())
     return parts
 
 
-def _iterative(data: dict, plots: _Plots, diagram_in: str | None = None) -> list[str]:
+def _render_iterative(data: dict, view: _View) -> list[str]:
     """The variants' table (a temperature column when a "+T" row has one); the reliability
-    diagram here, or a link to the `diagram_in` section that shows it."""
+    diagram here, or a link to the section that shows it."""
     if data.get("mode") == "ensemble":
         head = f"mode ensemble, {_fmt(data.get('passes_used'))} members"
     else:
@@ -582,8 +579,9 @@ def _iterative(data: dict, plots: _Plots, diagram_in: str | None = None) -> list
                               r.get("passes_used"), _ratio(r.get("cost_ratio"))) for r in rows]))
     if data.get("verdict"):
         parts.append(_labelled_line("verdict", data["verdict"]))
+    diagram_in, plots = view.diagram_in, view.plots
     if diagram_in is None:
-        parts.append(plots.figures("reliability"))
+        parts.append(view.figures())
     elif (plots.has("reliability") or "reliability" in plots.placed) \
             and any(isinstance(r.get("reliability"), dict) for r in rows):
         parts.append(_Html('<p class="line">Reliability per variant: see the diagram under '
@@ -591,7 +589,10 @@ def _iterative(data: dict, plots: _Plots, diagram_in: str | None = None) -> list
     return parts
 
 
-def _benchmark(rows: list, plots: _Plots) -> list[str]:
+def _render_benchmark(rows: list | dict, view: _View) -> list[str]:
+    """The variants' table and plot; a dict where the rows belong: its key/value rows."""
+    if isinstance(rows, dict):
+        return [_kv_table(_pairs(rows, view.keys))]
     rows = [r for r in rows if isinstance(r, dict)]
     batch = next((r.get("batch_size") for r in rows if r.get("batch_size") is not None), None)
     table = _table(["variant", "provider", "size (MB)", "accuracy", "p50 ms (batch 1)",
@@ -600,13 +601,13 @@ def _benchmark(rows: list, plots: _Plots) -> list[str]:
                    [(r.get("variant"), r.get("provider"), r.get("size_mb"), r.get("accuracy"),
                      r.get("latency_ms_p50_batch1"), r.get("latency_ms_p95_batch1"),
                      r.get("throughput_per_s")) for r in rows])
-    return [table, plots.figures("benchmark")]
+    return [table, view.figures()]
 
 
-def _quantize(data: dict, keys: KeyLabels | None) -> list[str]:
+def _render_quantize(data: dict, view: _View) -> list[str]:
     """The variant's figures, then what int8 may quantize (each op set tried), the automatic
     exclusion's steps, where a slower variant's time grew, and the diagnosis's worst layers."""
-    parts = [_kv_table(_pairs(data, keys))]
+    parts = [_kv_table(_pairs(data, view.keys, view.section.own_tables))]
     if _dict(data.get("cpu")).get("description"):
         parts.append(_labelled_line("timed on", _dict(data.get("cpu")).get("description")))
     if isinstance(data.get("op_types"), list):
@@ -649,7 +650,7 @@ def _quantize(data: dict, keys: KeyLabels | None) -> list[str]:
     return parts
 
 
-def _profile(data: dict) -> list[str]:
+def _render_profile(data: dict, view: _View) -> list[str]:
     """--profile: runs and time per run, the most expensive nodes, the time per op type."""
     pairs = [(label, data.get(key)) for key, label in (
         ("runs", "profiled runs"), ("batch_size", "batch size"), ("ms_per_run", "ms per run"),
@@ -677,11 +678,28 @@ def _config(config: dict) -> list[str]:
 # ----------------------------------------------------------------------------- the page
 
 
-# report.format_summary's order: the evaluation and its calibration after the inference block
-# (after the predictions block in a run that predicted an --input), the benchmark after the TTA
-# block
-ORDER = ("dataset", "teacher", "train", "export", "quantize", "fp16", "inference", "profile",
-         "evaluation", "calibration", "tta", "benchmark", "ttt", "iterative", "predictions")
+Renderer = Callable[[Any, _View], list[str]]
+# each section's renderer, `_render_<page>` of its row (a row naming none fails at import)
+RENDERERS: dict[str, Renderer] = {s.page: globals()[f"_render_{s.page}"] for s in SECTIONS}
+
+
+def _page_order(report: dict, labels: Mapping[str, Any]) -> list[Section]:
+    """The table's order, with any section only the caller's `labels` name (shown by its key/value
+    rows) before the predictions block; in a run that predicted an --input, the sections that
+    describe those predictions (`of_input`) after all others."""
+    extra = [Section(key, key.replace("_", " ").capitalize()) for key in labels
+             if key not in SECTION]
+    at = SECTIONS.index(SECTION["predictions"])
+    order = [*SECTIONS[:at], *extra, *SECTIONS[at:]]
+    if report.get("predictions"):
+        order = [s for s in order if not s.of_input] + [s for s in order if s.of_input]
+    return order
+
+
+def _heading(section: Section, data: Any) -> str:
+    if section.key == "evaluation" and data.get("split"):
+        return f"Evaluation ({data['split']} split)"
+    return section.title
 
 
 def render_page(report: dict, plots: Mapping[str, Any] | None = None,
@@ -689,64 +707,35 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
                 prediction_keys: KeyLabels | None = None) -> str:
     """The report as one HTML page. `plots` maps a plot's name to its PNG (a missing or
     unreadable file is left out; None: the report's own "plots"). `summary_keys` (section →
-    [(key, label)], report._SUMMARY_KEYS) and `prediction_keys` (report.PREDICTION_KEYS) choose
-    and name each section's key/value rows; a section they do not list shows its plain keys.
-    A section absent or null is left out."""
-    summary_keys = dict(summary_keys or {})
+    [(key, label)], sections.SUMMARY_KEYS) and `prediction_keys` (sections.PREDICTION_KEYS)
+    choose and name each section's key/value rows; a section they do not list shows its plain
+    keys. A section absent or null is left out."""
+    labels = {**(summary_keys or {}), "predictions": prediction_keys}
     images = _Plots(report.get("plots") if plots is None else plots)
-    order = (list(ORDER[:-1]) + [s for s in summary_keys if s not in ORDER]
-             + ["predictions", "engine"])
-    if report.get("predictions"):
-        for name in ("evaluation", "calibration"):
-            order.remove(name)
-            order.append(name)
     # the section that shows the reliability diagram, wherever the iterative block comes
     diagram_in = next((name for name in ("calibration", "evaluation")
                        if isinstance(report.get(name), dict) and report[name]), None)
     body: list[str] = []
     present: list[str] = []
-    for name in order:
-        data = report.get(name)
-        if not data:
+    for section in _page_order(report, labels):
+        data = report.get(section.key)
+        if not data or not isinstance(data, (dict, list) if section.rows else dict):
             continue
-        keys = summary_keys.get(name)
-        if name == "benchmark" and isinstance(data, list):
-            parts = _benchmark(data, images)
-        elif not isinstance(data, dict):
-            continue
-        elif name == "dataset":
-            parts = _dataset(data, keys)
-        elif name == "quantize":
-            parts = _quantize(data, keys)
-        elif name == "profile":
-            parts = _profile(data)
-        elif name == "train":
-            parts = _train(data, keys, images)
-        elif name == "evaluation":
-            parts = _evaluation(data, keys, images, reliability=diagram_in == "evaluation")
-        elif name == "calibration":
-            parts = _calibration(data, images)
-        elif name == "tta":
-            parts = _tta(data, keys, images)
-        elif name == "ttt":
-            parts = _ttt(data, images)
-        elif name == "iterative":
-            parts = _iterative(data, images, diagram_in)
-        elif name == "predictions":
-            parts = [_kv_table(_pairs(data, prediction_keys))]
-        else:
-            parts = [_kv_table(_pairs(data, keys))]
-        title = TITLES.get(name, name.replace("_", " ").capitalize())
-        if name == "evaluation" and data.get("split"):
-            title = f"Evaluation ({data['split']} split)"
-        body.append(_section(name, title, parts))
-        present.append(name)
+        view = _View(section, labels.get(section.key), images, diagram_in)
+        parts = RENDERERS[section.page](data, view)
+        body.append(_section(section.key, _heading(section, data), parts))
+        present.append(section.key)
     if isinstance(report.get("config"), dict) and report["config"]:
-        body.append(_section("config", TITLES["config"], _config(report["config"])))
+        body.append(_section("config", CONFIG_TITLE, _config(report["config"])))
         present.append("config")
     rest = images.rest()
     if rest:
         body.append(_section("plots", "Other plots", [images.figures(*rest)]))
+    return _document(report, present, body)
+
+
+def _document(report: dict, present: Sequence[str], body: Sequence[str]) -> str:
+    """The page around its sections: head and style, the banner and headline, the footer."""
     footer = ""
     if _is_number(report.get("seconds_total")):
         footer = f"<footer>total seconds: {report['seconds_total']:.1f}</footer>"

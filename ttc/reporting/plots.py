@@ -25,6 +25,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from ttc.reporting.sections import PLOT_NAMES
 from utils import LOG, atomic_write
 
 matplotlib.use("Agg")  # headless; the charts never go through pyplot, whose backend this sets
@@ -639,15 +640,8 @@ def tta(report: dict) -> Figure | None:
 # ----------------------------------------------------------------------------- writing
 
 
-PLOTS: dict[str, Callable[[dict], Figure | None]] = {
-    "training_curves": training_curves,
-    "confusion_matrix": confusion_matrix,
-    "reliability": reliability,
-    "calibration_shift": calibration_shift,
-    "ttt_shifts": ttt_shifts,
-    "benchmark": benchmark,
-    "tta": tta,
-}
+# each plot of the sections' table is drawn by the function of its name, in the table's order
+PLOTS: dict[str, Callable[[dict], Figure | None]] = {name: globals()[name] for name in PLOT_NAMES}
 
 
 def save_figure(fig: Figure, path: Path) -> Path:
