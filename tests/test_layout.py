@@ -104,6 +104,7 @@ ALLOWED = {
     "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*"},
     "reporting": {"utils"},
     "convert": {"utils", "ttc.serving.runtime"},
+    "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections"},
 }
 
 

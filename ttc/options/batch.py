@@ -1,0 +1,146 @@
+"""Batch inference's flags (inference.py --input): where predictions go, how the input is
+chunked, and the engine: this process, or Ray Data workers on a cluster."""
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ttc.options.fields import bad, opt, parse_bool, positive
+from ttc.serving.runtime import usable_cpus
+from utils import ConfigError
+
+ENGINES = ("local", "ray")
+OUTPUT_FORMATS = (".csv", ".jsonl", ".parquet")
+RAY_FLAGS = ("ray_address", "num_workers", "worker_batch_size")
+RAY_ADDRESS_HINT = "expected host:port, auto or local (e.g. 10.0.0.5:6379, the head node's port)"
+
+
+@dataclass
+class BatchFlags:
+    input: str | None = opt(None, "inference.py: predict new data instead of evaluating the test "
+                            "split: an image file, a folder of images (recursive), a "
+                            "CSV/TSV/JSON/JSONL/Parquet table, or - for one text per line on "
+                            "stdin",
+                            "batch", metavar="INPUT", scripts="I")
+    output: str | None = opt(None, "where --input's predictions go: .csv, .jsonl or .parquet "
+                             "(written to a temporary file, moved into place at the end)",
+                             "batch",
+                             metavar="PATH", scripts="I")
+    errors: str | None = opt(None, "list the rows that could not be predicted (id, reason) in "
+                             "this CSV", "batch", metavar="PATH", scripts="I")
+    allow_errors: bool = opt(False, "exit 0 even when some rows could not be predicted",
+                             "batch", type=parse_bool, metavar="BOOL", scripts="I")
+    top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
+                     "batch", type=int, metavar="K", scripts="I")
+    chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "
+                          "whatever the input's size)", "batch", type=int, metavar="N",
+                              scripts="I")
+    engine: str = opt("local", "where --input is predicted: local (this process) or ray (Ray "
+                      "Data workers on a cluster; docs/deploy.md, Ray)", "batch",
+                      choices=ENGINES, scripts="I")
+    ray_address: str | None = opt(None, "--engine ray: the cluster to join (host:port of its "
+                                  "head node; auto: the one `ray start` runs here); default (or "
+                                  "local): start a local one of this machine's CPUs for the run",
+                                  "batch", metavar="ADDRESS", scripts="I")
+    num_workers: int | None = opt(None, "--engine ray: workers, each one ONNX Runtime session "
+                                  "with --num_threads threads, which are the CPUs it reserves "
+                                  "(default 2, or 1 where a local cluster cannot hold 2)",
+                                  "batch", type=int, metavar="N", scripts="I")
+    worker_batch_size: int | None = opt(None, "--engine ray: rows a worker reads, encodes and "
+                                        "predicts at a time (default: --chunk_rows)", "batch",
+                                        type=int, metavar="N", scripts="I")
+
+    def check_batch(self, threads: Callable[[], int], profile: bool, online_ttt: bool) -> None:
+        """--input, --output and the engine. `threads` (a Ray worker's ONNX Runtime threads) is
+        asked only when a local cluster must hold the workers, so that a bad --ep is reported
+        by the runtime checks, after these; `profile` and `online_ttt` are refused on Ray."""
+        positive("top_k", self.top_k)
+        positive("chunk_rows", self.chunk_rows)
+        if self.output and Path(self.output).suffix.lower() not in OUTPUT_FORMATS:
+            bad("output", self.output, "give a path ending in .csv, .jsonl or .parquet")
+        if self.input and not self.output:
+            raise ConfigError("--input needs --output", "add --output preds.csv")
+        self._check_engine(threads, profile, online_ttt)
+
+    def _check_engine(self, threads: Callable[[], int], profile: bool, online_ttt: bool
+                      ) -> None:
+        given = [f"--{name}" for name in RAY_FLAGS if getattr(self, name) is not None]
+        if self.engine == "local" and given:
+            raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                              "only to --engine ray",
+                              "add --engine ray, or drop them")
+        if self.engine != "ray":
+            return
+        if not self.input:
+            raise ConfigError("--engine ray predicts --input on a cluster; the test split's "
+                              "evaluation runs in this process", "add --input and --output, or "
+                              "drop --engine ray")
+        for name in ("num_workers", "worker_batch_size"):
+            if getattr(self, name) is not None:
+                positive(name, getattr(self, name))
+        check_ray_address(self.ray_address)
+        if self.local_ray():
+            self._require_local_cpus(threads())
+        if profile:
+            raise ConfigError("--profile profiles the ONNX Runtime session in this process, and "
+                              "--engine ray predicts on worker processes",
+                              "profile with --engine local on a sample of the input")
+        if online_ttt:
+            raise ConfigError("--ttt_mode online carries the adaptation from one batch to the "
+                              "next in input order, and Ray workers predict batches in "
+                              "parallel", "use --ttt_mode episodic on Ray, or --engine local")
+
+    def local_ray(self) -> bool:
+        """--engine ray on a cluster started for the run (no --ray_address, or `local`)."""
+        return self.ray_address in (None, "local")
+
+    def workers(self, threads: int) -> int:
+        """--num_workers; by default 2, or 1 where a local cluster cannot hold two workers of
+        `threads` threads each."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return max(1, min(2, usable_cpus() // threads)) if self.local_ray() else 2
+
+    def _require_local_cpus(self, threads: int) -> None:
+        """A local cluster has this machine's CPUs: more workers than they hold would never be
+        placed (sizing the cluster to the request instead started them all, and hung)."""
+        workers, cpus = self.workers(threads), usable_cpus()
+        if workers * threads > cpus:
+            asked = (f"--num_workers {workers} with {threads} thread(s) each needs"
+                     if self.num_workers is not None else
+                     f"one Ray worker with {threads} threads needs")
+            raise ConfigError(f"{asked} {workers * threads} CPUs, and a local Ray cluster has "
+                              f"this machine's {cpus}", "lower --num_workers or --num_threads, "
+                              "or join a larger cluster with --ray_address")
+
+
+def check_ray_address(address: str | None) -> None:
+    """--ray_address's form, before any work: auto, local, or HOST:PORT ([IPv6]:PORT). Ray
+    Client addresses (ray://) need Ray's client extra, which the tool does not install."""
+    if address is None or address in ("auto", "local"):
+        return
+    if address.startswith("ray://"):
+        raise ConfigError(f"invalid --ray_address {address!r}: a Ray Client address, which "
+                          "this tool does not use", f"{RAY_ADDRESS_HINT}; run on a node of the "
+                          "cluster with auto, or give the head node's host:port")
+    host, colon, port = address.rpartition(":")
+    if not (colon and _valid_host(host) and re.fullmatch(r"[0-9]{1,5}", port)
+            and 1 <= int(port) <= 65535):
+        bad("ray_address", address, RAY_ADDRESS_HINT)
+
+
+def _valid_host(host: str) -> bool:
+    """A host name or IPv4 address, or an IPv6 address in brackets."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+            return True
+        except ValueError:
+            return False
+    return re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?", host) is not None
+
+
+# ----------------------------------------------------------------------------- argument parsing

@@ -1,0 +1,29 @@
+"""Test-time augmentation's flags: the views, how their probabilities merge, and the adaptive
+threshold. (Parsing --tta_transforms needs ttc/testtime/tta.py: Config.validate_tta.)"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ttc.options.fields import bad, opt, parse_bool
+
+
+@dataclass
+class TTAFlags:
+    tta: bool = opt(False, "test-time augmentation on the ONNX model (and, unless "
+                    "--train_augment false, training on the same transforms)", "ttc",
+                    type=parse_bool, metavar="BOOL", scripts="PTI")
+    tta_transforms: str = opt("", "comma-separated TTA transforms, name or name:param. image: "
+                              "identity, hflip (flip), vflip, rot90, rot180, rot270, rotate:DEG, "
+                              "shift:PX, crop:FRACTION, scale:FACTOR, brightness:DELTA, "
+                              "contrast:FACTOR; text: token_dropout:P, window:N; tabular: "
+                              "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1)",
+                              "ttc", metavar="LIST", scripts="PTI")
+    tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
+                         choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PI")
+    tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
+                                      "plain top probability is below this", "ttc", type=float,
+                                      metavar="P", scripts="PI")
+
+    def check_tta(self) -> None:
+        if self.tta_threshold is not None and not 0 < self.tta_threshold <= 1:
+            bad("tta_threshold", self.tta_threshold, "use a probability in (0, 1]")
