@@ -172,6 +172,31 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
     cache = runtime.provider_options.get("TensorrtExecutionProvider", {}).get("trt_engine_cache_path")
     if cache:
         Path(cache).mkdir(parents=True, exist_ok=True)
+    options = session_options(runtime, profile_prefix)
+    # ORT's SkipLayerNormalization CPU kernel is ~4x slower than the Add + LayerNormalization it
+    # replaces (hidden 128, onnxruntime 1.31: 2.6 vs 0.6 ms on 32 x 100 x 128): not fused on the
+    # CPU (the CUDA kernel is another story, not measured here: GPU sessions keep the fusion)
+    session_args = dict(session_args or {})
+    if usable[0] == "CPUExecutionProvider":
+        session_args["disabled_optimizers"] = [*session_args.get("disabled_optimizers", ()),
+                                               *CPU_UNFUSED]
+    session, ort_errors = open_session(model, options, with_options, session_args)
+    inactive = [p for p in usable if p not in session.get_providers()]
+    if inactive:
+        fallback(f"{', '.join(inactive)} could not start: {provider_failure_reason(ort_errors)}; "
+                 f"running on {', '.join(session.get_providers())}", strict)
+    if classes is not None:
+        named = source or (model if isinstance(model, str) else "the bundle's graph")
+        expect_classes(session, classes, str(named))
+    return session
+
+
+def session_options(runtime: RuntimeOptions, profile_prefix: str | None
+                    ) -> ort.SessionOptions:
+    """All graph optimisations, `runtime`'s threads and execution mode, the capped CPU arena,
+    and ONNX Runtime's profiler when `profile_prefix` is given."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = runtime.intra_op_threads
@@ -183,23 +208,24 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
-    # ORT's SkipLayerNormalization CPU kernel is ~4x slower than the Add + LayerNormalization it
-    # replaces (hidden 128, onnxruntime 1.31: 2.6 vs 0.6 ms on 32 x 100 x 128): not fused on the
-    # CPU (the CUDA kernel is another story, not measured here: GPU sessions keep the fusion)
-    session_args = dict(session_args or {})
-    if usable[0] == "CPUExecutionProvider":
-        session_args["disabled_optimizers"] = [*session_args.get("disabled_optimizers", ()),
-                                               *CPU_UNFUSED]
+    return options
+
+
+def open_session(model: str | bytes, options: ort.SessionOptions, providers: list,
+                 session_args: dict) -> tuple[ort.InferenceSession, list[str]]:
+    """The session, and the errors ONNX Runtime wrote to stderr while starting its providers
+    (none kept with --log_level DEBUG, where they stay on stderr); a graph it cannot load is one
+    ExportError."""
     try:
         # ORT's Python layer print()s provider errors to stdout: keep them off our stdout.
         if debug_enabled():
             with stdout_to_stderr():
-                session = stoppable_session(model, options, providers=with_options,
+                session = stoppable_session(model, options, providers=providers,
                                             **session_args)
             ort_errors: list[str] = []
         else:
             with captured_stderr() as ort_errors, stdout_to_stderr():
-                session = stoppable_session(model, options, providers=with_options,
+                session = stoppable_session(model, options, providers=providers,
                                             **session_args)
     except Exception as err:  # noqa: BLE001 - ORT raises several types for a bad model
         name = model if isinstance(model, str) else "the exported graph"
@@ -207,14 +233,7 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
         raise ExportError(f"ONNX Runtime cannot load {name}: {first}",
                           "the file may be truncated or not an ONNX model; re-run export.py "
                           "or pipeline.py") from None
-    inactive = [p for p in usable if p not in session.get_providers()]
-    if inactive:
-        fallback(f"{', '.join(inactive)} could not start: {provider_failure_reason(ort_errors)}; "
-                 f"running on {', '.join(session.get_providers())}", strict)
-    if classes is not None:
-        named = source or (model if isinstance(model, str) else "the bundle's graph")
-        expect_classes(session, classes, str(named))
-    return session
+    return session, ort_errors
 
 
 # ----------------------------------------------------------------------------- checking outputs
