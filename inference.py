@@ -15,26 +15,25 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from ttc.serving.bundle import (BundlePaths, network_temperature, read_manifest, require_onnx_in_bundle,
+from ttc.serving.bundle import (BundlePaths, read_manifest, require_onnx_in_bundle,
                     require_trusted_model_code)
 from config import Config, build_parser, start_cli
 from ttc.reporting.evaluation import Tally, bundle_evaluation
-from ttc.reporting.metrics import accuracy, ece_change_interval, entropy
+from ttc.reporting.metrics import accuracy
 from ttc.serving.profiling import PROFILED_RUNS, profile_runs, profile_section, profiled_batches
 from report import run_with_report
-from ttc.serving.runtime import (batches_of, best_of, create_session, graph_padding_id, input_padding_id,
-                     predict_proba, session_device, session_runner, state_input, time_runners,
-                     whole_batches)
+from ttc.serving.runtime import (batches_of, create_session, graph_padding_id, input_padding_id,
+                     predict_proba, session_device, session_runner, time_runners, whole_batches)
+from ttc.testtime.calibration import (calibration_under_shift, joined, run_calibration,
+                                      single_variants, without_temperature)
+from ttc.testtime.registry import asked_methods
+from ttc.testtime.served import Heldout, Served, plain_predictor
 from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
     from ttc.serving.batch import BatchOptions, Predictor
-    from ttc.testtime.iterative import MCSampler, Passes
-    from ttc.serving.runtime import RuntimeOptions
-    from ttc.testtime.tta import TTAOptions, TTARunner
-    from ttc.testtime.ttt import AdaptationGraph, Tent, TTTSettings
 
 
 @dataclass
@@ -141,265 +140,13 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config
         timed_batches=len(timings.samples)), probabilities
 
 
-def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
-               options: TTAOptions, runtime: RuntimeOptions) -> TTARunner:
-    """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
-    on the same providers) where the transforms allow, else numpy views around `session`."""
-    import onnx
-
-    from ttc.testtime.tta import TTARunner, build_transforms, tta_model
-
-    transforms = build_transforms(options.transforms, manifest["preprocessing"], options.seed)
-    model = tta_model(onnx.load(str(model_path)), transforms, options.merge,
-                      len(manifest["labels"]))
-    merged = None
-    if model is not None:
-        merged = session_runner(create_session(model.SerializeToString(), runtime,
-                                               classes=len(manifest["labels"]), source=model_path))
-    return TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
-                     merged)
-
-
-def run_ttt(config: Config, paths: BundlePaths, manifest: dict,
-            predict: Callable[[np.ndarray], np.ndarray], test: tuple[np.ndarray, np.ndarray]
-            ) -> dict:
-    """Test-time training on the bundle's adaptation graph, on the test split and its corrupted
-    copies; `predict` (the chosen graph, unadapted) is the baseline. torch only for tent."""
-    from ttc.testtime.ttt import evaluate_ttt
-
-    settings = config.ttt_settings(manifest["preprocessing"]["kind"])
-    graph, tent = adaptation(settings, paths, manifest, config.runtime())
-    result = evaluate_ttt(settings, graph, predict, tent, *test, manifest["preprocessing"])
-    for warning in result.warnings:
-        LOG.warning("test-time training: %s", warning)
-    LOG.info("test-time training: %s", result.verdict)
-    return result.report_section()
-
-
-Variants = Callable[[np.ndarray], dict]  # inputs → {variant name: probabilities}
-
-
-def single_variants(session: ort.InferenceSession, manifest: dict, batch_size: int) -> Variants:
-    """The single pass without the temperature (softmax of the graph's logits) and, for a
-    calibrated bundle, with it (the graph's probabilities)."""
-    calibrated = network_temperature(manifest) != 1.0
-
-    def variants(x: np.ndarray) -> dict:
-        out = {"single": without_temperature(session, x, batch_size)}
-        if calibrated:
-            out["single+T"] = predict_proba(session, x, batch_size)
-        return out
-
-    return variants
-
-
-def averaged_variants(name: str, passes: Callable[[np.ndarray], "Passes"],
-                      temperature: float | None) -> Variants:
-    """An average of passes or members, and the average rescaled by its own temperature."""
-    from ttc.testtime.calibrate import rescale
-
-    def variants(x: np.ndarray) -> dict:
-        mean = passes(x).mean
-        return {name: mean, **({f"{name}+T": rescale(mean, temperature)}
-                               if temperature is not None else {})}
-
-    return variants
-
-
-def without_temperature(session: ort.InferenceSession, x: np.ndarray, batch_size: int
-                        ) -> np.ndarray | None:
-    """softmax(logits) of the graph on x: the single pass without its temperature (None for a
-    graph without a logits output)."""
-    from ttc.testtime.calibrate import softmax
-
-    if "logits" not in {o.name for o in session.get_outputs()}:
-        return None
-    return softmax(predict_proba(session, x, batch_size, "logits"))
-
-
-def run_calibration(config: Config, manifest: dict, raw: np.ndarray | None,
-                    probabilities: np.ndarray, y: np.ndarray) -> dict | None:
-    """The report's `calibration`: the bundle's temperature and what it does on the test split,
-    from the single pass without (`raw`) and with it (None without a raw pass)."""
-    from ttc.testtime.calibrate import calibration_section, no_fit
-
-    if raw is None:
-        return None
-    fit = manifest.get("calibration") or no_fit(
-        "a bundle written before calibration: re-run pipeline.py to fit a temperature"
-    ).manifest_entry()
-    section = calibration_section(fit, raw, probabilities, y, config.seed)
-    (LOG.warning if section["ece_change_interval_90"][0] > 0 else LOG.info)(
-        "calibration: %s", section["verdict"])
-    return section
-
-
-def calibration_under_shift(config: Config, manifest: dict, variants: Variants,
-                            test: tuple[np.ndarray, np.ndarray]) -> dict:
-    """--eval_shift: accuracy, ECE and NLL of every variant on each corrupted copy of the test
-    split (Ovadia et al. 2019's protocol), and which variant is best calibrated on average."""
-    from ttc.testtime.calibrate import best_calibrated, shift_rows
-    from ttc.inputs.shifts import corrupt, parse_shift_names
-
-    x, y = test
-    shifts = []
-    for name in parse_shift_names(config.eval_shift, manifest["preprocessing"]["kind"]):
-        shifted = corrupt(x, name, config.shift_severity, manifest["preprocessing"], config.seed)
-        shifts.append({"name": name, "severity": config.shift_severity,
-                       "rows": shift_rows(variants(shifted), y)})
-    best = best_calibrated(shifts)
-    LOG.info("calibration under shift (severity %d): mean ECE %s; best calibrated: %s",
-             config.shift_severity, ", ".join(f"{k} {v:.4f}" for k, v in best["mean_ece"].items()),
-             best["best"])
-    return {"shifts": shifts, "under_shift": best}
-
-
-def run_iterative(config: Config, paths: BundlePaths, manifest: dict,
-                  session: ort.InferenceSession, test: tuple[np.ndarray, np.ndarray],
-                  raw: np.ndarray | None) -> tuple[dict, Variants | None]:
-    """The chosen iterative mode against a single pass: accuracy, NLL, ECE, accuracy at 90%
-    coverage, passes used and cost, on the test split, each without and with its temperature
-    (the single pass: the bundle's; an average: its own, calibrate.rescale). Also the mode's
-    variants as a function of the inputs (--eval_shift), None for state. `raw`: the test
-    split's single pass without temperature (None: the graph has no logits output)."""
-    from ttc.testtime import iterative as it
-
-    x, y = test
-    batches = batches_of(x, config.batch_size, input_padding_id(manifest["input"]))
-    single = session_runner(session)
-    single(batches[0])
-    single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
-    raw = single_probs if raw is None else raw
-    rows = [it.calibration_row("single", raw, y, single_seconds, single_seconds, 1)]
-    temperature = network_temperature(manifest)
-    if temperature != 1.0 and raw is not single_probs:
-        rows.append(it.calibration_row("single+T", single_probs, y, single_seconds,
-                                       single_seconds, 1, temperature=temperature))
-    variants = None
-    if config.iterative in ("mc_dropout", "ensemble"):
-        method_probs, more, variants = run_averaged(config, paths, manifest, batches, y,
-                                                    single_seconds)
-        rows += more
-    else:  # state: the bundle's session fed its state K times
-        if state_input(session) is None:
-            raise RuntimeFailure("--iterative state needs a graph with a 'state' input and a "
-                                 "'state_out' output", "see docs/test-time-compute.md, Iterative inference")
-        looped = session_runner(session, state_passes=config.iterations)
-        seconds, method_probs = best_of(1, lambda: np.concatenate([looped(b) for b in batches]))
-        rows.append(it.calibration_row("state_feedback", method_probs, y, seconds,
-                                       single_seconds, config.iterations))
-    it.log_rows(rows)
-    method = next(r for r in rows if r["variant"] in ("mc_dropout", "ensemble", "state_feedback"))
-    interval = ece_change_interval(raw, method_probs, y, seed=config.seed)
-    verdict = it.calibration_verdict(rows[0], method, interval, len(y))
-    (LOG.warning if method["ece"] > rows[0]["ece"] else LOG.info)("%s", verdict)
-    best = min(rows, key=lambda r: r["ece"])
-    return {"mode": config.iterative, "backend": config.iterative_backend,
-            "iterations": config.iterations, "passes_used": method["passes_used"],
-            "rows": rows, "ece_change": method["ece"] - rows[0]["ece"],
-            "ece_change_interval_90": list(interval), "verdict": verdict,
-            "best_calibrated": best["variant"]}, variants
-
-
-def run_averaged(config: Config, paths: BundlePaths, manifest: dict,
-                 batches: list[np.ndarray], y: np.ndarray, single_seconds: float
-                 ) -> tuple[np.ndarray, list[dict], Variants]:
-    """MC-dropout or an ensemble on the test batches: its mean, its row and, where its average
-    has a temperature, its "+T" row; and its variants as a function of the inputs."""
-    from ttc.testtime import iterative as it
-    from ttc.testtime.calibrate import rescale
-
-    name, members = config.iterative, None
-    if name == "mc_dropout":
-        sampler, temperature = mc_sampler(config, paths, manifest)
-    else:
-        sampler, temperature, members = ensemble_sampler(config, paths, manifest)
-    sampler(batches[:1])  # warm-up
-    seconds, passes = best_of(1, lambda: sampler(batches))
-    used = passes.passes_used if members is None else members
-    rows = [it.calibration_row(name, passes.mean, y, seconds, single_seconds, used)]
-    if temperature is not None:
-        rows.append(it.calibration_row(f"{name}+T", rescale(passes.mean, temperature), y,
-                                       seconds, single_seconds, used, temperature=temperature))
-    pad = input_padding_id(manifest["input"])
-    variants = averaged_variants(
-        name, lambda x: sampler(batches_of(x, config.batch_size, pad)), temperature)
-    return passes.mean, rows, variants
-
-
-def mc_sampler(config: Config, paths: BundlePaths, manifest: dict
-               ) -> tuple["MCSampler", float | None]:
-    """MC-dropout over the bundle's MC graph in the form --iterative_backend runs, the passes
-    taken from the graph's logits (uncalibrated); and the temperature of their average (None
-    for a bundle without one)."""
-    import onnx
-
-    from ttc.testtime import iterative as it
-    from ttc.testtime.calibrate import softmax
-
-    mc_path = require_onnx_in_bundle(paths, manifest, "mc")
-    mc_model = onnx.load(str(mc_path))
-    graph = it.mc_model_for(config.iterative_backend, mc_model, config.iterations,
-                            len(manifest["labels"]), config.seed)
-    session = create_session(graph.SerializeToString(), config.runtime(), it.MC_SESSION_ARGS,
-                             classes=len(manifest["labels"]), source=mc_path)
-    if config.iterative_backend == "python":
-        logits = session_runner(session, "logits")
-        run = lambda batch: softmax(logits(batch)).astype(np.float32)  # noqa: E731
-    else:
-        run = session_runner(session, it.PASSES_OUTPUT)
-    info = (manifest.get("extra_graphs") or {}).get("mc") or {}
-    fitted_passes = (info.get("temperature_fit") or {}).get("passes")
-    if info.get("temperature") is not None and fitted_passes != config.iterations:
-        LOG.info("the MC-dropout average's temperature was fitted with %s passes, this run "
-                 "takes %d", fitted_passes, config.iterations)
-    return (it.MCSampler(config.iterative_backend, config.iterations, run, config.iterative_tol,
-                         config.iterative_patience), info.get("temperature"))
-
-
-def ensemble_sampler(config: Config, paths: BundlePaths, manifest: dict
-                     ) -> tuple["MCSampler", float | None, int]:
-    """The ensemble's members (uncalibrated) per batch, the temperature of their average (the
-    bundle's ensemble graph's; None for --ensemble bundles merged here) and their count."""
-    from ttc.testtime import iterative as it
-
-    model, members = ensemble_graph(config, paths, manifest)
-    source = paths.variant("ensemble") if not config.ensemble else "the --ensemble graphs"
-    run = session_runner(create_session(model.SerializeToString(), config.runtime(),
-                                        classes=len(manifest["labels"]), source=source),
-                         it.PASSES_OUTPUT)
-    temperature = None
-    if not config.ensemble:
-        temperature = manifest["extra_graphs"]["ensemble"].get("temperature")
-    return it.MCSampler("batched", 0, run), temperature, members
-
-
-def ensemble_graph(config: Config, paths: BundlePaths, manifest: dict) -> tuple[object, int]:
-    """The bundle's ensemble graph, or one merged from --model and the --ensemble bundles."""
-    import onnx
-
-    from ttc.testtime.iterative import ensemble_model
-
-    if not config.ensemble:
-        model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "ensemble")))
-        return model, manifest["extra_graphs"]["ensemble"]["members"]
-    members = [onnx.load(str(require_onnx_in_bundle(paths, manifest)))]
-    for item in config.ensemble_members():
-        other_paths = BundlePaths.from_model_path(item)
-        other = read_manifest(other_paths)
-        if other["labels"] != manifest["labels"] or \
-                other["preprocessing"] != manifest["preprocessing"]:
-            raise ConfigError(f"--ensemble member {item} has other labels or preprocessing than "
-                              f"{paths.onnx}", "ensemble bundles trained on the same data")
-        members.append(onnx.load(str(require_onnx_in_bundle(other_paths, other))))
-    return ensemble_model(members, len(manifest["labels"])), len(members)
-
-
 def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
                   test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
                   report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
     """The inference stage on one session of the chosen graph: accuracy, latency and throughput;
-    then TTA (with --tta) and the benchmark table (`baseline` rows first), into `report`."""
+    the calibration section; then each test-time method asked for (the registry's order, each
+    into its section; --eval_shift measures the variants they hand back) and the benchmark table
+    (`baseline` rows first), into `report`."""
     manifest, session, model_path = load_bundle_session(paths, config, variant)
     result, probabilities = evaluate(session, *test, config, model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
@@ -411,24 +158,19 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     report["evaluation"] = bundle_evaluation(manifest, Tally(len(manifest["labels"])).add(
         probabilities, test[1]))
     raw = without_temperature(session, test[0], config.batch_size)
-    report["calibration"] = run_calibration(config, manifest, raw, probabilities, test[1])
-    if config.tta:
-        from ttc.testtime.tta import evaluate_tta
-
-        tta = evaluate_tta(tta_runner(session, model_path, manifest, config.tta_options(),
-                                      config.runtime()), test, val,
-                           config.tta_threshold)
-        (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
-        report["tta"] = tta.report_section()
-    if config.ttt:
-        report["ttt"] = run_ttt(config, paths, manifest, session_runner(session), test)
+    report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], config.seed)
+    served = served_graph(config, paths, manifest, session, model_path)
+    heldout = Heldout(test, val, raw)
     variants = single_variants(session, manifest, config.batch_size)
-    if config.iterative != "none":
-        report["iterative"], more = run_iterative(config, paths, manifest, session, test, raw)
-        if more is not None:
-            variants = joined(variants, more)
+    for method in asked_methods(config):
+        evaluation = method.evaluate(config, served, heldout)
+        report[method.key] = evaluation.section
+        if evaluation.variants is not None:
+            variants = joined(variants, evaluation.variants)
     if config.eval_shift and report["calibration"] is not None:
-        report["calibration"].update(calibration_under_shift(config, manifest, variants, test))
+        report["calibration"].update(calibration_under_shift(
+            config.eval_shift, config.shift_severity, config.seed, manifest["preprocessing"],
+            variants, test))
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
@@ -450,10 +192,6 @@ def profile_graph(config: Config, model_path: Path, x: np.ndarray, pad_id: int) 
     return section
 
 
-def joined(*parts: Variants) -> Variants:
-    return lambda x: {name: p for part in parts for name, p in part(x).items()}
-
-
 # ----------------------------------------------------------------------------- batch inference
 
 
@@ -461,63 +199,22 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
                     session: ort.InferenceSession, model_path: Path) -> tuple[Predictor, list[str]]:
     """encoded chunk → (probabilities, extra columns), with the test-time compute asked for
     (one of --tta, --ttt, --iterative), and the extra columns' names."""
-    asked = [name for name, on in (("--tta", config.tta), ("--ttt", config.ttt),
-                                   ("--iterative", config.iterative != "none")) if on]
+    asked = asked_methods(config)
     if len(asked) > 1:
         raise ConfigError(f"--input runs take one test-time method at a time, not "
-                          f"{' and '.join(asked)}", "keep one of them")
-    size = config.batch_size
-    if config.tta:
-        runner = tta_runner(session, model_path, manifest, config.tta_options(),
-                            config.runtime())
-        return (lambda x: (runner(x), {})), []
-    if config.ttt:
-        return ttt_predictor(config, paths, manifest), []
-    if config.iterative in ("mc_dropout", "ensemble"):
-        return passes_predictor(config, paths, manifest), ["entropy", "std"]
-    run = session_runner(session, state_passes=config.iterations
-                         if config.iterative == "state" else 1)
-    if manifest["preprocessing"]["kind"] == "text":
-        return by_length(run, size, input_padding_id(manifest["input"])), []
-    return (lambda x: (np.concatenate([run(b) for b in batches_of(x, size)]), {})), []
+                          f"{' and '.join(method.flag for method in asked)}", "keep one of them")
+    served = served_graph(config, paths, manifest, session, model_path)
+    if asked:
+        return asked[0].predictor(config, served)
+    return plain_predictor(served, config.batch_size)
 
 
-def by_length(run: Callable[[np.ndarray], np.ndarray], size: int, pad_id: int) -> Predictor:
-    """Token ids → probabilities in the rows' order, the rows batched by length: a batch is
-    padded to its longest text, so texts of like length waste the least compute (3.2-3.5x the
-    throughput for a transformer on SMS texts, benchmarks.md). Each row is predicted on its own
-    here (no test-time method adapts to the batch on this path), so the order changes the speed
-    only, up to float rounding; dynamic int8 quantizes activations by each batch's range, so
-    there a row's probabilities move by about 1e-3 with its batch, in any order."""
-
-    def predict(x: np.ndarray) -> tuple[np.ndarray, dict]:
-        order = np.argsort((x != pad_id).sum(axis=1), kind="stable")
-        probabilities = np.concatenate([run(b) for b in batches_of(x[order], size, pad_id)])
-        restored = np.empty_like(probabilities)
-        restored[order] = probabilities
-        return restored, {}
-
-    return predict
-
-
-def adaptation(settings: TTTSettings, paths: BundlePaths, manifest: dict,
-               runtime: RuntimeOptions) -> tuple[AdaptationGraph, Tent | None]:
-    """The graph test-time training adapts, and Tent's PyTorch copy when a method needs it: a
-    network with BatchNorm adapts the bundle's model.bn.onnx; one without, model.onnx itself,
-    whose LayerNorm/GroupNorm nodes keep their parameters, with tent only (bn alone is exit 2;
-    with `all` it is reported not applicable)."""
-    import onnx
-
-    from ttc.testtime.ttt import AdaptationGraph, Tent
-
-    variant = "onnx" if require_ttt_method_applies(settings.method, manifest) else "bn"
-    path = require_onnx_in_bundle(paths, manifest, variant)
-    graph = AdaptationGraph(onnx.load(str(path)), lambda m: create_session(
-        m, runtime, classes=len(manifest["labels"]), source=path))
-    tent = (Tent(manifest, paths.weights, graph.layers, settings.learning_rate,
-                 settings.iterations, settings.num_threads, settings.trust_model_code)
-            if "tent" in settings.methods else None)
-    return graph, tent
+def served_graph(config: Config, paths: BundlePaths, manifest: dict,
+                 session: ort.InferenceSession, model_path: Path) -> Served:
+    """The chosen graph as the test-time methods see it, with the sessions' settings and the
+    BatchNorm check test-time training runs when it picks its graph (config's arch table)."""
+    return Served(paths, manifest, session, model_path, config.runtime(),
+                  lambda method: require_ttt_method_applies(method, manifest))
 
 
 def without_batchnorm(manifest: dict) -> bool:
@@ -550,41 +247,6 @@ def require_ttt_method_applies(method: str, manifest: dict) -> bool:
                           "use --ttt_method tent, which adapts LayerNorm and GroupNorm affine "
                           "parameters")
     return True
-
-
-def ttt_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
-    from ttc.testtime.ttt import OnlineCarry, adapt_and_predict
-
-    if config.ttt_method == "all":
-        raise ConfigError("--ttt_method all compares methods on the test split; predictions "
-                          "need one", "use --ttt_method bn or tent with --input")
-    settings = config.ttt_settings(manifest["preprocessing"]["kind"])
-    graph, tent = adaptation(settings, paths, manifest, config.runtime())
-    carry = OnlineCarry()  # online adaptation goes on from chunk to chunk of the input
-    return lambda x: (adapt_and_predict(graph, settings.method, x, settings.batch_size,
-                                        settings.mode, settings.bn_prior, settings.reset_every,
-                                        tent, carry).probabilities, {})
-
-
-def passes_predictor(config: Config, paths: BundlePaths, manifest: dict) -> Predictor:
-    """MC-dropout or ensemble: the mean (rescaled by its temperature where the bundle has one),
-    its entropy, and the std across passes (or members) of the predicted class's probability."""
-    from ttc.testtime.calibrate import rescale
-
-    if config.iterative == "ensemble":
-        sampler, temperature, _ = ensemble_sampler(config, paths, manifest)
-    else:
-        sampler, temperature = mc_sampler(config, paths, manifest)
-
-    def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        passes = sampler(batches_of(x, config.batch_size, input_padding_id(manifest["input"])))
-        mean = passes.mean if temperature is None else \
-            rescale(passes.mean, temperature).astype(np.float32)
-        chosen = mean.argmax(1)
-        return mean, {"entropy": entropy(mean),
-                      "std": passes.std[np.arange(len(mean)), chosen]}
-
-    return predict
 
 
 def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:

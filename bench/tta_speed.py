@@ -37,7 +37,7 @@ CASES = [("digits CNN", "image_classifier", "builtin:digits", "hflip,vflip,rot18
 
 def measure(name: str, model_type: str, dataset_path: str, specs: str, epochs: int, runs: int,
             threads: int) -> None:
-    from inference import tta_runner
+    from ttc.testtime.tta import tta_runner
     from ttc.serving.runtime import time_runners
     from ttc.serving.runtime import batches_of, create_session, session_runner
     from ttc.testtime.tta import TTARunner, merge

@@ -121,7 +121,7 @@ def test_the_three_backends_agree(mc):
     means = {}
     for backend in ("python", "batched", "loop"):
         graph = session(mc_model_for(backend, model, 48, 10, seed=0))
-        if backend == "python":  # the passes from the logits, as inference.mc_sampler takes them
+        if backend == "python":  # the passes from the logits, as ttc/testtime/iterative_method.mc_sampler takes them
             run = lambda b, g=graph: softmax(g.run(["logits"], {"image": b})[0])  # noqa: E731
         else:
             run = lambda b, g=graph: g.run([PASSES_OUTPUT], {"image": b})[0]  # noqa: E731

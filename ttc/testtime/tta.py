@@ -15,16 +15,22 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import onnx
 
 from ttc.testtime import tta_graph
 from ttc.inputs.preprocess import PAD_ID, real_tokens, trim_padding
-from ttc.serving.runtime import batches_of, best_of
+from ttc.serving.runtime import batches_of, best_of, create_session, session_runner
 from ttc.testtime.tta_graph import GraphNodes, ViewBuilder
 from utils import LOG, ConfigError
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+    from ttc.serving.runtime import RuntimeOptions
 
 DEFAULT_TRANSFORMS = {"image": "shift:1", "text": "token_dropout:0.1", "tabular": "jitter:0.1"}
 
@@ -685,3 +691,18 @@ def evaluate_tta(runner: TTARunner, test: tuple[np.ndarray, np.ndarray],
                           f"({judged:.4f} vs {plain:.4f} without) at {result.cost_ratio:.2f}x the "
                           "time")
     return result
+
+
+def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
+               options: TTAOptions, runtime: RuntimeOptions) -> TTARunner:
+    """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
+    on the same providers) where the transforms allow, else numpy views around `session`."""
+    transforms = build_transforms(options.transforms, manifest["preprocessing"], options.seed)
+    model = tta_model(onnx.load(str(model_path)), transforms, options.merge,
+                      len(manifest["labels"]))
+    merged = None
+    if model is not None:
+        merged = session_runner(create_session(model.SerializeToString(), runtime,
+                                               classes=len(manifest["labels"]), source=model_path))
+    return TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
+                     merged)

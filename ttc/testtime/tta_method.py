@@ -1,0 +1,46 @@
+"""Test-time augmentation as inference.py runs it (`--tta true`): the registry's entry. The
+transforms, merges and runner are tta.py's; this module only wires them to a served graph.
+Light at import (tta.py, which imports onnx, loads when the method runs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ttc.testtime.served import Evaluation, Heldout, RunFlags, Served
+from utils import LOG
+
+if TYPE_CHECKING:
+    from ttc.serving.batch import Predictor
+    from ttc.testtime.tta import TTAOptions, TTARunner
+
+
+@dataclass(frozen=True)
+class TTA:
+    flag: str = "--tta"
+    key: str = "tta"
+
+    def asked(self, config: RunFlags) -> bool:
+        return config.tta
+
+    def options(self, config: RunFlags, manifest: dict) -> TTAOptions:
+        return config.tta_options()
+
+    def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
+        """TTA against the plain pass on the test split, judged on the validation split."""
+        from ttc.testtime.tta import evaluate_tta
+
+        options = self.options(config, served.manifest)
+        tta = evaluate_tta(runner(served, options), heldout.test, heldout.val, options.threshold)
+        (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
+        return Evaluation(tta.report_section())
+
+    def predictor(self, config: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
+        tta = runner(served, self.options(config, served.manifest))
+        return (lambda x: (tta(x), {})), []
+
+
+def runner(served: Served, options: TTAOptions) -> TTARunner:
+    from ttc.testtime.tta import tta_runner
+
+    return tta_runner(served.session, served.model_path, served.manifest, options,
+                      served.runtime)
