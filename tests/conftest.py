@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,20 +136,60 @@ def write_image_table(root: Path, fmt: str, classes=(0, 1, 2), per_class: int = 
 # inspects or reuses them. A test that changes a bundle's files copies its folder first.
 
 # Session fixtures are built once per xdist worker: the tests of the costlier bundles go to one
-# worker together (--dist loadgroup in pytest.ini), so that each is built once per run.
-# digits_bundle (quick, and used by 41 tests) is left to both workers.
+# worker together (--dist loadgroup in pytest.ini), so that each is built once per run. So do
+# the tests of a module's own trained fixture (a module fixture is also built once per worker).
+# A test that takes a bundle by name (request.getfixturevalue(f"{name}_bundle"), parametrized)
+# goes with that bundle's tests too. digits_bundle (quick, and used in most test files) is left to
+# both workers.
 GROUPED_BUNDLES = ("hf_pad1_bundle", "hf_bundle", "wine_bundle", "digits_int8_bundle",
                    "text_bundle", "tabular_bundle")
+GROUPED_MODULE_FIXTURES = ("source_bundle", "split_folder", "news_bundle", "transformer",
+                           "model_def_bundle", "useless_run")
+# A fixture that a grouped bundle is made from: its other tests join that bundle's group.
+GROUP_OF = {"hf_model_dir": "hf_bundle"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(config, items) -> None:
+@pytest.hookimpl(wrapper=True)  # around xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(config: pytest.Config,
+                                   items: list[pytest.Item]) -> Iterator[None]:
+    groups = {}
     for item in items:
-        if item.get_closest_marker("xdist_group"):  # a test file's own group (test_ray.py)
-            continue
-        name = next((n for n in GROUPED_BUNDLES if n in getattr(item, "fixturenames", ())), None)
-        if name:
-            item.add_marker(pytest.mark.xdist_group(name))
+        marks = [m.args[0] if m.args else m.kwargs.get("name", "default")
+                 for m in item.iter_markers("xdist_group")]  # a file's own group (test_ray.py)
+        group = marks[0] if marks else shared_setup(item)
+        if group and not marks:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if group:
+            groups[item] = group
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item, group in groups.items():
+            _group_in_node_id(item, group)
+    return result
+
+
+def shared_setup(item: pytest.Item) -> str | None:
+    """The costly shared fixture whose worker runs this test: one it requests, or one a
+    parameter names ("text" or "text_bundle" for request.getfixturevalue)."""
+    requested = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None) if "request" in requested else None
+    for value in (callspec.params.values() if callspec else ()):
+        if isinstance(value, str):
+            requested |= {value, f"{value}_bundle"}
+    name = next((n for n in (*GROUPED_BUNDLES, *GROUPED_MODULE_FIXTURES, *GROUP_OF)
+                 if n in requested), None)
+    return GROUP_OF.get(name, name)
+
+
+def _group_in_node_id(item: pytest.Item, group: str) -> None:
+    """xdist 3.8 tells the controller a test's group by appending "@group" to `item._nodeid`,
+    which pytest 9.2 no longer reads (its node id is the structured `item._id`): without this,
+    every grouped test is scheduled alone and each worker trains every bundle
+    (pytest-dev/pytest-xdist#1386). Where xdist's suffix shows (older pytest, a fixed
+    xdist), nothing is done."""
+    node_id = getattr(item, "_id", None)
+    if "@" not in item.nodeid.rsplit("]", 1)[-1] and hasattr(type(node_id), "parse"):
+        item._id = type(node_id).parse(f"{item.nodeid}@{group}")
 
 
 def pipeline_bundle(out: Path, *args: object) -> dict:
