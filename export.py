@@ -20,11 +20,11 @@ from ttc.testtime.calibrate import fit_with_interval, log_scores, rescale, softm
 from config import Config, build_parser, start_cli
 from ttc.inputs.data import bundle_data_options, load_bundle_dataset, split_paths_of
 from ttc.reporting.metrics import top1_agreement
-from ttc.serving.runtime import RuntimeOptions, create_session, input_padding_id, session_feeder
+from ttc.serving.runtime import RuntimeOptions, create_session, session_feeder
 from ttc.inputs.preprocess import text_graph_feed, trim_padding
-from ttc.serving.bundle import (BundlePaths, mark_padding_id, manifest_text, network_temperature,
-                    read_manifest, record_export, require_trusted_model_code,
-                    stamp_contract)
+from ttc.serving.bundle import (BundlePaths, InputSpec, Manifest, as_manifest, mark_padding_id,
+                    manifest_text, read_manifest, record_export,
+                    require_trusted_model_code, stamp_contract)
 from report import run_with_report
 from utils import (DataError, ExportError, LOG, debug_enabled, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of, staged_files, stdout_to_stderr, first_line)
@@ -53,7 +53,8 @@ class NumericCheck:
 @dataclass
 class ExportResult:
     paths: BundlePaths
-    manifest: dict
+    manifest: Manifest
+    draft: dict  # the manifest's JSON, which write_bundle fills and writes
     opset: int
     nodes_before_slim: int
     nodes_after_slim: int
@@ -74,7 +75,7 @@ class ExportResult:
                 "seconds": self.seconds, "fusion": self.fusion}
 
 
-def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: dict,
+def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: InputSpec,
                  output_names: Sequence[str], optimize: bool = True,
                  keep_modes: bool = False, temperature: float = 1.0) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) with the input's named axes dynamic (batch; length for text).
@@ -89,11 +90,11 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
     wrapper = export_wrapper(net, temperature)
     wrapper = wrapper if keep_modes else wrapper.eval()
     feed = graph_inputs(np.ascontiguousarray(example), input_spec)
-    dims = {name: torch.export.Dim(name, **({"max": input_spec["max_length"]}
-                                             if name == "length" and "max_length" in input_spec
-                                             else {}))
-            for name in input_spec["shape"] if isinstance(name, str)}
-    dynamic = tuple({axis: dims[name] for axis, name in enumerate(input_spec["shape"])
+    dims = {name: torch.export.Dim(name, **({"max": input_spec.max_length}
+                                             if name == "length" and
+                                             input_spec.max_length is not None else {}))
+            for name in input_spec.shape if isinstance(name, str)}
+    dynamic = tuple({axis: dims[name] for axis, name in enumerate(input_spec.shape)
                      if isinstance(name, str)} for _ in feed)
     try:
         with stdout_to_stderr():
@@ -109,13 +110,12 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
                           "try the default --opset 18, or --log_level DEBUG for details") from None
 
 
-def graph_inputs(x: np.ndarray, input_spec: dict) -> dict[str, np.ndarray]:
+def graph_inputs(x: np.ndarray, input_spec: InputSpec) -> dict[str, np.ndarray]:
     """The graph's inputs for the pipeline's one input array (an hf graph's attention mask and
     token types from its ids: preprocess.text_graph_feed)."""
-    extra = [i["name"] for i in input_spec.get("extra_inputs", ())]
-    if not extra:
-        return {input_spec["name"]: x}
-    return text_graph_feed(x, [input_spec["name"], *extra], input_spec["padding_id"])
+    if not input_spec.extra_inputs:
+        return {input_spec.name: x}
+    return text_graph_feed(x, input_spec.names, input_spec.padding_id)
 
 
 def slim_graph(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -145,12 +145,12 @@ def check_graph(model: onnx.ModelProto) -> None:
                           "rerun with --log_level DEBUG and report it") from None
 
 
-def padding_id(input_spec: dict) -> int | None:
+def padding_id(input_spec: InputSpec) -> int | None:
     """The padding id of a token-id input (None for images and tables)."""
-    return input_padding_id(input_spec) if input_spec["dtype"] == "int64" else None
+    return input_spec.pad_id if input_spec.dtype == "int64" else None
 
 
-def check_samples(held_out: np.ndarray, fallback: np.ndarray, input_spec: dict) -> np.ndarray:
+def check_samples(held_out: np.ndarray, fallback: np.ndarray, input_spec: InputSpec) -> np.ndarray:
     """32-64 real samples, held-out first; topped up from training data for tiny datasets."""
     samples = held_out[:MAX_CHECK_SAMPLES]
     pad = padding_id(input_spec)
@@ -169,7 +169,7 @@ def _concat_padded(a: np.ndarray, b: np.ndarray, pad: int | None) -> np.ndarray:
     return np.concatenate([a, b])
 
 
-def validation_probes(samples: np.ndarray, input_spec: dict) -> dict[str, np.ndarray]:
+def validation_probes(samples: np.ndarray, input_spec: InputSpec) -> dict[str, np.ndarray]:
     """Inputs to compare PyTorch and ONNX Runtime on. For text: the real lengths (texts longer
     than the tokenizer's max_length arrive truncated), every text cut to its first token (length
     1), and extra padding, up to 7 columns within max_length (it must not change a
@@ -178,7 +178,9 @@ def validation_probes(samples: np.ndarray, input_spec: dict) -> dict[str, np.nda
     if pad is None:
         return {"held_out": samples}
     trimmed = trim_padding(samples, pad)
-    extra = min(7, input_spec.get("max_length", trimmed.shape[1] + 7) - trimmed.shape[1])
+    longest = input_spec.max_length if input_spec.max_length is not None else \
+        trimmed.shape[1] + 7
+    extra = min(7, longest - trimmed.shape[1])
     probes = {"held_out": trimmed, "length_1": np.ascontiguousarray(trimmed[:, :1])}
     if extra > 0:
         probes["padded"] = np.pad(trimmed, ((0, 0), (0, extra)), constant_values=pad)
@@ -186,7 +188,7 @@ def validation_probes(samples: np.ndarray, input_spec: dict) -> dict[str, np.nda
 
 
 def compare_with_torch(model: onnx.ModelProto, net: torch.nn.Module, samples: np.ndarray,
-                       input_spec: dict, atol: float, batch_size: int,
+                       input_spec: InputSpec, atol: float, batch_size: int,
                        num_threads: int, temperature: float = 1.0) -> NumericCheck:
     """Run PyTorch and ONNX Runtime on the same inputs at batch 1, an odd batch and a large one
     (the probabilities with the manifest's temperature)."""
@@ -273,16 +275,17 @@ def require_finite_outputs(net: torch.nn.Module, probe: np.ndarray, logits: np.n
                       f"a tolerance cannot fix this: {RETRAIN}")
 
 
-def validation_tolerance(config: Config, manifest: dict) -> float:
-    """--validate_atol, or the default for the manifest's network."""
+def validation_tolerance(config: Config, manifest: Manifest | dict) -> float:
+    """--validate_atol, or the default for the manifest's network (of a typed manifest, or of
+    its JSON dict)."""
     from config import VALIDATE_ATOL, VALIDATE_ATOL_FOR_ARCH
 
     if config.validate_atol is not None:
         return config.validate_atol
-    return VALIDATE_ATOL_FOR_ARCH.get(manifest["architecture"].get("arch"), VALIDATE_ATOL)
+    return VALIDATE_ATOL_FOR_ARCH.get(as_manifest(manifest).architecture.arch, VALIDATE_ATOL)
 
 
-def export_example(samples: np.ndarray, input_spec: dict) -> np.ndarray:
+def export_example(samples: np.ndarray, input_spec: InputSpec) -> np.ndarray:
     """Two real samples: with a batch (or length) of 1 the exporter would fix that axis."""
     example = samples[:2]
     pad = padding_id(input_spec)
@@ -293,30 +296,34 @@ def export_example(samples: np.ndarray, input_spec: dict) -> np.ndarray:
     return example
 
 
-def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out: np.ndarray,
+def export_bundle(config: Config, net: torch.nn.Module, manifest: Manifest | dict,
+                  held_out: np.ndarray,
                   train_samples: np.ndarray, paths: BundlePaths,
                   members: Sequence[torch.nn.Module] = (),
                   val: tuple[np.ndarray, np.ndarray] | None = None) -> ExportResult:
     """Export → slim → check → validate; only a model that passes every step is written. Every
     graph bakes the manifest's temperature in; the MC-dropout and ensemble graphs' averages get
-    their own, fitted on `val` (the validation split) when the manifest's is."""
+    their own, fitted on `val` (the validation split) when the manifest's is. `manifest`:
+    training's draft (a JSON dict, filled in place) or a bundle's (typed: its JSON is copied)."""
     started = time.perf_counter()
+    draft = manifest.to_json_dict() if isinstance(manifest, Manifest) else manifest
+    manifest = as_manifest(manifest)
     config.validate_atol = validation_tolerance(config, manifest)
     net = net.eval()
-    output_names = [o["name"] for o in manifest["outputs"]]
-    samples = check_samples(held_out, train_samples, manifest["input"])
-    spec = manifest["input"]
-    temperature = network_temperature(manifest)
+    output_names = list(manifest.output_names)
+    samples = check_samples(held_out, train_samples, manifest.input)
+    spec = manifest.input
+    temperature = manifest.temperature
     exported = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
                             temperature=temperature)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
-    check = compare_with_torch(slimmed, net, samples, manifest["input"], config.validate_atol,
+    check = compare_with_torch(slimmed, net, samples, manifest.input, config.validate_atol,
                                config.batch_size, config.num_threads, temperature)
     LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, top-1 agreement "
              "%.1f%%", len(exported.graph.node), len(slimmed.graph.node), check.max_abs_diff,
              100 * check.top1_agreement)
-    result = ExportResult(paths=paths, manifest=manifest, opset=config.opset,
+    result = ExportResult(paths=paths, manifest=manifest, draft=draft, opset=config.opset,
                           nodes_before_slim=len(exported.graph.node),
                           nodes_after_slim=len(slimmed.graph.node), check=check,
                           atol=config.validate_atol, size_bytes=slimmed.ByteSize(),
@@ -340,7 +347,7 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: dict, held_out
     return result
 
 
-def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, manifest: dict
+def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, manifest: Manifest
                    ) -> tuple[onnx.ModelProto, NumericCheck, dict] | None:
     """An hf network's graph with ONNX Runtime's transformer fusion (hf.fused_graph: one
     Attention node per layer; measured on the tiny BERT of bench/hf_text.py, fp32 1.33x the
@@ -351,9 +358,9 @@ def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, ma
 
     if not isinstance(net, HFTextNet):
         return None
-    spec = manifest["input"]
-    output_names = [o["name"] for o in manifest["outputs"]]
-    temperature = network_temperature(manifest)
+    spec = manifest.input
+    output_names = list(manifest.output_names)
+    temperature = manifest.temperature
     try:
         feed = graph_inputs(np.ascontiguousarray(export_example(samples, spec)), spec)
         model = fused_graph(net, feed, output_names, config.opset, temperature)
@@ -383,9 +390,9 @@ class ExtraGraph:
 
 
 def _max_diff_to(graph: onnx.ModelProto, reference: onnx.ModelProto, samples: np.ndarray,
-                 config: Config, manifest: dict, **session_args: object) -> float:
+                 config: Config, manifest: Manifest, **session_args: object) -> float:
     runtime = RuntimeOptions(intra_op_threads=config.num_threads)
-    probe = validation_probes(samples, manifest["input"])["held_out"]
+    probe = validation_probes(samples, manifest.input)["held_out"]
     sessions = [create_session(m.SerializeToString(), runtime) for m in (graph, reference)]
     got, expected = (s.run(["probabilities"], session_feeder(s)(probe))[0] for s in sessions)
     return float(np.abs(got - expected).max())
@@ -403,7 +410,7 @@ def _require_close(diff: float, what: str, config: Config) -> None:
 
 
 def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
-                            config: Config, manifest: dict) -> ExtraGraph | None:
+                            config: Config, manifest: Manifest) -> ExtraGraph | None:
     """The graph test-time training adapts: exported unoptimised and not slimmed, so that its
     BatchNormalization nodes survive (the deployable graph has them folded into Conv/Gemm).
     Checked against the deployable graph on the same samples. None without BatchNorm: tent then
@@ -413,10 +420,10 @@ def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
         check_norms_adaptable(net, slimmed)
         return None
-    output_names = [o["name"] for o in manifest["outputs"]]
-    spec = manifest["input"]
+    output_names = list(manifest.output_names)
+    spec = manifest.input
     graph = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
-                         optimize=False, temperature=network_temperature(manifest))
+                         optimize=False, temperature=manifest.temperature)
     graph = fold_constants(graph)
     check_graph(graph)
     diff = _max_diff_to(graph, slimmed, samples, config, manifest)
@@ -453,7 +460,7 @@ def check_norms_adaptable(net: torch.nn.Module, slimmed: onnx.ModelProto) -> Non
 
 
 def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
-                            config: Config, manifest: dict,
+                            config: Config, manifest: Manifest,
                             val: tuple[np.ndarray, np.ndarray] | None = None
                             ) -> ExtraGraph | None:
     """The graph MC-dropout samples: the network with its Dropout layers in training mode,
@@ -466,15 +473,15 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     dropouts = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if not dropouts:
         return None
-    output_names = [o["name"] for o in manifest["outputs"]]
+    output_names = list(manifest.output_names)
     sampling = copy.deepcopy(net).eval()
     for module in sampling.modules():
         if isinstance(module, torch.nn.Dropout):
             module.train()
             module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
-    graph = export_graph(sampling, export_example(samples, manifest["input"]), config.opset,
-                         manifest["input"], output_names, keep_modes=True,
-                         temperature=network_temperature(manifest))
+    graph = export_graph(sampling, export_example(samples, manifest.input), config.opset,
+                         manifest.input, output_names, keep_modes=True,
+                         temperature=manifest.temperature)
     check_graph(graph)
     layers = sum(n.op_type == "Dropout" for n in graph.graph.node)  # a module used twice: 2
     if layers == 0:
@@ -485,7 +492,7 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     info = {"purpose": "MC-dropout: Dropout nodes in training mode, not slimmed; run with "
             "EliminateDropout disabled", "dropout_layers": layers, "rates": [m.p for m in dropouts]}
     if calibrating(manifest, val):
-        passes = [softmax(network_logits(sampling, val[0], manifest["input"],
+        passes = [softmax(network_logits(sampling, val[0], manifest.input,
                                             seed=config.seed + k))
                   for k in range(config.iterations)]
         info.update(averaged_temperature("MC-dropout", np.mean(passes, axis=0), val[1],
@@ -493,14 +500,14 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     return ExtraGraph(graph, info)
 
 
-def calibrating(manifest: dict, val: tuple[np.ndarray, np.ndarray] | None) -> bool:
+def calibrating(manifest: Manifest, val: tuple[np.ndarray, np.ndarray] | None) -> bool:
     """Whether averaged outputs get a temperature: the network's was fitted, and there is a
     validation split to fit theirs on."""
-    method = (manifest.get("calibration") or {}).get("method", "none")
+    method = manifest.calibration.method if manifest.calibration else "none"
     return method != "none" and val is not None and len(val[1]) > 0
 
 
-def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: dict,
+def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: InputSpec,
                    seed: int | None = None, batch_size: int = 256) -> np.ndarray:
     """The network's logits on x in the modes its modules are in (dropout sampling from
     `seed`); token ids trimmed of the padding no text in a batch needs."""
@@ -526,15 +533,15 @@ def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, **details: 
 
 
 def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, config: Config,
-                          manifest: dict, val: tuple[np.ndarray, np.ndarray] | None = None
+                          manifest: Manifest, val: tuple[np.ndarray, np.ndarray] | None = None
                           ) -> ExtraGraph:
     """Every member exported and slimmed like model.onnx, merged into one graph that returns
     their mean (iterative.ensemble_model), rescaled by a temperature fitted on `val`; checked
     against the PyTorch members' mean, rescaled the same way."""
     from ttc.testtime.iterative import ensemble_model
 
-    output_names = [o["name"] for o in manifest["outputs"]]
-    spec = manifest["input"]
+    output_names = list(manifest.output_names)
+    spec = manifest.input
     members = [slim_graph(export_graph(net.eval(), export_example(samples, spec), config.opset,
                                        spec, output_names)) for net in nets]
     calibration = {}
@@ -542,9 +549,9 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
         mean = np.mean([softmax(network_logits(net, val[0], spec)) for net in nets], axis=0)
         calibration = averaged_temperature("ensemble", mean, val[1], members=len(nets))
     temperature = calibration.get("temperature", 1.0)
-    graph = ensemble_model(members, len(manifest["labels"]), temperature)
+    graph = ensemble_model(members, manifest.classes, temperature)
     check_graph(graph)
-    probe = validation_probes(samples, manifest["input"])["held_out"]
+    probe = validation_probes(samples, manifest.input)["held_out"]
     expected = rescale(np.mean([softmax(network_logits(net, probe, spec)) for net in nets],
                                axis=0), temperature)
     session = create_session(graph.SerializeToString(),
@@ -568,7 +575,7 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
 
     from ttc.nets.models import side_files
 
-    paths, manifest = result.paths, result.manifest
+    paths, manifest, draft = result.paths, result.manifest, result.draft
     extras = extras or {}
     weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
     torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, weights)
@@ -586,9 +593,9 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
         staged_onnx = stage(paths.onnx, lambda tmp: onnx.save_model(model, str(tmp)))
         hashes["onnx"] = sha256_of(staged_onnx)
         result.size_bytes = staged_onnx.stat().st_size
-        record_export(manifest, paths, export_section(result),
+        record_export(draft, paths, export_section(result),
                       {key: extra.info for key, extra in extras.items()}, hashes)
-        stage(paths.manifest, lambda tmp: tmp.write_text(manifest_text(manifest),
+        stage(paths.manifest, lambda tmp: tmp.write_text(manifest_text(draft),
                                                           encoding="utf-8"))
 
 
@@ -609,7 +616,7 @@ def export_section(result: ExportResult) -> dict:
 
 # ----------------------------------------------------------------------------- CLI
 
-def load_held_out(config: Config, manifest: dict
+def load_held_out(config: Config, manifest: Manifest
                   ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """For a bundle on disk, decoded as at training time: the test split's inputs (the numeric
     check), the validation split's inputs (its fallback) and the validation split (the

@@ -628,7 +628,8 @@ def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> 
     changed node ranked, without quantizing again."""
     manifest = read_manifest(paths)
     int8_path = require_onnx_in_bundle(paths, manifest, "int8")
-    mode = (manifest.get("quantization") or {}).get("mode") or "static"
+    recorded = manifest.quantization
+    mode = (recorded.mode if recorded else None) or "static"
     source = onnx.load(str(require_onnx_in_bundle(paths, manifest)))
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
@@ -638,7 +639,7 @@ def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> 
     LOG.info("diagnosed %d quantized node(s) of %s; the worst: %s", len(layers), int8_path.name,
              layers[0].node if layers else "none")
     return {"mode": mode, "path": str(int8_path), "diagnosis_only": True,
-            "verdict": (manifest.get("quantization") or {}).get("verdict"),
+            "verdict": recorded.verdict if recorded else None,
             "layers": [row.report_row() for row in layers[:SHOWN_LAYERS]]}
 
 

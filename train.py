@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from config import Config, build_parser, start_cli
 from ttc.inputs.data import Dataset, DataOptions, load_dataset
-from ttc.serving.bundle import BundlePaths, manifest_text, new_manifest, record_side_file, record_weights
+from ttc.serving.bundle import (BundlePaths, Manifest, manifest_text, new_manifest,
+                                record_side_file, record_weights)
 from report import run_with_report
 from utils import (LOG, atomic_write, atomic_write_text, exit_cli, quiet_library_loggers,
                    run_cli, sha256_of)
@@ -208,7 +209,7 @@ def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
     manifest = build_manifest(config, trained, dataset, teacher)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))
     # the bundle keeps the --model_def file (export and Tent rebuild from it) and an hf tokenizer
-    for key, data in side_files(manifest).items():
+    for key, data in side_files(Manifest.from_dict(manifest)).items():
         atomic_write(paths.side_file(key), lambda tmp, d=data: tmp.write_bytes(d))
         record_side_file(manifest, paths, key, sha256_of(paths.side_file(key)))
     atomic_write_text(paths.manifest, manifest_text(manifest))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -231,16 +231,24 @@ def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
     return dataset
 
 
-def bundle_data_options(manifest: dict, path: str | None, show_progress: bool = True,
+class BundleRecord(Protocol):
+    """What a bundle's manifest (serving.manifest.Manifest, which this package does not import)
+    tells the loader: the data's recorded reading options, its preprocessing and labels."""
+
+    dataset: Any  # DatasetRecord: .fields, the recorded JSON object
+    preprocessing: Any  # Preprocessing: .spec, the JSON object the encoders read
+    labels: Sequence[str]
+
+
+def bundle_data_options(manifest: BundleRecord, path: str | None, show_progress: bool = True,
                         split_paths: dict[str, str | None] | None = None,
                         alternative: str = "") -> DataOptions:
     """The data the user named for a bundle (`path`: --dataset_path; `split_paths`: --val_path
     and --test_path), with the bundle's recorded reading options; ConfigError (exit 2) when
     the user must name it (DataOptions.from_manifest). Scripts call it before any work: it
     reads nothing."""
-    recorded = manifest.get("dataset")
-    return DataOptions.from_manifest(recorded if isinstance(recorded, dict) else {}, path,
-                                     show_progress, split_paths, alternative)
+    return DataOptions.from_manifest(manifest.dataset.fields, path, show_progress, split_paths,
+                                     alternative)
 
 
 def split_paths_of(config) -> dict[str, str | None]:
@@ -248,15 +256,15 @@ def split_paths_of(config) -> dict[str, str | None]:
     return {"val": config.val_path, "test": config.test_path}
 
 
-def load_bundle_dataset(manifest: dict, path: str | None, splits: Sequence[str],
+def load_bundle_dataset(manifest: BundleRecord, path: str | None, splits: Sequence[str],
                         show_progress: bool = True,
                         split_paths: dict[str, str | None] | None = None,
                         alternative: str = "") -> Dataset:
     """The data the user named (bundle_data_options), split and encoded exactly as at training
     time."""
     options = bundle_data_options(manifest, path, show_progress, split_paths, alternative)
-    return load_dataset(options, preprocessing=manifest["preprocessing"],
-                        labels=manifest["labels"], splits=splits)
+    return load_dataset(options, preprocessing=manifest.preprocessing.spec,
+                        labels=list(manifest.labels), splits=splits)
 
 
 def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,

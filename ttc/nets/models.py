@@ -15,10 +15,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ttc.serving.bundle import BundlePaths, bundle_file, require_trusted_model_code
+from ttc.serving.bundle import BundlePaths, Manifest, bundle_file, require_trusted_model_code
 from ttc.nets.hf import HFGraph, HFTextNet, hf_architecture
 from ttc.inputs.limits import inflating_archive_problem, size_text
-from ttc.inputs.preprocess import HF_TOKENIZER, hf_source, hf_tokenizer_text
+from ttc.inputs.preprocess import hf_source, hf_tokenizer_text
 from utils import (LOG, ConfigError, ExportError, UserCodeFailure, atomic_write, first_line,
                    register_user_code, sha256_of, stdout_to_stderr)
 
@@ -640,12 +640,12 @@ def users_own_model_def(architecture: dict) -> bool:
     return digest in _MODEL_SOURCES and _MODEL_SOURCES[digest] not in _BUNDLE_COPIES
 
 
-def register_bundle_model_source(manifest: dict, folder: Path) -> None:
+def register_bundle_model_source(manifest: Manifest, folder: Path) -> None:
     """The bundle's copy of its --model_def file, checked against the manifest's sha256 (the
     user's own file when it has that hash: see users_own_model_def)."""
-    if users_own_model_def(manifest["architecture"]):
+    if users_own_model_def(manifest.architecture.spec):
         return
-    name = (manifest.get("files") or {}).get("model_def")
+    name = manifest.files.name("model_def")
     if not name:
         raise ExportError("the bundle's manifest names no model definition file",
                           "re-create the bundle with pipeline.py --model_def")
@@ -653,7 +653,7 @@ def register_bundle_model_source(manifest: dict, folder: Path) -> None:
     if bundle_file(path, "model definition") is None:
         raise ExportError(f"the bundle's model definition {path} is missing",
                           "keep the .def.py written with the bundle next to its model.json")
-    register_model_source(path, manifest["architecture"]["model_def"]["sha256"])
+    register_model_source(path, manifest.architecture.model_def["sha256"])
 
 
 def count_parameters(net: nn.Module) -> int:
@@ -681,15 +681,15 @@ def weights_error(err: Exception) -> str:
     return first_line(err, 200)
 
 
-def architecture_bytes(manifest: dict) -> int | None:
+def architecture_bytes(manifest: Manifest) -> int | None:
     """The bytes of the tensors the manifest's network holds, counted on torch's meta device
     (shapes without memory); None for a network whose sizes its own code decides (--model_def)
     or that cannot be built there."""
-    if manifest["architecture"].get("name") == "UserNetwork":
+    if manifest.architecture.is_user_network:
         return None
     try:
         with torch.device("meta"):
-            net = build_model(manifest["architecture"], manifest["preprocessing"])
+            net = build_model(manifest.architecture.spec, manifest.preprocessing.spec)
     except Exception as err:  # noqa: BLE001 - the real build reports a bad architecture
         LOG.debug("the architecture could not be sized on the meta device: %s", first_line(err))
         return None
@@ -697,7 +697,7 @@ def architecture_bytes(manifest: dict) -> int | None:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def require_weights_fit(manifest: dict, path: Path) -> None:
+def require_weights_fit(manifest: Manifest, path: Path) -> None:
     """Refuse (exit 4) a manifest whose network holds more than its weights file could store,
     before the network is built: `architecture.widths` [7000, 7000] would take 5.6 GB for a
     file of 263 KB. The file holds every tensor of the network (a MB of slack for buffers it
@@ -705,7 +705,7 @@ def require_weights_fit(manifest: dict, path: Path) -> None:
     need = architecture_bytes(manifest)
     have = path.stat().st_size
     if need is not None and need > have + (1 << 20):
-        name = manifest["architecture"]["name"]
+        name = manifest.architecture.name
         raise ExportError(f"the manifest's architecture ({name}) holds {size_text(need)} of "
                           f"tensors, and its weights file {path.name} only {size_text(have)}: "
                           "the architecture was edited, or the files come from different runs",
@@ -713,27 +713,26 @@ def require_weights_fit(manifest: dict, path: Path) -> None:
                           "bundle with pipeline.py")
 
 
-def load_weights(manifest: dict, path: Path, trust_model_code: bool = False) -> nn.Module:
+def load_weights(manifest: Manifest, path: Path, trust_model_code: bool = False) -> nn.Module:
     """Rebuild the manifest's network and load `model.pt` into it (weights_only: never unpickle).
     A --model_def network imports the bundle's copy of its file, which runs that code: only with
     `trust_model_code` (--trust_model_code), or when the file is the user's own --model_def."""
-    files = manifest.get("files") or {}
-    expected = files.get("sha256", {}).get("weights")
+    expected = manifest.files.digest("weights")
     require_trusted_model_code(manifest, BundlePaths.from_model_path(path.with_suffix(".onnx")),
-                               trust_model_code or users_own_model_def(manifest["architecture"]))
+                               trust_model_code or users_own_model_def(manifest.architecture.spec))
     if bundle_file(path, "weights") is None:
         raise ExportError(f"weights file {path} not found", "re-run train.py or pipeline.py")
     if expected and sha256_of(path) != expected:
         raise ExportError(f"{path} does not match its manifest (sha256 differs)",
                           "re-run train.py or pipeline.py to write a consistent bundle")
-    if manifest["architecture"].get("name") == "UserNetwork":
+    if manifest.architecture.is_user_network:
         register_bundle_model_source(manifest, path.parent)
     require_weights_fit(manifest, path)
     problem = inflating_archive_problem(path)
     if problem:
         raise ExportError(f"cannot load weights {path}: {problem}",
                           "re-run train.py or pipeline.py")
-    net = build_model(manifest["architecture"], manifest["preprocessing"])
+    net = build_model(manifest.architecture.spec, manifest.preprocessing.spec)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
@@ -743,21 +742,21 @@ def load_weights(manifest: dict, path: Path, trust_model_code: bool = False) -> 
     return net.eval()
 
 
-def side_files(manifest: dict) -> dict[str, bytes]:
+def side_files(manifest: Manifest) -> dict[str, bytes]:
     """The files besides weights and graphs that a manifest needs in its bundle, by key: a
     --model_def network's Python file, an hf arch's tokenizer.json."""
     files = {}
     source = model_def_source(manifest)
     if source is not None:
         files["model_def"] = source.read_bytes()
-    if manifest["preprocessing"].get("tokenizer") == HF_TOKENIZER:
-        files["tokenizer"] = hf_tokenizer_text(manifest["preprocessing"]).encode("utf-8")
+    if manifest.preprocessing.is_hf:
+        files["tokenizer"] = hf_tokenizer_text(manifest.preprocessing.spec).encode("utf-8")
     return files
 
 
-def model_def_source(manifest: dict) -> Path | None:
+def model_def_source(manifest: Manifest) -> Path | None:
     """The --model_def file a UserNetwork manifest needs in its bundle (registered in
     _MODEL_SOURCES by whoever built the network), or None for the built-in networks."""
-    if manifest["architecture"].get("name") != "UserNetwork":
+    if not manifest.architecture.is_user_network:
         return None
-    return model_source(manifest["architecture"])
+    return model_source(manifest.architecture.spec)

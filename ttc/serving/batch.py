@@ -20,13 +20,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.inputs.limits import LIMITS, images_per_chunk, row_hint
 from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
+from ttc.serving.manifest import Manifest, as_manifest
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     refuse_nested, serving_columns, split_spec, table_format)
 from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
@@ -80,13 +81,14 @@ class BatchOptions:
         return {"text": self.text_column, "feature": self.feature_columns,
                 "image": self.image_column}[role]
 
-    def rows_per_chunk(self, manifest: dict) -> int:
+    def rows_per_chunk(self, manifest: Manifest) -> int:
         """--chunk_rows, or fewer where the bundle's images would not fit
         --max_image_memory_mb (whole test-time training batches kept)."""
-        preprocessing = manifest["preprocessing"]
-        if preprocessing["kind"] != "image":
+        preprocessing = manifest.preprocessing
+        if preprocessing.kind != "image":
             return self.chunk_rows
-        return images_per_chunk(preprocessing, self.chunk_rows, self.batch_size if self.ttt else 1)
+        return images_per_chunk(preprocessing.spec, self.chunk_rows,
+                                self.batch_size if self.ttt else 1)
 
 
 def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
@@ -119,9 +121,9 @@ class RowEncoder:
     (preprocess.py, tables.py): the one step between reading and predicting, the same in this
     process and on a Ray worker."""
 
-    def __init__(self, manifest: dict) -> None:
-        self.preprocessing = manifest["preprocessing"]
-        self.kind = self.preprocessing["kind"]
+    def __init__(self, manifest: Manifest | Mapping) -> None:
+        self.preprocessing = as_manifest(manifest).preprocessing.spec
+        self.kind = as_manifest(manifest).preprocessing.kind
         self.tokenizer = text_tokenizer(self.preprocessing) if self.kind == "text" else None
         self.encoder = TabularEncoder.from_manifest(self.preprocessing) \
             if self.kind == "tabular" else None
@@ -187,11 +189,11 @@ def folder_images(root: Path) -> list[Path]:
     return list(image_files(root))
 
 
-def image_folder_frames(root: Path, manifest: dict, chunk_rows: int,
+def image_folder_frames(root: Path, manifest: Manifest, chunk_rows: int,
                         files: Sequence[Path] | None = None) -> Iterator:
     """Row frames of an image folder's files (`files`: a part of them): ids are the paths as
     found, a first-level folder named like a class is the label."""
-    classes = set(manifest["labels"])
+    classes = set(manifest.labels)
 
     def label_of(path: Path) -> str | None:
         parts = path.relative_to(root).parts if root.is_dir() else ()
@@ -233,14 +235,15 @@ class TableReader:
     """Row frames of a table (`row_groups`: a part of a Parquet file), its columns chosen as at
     training time; iterating it gives the encoded chunks."""
 
-    def __init__(self, path: Path, manifest: dict, options: BatchOptions,
+    def __init__(self, path: Path, manifest: Manifest | Mapping, options: BatchOptions,
                  row_groups: range | None = None) -> None:
+        manifest = as_manifest(manifest)
         self.path, self.manifest, self.options = path, manifest, options
-        self.kind = manifest["preprocessing"]["kind"]
+        self.kind = manifest.preprocessing.kind
         self.role = ROLES[self.kind]
         self.fmt = table_format(path, options.dataset_format)
-        self.recorded = manifest.get("dataset") or {}
-        self.encoder = TabularEncoder.from_manifest(manifest["preprocessing"]) \
+        self.recorded = manifest.dataset
+        self.encoder = TabularEncoder.from_manifest(manifest.preprocessing.spec) \
             if self.kind == "tabular" else None
         self.row_groups = row_groups
         self.columns: Columns | None = None
@@ -248,10 +251,10 @@ class TableReader:
 
     def _named_columns(self) -> list[str]:
         """Column names the header would hold: the flags given now and the training file's."""
-        resolved = self.recorded.get("columns") or {}
+        resolved = self.recorded.columns
         specs = [self.options.label_column, self.options.input_spec(self.role),
-                 resolved.get("label"), *resolved.get("inputs", []),
-                 self.recorded.get("label_column"), self.recorded.get(f"{self.role}_column")]
+                 resolved.label if resolved else None, *(resolved.inputs if resolved else ()),
+                 self.recorded.label_column, self.recorded.flag(f"{self.role}_column")]
         if self.encoder is not None:
             specs += [c["name"] for c in self.encoder.columns]
         return [name for spec in specs for name in split_spec(spec)]
@@ -259,13 +262,13 @@ class TableReader:
     def _trained_columns(self) -> Columns:
         """The columns training used: recorded by name, or (bundles from before names were
         recorded) as the flags gave them; a tabular model's inputs are its feature columns."""
-        recorded = self.recorded.get("columns")
+        recorded = self.recorded.columns
         if recorded:
-            trained = Columns(recorded["label"], list(recorded["inputs"]))
+            trained = Columns(recorded.label, list(recorded.inputs))
         else:
-            spec = self.recorded.get("feature_columns" if self.role == "feature"
-                                     else f"{self.role}_column")
-            trained = Columns(self.recorded.get("label_column"), split_spec(spec))
+            spec = self.recorded.flag("feature_columns" if self.role == "feature"
+                                      else f"{self.role}_column")
+            trained = Columns(self.recorded.label_column, split_spec(spec))
         if self.encoder is not None:
             trained.inputs = [c["name"] for c in self.encoder.columns]
         return trained
@@ -284,7 +287,7 @@ class TableReader:
     def frames(self) -> Iterator:
         numeric = ([c["name"] for c in self.encoder.columns if c["type"] == "numeric"]
                    if self.encoder is not None else [])
-        for frame in iter_table(self.path, self.fmt, self.recorded.get("has_header") or "auto",
+        for frame in iter_table(self.path, self.fmt, self.recorded.has_header or "auto",
                                 self._named_columns(), self.options.rows_per_chunk(self.manifest),
                                 numeric, self.row_groups, self.options.max_row_bytes):
             if self.columns is None:
@@ -328,13 +331,13 @@ class TableReader:
 # ----------------------------------------------------------------------------- stdin
 
 
-def stdin_frames(manifest: dict, chunk_rows: int, stream: io.TextIOBase | None = None,
+def stdin_frames(manifest: Manifest, chunk_rows: int, stream: io.TextIOBase | None = None,
                  max_row_bytes: int | None = None) -> Iterator:
     """One text per line (a blank line is an empty text); a line longer than `max_row_bytes`
     characters (default --max_row_bytes) is refused (exit 3) without being read whole."""
-    if manifest["preprocessing"]["kind"] != "text":
+    if manifest.preprocessing.kind != "text":
         raise ConfigError("--input - reads one text per line, and this is a "
-                          f"{manifest['model_type']}", "give a file or folder as --input")
+                          f"{manifest.model_type}", "give a file or folder as --input")
     texts: list[str] = []
     row = 0
     for line in bounded_lines(stream or sys.stdin, max_row_bytes or LIMITS.max_row_bytes):
@@ -363,7 +366,7 @@ def bounded_lines(stream: io.TextIOBase, limit: int) -> Iterator[str]:
         yield text
 
 
-def input_kind(manifest: dict, options: BatchOptions) -> str:
+def input_kind(manifest: Manifest, options: BatchOptions) -> str:
     """What --input is: "stdin", "images" (an image or a folder) or "table"; checked against
     the bundle's model type."""
     if options.input == "-":
@@ -372,15 +375,15 @@ def input_kind(manifest: dict, options: BatchOptions) -> str:
     if not path.exists():
         raise DataError(f"input {path} does not exist", "check the path")
     if path.is_dir() or path.suffix.lower() in IMAGE_EXTENSIONS:
-        if manifest["preprocessing"]["kind"] != "image":
+        if manifest.preprocessing.kind != "image":
             raise ConfigError(f"{path} is an image or a folder, and this is a "
-                              f"{manifest['model_type']}", "give a CSV/TSV/JSON/JSONL/Parquet "
+                              f"{manifest.model_type}", "give a CSV/TSV/JSON/JSONL/Parquet "
                               "file")
         return "images"
     return "table"
 
 
-def input_frames(manifest: dict, options: BatchOptions) -> Iterator:
+def input_frames(manifest: Manifest, options: BatchOptions) -> Iterator:
     """The row frames of --input, whatever it is."""
     kind = input_kind(manifest, options)
     if kind == "stdin":
@@ -391,8 +394,9 @@ def input_frames(manifest: dict, options: BatchOptions) -> Iterator:
     return TableReader(Path(options.input), manifest, options).frames()
 
 
-def input_chunks(manifest: dict, options: BatchOptions) -> Iterator[Chunk]:
+def input_chunks(manifest: Manifest, options: BatchOptions) -> Iterator[Chunk]:
     """The encoded chunks of --input, whatever it is."""
+    manifest = as_manifest(manifest)
     frames = input_frames(manifest, options)
     encoder = RowEncoder(manifest)
     return (encoder.encode(frame) for frame in frames)
@@ -594,7 +598,7 @@ def predict_chunk(chunk: Chunk, predict: Predictor) -> Predicted:
     return Predicted(chunk.ids, probabilities, extra, chunk.labels, chunk.errors)
 
 
-def predict_input(options: BatchOptions, manifest: dict, predict: Predictor, report: dict
+def predict_input(options: BatchOptions, manifest: Manifest, predict: Predictor, report: dict
                   ) -> BatchRun:
     """--input → --output in this process: chunks read and encoded in a thread, predicted by
     `predict` (the model with the test-time compute asked for), and written as they come."""
@@ -603,7 +607,7 @@ def predict_input(options: BatchOptions, manifest: dict, predict: Predictor, rep
                              (predict_chunk(chunk, predict) for chunk in chunks), report)
 
 
-def write_predictions(options: BatchOptions, manifest: dict, predicted: Iterator[Predicted],
+def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iterator[Predicted],
                       report: dict) -> BatchRun:
     """Predictions → --output, to a temporary file moved into place at the end (and the
     errors to --errors likewise); the accuracy and evaluation of the rows with a true label;
@@ -611,7 +615,7 @@ def write_predictions(options: BatchOptions, manifest: dict, predicted: Iterator
     not without --allow_errors."""
     run = BatchRun(options.input, options.output, errors_path=options.errors)
     fmt = Path(options.output).suffix.lower().lstrip(".")
-    labels = manifest["labels"]
+    labels = list(manifest.labels)
     index = {label: i for i, label in enumerate(labels)}
     top_k = min(options.top_k, len(labels))
     error_rows: list[tuple[str, str]] = []

@@ -12,11 +12,13 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ttc.inputs.limits import graph_size_problem
+# The typed manifest lives in manifest.py; the other packages import it from here.
+from ttc.serving.manifest import InputSpec, Manifest, as_manifest
 from ttc.serving.manifest_schema import MAX_DEPTH, OUTPUT_NAMES, agreement_problem, manifest_problem
-from ttc.inputs.preprocess import HF_TOKENIZER, PAD_ID, PADDING_ID_KEY, register_hf_tokenizer
+from ttc.inputs.preprocess import PADDING_ID_KEY, register_hf_tokenizer
 from utils import ConfigError, ExportError, nesting_depth, quoted, sha256_of, staged_files
 
 BUNDLE_FORMAT = "ttc-model-bundle"
@@ -125,8 +127,8 @@ def bundle_file(path: Path, kind: str) -> os.stat_result | None:
     return info
 
 
-def read_manifest(paths: BundlePaths) -> dict:
-    """Load and sanity-check a bundle manifest; any problem is an ExportError (exit 4)."""
+def read_manifest(paths: BundlePaths) -> Manifest:
+    """Load and sanity-check a bundle manifest, typed; any problem is an ExportError (exit 4)."""
     if bundle_file(paths.manifest, "manifest") is None:
         raise ExportError(f"bundle manifest {paths.manifest} not found",
                           "train first (pipeline.py or train.py) with --output_model "
@@ -152,20 +154,22 @@ def read_manifest(paths: BundlePaths) -> dict:
     problem = manifest_problem(manifest)
     if problem is None and (problem := agreement_problem(manifest)) and \
             (manifest.get("files") or {}).get("onnx"):
-        require_onnx_in_bundle(paths, manifest)  # an edited manifest: the graph's check says how
+        # an edited manifest: the graph's check says how
+        require_onnx_in_bundle(paths, Manifest.from_dict(manifest))
     if problem:
         raise ExportError(f"{paths.manifest} is not a valid manifest: {problem}",
                           "re-create the bundle with pipeline.py")
-    register_tokenizer_file(manifest, paths)
-    return manifest
+    typed = Manifest.from_dict(manifest)
+    register_tokenizer_file(typed, paths)
+    return typed
 
 
-def register_tokenizer_file(manifest: dict, paths: BundlePaths) -> None:
+def register_tokenizer_file(manifest: Manifest, paths: BundlePaths) -> None:
     """An hf bundle's tokenizer.json, checked against the manifest's sha256 and registered for
     preprocess.HFTokenizer."""
-    if manifest["preprocessing"].get("tokenizer") != HF_TOKENIZER:
+    if not manifest.preprocessing.is_hf:
         return
-    name = (manifest.get("files") or {}).get("tokenizer")
+    name = manifest.files.name("tokenizer")
     path = paths.manifest.parent / name if name else paths.tokenizer
     try:
         if bundle_file(path, "tokenizer") is None:
@@ -175,26 +179,25 @@ def register_tokenizer_file(manifest: dict, paths: BundlePaths) -> None:
         raise ExportError(f"the bundle's tokenizer {path} cannot be read ({err.strerror or err})",
                           "keep the .tokenizer.json written with the bundle next to its "
                           "model.json") from None
-    register_hf_tokenizer(text, manifest["preprocessing"]["sha256"], str(path))
+    register_hf_tokenizer(text, manifest.preprocessing.sha256, str(path))
 
 
 TRUST_HINT = "pass --trust_model_code true if you trust whoever made this bundle"
 
 
-def require_trusted_model_code(manifest: dict, paths: BundlePaths, trusted: bool) -> None:
+def require_trusted_model_code(manifest: Manifest, paths: BundlePaths, trusted: bool) -> None:
     """A --model_def bundle's network is a Python file of the bundle: rebuilding it (export.py,
     Tent) imports that file, which runs whatever code it holds. Refused with a ConfigError
     (exit 2), before anything else is read or run, unless the user trusts the bundle
     (--trust_model_code true, or the user's own --model_def trained in this process)."""
-    architecture = manifest["architecture"]
-    if architecture.get("name") != "UserNetwork" or trusted:
+    if not manifest.architecture.is_user_network or trusted:
         return
-    model_def = architecture.get("model_def")
+    model_def = manifest.architecture.model_def
     if not isinstance(model_def, dict):
         raise ExportError(f"{paths.manifest} is not a valid manifest: architecture.model_def "
                           "must name the network's file and factory",
                           "re-create the bundle with pipeline.py --model_def")
-    name = (manifest.get("files") or {}).get("model_def") or paths.model_def.name
+    name = manifest.files.name("model_def") or paths.model_def.name
     factory = model_def.get("factory")
     call = (f"{factory}()" if isinstance(factory, str) and factory.isidentifier()
             and len(factory) <= 60 else f"factory {quoted(factory, 60)}")
@@ -203,11 +206,11 @@ def require_trusted_model_code(manifest: dict, paths: BundlePaths, trusted: bool
                       "that file holds; nothing was imported", TRUST_HINT)
 
 
-def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "onnx") -> Path:
+def require_onnx_in_bundle(paths: BundlePaths, manifest: Manifest, variant: str = "onnx"
+                           ) -> Path:
     """The graph file of `variant` ("onnx" fp32, or "int8"), refused if missing or from another
     run than its manifest."""
-    files = manifest.get("files") or {}
-    expected = (files.get("sha256") or {}).get(variant)
+    expected = manifest.files.digest(variant)
     path = paths.variant(variant)
     fix = {"onnx": f"python export.py --output_model {paths.onnx}",
            "int8": f"python quantize.py --output_model {paths.onnx} --quantize auto",
@@ -216,7 +219,7 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: dict, variant: str = "o
            "mc": f"python export.py --output_model {paths.onnx}",
            "ensemble": f"python pipeline.py ... --ensemble_size N --output_model {paths.onnx}"
            }[variant]
-    if not files.get(variant) or not expected:
+    if not manifest.files.name(variant) or not expected:
         what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph",
                 "bn": "BatchNorm adaptation graph (bundles exported before test-time training "
                       "existed lack it)",
@@ -275,20 +278,22 @@ def _parsed_graph(path: Path) -> Any:
 CONTRACT_KEY = "bundle.contract_sha256"  # graph metadata: what the graph was exported for
 
 
-def contract_digest(manifest: dict) -> str:
-    """A fingerprint of what a graph's numbers mean: its labels, input and preprocessing."""
+def contract_digest(manifest: Manifest | Mapping) -> str:
+    """A fingerprint of what a graph's numbers mean: its labels, input and preprocessing (of a
+    typed manifest, or of its JSON dict)."""
     import hashlib
 
-    text = json.dumps([manifest["labels"], manifest["input"], manifest["preprocessing"]],
-                      sort_keys=True)
+    contract = manifest.contract_json() if isinstance(manifest, Manifest) else [
+        manifest["labels"], manifest["input"], manifest["preprocessing"]]  # the JSON dict's
+    text = json.dumps(contract, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def mark_padding_id(model: Any, input_spec: dict) -> Any:
+def mark_padding_id(model: Any, input_spec: InputSpec) -> Any:
     """An hf graph records its padding id in its metadata: whoever runs it (runtime.graph_feeder,
     and the graphs derived from it) builds the attention mask by it."""
-    if input_spec.get("extra_inputs"):
-        set_metadata(model, PADDING_ID_KEY, str(input_spec["padding_id"]))
+    if input_spec.extra_inputs:
+        set_metadata(model, PADDING_ID_KEY, str(input_spec.padding_id))
     return model
 
 
@@ -301,37 +306,38 @@ def set_metadata(model: Any, key: str, value: str) -> None:
     entry.key, entry.value = key, value
 
 
-def stamp_contract(model: Any, manifest: dict) -> Any:
+def stamp_contract(model: Any, manifest: Manifest | Mapping) -> Any:
     """Record the manifest's contract_digest in a graph's metadata (export and quantize do, so
     an edited manifest is caught before ONNX Runtime fails on it, or worse, does not)."""
+    manifest = as_manifest(manifest)
     set_metadata(model, CONTRACT_KEY, contract_digest(manifest))
-    return mark_padding_id(model, manifest["input"])
+    return mark_padding_id(model, manifest.input)
 
 
-def contract_problem(model: Any, manifest: dict) -> str | None:
+def contract_problem(model: Any, manifest: Manifest) -> str | None:
     """What in the manifest contradicts the graph: its input name or shape, its number of
     classes, or (graphs stamped at export) any edit of labels, input or preprocessing."""
     inputs = {i.name: _static_dims(i) for i in model.graph.input}
-    spec = manifest["input"]
-    if spec["name"] not in inputs:
-        return f"the graph has no input {spec['name']!r} (its inputs: {sorted(inputs)})"
+    spec = manifest.input
+    if spec.name not in inputs:
+        return f"the graph has no input {spec.name!r} (its inputs: {sorted(inputs)})"
     expected = _expected_input_dims(manifest)
-    actual = inputs[spec["name"]][1:]
+    actual = inputs[spec.name][1:]
     for position, (want, have) in enumerate(zip(expected, actual), start=1):
         if want is not None and have is not None and want != have:
-            return (f"input {spec['name']!r} dimension {position} is {have} in the graph and "
+            return (f"input {spec.name!r} dimension {position} is {have} in the graph and "
                     f"{want} by the manifest's preprocessing")
     classes = {o.name: _static_dims(o)[-1] for o in model.graph.output if o.name in OUTPUT_NAMES
                and len(_static_dims(o)) == 2}
     for name, count in classes.items():
-        if count is not None and count != len(manifest["labels"]):
+        if count is not None and count != manifest.classes:
             return (f"the graph's {name} has {count} classes and the manifest "
-                    f"{len(manifest['labels'])} labels")
+                    f"{manifest.classes} labels")
     metadata = {p.key: p.value for p in model.metadata_props}
     padding = metadata.get(PADDING_ID_KEY)
-    if padding is not None and padding != str(spec.get("padding_id", PAD_ID)):
+    if padding is not None and padding != str(spec.pad_id):
         return (f"its metadata's {PADDING_ID_KEY} {quoted(padding)} is not the input's padding id "
-                f"{spec.get('padding_id', PAD_ID)}")
+                f"{spec.pad_id}")
     stamped = metadata.get(CONTRACT_KEY)
     if stamped and stamped != contract_digest(manifest):
         return "its labels, input or preprocessing differ from those the graph was exported for"
@@ -343,12 +349,12 @@ def _static_dims(value_info: Any) -> list[int | None]:
     return [d.dim_value if d.HasField("dim_value") else None for d in dims]
 
 
-def _expected_input_dims(manifest: dict) -> list[int | None]:
+def _expected_input_dims(manifest: Manifest) -> list[int | None]:
     """The input's dimensions after the batch, as the manifest's preprocessing implies."""
-    pre = manifest["preprocessing"]
-    if pre.get("kind") == "image" and isinstance(pre.get("image_size"), list):
+    kind, pre = manifest.preprocessing.kind, manifest.preprocessing.spec
+    if kind == "image" and isinstance(pre.get("image_size"), list):
         return [pre.get("channels"), *pre["image_size"]]
-    if pre.get("kind") == "tabular" and isinstance(pre.get("feature_names"), list):
+    if kind == "tabular" and isinstance(pre.get("feature_names"), list):
         return [len(pre["feature_names"])]
     return []
 
@@ -426,10 +432,10 @@ def new_manifest(*, model_type: str, labels: list[str], input_spec: dict, prepro
             "files": {"onnx": None, "weights": None, "sha256": {}}}
 
 
-def network_temperature(manifest: dict) -> float:
+def network_temperature(manifest: Manifest) -> float:
     """The temperature a bundle's graphs divide the logits by (1 for a bundle written before
-    calibration, or with --calibrate none)."""
-    return float((manifest.get("calibration") or {}).get("temperature", 1.0))
+    calibration, or with --calibrate none): Manifest.temperature."""
+    return manifest.temperature
 
 
 def manifest_text(manifest: dict) -> str:
@@ -462,13 +468,14 @@ def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict
         manifest["extra_graphs"][key] = {"file": paths.variant(key).name, **info}
 
 
-def record_variant(paths: BundlePaths, manifest: dict, key: str, data: bytes,
+def record_variant(paths: BundlePaths, typed: Manifest, key: str, data: bytes,
                    section: dict) -> None:
     """Write a variant graph ("int8", "fp16") and the manifest that names it by hash, staged
     together (graph first, manifest last)."""
     import onnx
 
-    data = stamp_contract(onnx.load_model_from_string(data), manifest).SerializeToString()
+    manifest = typed.to_json_dict()
+    data = stamp_contract(onnx.load_model_from_string(data), typed).SerializeToString()
     with staged_files() as stage:
         digest = sha256_of(stage(paths.variant(key), lambda tmp: tmp.write_bytes(data)))
         manifest["quantization" if key == "int8" else key] = section

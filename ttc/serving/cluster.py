@@ -29,6 +29,7 @@ import numpy as np
 from ttc.serving.batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
                    folder_images, image_folder_frames, input_kind, write_predictions)
 from ttc.inputs.limits import LIMITS, Limits, use_limits
+from ttc.serving.manifest import Manifest
 from ttc.serving.runtime import usable_cpus
 from ttc.inputs.tables import parquet_row_groups, table_format
 from utils import LOG, ConfigError, PipelineError, RuntimeFailure
@@ -306,7 +307,7 @@ def _require_room(resources: dict, options: RayOptions) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
-def input_parts(manifest: dict, options: BatchOptions) -> list[Callable[[], Iterator]]:
+def input_parts(manifest: Manifest, options: BatchOptions) -> list[Callable[[], Iterator]]:
     """The input as parts that read tasks can run anywhere, each yielding batch.py's row
     frames: a Parquet file's row groups (a few per part), an image folder's files in slices;
     any other table is one part (its rows can only be found by reading it from the start)."""
@@ -334,7 +335,7 @@ def input_parts(manifest: dict, options: BatchOptions) -> list[Callable[[], Iter
 @dataclass
 class _TablePart:
     path: Path
-    manifest: dict
+    manifest: Manifest
     options: BatchOptions
     row_groups: range | None
 
@@ -345,7 +346,7 @@ class _TablePart:
 @dataclass
 class _ImagePart:
     root: Path
-    manifest: dict
+    manifest: Manifest
     chunk_rows: int
     files: Sequence[Path]
 
@@ -381,12 +382,12 @@ class PredictWorker:
     """A Ray actor: row frames in, predictions out. One ONNX Runtime session (made by the
     factory, with intra-op threads = the actor's CPUs) lives as long as the actor."""
 
-    def __init__(self, make_predictor: PredictorFactory, manifest: dict,
+    def __init__(self, make_predictor: PredictorFactory, manifest: Manifest,
                  limits: Limits | None = None) -> None:
         use_limits(limits)  # the driver's --max_* flags, in this worker process
         self.predict, self.extra_names = make_predictor()
         self.encoder = RowEncoder(manifest)
-        self.classes = len(manifest["labels"])
+        self.classes = manifest.classes
 
     def __call__(self, frame) -> dict:
         chunk = self.encoder.encode(frame)
@@ -429,7 +430,7 @@ def predicted_from(batch: dict) -> Predicted:
 # ----------------------------------------------------------------------------- running
 
 
-def predict_on_ray(options: BatchOptions, manifest: dict, make_predictor: PredictorFactory,
+def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: PredictorFactory,
                    report: dict, ray_options: RayOptions) -> BatchRun:
     """--input → --output on Ray: the input read by read tasks, encoded and predicted by
     `ray_options.workers` actors, and written here in input order by batch.py's writer; the
