@@ -307,7 +307,7 @@ class TransformSpec:
 
 
 IMAGE, TEXT, TABULAR = ("image",), ("text",), ("tabular",)
-# Adding a transform is adding its entry here (and naming it in config.py's --tta_transforms help).
+# Adding a transform is adding its entry here (and naming it in ttc/options/tta.py's --tta_transforms help).
 TRANSFORMS: tuple[TransformSpec, ...] = (
     TransformSpec("identity", IMAGE + TEXT + TABULAR, None),
     TransformSpec("hflip", IMAGE, _fixed(lambda x: x[..., ::-1].copy(),
