@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from ttc.inputs.preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode
                         image_files, text_tokenizer)
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_columns, split_spec)
+from ttc.tasks.registry import builtin_datasets, find_task, task_for
 from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
@@ -85,7 +86,8 @@ class DataOptions:
         _require_builtin_of_its_kind(path, recorded.get("model_type"))
         for split in ("val", "test"):
             _require_split_path(recorded, split, split_paths.get(split))
-        if recorded.get("model_type") == "image_classifier" and any(split_paths.values()):
+        task = find_task(recorded.get("model_type"))
+        if task is not None and task.image_files and any(split_paths.values()):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",
                               "drop them: an image folder's val/ and test/ subfolders are used")
@@ -97,7 +99,7 @@ class DataOptions:
                 "val_path": _absolute(self.val_path), "test_path": _absolute(self.test_path)}
 
 
-BUILTIN_NAMES = ("builtin:digits", *BUILTIN_TABLES)
+BUILTIN_NAMES = tuple(builtin_datasets())  # every builtin: data set (ttc/tasks)
 
 
 def _recorded_builtin(recorded: dict, alternative: str) -> str:
@@ -114,8 +116,7 @@ def _recorded_builtin(recorded: dict, alternative: str) -> str:
 
 
 def _require_builtin_of_its_kind(path: str, model_type: str | None) -> None:
-    kind = ("image_classifier" if path == "builtin:digits" else
-            "tabular_classifier" if path in BUILTIN_TABLES else None)
+    kind = builtin_datasets().get(path)  # the model type it is data for
     if kind and model_type and kind != model_type:
         raise ConfigError(f"{path} is data for {kind}, and this bundle is a {model_type}",
                           "pass the data it was trained on with --dataset_path")
@@ -188,18 +189,20 @@ class Dataset:
                    "num_classes": len(self.labels), "train": self.counts["train"],
                    "val": self.counts["val"], "test": self.counts["test"],
                    "given_splits": self.given_splits,
-                   "skipped_images": len(self.skipped) if self.model_type == "image_classifier"
+                   "skipped_images": len(self.skipped) if task_for(self.model_type).image_files
                    else None, "dropped_rows": sum(d["count"] for d in self.dropped),
                    "dropped_reasons": self.dropped}
-        pre = self.preprocessing
-        if pre["kind"] == "image":
-            section.update(image_size=pre["image_size"], channels=pre["channels"])
-        elif pre["kind"] == "text":
-            section.update(vocab_size=pre["vocab_size"], max_length=pre["max_length"],
-                           tokenizer=pre.get("tokenizer", "words"))
-        else:
-            section.update(num_features=len(pre["feature_names"]))
+        section.update(INPUT_SIZES[self.preprocessing["kind"]](self.preprocessing))
         return section
+
+
+# preprocessing kind (ttc/tasks) → the sizes of its input the report's data section shows
+INPUT_SIZES: dict[str, Callable[[dict], dict]] = {
+    "image": lambda pre: {"image_size": pre["image_size"], "channels": pre["channels"]},
+    "text": lambda pre: {"vocab_size": pre["vocab_size"], "max_length": pre["max_length"],
+                         "tokenizer": pre.get("tokenizer", "words")},
+    "tabular": lambda pre: {"num_features": len(pre["feature_names"])},
+}
 
 
 @dataclass
@@ -220,12 +223,8 @@ def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
     training time (used by export.py and inference.py); otherwise both are derived from the
     training split.
     """
-    if options.model_type == "image_classifier":
-        dataset = load_image_dataset(options, preprocessing=preprocessing, labels=labels,
-                                     splits=splits)
-    else:
-        dataset = load_table_dataset(options, preprocessing=preprocessing, labels=labels,
-                                     splits=splits)
+    reader = READERS[task_for(options.model_type).kind]
+    dataset = reader(options, preprocessing=preprocessing, labels=labels, splits=splits)
     for name, split in dataset.splits.items():
         dataset.splits[name] = split.shuffled(np.random.default_rng([options.seed, SPLITS.index(name)]))
     return dataset
@@ -574,7 +573,7 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
     labels = list(labels) if trained else _sorted_labels(table.labels["train"])
     present = {label for split in table.labels.values() for label in split}
     _check_labels(present, labels, options.path, trained)
-    text = options.model_type == "text_classifier"
+    text = task_for(options.model_type).input_role == "text"
     if preprocessing is None:
         preprocessing = _fit_table_preprocessing(table.inputs["train"], text, options)
     index = {label: i for i, label in enumerate(labels)}
@@ -593,10 +592,17 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
                    columns=table.columns)
 
 
+# preprocessing kind (ttc/tasks) → the function that finds, splits and encodes its data
+READERS: dict[str, Callable[..., Dataset]] = {"image": load_image_dataset,
+                                              "text": load_table_dataset,
+                                              "tabular": load_table_dataset}
+
+
 def _read_table_splits(options: DataOptions) -> _TableSplits:
-    text = options.model_type == "text_classifier"
+    role = task_for(options.model_type).input_role
+    text = role == "text"
     main, path = _read_main_table(options)
-    columns = detect_columns(main, "text" if text else "feature", path, options.label_column,
+    columns = detect_columns(main, role, path, options.label_column,
                              options.text_column if text else options.feature_columns)
     parts = {"main": _clean_rows(main, columns, text, path)}
     for split in ("val", "test"):

@@ -19,6 +19,7 @@ from ttc.serving.bundle import BundlePaths, Manifest, bundle_file, require_trust
 from ttc.nets.hf import HFGraph, HFTextNet, hf_architecture
 from ttc.inputs.limits import inflating_archive_problem, size_text
 from ttc.inputs.preprocess import hf_source, hf_tokenizer_text
+from ttc.tasks.registry import TASKS, task_of_kind
 from utils import (LOG, ConfigError, ExportError, UserCodeFailure, atomic_write, first_line,
                    register_user_code, sha256_of, stdout_to_stderr)
 
@@ -365,13 +366,16 @@ def factory_input_spec(preprocessing: dict) -> dict:
     and the sizes a network is built from."""
     spec = input_spec(preprocessing)
     kind = preprocessing["kind"]
-    if kind == "image":
-        spec.update(channels=preprocessing["channels"], image_size=list(preprocessing["image_size"]))
-    elif kind == "text":
-        spec.update(vocab_size=preprocessing["vocab_size"], max_length=preprocessing["max_length"])
-    else:
-        spec.update(num_features=len(preprocessing["feature_names"]))
+    spec.update(FACTORY_SIZES[kind](preprocessing))
     return {"kind": kind, **spec}
+
+
+# preprocessing kind (ttc/tasks) → the sizes a --model_def factory builds its network from
+FACTORY_SIZES: dict[str, Callable[[dict], dict]] = {
+    "image": lambda pre: {"channels": pre["channels"], "image_size": list(pre["image_size"])},
+    "text": lambda pre: {"vocab_size": pre["vocab_size"], "max_length": pre["max_length"]},
+    "tabular": lambda pre: {"num_features": len(pre["feature_names"])},
+}
 
 
 def user_architecture(path: Path, factory: str, preprocessing: dict, num_classes: int) -> dict:
@@ -546,10 +550,8 @@ ARCHITECTURES = {"small_cnn": image_architecture,
                  "bag": text_architecture, "cnn": text_cnn_architecture,
                  "transformer": text_transformer_architecture,
                  "mlp": tabular_architecture, "resmlp": tabular_resmlp_architecture}
-ARCH_KIND = {**{arch: "image" for arch in ("small_cnn", *TORCHVISION_ARCHS)},
-             "bag": "text", "cnn": "text", "transformer": "text",
-             "mlp": "tabular", "resmlp": "tabular"}
-DEFAULT_ARCH = {"image": "small_cnn", "text": "bag", "tabular": "mlp"}
+ARCH_KIND = {arch: task.kind for task in TASKS for arch in task.archs}  # ttc/tasks lists them
+DEFAULT_ARCH = {task.kind: task.default_arch for task in TASKS}
 
 
 def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = None,
@@ -558,7 +560,7 @@ def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = N
     data; build_model turns it into a module."""
     kind = preprocessing["kind"]
     arch = arch or DEFAULT_ARCH[kind]
-    if kind == "text" and hf_source(arch) is not None:
+    if task_of_kind(kind).hf_archs and hf_source(arch) is not None:
         return hf_architecture(hf_source(arch), preprocessing, labels or
                                [str(i) for i in range(num_classes)])
     if ARCH_KIND.get(arch) != kind:
@@ -568,12 +570,17 @@ def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = N
 
 def input_spec(preprocessing: dict) -> dict:
     """The graph input the manifest promises, with the axes that are dynamic."""
-    kind = preprocessing["kind"]
-    if kind == "image":
-        height, width = preprocessing["image_size"]
-        return {"name": "image", "dtype": "float32", "layout": "NCHW", "range": [0.0, 1.0],
-                "shape": ["batch", preprocessing["channels"], height, width]}
-    if kind == "text" and preprocessing.get("graph_inputs"):  # an hf arch
+    return INPUT_SPECS[preprocessing["kind"]](preprocessing)
+
+
+def _image_input(preprocessing: dict) -> dict:
+    height, width = preprocessing["image_size"]
+    return {"name": "image", "dtype": "float32", "layout": "NCHW", "range": [0.0, 1.0],
+            "shape": ["batch", preprocessing["channels"], height, width]}
+
+
+def _text_input(preprocessing: dict) -> dict:
+    if preprocessing.get("graph_inputs"):  # an hf arch
         first, *others = preprocessing["graph_inputs"]
         values = {"attention_mask": f"1 where {first} is not padding_id, else 0",
                   "token_type_ids": "0 (one segment)"}
@@ -582,11 +589,18 @@ def input_spec(preprocessing: dict) -> dict:
                 "max_length": preprocessing["max_length"],
                 "extra_inputs": [{"name": name, "dtype": "int64", "shape": ["batch", "length"],
                                   "value": values[name]} for name in others]}
-    if kind == "text":
-        return {"name": "token_ids", "dtype": "int64", "shape": ["batch", "length"],
-                "padding_id": 0}
+    return {"name": "token_ids", "dtype": "int64", "shape": ["batch", "length"],
+            "padding_id": 0}
+
+
+def _feature_input(preprocessing: dict) -> dict:
     return {"name": "features", "dtype": "float32",
             "shape": ["batch", len(preprocessing["feature_names"])], "missing": "NaN"}
+
+
+# preprocessing kind (ttc/tasks) → the graph input its networks take
+INPUT_SPECS: dict[str, Callable[[dict], dict]] = {"image": _image_input, "text": _text_input,
+                                                  "tabular": _feature_input}
 
 
 class WithProbabilities(nn.Module):

@@ -31,11 +31,9 @@ from ttc.nets.transfer import (Transfer, head_parameters, init_from_file, init_f
                       require_pretrained_file)
 from ttc.testtime.tta import build_transforms, random_augment
 from ttc.reporting.metrics import accuracy, nll
+from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, DataError, TrainingError, progress, raise_if_interrupted,
                    stdout_to_stderr)
-
-# The DSPy program's input field per preprocessing kind: text programs take the raw text.
-PROGRAM_INPUT = {"image": "image", "text": "text", "tabular": "features"}
 
 
 # ----------------------------------------------------------------------------- the DSPy program
@@ -181,9 +179,10 @@ def check_finite_inputs(dataset: Dataset) -> None:
     (a cell such as `inf` or `1e400`, or a number beyond float32's ±3.4e38) or a non-finite
     pixel would make the loss NaN, which would then read as divergence. NaN is a missing feature
     in a table (imputed inside the graph), so only ±inf counts there."""
-    kind = dataset.preprocessing["kind"]
-    if kind == "text":  # token ids
+    task = task_of_kind(dataset.preprocessing["kind"])
+    if task.input_role == "text":  # token ids
         return
+    tabular = task.missing_values  # NaN is a missing feature there
     counts: list[str] = []
     columns: set[int] = set()
     examples: list[str] = []
@@ -192,21 +191,21 @@ def check_finite_inputs(dataset: Dataset) -> None:
         x = split.x
         if len(x) == 0 or not np.issubdtype(x.dtype, np.floating):
             continue
-        if kind != "tabular" and np.isfinite(x.sum(dtype=np.float64)):
+        if not tabular and np.isfinite(x.sum(dtype=np.float64)):
             continue  # the usual case, without a mask as large as the images
-        bad = np.isinf(x) if kind == "tabular" else ~np.isfinite(x)
+        bad = np.isinf(x) if tabular else ~np.isfinite(x)
         rows = np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))
         if not len(rows):
             continue
         total += len(rows)
         counts.append(f"{len(rows)} in the {name} split")
         examples += [_sample_name(split.ids[i]) for i in rows[:3 - len(examples)]]
-        if kind == "tabular":
+        if tabular:
             columns.update(np.flatnonzero(bad.any(axis=0)).tolist())
     if not total:
         return
     where = f"e.g. {', '.join(examples)}" if examples else ""
-    if kind == "tabular":
+    if tabular:
         names = [dataset.preprocessing["feature_names"][c] for c in sorted(columns)]
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
         rows_hold = "1 row holds" if total == 1 else f"{total} rows hold"
@@ -549,10 +548,10 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     CandidateSearch (one WeightTrainer per learning rate and seed; one candidate by default)."""
     started = time.perf_counter()
     check_finite_inputs(dataset)
-    kind = dataset.preprocessing["kind"]
+    task = task_of_kind(dataset.preprocessing["kind"])
     architecture = network_architecture(config, dataset)
-    field = PROGRAM_INPUT[kind]
-    tokenizer = text_tokenizer(dataset.preprocessing) if kind == "text" else None
+    field = task.input_field
+    tokenizer = text_tokenizer(dataset.preprocessing) if task.input_role == "text" else None
     pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
     fine_tune = architecture["name"] == "HFTextNet"
     transfers: list[Transfer] = []
@@ -587,7 +586,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     def make_trainer(learning_rate: float, seed: int) -> WeightTrainer:
         return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
                              learning_rate=learning_rate, weight_decay=config.weight_decay,
-                             augment=config.train_augment and kind == "image", seed=seed,
+                             augment=config.train_augment and task.augments, seed=seed,
                              show_progress=not config.no_progress, view_transforms=views,
                              freeze_epochs=config.freeze_epochs, fine_tune=fine_tune,
                              pad_id=pad_id)

@@ -6,18 +6,17 @@ from dataclasses import dataclass
 
 from ttc.inputs.limits import MAX_TEXT_LENGTH
 from ttc.options.fields import bad, opt, parse_image_size, positive
+from ttc.tasks.registry import builtin_datasets, find_task, model_types
 from utils import ConfigError
 
-MODEL_TYPES = ("image_classifier", "text_classifier", "tabular_classifier")
-BUILTIN_DATASETS = {"builtin:digits": "image_classifier", "builtin:iris": "tabular_classifier",
-                    "builtin:wine": "tabular_classifier",
-                    "builtin:breast_cancer": "tabular_classifier"}
+MODEL_TYPES = model_types()  # ttc/tasks: one entry per model type, the default first
+BUILTIN_DATASETS = builtin_datasets()
 TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl", "parquet")
 
 
 @dataclass
 class DataFlags:
-    model_type: str = opt("image_classifier", "what to train", "data", choices=MODEL_TYPES,
+    model_type: str = opt(MODEL_TYPES[0], "what to train", "data", choices=MODEL_TYPES,
         scripts="PT")
     dataset_path: str | None = opt(
         None, "images: builtin:digits, a folder ROOT/<class>/*.png (optionally with train/ val/ "
@@ -115,7 +114,8 @@ class DataFlags:
 
     def check_image_splits(self, names_model_type: bool) -> None:
         """Images take their splits from folders, never from --val_path / --test_path."""
-        if (names_model_type and self.model_type == "image_classifier"
+        task = find_task(self.model_type)
+        if (names_model_type and task is not None and task.image_files
                 and (self.val_path or self.test_path)):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ttc.options.fields import bad, opt, parse_bool, positive
+from ttc.tasks.registry import find_task
 from utils import ConfigError
 
 
@@ -50,7 +51,8 @@ class TeacherFlags:
         if not (self.teacher_lm and self.unlabeled_path):
             raise ConfigError("--teacher_lm and --unlabeled_path go together: the teacher "
                               "labels the unlabeled texts", "give both, or neither")
-        if model_type != "text_classifier":
+        task = find_task(model_type)
+        if task is None or not task.teacher:
             raise ConfigError(f"--teacher_lm labels texts; this is a {model_type}",
                               "use it with --model_type text_classifier")
         if self.teacher_demos < 0:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 from ttc.inputs.preprocess import HF_PREFIX, hf_source
 from ttc.options.fields import bad, opt, parse_bool, positive
+from ttc.tasks.registry import archs, find_task
 from utils import ConfigError
 
-# --arch names per model type, the default first (models.ARCHITECTURES builds each; a test keeps
-# the two in step, since config.py must not import torch).
-ARCHS = {"image_classifier": ("small_cnn", "resnet18", "resnet34", "mobilenet_v3_small",
-                              "efficientnet_b0"),
-         "text_classifier": ("bag", "cnn", "transformer"),
-         "tabular_classifier": ("mlp", "resmlp")}
+# --arch names per model type, the default first, from the entries in ttc/tasks
+# (models.ARCHITECTURES builds each; a test keeps the two in step, since config.py must not
+# import torch).
+ARCHS = archs()
 # torchvision networks: --pretrained loads their ImageNet weights.
 TORCHVISION_ARCHS = ARCHS["image_classifier"][1:]
 # The peak learning rate when --learning_rate is not given: fine-tuning a pretrained transformer
@@ -105,7 +104,8 @@ class TrainingFlags:
         self.learning_rates()
         names = ARCHS.get(model_type, ())
         if is_hf_arch(self.arch):
-            if model_type != "text_classifier":
+            task = find_task(model_type)
+            if task is None or not task.hf_archs:
                 bad("arch", self.arch, "hf:NAME_OR_PATH is a Hugging Face text model: use it "
                     "with --model_type text_classifier")
             if not self.arch[len(HF_PREFIX):].strip():

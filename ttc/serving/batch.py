@@ -30,9 +30,9 @@ from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files
 from ttc.serving.manifest import Manifest, as_manifest
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     refuse_nested, serving_columns, split_spec, table_format)
+from ttc.tasks.registry import task_of_kind
 from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
 
-ROLES = {"text": "text", "tabular": "feature", "image": "image"}  # preprocessing kind → inputs
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
 # ids, their true labels ("" none), the reason a row already failed ("" none), and the inputs
@@ -85,7 +85,7 @@ class BatchOptions:
         """--chunk_rows, or fewer where the bundle's images would not fit
         --max_image_memory_mb (whole test-time training batches kept)."""
         preprocessing = manifest.preprocessing
-        if preprocessing.kind != "image":
+        if not task_of_kind(preprocessing.kind).image_files:
             return self.chunk_rows
         return images_per_chunk(preprocessing.spec, self.chunk_rows,
                                 self.batch_size if self.ttt else 1)
@@ -122,11 +122,8 @@ class RowEncoder:
     process and on a Ray worker."""
 
     def __init__(self, manifest: Manifest | Mapping) -> None:
-        self.preprocessing = as_manifest(manifest).preprocessing.spec
-        self.kind = as_manifest(manifest).preprocessing.kind
-        self.tokenizer = text_tokenizer(self.preprocessing) if self.kind == "text" else None
-        self.encoder = TabularEncoder.from_manifest(self.preprocessing) \
-            if self.kind == "tabular" else None
+        preprocessing = as_manifest(manifest).preprocessing
+        self.rows = ROW_ENCODERS[preprocessing.kind](preprocessing.spec)
 
     def encode(self, frame) -> Chunk:
         reasons = frame[ROW_ERROR].to_numpy(dtype=object)
@@ -146,18 +143,49 @@ class RowEncoder:
     def _encoded(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
         if not ids:
             return Chunk([], None, labels)
-        if self.kind == "image":
-            return _decode_images([Path(p) for p in frame[ROW_PATH]], ids,
-                                  labels or [None] * len(ids), self.preprocessing)
-        if self.kind == "text":  # an empty text is predicted too (its tokens: [UNK])
-            texts = [c for c in frame.columns if c.startswith(ROW_TEXT)]
-            return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, texts))),
-                         labels)
+        return self.rows.encode(frame, ids, labels)
+
+
+class _ImageRows:
+    """Image paths → pixels at the bundle's size and channels; an unreadable file fails its row."""
+
+    def __init__(self, preprocessing: dict) -> None:
+        self.preprocessing = preprocessing
+
+    def encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
+        return _decode_images([Path(p) for p in frame[ROW_PATH]], ids,
+                              labels or [None] * len(ids), self.preprocessing)
+
+
+class _TextRows:
+    """Text cells → token ids; an empty text is predicted too (its tokens: [UNK])."""
+
+    def __init__(self, preprocessing: dict) -> None:
+        self.tokenizer = text_tokenizer(preprocessing)
+
+    def encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
+        texts = [c for c in frame.columns if c.startswith(ROW_TEXT)]
+        return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, texts))), labels)
+
+
+class _FeatureRows:
+    """Feature cells → the standardised-at-training feature matrix; a row the encoder refuses
+    (an unknown category, a non-number) fails alone."""
+
+    def __init__(self, preprocessing: dict) -> None:
+        self.encoder = TabularEncoder.from_manifest(preprocessing)
+
+    def encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
         x, reasons = self.encoder.encode(frame)  # reads its columns by name
         usable = [r is None for r in reasons]
         errors = [(i, r) for i, r in zip(ids, reasons) if r is not None]
         return Chunk(_kept(ids, usable), x[np.array(usable, dtype=bool)] if any(usable) else None,
                      _kept(labels, usable) if labels else None, errors)
+
+
+# preprocessing kind (ttc/tasks) → its row encoder, built from the manifest's preprocessing
+ROW_ENCODERS: dict[str, Callable[[dict], "_ImageRows | _TextRows | _FeatureRows"]] = {
+    "image": _ImageRows, "text": _TextRows, "tabular": _FeatureRows}
 
 
 def _kept(values: Sequence, keep: Sequence[bool]) -> list:
@@ -239,12 +267,12 @@ class TableReader:
                  row_groups: range | None = None) -> None:
         manifest = as_manifest(manifest)
         self.path, self.manifest, self.options = path, manifest, options
-        self.kind = manifest.preprocessing.kind
-        self.role = ROLES[self.kind]
+        self.task = task_of_kind(manifest.preprocessing.kind)
+        self.role = self.task.input_role
         self.fmt = table_format(path, options.dataset_format)
         self.recorded = manifest.dataset
         self.encoder = TabularEncoder.from_manifest(manifest.preprocessing.spec) \
-            if self.kind == "tabular" else None
+            if self.role == "feature" else None
         self.row_groups = row_groups
         self.columns: Columns | None = None
         self.renamed: dict[str, str] = {}
@@ -278,7 +306,7 @@ class TableReader:
                                   self.options.label_column, self.options.input_spec(self.role))
         if self.encoder is not None:  # the encoder reads features by their training names
             self.renamed = dict(zip(columns.inputs, (c["name"] for c in self.encoder.columns)))
-        elif self.kind == "image":
+        elif self.task.image_files:
             self.renamed = {columns.inputs[0]: ROW_PATH}
         else:
             self.renamed = {name: f"{ROW_TEXT}{k}" for k, name in enumerate(columns.inputs)}
@@ -303,9 +331,9 @@ class TableReader:
             if any(old != new for old, new in self.renamed.items()):
                 inputs = inputs.rename(columns=self.renamed)
             errors = None
-            if self.kind == "image":
+            if self.task.image_files:
                 inputs, errors = self._image_paths(inputs[ROW_PATH])
-            elif self.kind == "text":  # text cells as plain strings (see row_frame)
+            elif self.role == "text":  # text cells as plain strings (see row_frame)
                 inputs = inputs.astype(object)
             yield row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors)
 
@@ -335,7 +363,7 @@ def stdin_frames(manifest: Manifest, chunk_rows: int, stream: io.TextIOBase | No
                  max_row_bytes: int | None = None) -> Iterator:
     """One text per line (a blank line is an empty text); a line longer than `max_row_bytes`
     characters (default --max_row_bytes) is refused (exit 3) without being read whole."""
-    if manifest.preprocessing.kind != "text":
+    if not task_of_kind(manifest.preprocessing.kind).reads_lines:
         raise ConfigError("--input - reads one text per line, and this is a "
                           f"{manifest.model_type}", "give a file or folder as --input")
     texts: list[str] = []
@@ -375,7 +403,7 @@ def input_kind(manifest: Manifest, options: BatchOptions) -> str:
     if not path.exists():
         raise DataError(f"input {path} does not exist", "check the path")
     if path.is_dir() or path.suffix.lower() in IMAGE_EXTENSIONS:
-        if manifest.preprocessing.kind != "image":
+        if not task_of_kind(manifest.preprocessing.kind).image_files:
             raise ConfigError(f"{path} is an image or a folder, and this is a "
                               f"{manifest.model_type}", "give a CSV/TSV/JSON/JSONL/Parquet "
                               "file")

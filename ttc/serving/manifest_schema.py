@@ -16,14 +16,14 @@ from typing import Any, Callable
 
 from ttc.inputs.limits import MAX_IMAGE_SIDE, MAX_LABELS, MAX_TEXT_LENGTH
 from ttc.inputs.preprocess import HF_TOKENIZER, PAD_ID, UNK_ID
+from ttc.tasks.registry import TASKS
 
 # (value, its place in the manifest such as "preprocessing.vocabulary") → the problem, or None
 Check = Callable[[Any, str], "str | None"]
 
 MAX_DEPTH = 32  # a manifest nests about 5 levels (architecture.hf_config.id2label)
 MAX_INT = 2**31 - 1  # sizes and ids: what the Rust tokenizer and ONNX Runtime take as int32
-MODEL_KINDS = {"image_classifier": "image", "text_classifier": "text",
-               "tabular_classifier": "tabular"}
+MODEL_KINDS = {task.name: task.kind for task in TASKS}  # model_type → preprocessing.kind
 OUTPUT_NAMES = ("logits", "probabilities")  # every graph's outputs, (batch, classes) float32
 HF_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # hf.GRAPH_INPUTS (torch)
 TORCHVISION_ARCHS = ("resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0")  # models'
