@@ -567,17 +567,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     first = make_student(config.seed).net
     check_output_shape(first, dataset, config)
     architecture["num_parameters"] = count_parameters(first)
-    LOG.info("training %s (%d parameters) on %d samples, validating on %d",
-             architecture.get("arch") or architecture["name"], architecture["num_parameters"],
-             len(dataset.train), len(dataset.val))
-    if config.freeze_epochs:
-        head_parameters(first)  # a network without a head to train alone fails now
-        if not (config.init_weights or config.pretrained):
-            LOG.warning("--freeze_epochs %d without --init_weights or --pretrained trains the "
-                        "head on randomly initialised features", config.freeze_epochs)
-    if len(dataset.val) == 0:
-        LOG.warning("the validation split is empty: the best epoch is chosen on the training "
-                    "split; add data or raise --val_fraction")
+    announce_training(config, dataset, architecture, first)
     views = (build_transforms(config.tta_transforms, dataset.preprocessing)
              if config.tta and config.train_augment else [])
     if views:
@@ -600,6 +590,31 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
         if config.lr_candidates:
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
+    return trained_model(program, search, dataset, architecture, started,
+                         transfers[0] if transfers else None, config.freeze_epochs)
+
+
+def announce_training(config: Config, dataset: Dataset, architecture: dict,
+                      net: torch.nn.Module) -> None:
+    """Log what is trained on what, and warn about a setting that trains less than it seems; a
+    --freeze_epochs network without a head to train alone fails here, before any epoch."""
+    LOG.info("training %s (%d parameters) on %d samples, validating on %d",
+             architecture.get("arch") or architecture["name"], architecture["num_parameters"],
+             len(dataset.train), len(dataset.val))
+    if config.freeze_epochs:
+        head_parameters(net)
+        if not (config.init_weights or config.pretrained):
+            LOG.warning("--freeze_epochs %d without --init_weights or --pretrained trains the "
+                        "head on randomly initialised features", config.freeze_epochs)
+    if len(dataset.val) == 0:
+        LOG.warning("the validation split is empty: the best epoch is chosen on the training "
+                    "split; add data or raise --val_fraction")
+
+
+def trained_model(program: ClassifierProgram, search: CandidateSearch, dataset: Dataset,
+                  architecture: dict, started: float, transfer: Transfer | None,
+                  freeze_epochs: int) -> TrainedModel:
+    """What training hands to export: the chosen candidate's network and its history."""
     trainer, chosen = search.chosen_trainer, search.chosen_candidate
     train_accuracy = accuracy(program.predict_proba(dataset.train.x), dataset.train.y)
     return TrainedModel(net=program.net, labels=dataset.labels, architecture=architecture,
@@ -610,8 +625,8 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        transfer=transfers[0] if transfers else None,
-                        freeze_epochs=config.freeze_epochs, initial_loss=trainer.initial_loss)
+                        transfer=transfer, freeze_epochs=freeze_epochs,
+                        initial_loss=trainer.initial_loss)
 
 
 def network_architecture(config: Config, dataset: Dataset) -> dict:
