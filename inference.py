@@ -22,8 +22,8 @@ from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.reporting.metrics import accuracy
 from ttc.serving.profiling import PROFILED_RUNS, profile_runs, profile_section, profiled_batches
 from report import run_with_report
-from ttc.serving.runtime import (batches_of, create_session, graph_padding_id, input_padding_id,
-                     predict_proba, session_device, session_runner, time_runners, whole_batches)
+from ttc.serving.runtime import (batches_of, create_session, graph_padding_id, predict_proba,
+                     session_device, session_runner, time_runners, whole_batches)
 from ttc.testtime.calibration import (calibration_under_shift, joined, run_calibration,
                                       single_variants, without_temperature)
 from ttc.testtime.registry import asked_methods
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
     from ttc.serving.batch import BatchOptions, Predictor
+    from ttc.serving.manifest import Manifest
 
 
 @dataclass
@@ -66,18 +67,18 @@ def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray
             for k, variant in enumerate(variants)]
 
 
-def bundle_variants(paths: BundlePaths, manifest: dict, config: Config) -> list[Variant]:
+def bundle_variants(paths: BundlePaths, manifest: Manifest, config: Config) -> list[Variant]:
     """ONNX Runtime fp32, and int8 when the bundle has it, on the requested providers."""
     variants = []
     for variant, label in (("onnx", "onnxruntime fp32"), ("int8", "onnxruntime int8"),
                            ("fp16", "onnxruntime fp16")):
-        if variant != "onnx" and variant not in (manifest.get("files") or {}):
+        if variant != "onnx" and variant not in manifest.files:
             continue
         path = require_onnx_in_bundle(paths, manifest, variant)
-        session = create_session(str(path), config.runtime(), classes=len(manifest["labels"]))
+        session = create_session(str(path), config.runtime(), classes=manifest.classes)
         if variant == "fp16" and session.get_providers()[0] == "CPUExecutionProvider":
             continue  # fp16 rows only where a GPU provider runs them
-        mode = (manifest.get("quantization") or {}).get("mode")
+        mode = manifest.quantization.mode if manifest.quantization else None
         name = f"{label} ({mode})" if variant == "int8" and mode else label
         variants.append(Variant(name, session.get_providers()[0], path.stat().st_size,
                                 session_runner(session)))
@@ -104,16 +105,16 @@ class InferenceResult:
 
 
 def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx"
-                        ) -> tuple[dict, ort.InferenceSession, Path]:
+                        ) -> tuple[Manifest, ort.InferenceSession, Path]:
     """Manifest + verified graph (fp32 "onnx" or "int8") + a session whose input matches what
     the manifest promises."""
     manifest = read_manifest(paths)
     model_path = require_onnx_in_bundle(paths, manifest, variant)
-    session = create_session(str(model_path), config.runtime(), classes=len(manifest["labels"]))
+    session = create_session(str(model_path), config.runtime(), classes=manifest.classes)
     graph_input = session.get_inputs()[0]
-    if graph_input.name != manifest["input"]["name"]:
+    if graph_input.name != manifest.input.name:
         raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
-                          f"{manifest['input']['name']!r}", "re-run export.py or pipeline.py")
+                          f"{manifest.input.name!r}", "re-run export.py or pipeline.py")
     return manifest, session, model_path
 
 
@@ -155,7 +156,7 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     report["inference"] = result.report_section()
     if config.profile:
         report["profile"] = profile_graph(config, model_path, test[0], graph_padding_id(session))
-    report["evaluation"] = bundle_evaluation(manifest, Tally(len(manifest["labels"])).add(
+    report["evaluation"] = bundle_evaluation(manifest, Tally(manifest.classes).add(
         probabilities, test[1]))
     raw = without_temperature(session, test[0], config.batch_size)
     report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], config.seed)
@@ -169,12 +170,12 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
             variants = joined(variants, evaluation.variants)
     if config.eval_shift and report["calibration"] is not None:
         report["calibration"].update(calibration_under_shift(
-            config.eval_shift, config.shift_severity, config.seed, manifest["preprocessing"],
+            config.eval_shift, config.shift_severity, config.seed, manifest.preprocessing,
             variants, test))
     if benchmark:
         variants = [*baseline, *bundle_variants(paths, manifest, config)]
         report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
-                                                 input_padding_id(manifest["input"]))
+                                                 manifest.input.pad_id)
 
 
 def profile_graph(config: Config, model_path: Path, x: np.ndarray, pad_id: int) -> dict:
@@ -195,7 +196,7 @@ def profile_graph(config: Config, model_path: Path, x: np.ndarray, pad_id: int) 
 # ----------------------------------------------------------------------------- batch inference
 
 
-def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
+def chunk_predictor(config: Config, paths: BundlePaths, manifest: Manifest,
                     session: ort.InferenceSession, model_path: Path) -> tuple[Predictor, list[str]]:
     """encoded chunk → (probabilities, extra columns), with the test-time compute asked for
     (one of --tta, --ttt, --iterative), and the extra columns' names."""
@@ -209,7 +210,7 @@ def chunk_predictor(config: Config, paths: BundlePaths, manifest: dict,
     return plain_predictor(served, config.batch_size)
 
 
-def served_graph(config: Config, paths: BundlePaths, manifest: dict,
+def served_graph(config: Config, paths: BundlePaths, manifest: Manifest,
                  session: ort.InferenceSession, model_path: Path) -> Served:
     """The chosen graph as the test-time methods see it, with the sessions' settings and the
     BatchNorm check test-time training runs when it picks its graph (config's arch table)."""
@@ -217,7 +218,7 @@ def served_graph(config: Config, paths: BundlePaths, manifest: dict,
                   lambda method: require_ttt_method_applies(method, manifest))
 
 
-def without_batchnorm(manifest: dict) -> bool:
+def without_batchnorm(manifest: Manifest) -> bool:
     """Whether the bundle's network has no BatchNorm: an --arch known to have none
     (config.norm_without_batchnorm), or a bundle whose export listed its extra graphs without
     model.bn.onnx (export writes it wherever BatchNorm exists). A bundle from before the extra
@@ -225,20 +226,19 @@ def without_batchnorm(manifest: dict) -> bool:
     adds it."""
     from config import norm_without_batchnorm
 
-    extra = manifest.get("extra_graphs")
-    return (norm_without_batchnorm(manifest["architecture"].get("arch")) is not None
-            or (extra is not None and "bn" not in extra
-                and "bn" not in (manifest.get("files") or {})))
+    return (norm_without_batchnorm(manifest.architecture.arch) is not None
+            or (manifest.extra_graphs.listed and manifest.extra_graphs.bn is None
+                and "bn" not in manifest.files))
 
 
-def require_ttt_method_applies(method: str, manifest: dict) -> bool:
+def require_ttt_method_applies(method: str, manifest: Manifest) -> bool:
     """Whether the bundle's network has no BatchNorm; then `--ttt_method bn` alone is exit 2
     (checked before any data is read)."""
     from config import no_batchnorm_error, norm_without_batchnorm
 
     if not without_batchnorm(manifest):
         return False
-    arch = manifest["architecture"].get("arch")
+    arch = manifest.architecture.arch
     if method == "bn" and norm_without_batchnorm(arch):
         raise no_batchnorm_error(arch)
     if method == "bn":
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.ttt and config.ttt_method in ("tent", "all"):  # Tent rebuilds it in PyTorch
             require_trusted_model_code(manifest, paths, config.trust_model_code)
         require_onnx_in_bundle(paths, manifest)  # graph and manifest agree, before any data
-        config.validate_tta(manifest["model_type"])
+        config.validate_tta(manifest.model_type)
         if config.ttt:
             require_ttt_method_applies(config.ttt_method, manifest)
         if config.input:
@@ -361,10 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["dataset"] = data.report_section()
         variant = input_variant(config)
         if variant != "onnx":
-            verdict = manifest.get("quantization" if variant == "int8" else "fp16") or {}
-            if verdict and not verdict.get("used_for_inference"):
+            verdict = manifest.variant(variant)
+            if verdict and not verdict.used_for_inference:
                 LOG.warning("using the %s graph as asked, although it was judged: %s", variant,
-                            verdict.get("verdict"))
+                            verdict.verdict)
         val = (data.val.x, data.val.y) if config.tta else None
         run_on_bundle(config, paths, variant, (data.test.x, data.test.y), val, report,
                       benchmark=config.benchmark)

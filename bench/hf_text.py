@@ -144,7 +144,7 @@ def side_by_side(model: Path, texts: list[str], threads: int) -> dict:
 
     paths = BundlePaths.from_model_path(model)
     manifest = read_manifest(paths)  # registers the bundle's tokenizer.json
-    tokenizer = text_tokenizer(manifest["preprocessing"])
+    tokenizer = text_tokenizer(manifest.preprocessing.spec)
     runtime = Config(num_threads=threads).cpu_runtime()
     fp32 = session_runner(create_session(str(paths.onnx), runtime))
     int8 = session_runner(create_session(str(paths.int8), runtime))
@@ -214,7 +214,7 @@ def raw_throughput(model: Path, chunks: list[np.ndarray], batch_size: int, threa
     from ttc.inputs.preprocess import trim_padding
     from ttc.serving.runtime import batches_of, create_session, session_feeder
 
-    pad_id = read_manifest(BundlePaths.from_model_path(model))["preprocessing"]["pad_id"]
+    pad_id = read_manifest(BundlePaths.from_model_path(model)).input.pad_id
     session = create_session(str(model), Config(num_threads=threads).cpu_runtime())
     feed = session_feeder(session)
     if by_length:

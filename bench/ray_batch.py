@@ -116,9 +116,9 @@ def stage_ceilings(model: Path, data: Path, batch_size: int) -> tuple[float, flo
     rows = sum(len(c.ids) for c in chunks)
     read_rate = rows / (time.perf_counter() - started)
     rng = np.random.default_rng(0)
-    probabilities = rng.dirichlet(np.ones(len(manifest["labels"])), batch_size).astype(np.float32)
+    probabilities = rng.dirichlet(np.ones(manifest.classes), batch_size).astype(np.float32)
     with open(data.with_suffix(".ceiling.parquet"), "wb") as handle:
-        writer = PredictionWriter(handle, "parquet", manifest["labels"], 1, False, [])
+        writer = PredictionWriter(handle, "parquet", manifest.labels, 1, False, [])
         started = time.perf_counter()
         for chunk in chunks:
             writer.write(chunk.ids, probabilities[: len(chunk.ids)], {}, None)
@@ -159,7 +159,7 @@ def cpu_per_row(model: Path, data: Path, batch_size: int) -> dict[str, float]:
     manifest = read_manifest(BundlePaths.from_model_path(model))
     ids = [str(i + 1) for i in range(len(x))]
     with open(data.with_suffix(".cpu.parquet"), "wb") as handle:
-        writer = PredictionWriter(handle, "parquet", manifest["labels"], 1, False, [])
+        writer = PredictionWriter(handle, "parquet", manifest.labels, 1, False, [])
 
         def write() -> None:
             for start, probabilities in zip(range(0, len(x), batch_size), outputs):

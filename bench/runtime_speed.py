@@ -36,13 +36,12 @@ def measure(name: str, config: Config) -> None:
     from inference import benchmark_variants, bundle_variants
     from pipeline import torch_variant
     from quantize import quantize_bundle
-    from ttc.serving.runtime import input_padding_id
 
     dataset, trained, paths, _ = train_bundle(config)
     x, y = dataset.test.x, dataset.test.y
     manifest = read_manifest(paths)
     rows = benchmark_variants([torch_variant(trained.net, paths)] + bundle_variants(
-        paths, manifest, config), x, y, config.batch_size, input_padding_id(manifest["input"]))
+        paths, manifest, config), x, y, config.batch_size, manifest.input.pad_id)
     eager, ort32 = rows
     params = trained.architecture["num_parameters"]
     print(f"\n{name}: {trained.architecture['name']} {params:,} parameters, {len(x)} test samples")

@@ -42,7 +42,7 @@ def measure(name: str, dataset_path: str, epochs: int, batch_size: int, runs: in
     tent = Tent(manifest, paths.weights, graph.layers, 1e-3, 1)
     settings = TTTSettings("all", "episodic", 1, 1e-3, 0.0, 0, batch_size, SHIFTS, 3, 0)
     result = evaluate_ttt(settings, graph, predict, tent, dataset.test.x, dataset.test.y,
-                          manifest["preprocessing"])
+                          manifest.preprocessing.spec)
     print(f"\n{name}: {len(dataset.test.x)} test images, batches of {batch_size}")
     print("\n".join(format_ttt(result.report_section())))
     clean, shifted = result.clean, result.mean_shifted

@@ -73,7 +73,7 @@ def bundle_test_inputs(bundle: dict) -> tuple[np.ndarray, dict]:
     from ttc.inputs.data import load_bundle_dataset
 
     manifest = read_manifest(BundlePaths.from_model_path(bundle["model"]))  # an hf tokenizer too
-    recorded = manifest["dataset"]  # the test's own data: a bundle's path is never read alone
+    recorded = manifest.dataset.fields  # the test's own data: a bundle's path is never read alone
     data = load_bundle_dataset(manifest, recorded["path"], ("test",), False)
     return data.test.x[:64], manifest
 
@@ -100,21 +100,21 @@ def test_every_graph_bakes_the_temperature(fixture, request):
     of its members) / T_ensemble)."""
     bundle = request.getfixturevalue(fixture)
     x, manifest = bundle_test_inputs(bundle)
-    temperature = manifest["calibration"]["temperature"]
-    assert manifest["calibration"]["method"] in ("nll", "laplace") and temperature != 1.0
-    files = manifest["files"]
+    temperature = manifest.calibration.temperature
+    assert manifest.calibration.method in ("nll", "laplace") and temperature != 1.0
+    files = manifest.files
     checked = []
     for key, atol in SINGLE_PASS.items():
-        if files.get(key):
-            logits, probabilities = run_graph(bundle["dir"] / files[key], x,
+        if files.name(key):
+            logits, probabilities = run_graph(bundle["dir"] / files.name(key), x,
                                               ["logits", "probabilities"])
             np.testing.assert_allclose(probabilities, softmax(logits, temperature), atol=atol,
                                        err_msg=key)
             checked.append(key)
-    if files.get("ensemble"):
-        members, probabilities = run_graph(bundle["dir"] / files["ensemble"], x,
+    if files.name("ensemble"):
+        members, probabilities = run_graph(bundle["dir"] / files.name("ensemble"), x,
                                            ["pass_probabilities", "probabilities"])
-        ensemble_t = manifest["extra_graphs"]["ensemble"]["temperature"]
+        ensemble_t = manifest.extra_graphs.ensemble.temperature
         assert ensemble_t != 1.0
         np.testing.assert_allclose(probabilities, rescale(members.mean(0), ensemble_t),
                                    atol=1e-6)

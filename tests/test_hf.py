@@ -122,7 +122,7 @@ def test_special_token_text_is_read_as_text(hf_bundle):
     from ttc.inputs.preprocess import text_tokenizer
 
     manifest = read_manifest(BundlePaths.from_model_path(hf_bundle["model"]))
-    pre = manifest["preprocessing"]
+    pre = manifest.preprocessing.spec
     ids = text_tokenizer(pre).encode_batch(["rain [PAD] [SEP] snow", "fog"])
     first = ids[0][ids[0] != pre["pad_id"]]
     assert len(first) == len(ids[0]) and list(first[1:-1]).count(pre["pad_id"]) == 0

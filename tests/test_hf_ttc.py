@@ -41,7 +41,7 @@ def bundle_ids(bundle: dict) -> tuple[dict, np.ndarray]:
 
     manifest = read_manifest(BundlePaths.from_model_path(bundle["model"]))
     texts = [t for t, _ in topic_texts()][:40]
-    return manifest, text_tokenizer(manifest["preprocessing"]).encode_batch(texts)
+    return manifest, text_tokenizer(manifest.preprocessing.spec).encode_batch(texts)
 
 
 # ----------------------------------------------------------------------------- numpy and graph views
@@ -194,7 +194,7 @@ def test_ensemble_graph_takes_the_hf_inputs_and_averages_its_members(hf_pad1_bun
     mean, members = session.run(["probabilities", "pass_probabilities"],
                                 session_feeder(session)(ids))
     assert members.shape == (3, len(ids), 3)
-    temperature = manifest["extra_graphs"]["ensemble"]["temperature"]  # after the average
+    temperature = manifest.extra_graphs.ensemble.temperature  # after the average
     np.testing.assert_allclose(mean, rescale(members.mean(0), temperature), atol=1e-6)
     single = ort.InferenceSession(str(hf_pad1_bundle["model"]),
                                   providers=["CPUExecutionProvider"])
@@ -267,7 +267,7 @@ def test_tent_pairs_every_hf_layernorm_when_slimming_merged_their_parameters(hf_
             norm.weight.fill_(1.0)
             norm.bias.zero_()
     _, ids = bundle_ids(hf_bundle)
-    graph = slim_graph(export_graph(net, ids[:4], 18, manifest["input"],
+    graph = slim_graph(export_graph(net, ids[:4], 18, manifest.input,
                                     ["logits", "probabilities"]))
     _, layers = affine_norm_model(graph)
     assert len(layers) == len(norms) == 5 and len({layer.scale for layer in layers}) == 5
@@ -292,7 +292,7 @@ def test_tent_parameters_fed_into_the_hf_graph_give_the_adapted_network(hf_pad1_
     source, _ = graph.run(ids, 0.0, {})
     adapted, _ = graph.run(ids, 0.0, tent.adapt(ids))
     with torch.no_grad():
-        temperature = manifest["calibration"]["temperature"]  # baked into model.onnx
+        temperature = manifest.calibration.temperature  # baked into model.onnx
         expected = torch.softmax(tent.net(torch.from_numpy(ids)) / temperature, 1).numpy()
     np.testing.assert_allclose(adapted, expected, atol=1e-5)
     assert np.abs(adapted - source).max() > 1e-3  # the steps moved the predictions

@@ -88,7 +88,7 @@ def test_the_manifest_text_written_from_the_typed_manifest_is_byte_identical(dig
 
 def test_a_draft_manifest_reads_typed_with_defaults():
     """Training's draft (and a test's partial dict) reads typed too: what it lacks reads as the
-    defaults; the Mapping view still gives the JSON for the modules not yet converted."""
+    defaults; the typed sections keep the JSON they were read from."""
     from ttc.serving.manifest import as_manifest
 
     draft = {"model_type": "tabular_classifier", "labels": ["a", "b"], "dataset": {},
@@ -101,5 +101,6 @@ def test_a_draft_manifest_reads_typed_with_defaults():
     assert manifest.input.pad_id == 0 and manifest.input.extra_inputs == ()
     assert manifest.architecture.name == "" and manifest.files.name("onnx") is None
     assert manifest.extra_graphs.ensemble is None and manifest.dataset.has_header is None
-    assert manifest["preprocessing"] == draft["preprocessing"] and "dataset" in manifest
-    assert manifest.get("fp16") is None
+    assert (manifest.preprocessing.spec == draft["preprocessing"]
+            and "dataset" in manifest.to_json_dict())
+    assert manifest.fp16 is None

@@ -52,14 +52,14 @@ def training_path_predictions(model: Path) -> dict[str, str]:
     from ttc.inputs.data import load_bundle_dataset
 
     manifest = read_manifest(BundlePaths.from_model_path(model))
-    recorded = manifest["dataset"]  # the test's own data: a bundle's paths are never read alone
+    recorded = manifest.dataset.fields  # the test's own data: a bundle's paths are never read alone
     test = load_bundle_dataset(manifest, recorded["path"], ("test",), False,
                                {"val": recorded["val_path"], "test": recorded["test_path"]}).test
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     predicted = np.concatenate([session.run(["probabilities"], {name: test.x[i:i + 1]})[0]
                                 for i in range(len(test))]).argmax(1)
-    return {ident: manifest["labels"][k] for ident, k in zip(test.ids, predicted)}
+    return {ident: manifest.labels[k] for ident, k in zip(test.ids, predicted)}
 
 
 def serve(bundle: dict, source: Path, tmp_path: Path, *flags: str) -> tuple[dict, dict]:

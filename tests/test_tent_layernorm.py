@@ -40,10 +40,10 @@ def session_of(model: onnx.ModelProto | bytes | str) -> ort.InferenceSession:
     return ort.InferenceSession(source, providers=["CPUExecutionProvider"])
 
 
-def token_ids(manifest: dict, rows: list[tuple[str, str]]) -> np.ndarray:
+def token_ids(manifest, rows: list[tuple[str, str]]) -> np.ndarray:
     from ttc.inputs.preprocess import Tokenizer
 
-    return Tokenizer.from_manifest(manifest["preprocessing"]).encode_batch([t for t, _ in rows])
+    return Tokenizer.from_manifest(manifest.preprocessing.spec).encode_batch([t for t, _ in rows])
 
 
 def test_pipeline_runs_tent_over_layernorm_under_text_shifts(transformer):
@@ -90,7 +90,7 @@ def test_layernorm_parameters_fed_into_the_graph_give_the_adapted_network(transf
     assert np.abs(adapted - plain).max() > 1e-3
     assert entropy(adapted).mean() < entropy(plain).mean()
     with torch.no_grad():
-        expected = WithProbabilities(tent.net.eval(), manifest["calibration"]["temperature"])(
+        expected = WithProbabilities(tent.net.eval(), manifest.calibration.temperature)(
             torch.from_numpy(x))[1].numpy()
     np.testing.assert_allclose(adapted, expected, atol=1e-5)
     tent.reset()

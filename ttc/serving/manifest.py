@@ -122,7 +122,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Variant:
-    """What quantize.py recorded of a variant graph (int8 "quantization", "fp16")."""
+    """What quantize.py recorded of a variant graph (int8 "quantization", "fp16"); an empty
+    record reads as none, as the stages have always read it."""
 
     mode: str | None = None
     verdict: str | None = None
@@ -130,7 +131,7 @@ class Variant:
 
     @classmethod
     def from_dict(cls, entry: Any) -> "Variant | None":
-        if not isinstance(entry, dict):
+        if not isinstance(entry, dict) or not entry:
             return None
         return cls(mode=entry.get("mode"), verdict=entry.get("verdict"),
                    used_for_inference=entry.get("used_for_inference"))
@@ -138,34 +139,40 @@ class Variant:
 
 @dataclass(frozen=True)
 class ExtraGraph:
-    """A graph besides model.onnx (bn, mc, ensemble): its file, its averages' temperature and
-    (an ensemble) its members."""
+    """A graph besides model.onnx (bn, mc, ensemble): its file, its averages' temperature,
+    (MC-dropout) the number of passes that temperature was fitted with, and (an ensemble) its
+    members."""
 
     file: str | None = None
     temperature: float | None = None
     members: int | None = None
+    fitted_passes: int | None = None
 
     @classmethod
     def from_dict(cls, entry: Any) -> "ExtraGraph | None":
         if not isinstance(entry, dict):
             return None
         return cls(file=entry.get("file"), temperature=entry.get("temperature"),
-                   members=entry.get("members"))
+                   members=entry.get("members"),
+                   fitted_passes=_object(entry.get("temperature_fit")).get("passes"))
 
 
 @dataclass(frozen=True)
 class ExtraGraphs:
-    """The extra graphs a bundle describes (bundles exported before one existed lack it)."""
+    """The extra graphs a bundle describes. `listed`: whether the manifest has the section at
+    all (bundles exported before it existed lack it, and so say nothing of a missing graph)."""
 
     bn: ExtraGraph | None = None
     mc: ExtraGraph | None = None
     ensemble: ExtraGraph | None = None
+    listed: bool = False
 
     @classmethod
     def from_dict(cls, graphs: Any) -> "ExtraGraphs":
+        listed = isinstance(graphs, dict)
         graphs = _object(graphs)
         return cls(**{key: ExtraGraph.from_dict(graphs.get(key))
-                      for key in ("bn", "mc", "ensemble")})
+                      for key in ("bn", "mc", "ensemble")}, listed=listed)
 
 
 @dataclass(frozen=True)
@@ -238,10 +245,7 @@ class DatasetRecord:
 @dataclass(frozen=True)
 class Manifest:
     """A bundle's model.json, typed. `Manifest.from_dict` takes a schema-checked manifest (or a
-    draft its writer built); `to_json_dict` gives the JSON dict back as it was read.
-
-    `manifest[key]` and `manifest.get(key)` read the JSON dict (a read-only view for the modules
-    not yet converted to the attributes: do not add callers)."""
+    draft its writer built); `to_json_dict` gives the JSON dict back as it was read."""
 
     model_type: str
     labels: tuple[str, ...]
@@ -299,16 +303,6 @@ class Manifest:
     def variant(self, key: str) -> Variant | None:
         """What quantize.py recorded of "int8" or "fp16"."""
         return self.quantization if key == "int8" else self.fp16 if key == "fp16" else None
-
-    # A read-only view of the JSON dict, for the modules still reading string keys.
-    def __getitem__(self, key: str) -> Any:
-        return self._json[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._json.get(key, default)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._json
 
 
 def as_manifest(manifest: "Manifest | Mapping") -> Manifest:

@@ -386,11 +386,6 @@ def whole_batches(batches: Sequence[np.ndarray], size: int) -> list[np.ndarray]:
     return [b for b in batches if len(b) == size] or list(batches)
 
 
-def input_padding_id(input_spec: dict) -> int:
-    """The padding id of a manifest's token-id input: 0 for ours, an hf tokenizer's own."""
-    return int(input_spec.get("padding_id", PAD_ID))
-
-
 def graph_padding_id(session_or_model) -> int:
     """The padding id of a session's or ModelProto's token ids: the metadata an hf graph carries,
     else 0 (ours)."""

@@ -21,10 +21,12 @@ from utils import LOG
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+    from ttc.serving.manifest import Manifest, Preprocessing
     from ttc.testtime.iterative import Passes
 
 
-def single_variants(session: ort.InferenceSession, manifest: dict, batch_size: int) -> Variants:
+def single_variants(session: ort.InferenceSession, manifest: Manifest, batch_size: int
+                    ) -> Variants:
     """The single pass without the temperature (softmax of the graph's logits) and, for a
     calibrated bundle, with it (the graph's probabilities)."""
     calibrated = network_temperature(manifest) != 1.0
@@ -66,7 +68,7 @@ def without_temperature(session: ort.InferenceSession, x: np.ndarray, batch_size
     return softmax(predict_proba(session, x, batch_size, "logits"))
 
 
-def run_calibration(manifest: dict, raw: np.ndarray | None, probabilities: np.ndarray,
+def run_calibration(manifest: Manifest, raw: np.ndarray | None, probabilities: np.ndarray,
                     y: np.ndarray, seed: int) -> dict | None:
     """The report's `calibration`: the bundle's temperature and what it does on the test split,
     from the single pass without (`raw`) and with it (None without a raw pass)."""
@@ -74,7 +76,7 @@ def run_calibration(manifest: dict, raw: np.ndarray | None, probabilities: np.nd
 
     if raw is None:
         return None
-    fit = manifest.get("calibration") or no_fit(
+    fit = (manifest.calibration.entry if manifest.calibration else None) or no_fit(
         "a bundle written before calibration: re-run pipeline.py to fit a temperature"
     ).manifest_entry()
     section = calibration_section(fit, raw, probabilities, y, seed)
@@ -83,7 +85,8 @@ def run_calibration(manifest: dict, raw: np.ndarray | None, probabilities: np.nd
     return section
 
 
-def calibration_under_shift(eval_shift: str, severity: int, seed: int, preprocessing: dict,
+def calibration_under_shift(eval_shift: str, severity: int, seed: int,
+                            preprocessing: Preprocessing,
                             variants: Variants, test: tuple[np.ndarray, np.ndarray]) -> dict:
     """--eval_shift: accuracy, ECE and NLL of every variant on each corrupted copy of the test
     split (Ovadia et al. 2019's protocol), and which variant is best calibrated on average."""
@@ -92,8 +95,8 @@ def calibration_under_shift(eval_shift: str, severity: int, seed: int, preproces
 
     x, y = test
     shifts = []
-    for name in parse_shift_names(eval_shift, preprocessing["kind"]):
-        shifted = corrupt(x, name, severity, preprocessing, seed)
+    for name in parse_shift_names(eval_shift, preprocessing.kind):
+        shifted = corrupt(x, name, severity, preprocessing.spec, seed)
         shifts.append({"name": name, "severity": severity,
                        "rows": shift_rows(variants(shifted), y)})
     best = best_calibrated(shifts)

@@ -13,6 +13,7 @@ import numpy as np
 from ttc.reporting.metrics import ece_change_interval, entropy
 from ttc.serving.bundle import (BundlePaths, network_temperature, read_manifest,
                                 require_onnx_in_bundle)
+from ttc.serving.manifest import ExtraGraph
 from ttc.serving.runtime import batches_of, best_of, create_session, session_runner, state_input
 from ttc.testtime.calibration import averaged_variants
 from ttc.testtime.served import Evaluation, Heldout, RunFlags, Served, Variants, plain_predictor
@@ -20,6 +21,7 @@ from utils import LOG, ConfigError, RuntimeFailure
 
 if TYPE_CHECKING:
     from ttc.serving.batch import Predictor
+    from ttc.serving.manifest import Manifest
     from ttc.testtime.iterative import MCSampler
 
 
@@ -46,7 +48,7 @@ class Iterative:
     def asked(self, config: RunFlags) -> bool:
         return config.iterative != "none"
 
-    def options(self, config: RunFlags, manifest: dict) -> IterativeOptions:
+    def options(self, config: RunFlags, manifest: Manifest) -> IterativeOptions:
         return IterativeOptions(config.iterative, config.iterative_backend, config.iterations,
                                 config.iterative_tol, config.iterative_patience,
                                 tuple(config.ensemble_members()) if config.ensemble else None,
@@ -165,13 +167,13 @@ def mc_sampler(options: IterativeOptions, served: Served) -> tuple[MCSampler, fl
         run = lambda batch: softmax(logits(batch)).astype(np.float32)  # noqa: E731
     else:
         run = session_runner(session, it.PASSES_OUTPUT)
-    info = (served.manifest.get("extra_graphs") or {}).get("mc") or {}
-    fitted_passes = (info.get("temperature_fit") or {}).get("passes")
-    if info.get("temperature") is not None and fitted_passes != options.iterations:
+    info = served.manifest.extra_graphs.mc or ExtraGraph()
+    fitted_passes = info.fitted_passes
+    if info.temperature is not None and fitted_passes != options.iterations:
         LOG.info("the MC-dropout average's temperature was fitted with %s passes, this run "
                  "takes %d", fitted_passes, options.iterations)
     return (it.MCSampler(options.backend, options.iterations, run, options.tol,
-                         options.patience), info.get("temperature"))
+                         options.patience), info.temperature)
 
 
 def ensemble_sampler(options: IterativeOptions, served: Served
@@ -188,7 +190,7 @@ def ensemble_sampler(options: IterativeOptions, served: Served
                          it.PASSES_OUTPUT)
     temperature = None
     if options.ensemble is None:
-        temperature = served.manifest["extra_graphs"]["ensemble"].get("temperature")
+        temperature = served.manifest.extra_graphs.ensemble.temperature
     return it.MCSampler("batched", 0, run), temperature, members
 
 
@@ -202,13 +204,13 @@ def ensemble_graph(others: tuple[str, ...] | None, served: Served) -> tuple[obje
     paths, manifest = served.paths, served.manifest
     if others is None:
         model = onnx.load(str(require_onnx_in_bundle(paths, manifest, "ensemble")))
-        return model, manifest["extra_graphs"]["ensemble"]["members"]
+        return model, manifest.extra_graphs.ensemble.members
     members = [onnx.load(str(require_onnx_in_bundle(paths, manifest)))]
     for item in others:
         other_paths = BundlePaths.from_model_path(item)
         other = read_manifest(other_paths)
-        if other["labels"] != manifest["labels"] or \
-                other["preprocessing"] != manifest["preprocessing"]:
+        if other.labels != manifest.labels or \
+                other.preprocessing.spec != manifest.preprocessing.spec:
             raise ConfigError(f"--ensemble member {item} has other labels or preprocessing than "
                               f"{paths.onnx}", "ensemble bundles trained on the same data")
         members.append(onnx.load(str(require_onnx_in_bundle(other_paths, other))))

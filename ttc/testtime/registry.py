@@ -16,6 +16,7 @@ from ttc.testtime.ttt_method import TTT
 
 if TYPE_CHECKING:
     from ttc.serving.batch import Predictor
+    from ttc.serving.manifest import Manifest
     from ttc.testtime.served import Evaluation, Heldout, RunFlags, Served
 
 
@@ -29,7 +30,7 @@ class Method(Protocol):
 
     def asked(self, config: RunFlags) -> bool: ...
 
-    def options(self, config: RunFlags, manifest: dict) -> object: ...
+    def options(self, config: RunFlags, manifest: Manifest) -> object: ...
 
     def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation: ...
 

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from ttc.serving.runtime import batches_of, input_padding_id, session_runner
+from ttc.serving.runtime import batches_of, session_runner
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
     from ttc.serving.batch import Predictor
     from ttc.serving.bundle import BundlePaths
+    from ttc.serving.manifest import Manifest
     from ttc.serving.runtime import RuntimeOptions
     from ttc.testtime.tta import TTAOptions
     from ttc.testtime.ttt import TTTSettings
@@ -61,7 +62,7 @@ class Served:
     archs lack BatchNorm is config.py's knowledge, which the package does not import."""
 
     paths: BundlePaths
-    manifest: dict
+    manifest: Manifest
     session: ort.InferenceSession
     model_path: Path
     runtime: RuntimeOptions
@@ -69,15 +70,15 @@ class Served:
 
     @property
     def classes(self) -> int:
-        return len(self.manifest["labels"])
+        return self.manifest.classes
 
     @property
     def kind(self) -> str:
-        return self.manifest["preprocessing"]["kind"]
+        return self.manifest.preprocessing.kind
 
     @property
     def pad_id(self) -> int:
-        return input_padding_id(self.manifest["input"])
+        return self.manifest.input.pad_id
 
 
 @dataclass

@@ -30,6 +30,7 @@ from utils import LOG, ConfigError
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+    from ttc.serving.manifest import Manifest
     from ttc.serving.runtime import RuntimeOptions
 
 DEFAULT_TRANSFORMS = {"image": "shift:1", "text": "token_dropout:0.1", "tabular": "jitter:0.1"}
@@ -693,16 +694,15 @@ def evaluate_tta(runner: TTARunner, test: tuple[np.ndarray, np.ndarray],
     return result
 
 
-def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: dict,
+def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: Manifest,
                options: TTAOptions, runtime: RuntimeOptions) -> TTARunner:
     """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
     on the same providers) where the transforms allow, else numpy views around `session`."""
-    transforms = build_transforms(options.transforms, manifest["preprocessing"], options.seed)
-    model = tta_model(onnx.load(str(model_path)), transforms, options.merge,
-                      len(manifest["labels"]))
+    transforms = build_transforms(options.transforms, manifest.preprocessing.spec, options.seed)
+    model = tta_model(onnx.load(str(model_path)), transforms, options.merge, manifest.classes)
     merged = None
     if model is not None:
         merged = session_runner(create_session(model.SerializeToString(), runtime,
-                                               classes=len(manifest["labels"]), source=model_path))
+                                               classes=manifest.classes, source=model_path))
     return TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
                      merged)

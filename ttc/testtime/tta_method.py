@@ -11,6 +11,7 @@ from utils import LOG
 
 if TYPE_CHECKING:
     from ttc.serving.batch import Predictor
+    from ttc.serving.manifest import Manifest
     from ttc.testtime.tta import TTAOptions, TTARunner
 
 
@@ -22,7 +23,7 @@ class TTA:
     def asked(self, config: RunFlags) -> bool:
         return config.tta
 
-    def options(self, config: RunFlags, manifest: dict) -> TTAOptions:
+    def options(self, config: RunFlags, manifest: Manifest) -> TTAOptions:
         return config.tta_options()
 
     def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation:

@@ -46,6 +46,8 @@ from utils import LOG, ConfigError, ExportError
 if TYPE_CHECKING:  # torch loads only for tent
     import torch
 
+    from ttc.serving.manifest import Manifest
+
 PRIOR = "ttt_bn_prior"  # graph input: the prior strength N
 SOURCE_PRIOR = 1e12  # a prior so strong that the stored statistics win: the unadapted model
 
@@ -328,7 +330,7 @@ class Tent:
     T) with the manifest's temperature. `adapt` returns the parameters under the ONNX graph's
     names."""
 
-    def __init__(self, manifest: dict, weights: Path, layers: list[BNLayer] | list[AffineNorm],
+    def __init__(self, manifest: Manifest, weights: Path, layers: list[BNLayer] | list[AffineNorm],
                  learning_rate: float, steps: int, num_threads: int = 1,
                  trust_model_code: bool = False) -> None:
         import torch

@@ -16,6 +16,7 @@ from utils import LOG, ConfigError
 
 if TYPE_CHECKING:
     from ttc.serving.batch import Predictor
+    from ttc.serving.manifest import Manifest
     from ttc.testtime.ttt import AdaptationGraph, Tent, TTTSettings
 
 
@@ -27,8 +28,8 @@ class TTT:
     def asked(self, config: RunFlags) -> bool:
         return config.ttt
 
-    def options(self, config: RunFlags, manifest: dict) -> TTTSettings:
-        return config.ttt_settings(manifest["preprocessing"]["kind"])
+    def options(self, config: RunFlags, manifest: Manifest) -> TTTSettings:
+        return config.ttt_settings(manifest.preprocessing.kind)
 
     def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
         return Evaluation(run_ttt(self.options(config, served.manifest), served,
@@ -48,7 +49,8 @@ def run_ttt(settings: TTTSettings, served: Served, predict: Callable[[np.ndarray
     from ttc.testtime.ttt import evaluate_ttt
 
     graph, tent = adaptation(settings, served)
-    result = evaluate_ttt(settings, graph, predict, tent, *test, served.manifest["preprocessing"])
+    result = evaluate_ttt(settings, graph, predict, tent, *test,
+                          served.manifest.preprocessing.spec)
     for warning in result.warnings:
         LOG.warning("test-time training: %s", warning)
     LOG.info("test-time training: %s", result.verdict)
