@@ -7,11 +7,12 @@ reads the weights and manifest that train.py wrote beside that path.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -97,7 +98,7 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
     dynamic = tuple({axis: dims[name] for axis, name in enumerate(input_spec.shape)
                      if isinstance(name, str)} for _ in feed)
     try:
-        with stdout_to_stderr():
+        with stdout_to_stderr(), torchlib_registry_built_once():
             program = torch.onnx.export(
                 wrapper, tuple(torch.from_numpy(v) for v in feed.values()),
                 input_names=list(feed), output_names=list(output_names), dynamic_shapes=dynamic,
@@ -108,6 +109,38 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
         first = first_line(err)
         raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",
                           "try the default --opset 18, or --log_level DEBUG for details") from None
+
+
+# ONNX Script's tables of ATen decompositions, one per opset, built once per process.
+_TORCHLIB_REGISTRIES: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def torchlib_registry_built_once() -> Iterator[None]:
+    """torch.onnx.export builds its table of ATen → ONNX decompositions anew on every call
+    (about 1 s of CPU each, most of a small network's export), and a bundle exports two to
+    four graphs: within this block each opset's table is built once per process and then
+    reused. The exporter only reads the table unless it is given a custom_translation_table,
+    which this tool never passes (torch 2.14, torch/onnx/_internal/exporter/_compat.py). A
+    torch without this private API exports as before, building it each time."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        original = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def built_once(cls: type, *args: object, **kwargs: object) -> object:
+        key = (cls, args, tuple(sorted(kwargs.items())))
+        if key not in _TORCHLIB_REGISTRIES:
+            _TORCHLIB_REGISTRIES[key] = original(cls, *args, **kwargs)
+        return _TORCHLIB_REGISTRIES[key]
+
+    _registration.ONNXRegistry.from_torchlib = classmethod(built_once)
+    try:
+        yield
+    finally:
+        _registration.ONNXRegistry.from_torchlib = classmethod(original)
 
 
 def graph_inputs(x: np.ndarray, input_spec: InputSpec) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import onnxruntime as ort
 
 from conftest import assert_clean_failure, run_cli, write_image_table
@@ -81,3 +82,30 @@ def test_export_without_weights_fails_cleanly(tmp_path):
 def test_debug_log_level_shows_the_traceback(tmp_path):
     run = run_cli("inference.py", "--model", tmp_path / "none.onnx", "--log_level", "DEBUG")
     assert run.returncode == 4 and "Traceback" in run.stderr
+
+
+def test_repeated_exports_build_the_decomposition_table_once_and_give_the_same_graph():
+    """A bundle exports several graphs: torch.onnx.export's ATen → ONNX table is built once per
+    process (export.torchlib_registry_built_once), the graphs are what a fresh table gives, and
+    torch's own function is back afterwards."""
+    import torch
+    from torch.onnx._internal.exporter import _registration
+
+    import export
+    from export import export_graph, torchlib_registry_built_once
+    from ttc.serving.bundle import InputSpec
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    spec = InputSpec(name="features", shape=("batch", 4), dtype="float32", padding_id=None,
+                     max_length=None, extra_inputs=())
+    example = np.zeros((2, 4), dtype=np.float32)
+    original = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
+    export._TORCHLIB_REGISTRIES.clear()  # the first export builds a fresh table
+    first = export_graph(net, example, 18, spec, ["logits", "probabilities"])
+    with torchlib_registry_built_once():
+        table = _registration.ONNXRegistry().from_torchlib(opset_version=18)
+        assert _registration.ONNXRegistry().from_torchlib(opset_version=18) is table
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"].__func__ is original
+    second = export_graph(net, example, 18, spec, ["logits", "probabilities"])
+    assert first.SerializeToString() == second.SerializeToString()
