@@ -190,19 +190,21 @@ def linear_graph():
     import torch
 
     from export import export_graph, slim_graph
+    from ttc.serving.bundle import InputSpec
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
     samples = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
-    spec = {"name": "features", "dtype": "float32", "shape": ["batch", 4]}
+    spec = InputSpec.from_dict({"name": "features", "dtype": "float32", "shape": ["batch", 4]})
     graph = slim_graph(export_graph(net, samples[:2], 18, spec, ["logits", "probabilities"]))
     return net, graph, samples
 
 
 def _compare(net, graph, samples):
     from export import compare_with_torch
+    from ttc.serving.bundle import InputSpec
 
-    spec = {"name": "features", "dtype": "float32", "shape": ["batch", 4]}
+    spec = InputSpec.from_dict({"name": "features", "dtype": "float32", "shape": ["batch", 4]})
     return compare_with_torch(graph, net, samples, spec, 1e-4, 64, 1)
 
 
