@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ttc.inputs.limits import MAX_TEXT_LENGTH
+from ttc.inputs.tables import FORMAT_NAMES
 from ttc.options.fields import bad, opt, parse_image_size, positive
 from ttc.tasks.registry import builtin_datasets, find_task, model_types
 from utils import ConfigError
 
 MODEL_TYPES = model_types()  # ttc/tasks: one entry per model type, the default first
 BUILTIN_DATASETS = builtin_datasets()
-TABLE_FORMAT_NAMES = ("csv", "tsv", "json", "jsonl", "parquet")
+TABLE_FORMAT_NAMES = FORMAT_NAMES  # --dataset_format: the formats tables.py reads
 
 
 @dataclass

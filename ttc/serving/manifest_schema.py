@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ttc.inputs.limits import MAX_IMAGE_SIDE, MAX_LABELS, MAX_TEXT_LENGTH
 from ttc.inputs.preprocess import HF_TOKENIZER, PAD_ID, UNK_ID
+from ttc.inputs.tables import FORMAT_NAMES
 from ttc.tasks.registry import TASKS
 
 # (value, its place in the manifest such as "preprocessing.vocabulary") → the problem, or None
@@ -27,7 +28,7 @@ MODEL_KINDS = {task.name: task.kind for task in TASKS}  # model_type → preproc
 OUTPUT_NAMES = ("logits", "probabilities")  # every graph's outputs, (batch, classes) float32
 HF_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # hf.GRAPH_INPUTS (torch)
 TORCHVISION_ARCHS = ("resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0")  # models'
-TABLE_FORMATS = ("csv", "tsv", "json", "jsonl", "parquet")  # config.TABLE_FORMAT_NAMES
+TABLE_FORMATS = FORMAT_NAMES  # a recorded --dataset_format
 
 
 # ----------------------------------------------------------------------------- field checks
