@@ -156,8 +156,9 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     report["inference"] = result.report_section()
     if config.profile:
         report["profile"] = profile_graph(config, model_path, test[0], graph_padding_id(session))
-    report["evaluation"] = bundle_evaluation(manifest, Tally(manifest.classes).add(
-        probabilities, test[1]))
+    report["evaluation"] = bundle_evaluation(
+        manifest.labels, manifest.dataset.train_class_counts,
+        Tally(manifest.classes).add(probabilities, test[1]))
     raw = without_temperature(session, test[0], config.batch_size)
     report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], config.seed)
     served = served_graph(config, paths, manifest, session, model_path)

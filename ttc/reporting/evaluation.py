@@ -9,7 +9,7 @@ evaluation of a split and of a labelled `inference.py --input` stream of any len
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -133,30 +133,12 @@ def evaluation_section(tally: Tally, labels: Sequence[str],
     return section
 
 
-class TrainingCounts(Protocol):
-    """What the evaluation reads of a bundle's dataset record: its training split's class
-    counts (None in bundles from before that record)."""
-
-    @property
-    def train_class_counts(self) -> Sequence[int] | None: ...
-
-
-class EvaluatedBundle(Protocol):
-    """What the evaluation reads of a bundle's manifest (ttc.serving.manifest.Manifest, which
-    this folder does not import): its labels and its training split's class counts."""
-
-    @property
-    def labels(self) -> Sequence[str]: ...
-
-    @property
-    def dataset(self) -> TrainingCounts: ...
-
-
-def bundle_evaluation(manifest: EvaluatedBundle, tally: Tally, split: str = "test") -> dict:
-    """The evaluation of a bundle's predictions against its training split's majority class;
-    the warnings are logged (stderr), the verdict too."""
-    section = evaluation_section(tally, manifest.labels, manifest.dataset.train_class_counts,
-                                 split)
+def bundle_evaluation(labels: Sequence[str], train_class_counts: Sequence[int] | None,
+                      tally: Tally, split: str = "test") -> dict:
+    """The evaluation of a bundle's predictions against its training split's majority class
+    (`train_class_counts`: None in bundles from before that record); the warnings are logged
+    (stderr), the verdict too."""
+    section = evaluation_section(tally, labels, train_class_counts, split)
     for warning in section["warnings"]:
         LOG.warning("%s", warning)
     LOG.info("evaluation: %s", section["verdict"])

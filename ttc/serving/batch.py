@@ -678,7 +678,8 @@ def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iter
         run.seconds = round(time.perf_counter() - started, 3)
         report["predictions"] = run.report_section()
         if tally.samples:
-            report["evaluation"] = bundle_evaluation(manifest, tally, "input")
+            report["evaluation"] = bundle_evaluation(
+                manifest.labels, manifest.dataset.train_class_counts, tally, "input")
         if run.predicted == 0:  # raised inside the block: the previous output stays as it was
             _fail_without_predictions(run, options, error_rows)
     if options.errors:

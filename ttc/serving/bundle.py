@@ -443,12 +443,6 @@ def new_manifest(*, model_type: str, labels: list[str], input_spec: dict, prepro
             "files": {"onnx": None, "weights": None, "sha256": {}}}
 
 
-def network_temperature(manifest: Manifest) -> float:
-    """The temperature a bundle's graphs divide the logits by (1 for a bundle written before
-    calibration, or with --calibrate none): Manifest.temperature."""
-    return manifest.temperature
-
-
 def manifest_text(manifest: dict) -> str:
     return json.dumps(manifest, indent=2) + "\n"
 

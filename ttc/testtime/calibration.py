@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ttc.serving.bundle import network_temperature
 from ttc.serving.runtime import predict_proba
 from ttc.testtime.served import Variants
 from utils import LOG
@@ -29,7 +28,7 @@ def single_variants(session: ort.InferenceSession, manifest: Manifest, batch_siz
                     ) -> Variants:
     """The single pass without the temperature (softmax of the graph's logits) and, for a
     calibrated bundle, with it (the graph's probabilities)."""
-    calibrated = network_temperature(manifest) != 1.0
+    calibrated = manifest.temperature != 1.0
 
     def variants(x: np.ndarray) -> dict:
         out = {"single": without_temperature(session, x, batch_size)}

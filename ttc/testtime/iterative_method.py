@@ -6,13 +6,12 @@ when the method runs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from ttc.reporting.metrics import ece_change_interval, entropy
-from ttc.serving.bundle import (BundlePaths, network_temperature, read_manifest,
-                                require_onnx_in_bundle)
+from ttc.serving.bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 from ttc.serving.manifest import ExtraGraph
 from ttc.serving.runtime import batches_of, best_of, create_session, session_runner, state_input
 from ttc.testtime.calibration import averaged_variants
@@ -42,8 +41,8 @@ class IterativeOptions:
 
 @dataclass(frozen=True)
 class Iterative:
-    flag: str = "--iterative"
-    key: str = "iterative"
+    flag: ClassVar[str] = "--iterative"
+    key: ClassVar[str] = "iterative"
 
     def asked(self, config: RunFlags) -> bool:
         return config.iterative != "none"
@@ -82,7 +81,7 @@ def run_iterative(options: IterativeOptions, served: Served, test: tuple[np.ndar
     single_seconds, single_probs = best_of(3, lambda: np.concatenate([single(b) for b in batches]))
     raw = single_probs if raw is None else raw
     rows = [it.calibration_row("single", raw, y, single_seconds, single_seconds, 1)]
-    temperature = network_temperature(served.manifest)
+    temperature = served.manifest.temperature
     if temperature != 1.0 and raw is not single_probs:
         rows.append(it.calibration_row("single+T", single_probs, y, single_seconds,
                                        single_seconds, 1, temperature=temperature))

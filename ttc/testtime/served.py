@@ -43,8 +43,6 @@ class RunFlags(Protocol):
     ensemble: str | None
     batch_size: int
     seed: int
-    eval_shift: str | None
-    shift_severity: int
 
     def tta_options(self) -> TTAOptions: ...
 

@@ -4,7 +4,7 @@ Light at import (tta.py, which imports onnx, loads when the method runs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from ttc.testtime.served import Evaluation, Heldout, RunFlags, Served
 from utils import LOG
@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TTA:
-    flag: str = "--tta"
-    key: str = "tta"
+    flag: ClassVar[str] = "--tta"
+    key: ClassVar[str] = "tta"
 
     def asked(self, config: RunFlags) -> bool:
         return config.tta

@@ -335,7 +335,6 @@ class Tent:
                  trust_model_code: bool = False) -> None:
         import torch
 
-        from ttc.serving.bundle import network_temperature
         from ttc.nets.models import load_weights
         from utils import quiet_library_loggers
 
@@ -346,7 +345,7 @@ class Tent:
         self.torch, self.steps, self.learning_rate = torch, steps, learning_rate
         self.net = load_weights(manifest, weights, trust_model_code).eval()
         self.net.requires_grad_(False)
-        self.temperature = network_temperature(manifest)
+        self.temperature = manifest.temperature
         if all(isinstance(layer, BNLayer) for layer in layers):
             norms = self._batchnorm_modules(layers)
         else:

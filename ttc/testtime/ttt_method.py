@@ -5,7 +5,7 @@ PyTorch only when Tent does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TTT:
-    flag: str = "--ttt"
-    key: str = "ttt"
+    flag: ClassVar[str] = "--ttt"
+    key: ClassVar[str] = "ttt"
 
     def asked(self, config: RunFlags) -> bool:
         return config.ttt
