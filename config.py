@@ -13,25 +13,24 @@ import argparse
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ttc.options.batch import (ENGINES, OUTPUT_FORMATS, RAY_ADDRESS_HINT, RAY_FLAGS,
-                               BatchFlags, check_ray_address)
-from ttc.options.data import BUILTIN_DATASETS, MODEL_TYPES, TABLE_FORMAT_NAMES, DataFlags
+from ttc.options.batch import BatchFlags
+from ttc.options.data import DataFlags
 from ttc.options.export import VALIDATE_ATOL, VALIDATE_ATOL_FOR_ARCH, ExportFlags
-from ttc.options.fields import GROUPS, SCRIPTS, bad, opt, parse_bool, parse_image_size
-from ttc.options.iterative import ARCHS_WITHOUT_DROPOUT, IterativeFlags
+from ttc.options.fields import GROUPS, SCRIPTS, bad, parse_bool
+from ttc.options.iterative import IterativeFlags
 from ttc.options.output import (LOG_LEVELS, PLOT_NAMES, OutputFlags, page_beside,
                                 refuse_linked_plots_folder, visuals_beside)
-from ttc.options.quantize import QUANTIZE_MODES, QuantizeFlags
+from ttc.options.quantize import QuantizeFlags
 from ttc.options.sessions import RuntimeFlags
 from ttc.options.shift import ShiftFlags
 from ttc.options.teacher import TeacherFlags
-from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, TORCHVISION_ARCHS,
-                                  TrainingFlags, default_learning_rate, is_hf_arch)
+from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, TrainingFlags,
+                                  is_hf_arch)
 from ttc.options.tta import TTAFlags
-from ttc.options.ttt import (ARCHS_WITHOUT_BATCHNORM, TTTFlags, no_batchnorm_error,
-                             norm_without_batchnorm)
+from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
+from ttc.tasks.registry import task_for
 from utils import DataError, check_paths
 
 if TYPE_CHECKING:
@@ -39,22 +38,15 @@ if TYPE_CHECKING:
     from ttc.testtime.ttt import TTTSettings
 
 # The names other modules import from here (config.X), wherever they now live.
-__all__ = ["ARCHS", "ARCHS_WITHOUT_BATCHNORM", "ARCHS_WITHOUT_DROPOUT", "BUILTIN_DATASETS",
-           "ENGINES", "GROUPS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "MODEL_TYPES",
-           "OUTPUT_FORMATS", "PLOT_NAMES", "QUANTIZE_MODES", "RAY_ADDRESS_HINT", "RAY_FLAGS",
-           "SCRIPTS", "TABLE_FORMAT_NAMES", "TORCHVISION_ARCHS", "VALIDATE_ATOL",
-           "VALIDATE_ATOL_FOR_ARCH", "FIELDS", "STAGES", "Config", "OneLineParser",
-           "DataFlags", "TrainingFlags", "TeacherFlags", "ExportFlags", "QuantizeFlags",
-           "TTAFlags", "TTTFlags", "ShiftFlags", "IterativeFlags", "RuntimeFlags", "BatchFlags",
-           "OutputFlags", "build_parser", "check_ray_address", "default_learning_rate",
+__all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS", "VALIDATE_ATOL",
+           "VALIDATE_ATOL_FOR_ARCH", "FIELDS", "Config", "OneLineParser", "build_parser",
            "flags_for", "is_hf_arch", "markdown_reference", "no_batchnorm_error",
-           "norm_without_batchnorm", "opt", "page_beside", "parse_bool", "parse_config",
-           "parse_image_size", "refuse_linked_plots_folder", "start_cli", "visuals_beside"]
+           "norm_without_batchnorm", "page_beside", "parse_bool", "refuse_linked_plots_folder",
+           "start_cli", "visuals_beside"]
 
 # The stages in the order their flags appear in --help, the summary and the report.
 STAGES = (DataFlags, TrainingFlags, TeacherFlags, ExportFlags, QuantizeFlags, TTAFlags, TTTFlags,
           ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags, OutputFlags)
-Stage = TypeVar("Stage")
 
 
 @dataclass
@@ -63,11 +55,6 @@ class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, 
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
     fields from the last base to the first, so the bases are STAGES reversed (checked below:
     the fields' order is the flags' order in --help, the summary and the report)."""
-
-    def options(self, stage: type[Stage]) -> Stage:
-        """One stage's own flags (e.g. `config.options(TTTFlags)`), for code that should see
-        nothing else."""
-        return stage(**{f.name: getattr(self, f.name) for f in fields(stage)})  # type: ignore
 
     # ------------------------------------------------------------------ checks
 
@@ -123,9 +110,9 @@ class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, 
         if self.tta or self.tta_transforms:
             from ttc.testtime.tta import parse_transform_specs
 
-            parse_transform_specs(self.tta_transforms, model_type.split("_")[0])
+            parse_transform_specs(self.tta_transforms, task_for(model_type).kind)
         if self.eval_shift:
-            self.shift_names(model_type.split("_")[0])
+            self.shift_names(task_for(model_type).kind)
 
     # ------------------------------------------------------------------ files
 

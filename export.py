@@ -112,7 +112,7 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
 
 
 # ONNX Script's tables of ATen decompositions, one per opset, built once per process.
-_TORCHLIB_REGISTRIES: dict[tuple, object] = {}
+_TORCHLIB_REGISTRIES: dict[int | None, object] = {}
 
 
 @contextlib.contextmanager
@@ -125,22 +125,23 @@ def torchlib_registry_built_once() -> Iterator[None]:
     torch without this private API exports as before, building it each time."""
     try:
         from torch.onnx._internal.exporter import _registration
-        original = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
+        saved = _registration.ONNXRegistry.__dict__["from_torchlib"]
+        build = saved.__func__
     except (ImportError, AttributeError, KeyError):
         yield
         return
 
-    def built_once(cls: type, *args: object, **kwargs: object) -> object:
-        key = (cls, args, tuple(sorted(kwargs.items())))
-        if key not in _TORCHLIB_REGISTRIES:
-            _TORCHLIB_REGISTRIES[key] = original(cls, *args, **kwargs)
-        return _TORCHLIB_REGISTRIES[key]
+    def built_once(cls: type, opset_version: int | None = None) -> object:
+        if opset_version not in _TORCHLIB_REGISTRIES:
+            _TORCHLIB_REGISTRIES[opset_version] = (build(cls) if opset_version is None else
+                                                   build(cls, opset_version=opset_version))
+        return _TORCHLIB_REGISTRIES[opset_version]
 
     _registration.ONNXRegistry.from_torchlib = classmethod(built_once)
     try:
         yield
     finally:
-        _registration.ONNXRegistry.from_torchlib = classmethod(original)
+        _registration.ONNXRegistry.from_torchlib = saved
 
 
 def graph_inputs(x: np.ndarray, input_spec: InputSpec) -> dict[str, np.ndarray]:

@@ -1,7 +1,6 @@
 """The tool's settings, one dataclass per stage (data, training, the LM teacher, export,
 quantization, each test-time method, the ONNX Runtime session, batch inference, output): each
 owns its flags (default, help, group, the scripts that take it), the checks of its own values
-and the helpers that read them. config.py composes them into the `Config` the CLIs parse, so a
-stage's code can take only its own options (`config.options(TTTFlags)`). The modules import
-only utils, ttc/inputs and ttc/serving/runtime.py: never torch, DSPy or onnxruntime at import,
-since every CLI builds its --help from them."""
+and the helpers that read them. config.py composes them into the `Config` the CLIs parse. The modules import only utils,
+ttc/inputs, ttc/tasks, ttc/serving/runtime.py and ttc/reporting/sections.py (the plot names):
+never torch, DSPy or onnxruntime at import, since every CLI builds its --help from them."""

@@ -141,6 +141,3 @@ def _valid_host(host: str) -> bool:
         except ValueError:
             return False
     return re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?", host) is not None
-
-
-# ----------------------------------------------------------------------------- argument parsing

@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ttc.reporting.summary import (format_benchmark, format_calibration, format_dropped,
+from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration, format_dropped,
                                    format_engine, format_evaluation, format_iterative,
                                    format_profile, format_quantize_details, format_training,
                                    format_ttt)
 
-KeyLabels = Sequence[tuple[str, str]]
 Formatter = Callable[[Any], list[str]]
 
 
@@ -162,7 +161,7 @@ assert {p for s in SECTIONS for p in s.plots} == set(PLOT_NAMES), "a plot withou
 
 # the labels of the sections that have them (the page's key/value rows, when asked for)
 SUMMARY_KEYS: dict[str, KeyLabels] = {s.key: s.keys for s in SECTIONS if s.keys}
-PREDICTION_KEYS: KeyLabels = SECTION["predictions"].keys
+PREDICTION_KEYS: KeyLabels = PREDICTIONS_KEYS
 
 
 def moved(order: Iterable[Section], anchor: str | None, moving: Iterable[Section]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ttc.inputs.limits import MAX_IMAGE_SIDE, MAX_LABELS, MAX_TEXT_LENGTH
 from ttc.inputs.preprocess import HF_TOKENIZER, PAD_ID, UNK_ID
 from ttc.inputs.tables import FORMAT_NAMES
-from ttc.tasks.registry import TASKS
+from ttc.tasks.registry import TASKS, task_for
 
 # (value, its place in the manifest such as "preprocessing.vocabulary") → the problem, or None
 Check = Callable[[Any, str], "str | None"]
@@ -27,7 +27,7 @@ MAX_INT = 2**31 - 1  # sizes and ids: what the Rust tokenizer and ONNX Runtime t
 MODEL_KINDS = {task.name: task.kind for task in TASKS}  # model_type → preprocessing.kind
 OUTPUT_NAMES = ("logits", "probabilities")  # every graph's outputs, (batch, classes) float32
 HF_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # hf.GRAPH_INPUTS (torch)
-TORCHVISION_ARCHS = ("resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0")  # models'
+TORCHVISION_ARCHS = task_for("image_classifier").archs[1:]  # the image networks but small_cnn
 TABLE_FORMATS = FORMAT_NAMES  # a recorded --dataset_format
 
 
