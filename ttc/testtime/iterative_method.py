@@ -129,11 +129,8 @@ def run_averaged(options: IterativeOptions, served: Served, batches: list[np.nda
     from ttc.testtime import iterative as it
     from ttc.testtime.calibrate import rescale
 
-    name, members = options.mode, None
-    if name == "mc_dropout":
-        sampler, temperature = mc_sampler(options, served)
-    else:
-        sampler, temperature, members = ensemble_sampler(options, served)
+    name = options.mode
+    sampler, temperature, members = sampler_for(options, served)
     sampler(batches[:1])  # warm-up
     seconds, passes = best_of(1, lambda: sampler(batches))
     used = passes.passes_used if members is None else members
@@ -144,6 +141,15 @@ def run_averaged(options: IterativeOptions, served: Served, batches: list[np.nda
     variants = averaged_variants(
         name, lambda x: sampler(batches_of(x, options.batch_size, served.pad_id)), temperature)
     return passes.mean, rows, variants
+
+
+def sampler_for(options: IterativeOptions, served: Served
+                ) -> tuple[MCSampler, float | None, int | None]:
+    """The passes of --iterative mc_dropout or ensemble, the temperature of their average (None
+    where it has none) and, for an ensemble, its member count."""
+    if options.mode == "ensemble":
+        return ensemble_sampler(options, served)
+    return (*mc_sampler(options, served), None)
 
 
 def mc_sampler(options: IterativeOptions, served: Served) -> tuple[MCSampler, float | None]:
@@ -221,10 +227,7 @@ def passes_predictor(options: IterativeOptions, served: Served) -> Predictor:
     its entropy, and the std across passes (or members) of the predicted class's probability."""
     from ttc.testtime.calibrate import rescale
 
-    if options.mode == "ensemble":
-        sampler, temperature, _ = ensemble_sampler(options, served)
-    else:
-        sampler, temperature = mc_sampler(options, served)
+    sampler, temperature, _ = sampler_for(options, served)
 
     def predict(x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         passes = sampler(batches_of(x, options.batch_size, served.pad_id))
