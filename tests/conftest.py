@@ -60,12 +60,91 @@ class Run:
         return [line for line in self.stderr.splitlines() if "error:" in line]
 
 
+# The environment every CLI run of the tests gets (and the fork server is started with).
+CLI_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
 def run_cli(script: str, *args: str, timeout: int = 600, extra_env: dict | None = None,
             **popen: object) -> Run:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(extra_env or {}))
-    proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    """`python REPO/script args` from the repository root; through the fork server (the same
+    run, without the imports) unless `popen` asks for what only a fresh process does (a
+    preexec_fn, input on stdin)."""
+    env = dict(os.environ, **CLI_ENV, **(extra_env or {}))
+    argv = [str(REPO / script), *map(str, args)]
+    server = fork_server() if not popen else None
+    if server:
+        return server.run(argv, REPO, env, timeout)
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout, **popen)
     return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+class ForkServer:
+    """tests/forkserver.py serving this test worker: started on first use, gone with it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.socket = folder / "fork.sock"
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "forkserver.py"), str(self.socket)],
+            cwd=REPO, env=dict(os.environ, **CLI_ENV), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
+        ready = self.process.stdout.readline()
+        assert ready.strip() == "ready", f"the fork server did not start: {ready!r}"
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> Run:
+        """One CLI run (argv[0] the script), as subprocess.run(capture_output=True) returns it."""
+        import socket
+        import tempfile
+
+        import forkserver
+
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+                open(os.devnull, "rb") as stdin, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(self.socket))
+            pid = forkserver.send_request(sock, argv, str(cwd), env,
+                                          (stdin.fileno(), out.fileno(), err.fileno()))
+            sock.settimeout(timeout)
+            try:
+                code = forkserver.read_status(sock)
+            except TimeoutError:
+                os.kill(pid, 9)
+                raise subprocess.TimeoutExpired(argv, timeout) from None
+            return Run(code, _text(out), _text(err))
+
+    def python_shim(self, path: Path) -> None:
+        """An executable `python` at `path` that runs `python X.py ...` through this server
+        (and anything else, `python -c ...`, as the real interpreter)."""
+        path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S '
+                        f'"{REPO / "tests" / "forkserver.py"}" --client "{self.socket}" "$@"\n')
+        path.chmod(0o755)
+
+
+def _text(file) -> str:
+    """What a child wrote, decoded as subprocess.run(text=True) decodes it."""
+    import locale
+
+    file.seek(0)
+    data = file.read().decode(locale.getpreferredencoding(False))
+    return data.replace("\r\n", "\n").replace("\r", "\n")
+
+
+_SERVER: list[ForkServer] = []
+
+
+def fork_server() -> ForkServer | None:
+    """This worker's fork server; None where TTC_TESTS_FORK=0 asks for fresh interpreters."""
+    if os.environ.get("TTC_TESTS_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    if not _SERVER:
+        import tempfile
+
+        import atexit
+
+        folder = Path(tempfile.mkdtemp(prefix="ttc-fork-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _SERVER.append(ForkServer(folder))
+    return _SERVER[0]
 
 
 def heavy_modules_after(script: str, *args: str, modules=("torch", "dspy")) -> list[str]:

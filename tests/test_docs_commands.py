@@ -1,7 +1,8 @@
 """Every command README.md and docs/*.md show a user, run as the user would type it.
 
 Each page's fenced `bash` lines run, in the page's order, through bash from the root of a copy of
-the repository (relative paths, `python` on PATH as the test's interpreter). Data a clone has not
+the repository (relative paths, `python` on PATH as the test's interpreter, whose `python X.py`
+runs go through the fork server, tests/forkserver.py). Data a clone has not
 got (the user's `photos/`, `sms.tsv`, `customers.csv`, ...) is laid there first as small
 stand-ins under the same names, and a bundle a page reads before any of its commands writes it
 (`runs/x/model.onnx`) is built first from a stand-in. Three kinds of command do not run as
@@ -29,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (PAGES, REPO, digits_images, feature_rows, page_commands, tiny_hf_model,
-                      topic_texts)
+from conftest import (PAGES, REPO, digits_images, feature_rows, fork_server, page_commands,
+                      tiny_hf_model, topic_texts)
 from test_bench import PRINTS
 
 
@@ -222,10 +223,14 @@ def user_checkout(tmp_path: Path) -> Path:
         ".git", ".venv", "runs", "__pycache__", ".pytest_cache", "*.tmp"))
     bin_dir = tree / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
+    server = fork_server()
     for name in ("python", "python3"):
         shim = bin_dir / name
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-        shim.chmod(0o755)
+        if server:
+            server.python_shim(shim)
+        else:
+            shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+            shim.chmod(0o755)
     return tree
 
 

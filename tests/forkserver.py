@@ -1,0 +1,242 @@
+"""A fork server for the tests' CLI runs: `python X.py ARGS` without paying torch's import again.
+
+Each CLI run the tests make is a process of its own, as a user's would be, but about half of a
+short pipeline run's CPU time is importing torch (and the parts of it that training and the ONNX
+exporter load), onnx, onnxslim and pandas, the same in every run. This server imports them once;
+each run is then a fork of it that takes the caller's stdin, stdout and stderr (passed over a Unix
+socket), its working directory, environment and arguments, and runs the script as `__main__`
+exactly as `python X.py ARGS` would: sys.argv, sys.path[0] the script's folder, the interpreter's
+normal exit (threads joined, atexit handlers, exit code; a traceback when the script raises).
+
+What a fork does not reproduce, and so what the tests that check it run real interpreters for:
+which modules a CLI imports (tests/conftest.py heavy_modules_after), signals and resource limits
+set before exec (run_cli's popen arguments), and a library that prints while it is imported.
+Preloaded are only libraries that read no per-run environment at import and start no thread:
+not dspy (its cache directory comes from the environment), not onnxruntime (it starts a thread).
+
+Protocol: the client connects, sends its three standard descriptors (SCM_RIGHTS) with one JSON
+message {argv, cwd, env}, and reads back the child's pid, then its exit status ("exit N" or
+"signal N"). When the client goes away first (a test's timeout), the child kills itself.
+
+    python tests/forkserver.py SOCKET   # serve (prints "ready" when it listens)
+    python tests/forkserver.py --client SOCKET SCRIPT ARGS...   # run one, as `python` would
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+
+PRELOAD = ("numpy", "pandas", "PIL.Image", "onnx", "onnxslim", "torch", "torch._dynamo",
+           "torch.onnx", "torch.onnx._internal.exporter._core", "sklearn.datasets")
+MAX_MESSAGE = 1 << 20
+
+
+# ----------------------------------------------------------------------------- client side
+
+def send_request(sock: socket.socket, argv: list[str], cwd: str, env: dict[str, str],
+                 fds: tuple[int, int, int]) -> int:
+    """Ask for one run; the child's pid."""
+    message = json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()
+    sock.sendmsg([len(message).to_bytes(4, "big") + message],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    return int(_read_line(sock))
+
+
+def read_status(sock: socket.socket) -> int:
+    """The child's exit status as subprocess reports it: the code, or -N if signal N killed it."""
+    kind, value = _read_line(sock).split()
+    return int(value) if kind == "exit" else -int(value)
+
+
+def _read_line(sock: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(64)
+        if not chunk:
+            raise ConnectionError("the fork server closed the connection")
+        data += chunk
+    return data.decode().strip()
+
+
+def client_main(path: str, argv: list[str]) -> None:
+    """Run argv (a script and its arguments) through the server as this process would, and
+    exit as it exits."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        send_request(sock, argv, os.getcwd(), dict(os.environ), (0, 1, 2))
+        status = read_status(sock)
+    if status < 0:
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    sys.exit(status)
+
+
+# ----------------------------------------------------------------------------- server side
+
+def serve(path: str) -> dict | None:
+    """Accept runs until stdin closes (the test worker went away). Returns, in each forked
+    child, the run it is to make."""
+    for name in PRELOAD:
+        __import__(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_read, selectors.EVENT_READ, "child")
+    selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    print("ready", flush=True)
+    running: dict[int, socket.socket] = {}
+    while True:
+        for key, _ in selector.select():
+            if key.data == "stdin" and not sys.stdin.buffer.read1(1024):
+                return None
+            if key.data == "child":
+                os.read(wake_read, 4096)
+                _reap(running)
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                job = _receive(conn)
+                pid = os.fork()
+                if pid == 0:  # the child: nothing of the server's stays open in the run
+                    selector.close()
+                    listener.close()
+                    for other in running.values():
+                        other.close()
+                    os.close(wake_read)
+                    os.close(wake_write)
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    return {**job, "conn": conn}
+                for fd in job["fds"]:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                running[pid] = conn
+
+
+def _receive(conn: socket.socket) -> dict:
+    fds = array.array("i")
+    data, ancillary, _, _ = conn.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(3 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    size = int.from_bytes(data[:4], "big")
+    while len(data) < 4 + size:
+        data += conn.recv(MAX_MESSAGE)
+    return {**json.loads(data[4:4 + size]), "fds": list(fds)}
+
+
+def _reap(running: dict[int, socket.socket]) -> None:
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        conn = running.pop(pid, None)
+        if conn is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        try:
+            conn.sendall((f"exit {code}\n" if code >= 0 else f"signal {-code}\n").encode())
+        except OSError:
+            pass  # the client went away (a timeout): nobody waits for this status
+        conn.close()
+
+
+def become(job: dict) -> None:
+    """In the forked child: take the caller's descriptors, folder, environment and arguments."""
+    for target, fd in enumerate(job["fds"]):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(job["cwd"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    script = job["argv"][0]
+    sys.argv = list(job["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    _die_with_the_client(job["conn"])
+
+
+def _die_with_the_client(conn: socket.socket) -> None:
+    """The client's timeout closes the connection: then this run is killed, as subprocess.run
+    kills a process that outlives its timeout."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            try:
+                if not conn.recv(64):
+                    break
+            except OSError:
+                break
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="forkserver-watch", daemon=True).start()
+
+
+def _run_script() -> None:
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def exit_as_python_does(main) -> None:
+    """Run main() and end the process as the interpreter ends it (the exit code of SystemExit,
+    the traceback of an exception, non-daemon threads joined, atexit handlers, streams flushed),
+    but without tearing down the modules one by one: with torch loaded that alone takes half a
+    second, where a fresh interpreter that never imported it has nothing to tear down."""
+    import atexit
+    import threading
+
+    try:
+        main()
+        code = 0
+    except SystemExit as exit:
+        code = _exit_code(exit.code)
+    except KeyboardInterrupt:  # as the interpreter does: the traceback, then killed by SIGINT
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:  # as the interpreter does: the traceback, then exit 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # the interpreter's own wait for non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 120  # as Python: a failed flush at exit is exit 120
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--client":
+        if len(sys.argv) < 4 or not sys.argv[3].endswith(".py"):  # -c, -m, ...: a real python
+            os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
+        client_main(sys.argv[2], sys.argv[3:])
+    job = serve(sys.argv[1])
+    if job is None:
+        sys.exit(0)
+    become(job)
+    del job
+    exit_as_python_does(_run_script)

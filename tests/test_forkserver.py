@@ -1,0 +1,118 @@
+"""The fork server (tests/forkserver.py) runs a script as a fresh `python X.py` would: the same
+arguments, import path, folder, environment, standard streams, exit code and exit handlers."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CLI_ENV, REPO, assert_clean_failure, fork_server, run_cli
+
+PROBE = """
+import atexit, json, os, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+def late():
+    time.sleep(0.2)
+    print("thread joined", flush=True)
+threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it at exit
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                  "env": os.environ.get("PROBE_VALUE"), "name": __name__,
+                  "stdin": sys.stdin.read(), "tty": sys.stdout.isatty()}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def server():
+    found = fork_server()
+    if found is None:
+        pytest.skip("TTC_TESTS_FORK=0: every run is a fresh interpreter already")
+    return found
+
+
+def both_ways(server, script, args, cwd, env, timeout=60):
+    fresh = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env,
+                           capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    return fresh, server.run([str(script), *args], cwd, env, timeout)
+
+
+def test_a_forked_run_is_the_fresh_interpreter_s_run(server, tmp_path):
+    script = tmp_path / "scripts" / "probe.py"
+    script.parent.mkdir()
+    script.write_text(PROBE)
+    env = dict(os.environ, **CLI_ENV, PROBE_VALUE="from the caller")
+    fresh, forked = both_ways(server, script, ["3", "ä b"], tmp_path, env)
+    assert forked.returncode == fresh.returncode == 3
+    assert forked.stdout == fresh.stdout and forked.stderr == fresh.stderr
+    seen = json.loads(fresh.stdout.splitlines()[0])
+    assert seen == {"argv": [str(script), "3", "ä b"], "path0": str(script.parent),
+                    "cwd": str(tmp_path), "env": "from the caller", "name": "__main__",
+                    "stdin": "", "tty": False}
+    assert fresh.stdout.splitlines()[1:] == ["thread joined", "atexit ran"]
+
+
+def test_an_uncaught_exception_is_a_traceback_and_exit_1(server, tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("raise ValueError('boom')\n")
+    fresh, forked = both_ways(server, script, [], tmp_path, dict(os.environ, **CLI_ENV))
+    assert forked.returncode == fresh.returncode == 1
+    assert "Traceback" in forked.stderr and "ValueError: boom" in forked.stderr
+
+
+def test_a_cli_error_is_the_same_through_the_server(tmp_path):
+    missing = tmp_path / "none.onnx"
+    forked = run_cli("inference.py", "--model", missing)
+    fresh = run_cli("inference.py", "--model", missing, stdin=subprocess.DEVNULL)  # popen: fresh
+    assert_clean_failure(forked, 4, str(missing))
+    assert (forked.returncode, forked.stdout, untimed(forked.stderr)) == \
+        (fresh.returncode, fresh.stdout, untimed(fresh.stderr))
+
+
+def untimed(log: str) -> str:
+    """A log without its lines' clock times."""
+    return re.sub(r"^\d\d:\d\d:\d\d ", "", log, flags=re.M)
+
+
+def test_a_timeout_kills_the_run(server, tmp_path):
+    script = tmp_path / "slow.py"
+    marker = tmp_path / "pid"
+    script.write_text(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+                      "time.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.run([str(script)], tmp_path, dict(os.environ, **CLI_ENV), timeout=3)
+    pid = int(marker.read_text())
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_the_python_shim_passes_stdin_and_falls_back_for_c(server, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    shim = tmp_path / "python"
+    server.python_shim(shim)
+    env = dict(os.environ, **CLI_ENV)
+    piped = subprocess.run(["bash", "-c", f"printf 'a\\nb' | {shim} probe.py 5; echo rc=$?"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert json.loads(piped.stdout.splitlines()[0])["stdin"] == "a\nb"
+    assert piped.stdout.splitlines()[-1] == "rc=5"
+    other = subprocess.run([str(shim), "-c", "import sys; print(sys.executable)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() == sys.executable
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead: only its status is left
+        return stat.read().split(") ", 1)[1][0] != "Z"
