@@ -112,11 +112,14 @@ class ForkServer:
                 raise subprocess.TimeoutExpired(argv, timeout) from None
             return Run(code, _text(out), _text(err))
 
-    def python_shim(self, path: Path) -> None:
-        """An executable `python` at `path` that runs `python X.py ...` through this server
-        (and anything else, `python -c ...`, as the real interpreter)."""
+    def python_shim(self, path: Path, root: Path) -> None:
+        """An executable `python` at `path` that runs `python X.py ...` through this server for
+        the scripts under `root` (and anything else, `python -c ...`, as the real interpreter).
+        A script run so has the shim as its sys.executable: the CLI runs a bench script makes
+        fork too."""
         path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S '
-                        f'"{REPO / "tests" / "forkserver.py"}" --client "{self.socket}" "$@"\n')
+                        f'"{REPO / "tests" / "forkserver.py"}" --client "{self.socket}" '
+                        f'"{root}" "$0" "$@"\n')
         path.chmod(0o755)
 
 

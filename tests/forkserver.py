@@ -2,11 +2,12 @@
 
 Each CLI run the tests make is a process of its own, as a user's would be, but about half of a
 short pipeline run's CPU time is importing torch (and the parts of it that training and the ONNX
-exporter load), onnx, onnxslim and pandas, the same in every run. This server imports them once;
-each run is then a fork of it that takes the caller's stdin, stdout and stderr (passed over a Unix
-socket), its working directory, environment and arguments, and runs the script as `__main__`
-exactly as `python X.py ARGS` would: sys.argv, sys.path[0] the script's folder, the interpreter's
-normal exit (threads joined, atexit handlers, exit code; a traceback when the script raises).
+exporter load), onnx, onnxslim, pandas and matplotlib, the same in every run. This server imports
+them once; each run is then a fork of it that takes the caller's stdin, stdout and stderr (passed
+over a Unix socket), its working directory, environment and arguments, and runs the script as
+`__main__` exactly as `python X.py ARGS` would: sys.argv, sys.path[0] the script's folder, the interpreter's
+normal exit (threads joined, atexit handlers, exit code; a traceback when the script raises),
+less the module-by-module teardown, which has nothing to show and costs half a second.
 
 What a fork does not reproduce, and so what the tests that check it run real interpreters for:
 which modules a CLI imports (tests/conftest.py heavy_modules_after), signals and resource limits
@@ -19,7 +20,7 @@ message {argv, cwd, env}, and reads back the child's pid, then its exit status (
 "signal N"). When the client goes away first (a test's timeout), the child kills itself.
 
     python tests/forkserver.py SOCKET   # serve (prints "ready" when it listens)
-    python tests/forkserver.py --client SOCKET SCRIPT ARGS...   # run one, as `python` would
+    python tests/forkserver.py --client SOCKET ROOT SHIM ARGS...   # `python ARGS`, see client_main
 """
 from __future__ import annotations
 
@@ -32,16 +33,19 @@ import socket
 import sys
 
 PRELOAD = ("numpy", "pandas", "PIL.Image", "onnx", "onnxslim", "torch", "torch._dynamo",
-           "torch.onnx", "torch.onnx._internal.exporter._core", "sklearn.datasets")
+           "torch.onnx", "torch.onnx._internal.exporter._core", "torch.export._trace",
+           "torch._functorch.aot_autograd", "onnxscript.function_libs.torch_lib.ops",
+           "sklearn.datasets", "matplotlib", "matplotlib.figure", "matplotlib.axes")
 MAX_MESSAGE = 1 << 20
 
 
 # ----------------------------------------------------------------------------- client side
 
 def send_request(sock: socket.socket, argv: list[str], cwd: str, env: dict[str, str],
-                 fds: tuple[int, int, int]) -> int:
-    """Ask for one run; the child's pid."""
-    message = json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()
+                 fds: tuple[int, int, int], executable: str | None = None) -> int:
+    """Ask for one run (with `executable` as the child's sys.executable); the child's pid."""
+    message = json.dumps({"argv": argv, "cwd": cwd, "env": env,
+                          "executable": executable}).encode()
     sock.sendmsg([len(message).to_bytes(4, "big") + message],
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     return int(_read_line(sock))
@@ -63,12 +67,18 @@ def _read_line(sock: socket.socket) -> str:
     return data.decode().strip()
 
 
-def client_main(path: str, argv: list[str]) -> None:
-    """Run argv (a script and its arguments) through the server as this process would, and
-    exit as it exits."""
+def client_main(path: str, root: str, shim: str, argv: list[str]) -> None:
+    """Be `python ARGV`, invoked as `shim`: a script of the repository under `root` runs
+    through the server (its sys.executable the shim, so that the Python processes it starts
+    itself fork too), exiting as it exits; anything else (`-c`, `-m`, a library's own script
+    such as a Ray worker's) is the real interpreter."""
+    script = os.path.realpath(argv[0]) if argv else ""
+    if not (script.endswith(".py") and script.startswith(os.path.join(os.path.realpath(root), ""))):
+        os.execv(sys.executable, [sys.executable, *argv])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(path)
-        send_request(sock, argv, os.getcwd(), dict(os.environ), (0, 1, 2))
+        send_request(sock, argv, os.getcwd(), dict(os.environ), (0, 1, 2),
+                     executable=os.path.abspath(shim))
         status = read_status(sock)
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
@@ -161,6 +171,8 @@ def become(job: dict) -> None:
     os.environ.update(job["env"])
     script = job["argv"][0]
     sys.argv = list(job["argv"])
+    if job["executable"]:
+        sys.executable = job["executable"]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     _die_with_the_client(job["conn"])
 
@@ -231,9 +243,7 @@ def _exit_code(code: object) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--client":
-        if len(sys.argv) < 4 or not sys.argv[3].endswith(".py"):  # -c, -m, ...: a real python
-            os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
-        client_main(sys.argv[2], sys.argv[3:])
+        client_main(*sys.argv[2:5], sys.argv[5:])
     job = serve(sys.argv[1])
     if job is None:
         sys.exit(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PAGES, REPO, page_commands
+from conftest import PAGES, REPO, fork_server, page_commands
 
 BENCH = REPO / "bench"
 SHARED_HELPERS = {"common.py"}
@@ -67,10 +67,15 @@ def test_every_bench_script_has_a_smoke_test():
 @pytest.mark.parametrize("script", [
     pytest.param(name, marks=pytest.mark.xdist_group("ray")) if name in RAY else name
     for name in sorted(set(PRINTS) - documented_scripts())])
-def test_bench_script_runs_quick(script):
+def test_bench_script_runs_quick(script, tmp_path):
     before = repository_files()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run([sys.executable, str(BENCH / script), "--quick"], cwd=REPO, env=env,
+    python = sys.executable
+    server = fork_server()
+    if server:  # the script and the CLIs it runs fork from the server (tests/forkserver.py)
+        python = tmp_path / "python"
+        server.python_shim(python, REPO)
+    run = subprocess.run([str(python), str(BENCH / script), "--quick"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]

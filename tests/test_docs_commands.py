@@ -227,7 +227,7 @@ def user_checkout(tmp_path: Path) -> Path:
     for name in ("python", "python3"):
         shim = bin_dir / name
         if server:
-            server.python_shim(shim)
+            server.python_shim(shim, tree)
         else:
             shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
             shim.chmod(0o755)

@@ -22,7 +22,8 @@ def late():
 threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it at exit
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
                   "env": os.environ.get("PROBE_VALUE"), "name": __name__,
-                  "stdin": sys.stdin.read(), "tty": sys.stdout.isatty()}))
+                  "stdin": sys.stdin.read(), "tty": sys.stdout.isatty(),
+                  "executable": sys.executable}))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
 """
@@ -54,7 +55,7 @@ def test_a_forked_run_is_the_fresh_interpreter_s_run(server, tmp_path):
     seen = json.loads(fresh.stdout.splitlines()[0])
     assert seen == {"argv": [str(script), "3", "ä b"], "path0": str(script.parent),
                     "cwd": str(tmp_path), "env": "from the caller", "name": "__main__",
-                    "stdin": "", "tty": False}
+                    "stdin": "", "tty": False, "executable": sys.executable}
     assert fresh.stdout.splitlines()[1:] == ["thread joined", "atexit ran"]
 
 
@@ -94,17 +95,27 @@ def test_a_timeout_kills_the_run(server, tmp_path):
     assert not _alive(pid)
 
 
-def test_the_python_shim_passes_stdin_and_falls_back_for_c(server, tmp_path):
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
-    shim = tmp_path / "python"
-    server.python_shim(shim)
+def test_the_python_shim_forks_the_root_s_scripts_and_is_python_for_the_rest(server, tmp_path):
+    """Through the shim, a script under the root forks (stdin passed, the shim its
+    sys.executable, so the CLIs it starts fork too); `-c` and a script elsewhere (a library's,
+    such as a Ray worker's) run on the real interpreter."""
+    root, elsewhere = tmp_path / "checkout", tmp_path / "site-packages"
+    for folder in (root, elsewhere):
+        folder.mkdir()
+        (folder / "probe.py").write_text(PROBE)
+    shim = root / "bin" / "python"
+    shim.parent.mkdir()
+    server.python_shim(shim, root)
     env = dict(os.environ, **CLI_ENV)
-    piped = subprocess.run(["bash", "-c", f"printf 'a\\nb' | {shim} probe.py 5; echo rc=$?"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert json.loads(piped.stdout.splitlines()[0])["stdin"] == "a\nb"
+    piped = subprocess.run(["bash", "-c", f"printf 'a\\nb' | bin/python probe.py 5; echo rc=$?"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    seen = json.loads(piped.stdout.splitlines()[0])
+    assert seen["stdin"] == "a\nb" and seen["executable"] == str(shim)
     assert piped.stdout.splitlines()[-1] == "rc=5"
-    other = subprocess.run([str(shim), "-c", "import sys; print(sys.executable)"], cwd=tmp_path,
+    outside = subprocess.run([str(shim), str(elsewhere / "probe.py"), "0"], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert json.loads(outside.stdout.splitlines()[0])["executable"] == sys.executable
+    other = subprocess.run([str(shim), "-c", "import sys; print(sys.executable)"], cwd=root,
                            env=env, capture_output=True, text=True, timeout=60)
     assert other.stdout.strip() == sys.executable
 
