@@ -51,7 +51,7 @@ def write_tabular(path: Path, rows: int, features: list[str], seed: int = 0) -> 
     block = rng.normal(10, 5, (10_000, len(features)))
     with open(path, "w") as handle:
         handle.write(",".join(features) + "\n")
-        lines = [",".join(f"{v:.4f}" for v in row) for row in block]
+        lines = [",".join(f"{v:.4f}" for v in row) for row in block[:rows]]  # no more than written
         for start in range(0, rows, len(lines)):
             handle.write("\n".join(lines[: rows - start]) + "\n")
 

@@ -18,8 +18,9 @@ its report JSON gives the accuracies. The timings are taken here with runtime.ti
 (runners in turns on the same batches of real test texts, tokenized by the bundle's tokenizer),
 --threads threads for PyTorch and ONNX Runtime alike, --repeats times. When (d) misses, where
 `inference.py --input` spends its time is profiled (cProfile, the reader thread run inline).
---quick: a much smaller BERT (hidden 32, vocabulary 300), 1 epoch, 200 rows, 1 round, the
-profile always, in a temporary folder, on a generated stand-in for the SMS texts without --sms.
+--quick: a much smaller BERT (hidden 32, vocabulary 300, no dropout: so no MC-dropout graph
+for pipeline.py to export, which nothing here times), 1 epoch, 200 rows, 1 round, the profile
+always, in a temporary folder, on a generated stand-in for the SMS texts without --sms.
 """
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ from common import REPO, Config, add_quick_flag, quiet_single_thread, sms_or_sta
 BERT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
             max_position_embeddings=128)
 VOCAB_SIZE = 6000
-# --quick: the tests' tiny BERT (tests/conftest.py tiny_hf_model), seconds to train
+# --quick: the tests' tiny BERT (tests/conftest.py tiny_hf_model), seconds to train; without
+# dropout, as a bundle then has no MC-dropout graph (its export: 2 to 3 s of the smoke run)
 QUICK_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=64, max_position_embeddings=64)
+                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
 QUICK_VOCAB_SIZE = 300
 DEFAULT_OUT = "runs/bench_hf_text"
 TEST_FRACTION = 0.2

@@ -166,6 +166,7 @@ def become(job: dict) -> None:
     for target, fd in enumerate(job["fds"]):
         os.dup2(fd, target)
         os.close(fd)
+    _no_exit_work_of_the_preloaded_libraries()
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
@@ -175,6 +176,16 @@ def become(job: dict) -> None:
         sys.executable = job["executable"]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     _die_with_the_client(job["conn"])
+
+
+def _no_exit_work_of_the_preloaded_libraries() -> None:
+    """torch's operator libraries unregister themselves at exit (weakref finalizers, 30 ms):
+    work on the server's memory that a run which never imported torch would not do, and that
+    leaves nothing behind either way. The run's own finalizers still run at its exit."""
+    import weakref
+
+    for info in weakref.finalize._registry.values():  # noqa: SLF001 - the only handle there is
+        info.atexit = False
 
 
 def _die_with_the_client(conn: socket.socket) -> None:
