@@ -268,7 +268,7 @@ def _group_in_node_id(item: pytest.Item, group: str) -> None:
     which pytest 9.2 no longer reads (its node id is the structured `item._id`): without this,
     every grouped test is scheduled alone and each worker trains every bundle
     (pytest-dev/pytest-xdist#1386). Where xdist's suffix shows (older pytest, a fixed
-    xdist), nothing is done."""
+    xdist), nothing is done. tests/test_scheduling.py fails if a pytest release breaks this."""
     node_id = getattr(item, "_id", None)
     if "@" not in item.nodeid.rsplit("]", 1)[-1] and hasattr(type(node_id), "parse"):
         item._id = type(node_id).parse(f"{item.nodeid}@{group}")
