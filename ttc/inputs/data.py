@@ -24,7 +24,7 @@ from ttc.inputs.preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode
                         image_files, text_tokenizer)
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
                     joined_texts, label_texts, read_table, split_columns, split_spec)
-from ttc.tasks.registry import builtin_datasets, find_task, task_for
+from ttc.tasks.registry import builtin_datasets, find_task, task_for, task_of_kind
 from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
@@ -192,17 +192,8 @@ class Dataset:
                    "skipped_images": len(self.skipped) if task_for(self.model_type).image_files
                    else None, "dropped_rows": sum(d["count"] for d in self.dropped),
                    "dropped_reasons": self.dropped}
-        section.update(INPUT_SIZES[self.preprocessing["kind"]](self.preprocessing))
+        section.update(task_of_kind(self.preprocessing["kind"]).report_sizes(self.preprocessing))
         return section
-
-
-# preprocessing kind (ttc/tasks) → the sizes of its input the report's data section shows
-INPUT_SIZES: dict[str, Callable[[dict], dict]] = {
-    "image": lambda pre: {"image_size": pre["image_size"], "channels": pre["channels"]},
-    "text": lambda pre: {"vocab_size": pre["vocab_size"], "max_length": pre["max_length"],
-                         "tokenizer": pre.get("tokenizer", "words")},
-    "tabular": lambda pre: {"num_features": len(pre["feature_names"])},
-}
 
 
 @dataclass

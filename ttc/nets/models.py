@@ -366,16 +366,8 @@ def factory_input_spec(preprocessing: dict) -> dict:
     and the sizes a network is built from."""
     spec = input_spec(preprocessing)
     kind = preprocessing["kind"]
-    spec.update(FACTORY_SIZES[kind](preprocessing))
+    spec.update(task_of_kind(kind).factory_sizes(preprocessing))
     return {"kind": kind, **spec}
-
-
-# preprocessing kind (ttc/tasks) → the sizes a --model_def factory builds its network from
-FACTORY_SIZES: dict[str, Callable[[dict], dict]] = {
-    "image": lambda pre: {"channels": pre["channels"], "image_size": list(pre["image_size"])},
-    "text": lambda pre: {"vocab_size": pre["vocab_size"], "max_length": pre["max_length"]},
-    "tabular": lambda pre: {"num_features": len(pre["feature_names"])},
-}
 
 
 def user_architecture(path: Path, factory: str, preprocessing: dict, num_classes: int) -> dict:
@@ -570,37 +562,7 @@ def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = N
 
 def input_spec(preprocessing: dict) -> dict:
     """The graph input the manifest promises, with the axes that are dynamic."""
-    return INPUT_SPECS[preprocessing["kind"]](preprocessing)
-
-
-def _image_input(preprocessing: dict) -> dict:
-    height, width = preprocessing["image_size"]
-    return {"name": "image", "dtype": "float32", "layout": "NCHW", "range": [0.0, 1.0],
-            "shape": ["batch", preprocessing["channels"], height, width]}
-
-
-def _text_input(preprocessing: dict) -> dict:
-    if preprocessing.get("graph_inputs"):  # an hf arch
-        first, *others = preprocessing["graph_inputs"]
-        values = {"attention_mask": f"1 where {first} is not padding_id, else 0",
-                  "token_type_ids": "0 (one segment)"}
-        return {"name": first, "dtype": "int64", "shape": ["batch", "length"],
-                "padding_id": preprocessing["pad_id"],
-                "max_length": preprocessing["max_length"],
-                "extra_inputs": [{"name": name, "dtype": "int64", "shape": ["batch", "length"],
-                                  "value": values[name]} for name in others]}
-    return {"name": "token_ids", "dtype": "int64", "shape": ["batch", "length"],
-            "padding_id": 0}
-
-
-def _feature_input(preprocessing: dict) -> dict:
-    return {"name": "features", "dtype": "float32",
-            "shape": ["batch", len(preprocessing["feature_names"])], "missing": "NaN"}
-
-
-# preprocessing kind (ttc/tasks) → the graph input its networks take
-INPUT_SPECS: dict[str, Callable[[dict], dict]] = {"image": _image_input, "text": _text_input,
-                                                  "tabular": _feature_input}
+    return task_of_kind(preprocessing["kind"]).graph_input(preprocessing)
 
 
 class WithProbabilities(nn.Module):

@@ -12,11 +12,12 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from ttc.inputs.limits import graph_size_problem
 # The typed manifest lives in manifest.py; the other packages import it from here.
 from ttc.serving.manifest import InputSpec, Manifest, as_manifest
+from ttc.tasks.registry import task_of_kind
 from ttc.serving.manifest_schema import MAX_DEPTH, OUTPUT_NAMES, agreement_problem, manifest_problem
 from ttc.inputs.preprocess import PADDING_ID_KEY, register_hf_tokenizer
 from utils import ConfigError, ExportError, nesting_depth, quoted, sha256_of, staged_files
@@ -351,23 +352,8 @@ def _static_dims(value_info: Any) -> list[int | None]:
 
 def _expected_input_dims(manifest: Manifest) -> list[int | None]:
     """The input's dimensions after the batch, as the manifest's preprocessing implies."""
-    dims = _INPUT_DIMS.get(manifest.preprocessing.kind)
-    return dims(manifest.preprocessing.spec) if dims else []
-
-
-def _image_dims(pre: dict) -> list[int | None]:
-    return [pre.get("channels"), *pre["image_size"]] if isinstance(pre.get("image_size"),
-                                                                   list) else []
-
-
-def _feature_dims(pre: dict) -> list[int | None]:
-    return [len(pre["feature_names"])] if isinstance(pre.get("feature_names"), list) else []
-
-
-# preprocessing kind (ttc/tasks) → the fixed input dimensions after the batch its spec implies
-# (a text's length varies: none)
-_INPUT_DIMS: dict[str, Callable[[dict], list[int | None]]] = {"image": _image_dims,
-                                                              "tabular": _feature_dims}
+    task = task_of_kind(manifest.preprocessing.kind)
+    return task.fixed_input_dims(manifest.preprocessing.spec)
 
 
 def external_data_problem(model: Any, path: Path) -> str | None:

@@ -209,7 +209,7 @@ NETWORKS = {
     "UserNetwork": record({"model_def": record({"file": STRING, "factory": IDENTIFIER,
                                                 "sha256": SHA256},
                                                required=("file", "factory", "sha256")),
-                           "input_spec": record({"kind": text(("image", "text", "tabular"))},
+                           "input_spec": record({"kind": text(tuple(MODEL_KINDS.values()))},
                                                 required=("kind",))},
                           required=("model_def", "input_spec")),
     "HFTextNet": record({"source": STRING, "pad_id": COUNT,

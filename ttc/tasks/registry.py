@@ -1,6 +1,7 @@
 """The model types, in --model_type's order (the first is the default): adding one is a module
-in this folder and a line here, plus its row in the per-kind tables of the modules that do the
-work (inputs.data.READERS, nets.models.INPUT_SPECS, serving.batch.ROW_ENCODERS, ...)."""
+in this folder and a line here, plus its row in the two per-kind tables of the modules that do
+the work on its data (inputs.data.READERS, serving.batch.ROW_ENCODERS) and its networks in
+nets.models.ARCHITECTURES."""
 from __future__ import annotations
 
 from ttc.tasks import image, tabular, text

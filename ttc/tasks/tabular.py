@@ -1,8 +1,28 @@
 """The tabular classifier: numeric and categorical feature columns, NaN as missing."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ttc.tasks.base import Task
 
-TASK = Task(name="tabular_classifier", kind="tabular", archs=("mlp", "resmlp"),
-            builtins=("builtin:iris", "builtin:wine", "builtin:breast_cancer"),
-            input_role="feature", missing_values=True)
+
+@dataclass(frozen=True)
+class TabularClassifier(Task):
+    def graph_input(self, preprocessing: dict) -> dict:
+        return {"name": "features", "dtype": "float32",
+                "shape": ["batch", len(preprocessing["feature_names"])], "missing": "NaN"}
+
+    def fixed_input_dims(self, preprocessing: dict) -> list[int | None]:
+        names = preprocessing.get("feature_names")
+        return [len(names)] if isinstance(names, list) else []
+
+    def report_sizes(self, preprocessing: dict) -> dict:
+        return {"num_features": len(preprocessing["feature_names"])}
+
+    def factory_sizes(self, preprocessing: dict) -> dict:
+        return {"num_features": len(preprocessing["feature_names"])}
+
+
+TASK = TabularClassifier(name="tabular_classifier", kind="tabular", archs=("mlp", "resmlp"),
+                         builtins=("builtin:iris", "builtin:wine", "builtin:breast_cancer"),
+                         input_role="feature", missing_values=True)

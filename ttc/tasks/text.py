@@ -1,7 +1,39 @@
 """The text classifier: a text column (or several, joined), word or Hugging Face tokens."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ttc.tasks.base import Task
 
-TASK = Task(name="text_classifier", kind="text", archs=("bag", "cnn", "transformer"),
-            input_role="text", input_field="text", reads_lines=True, hf_archs=True, teacher=True)
+# what an hf network's inputs after the token ids hold, as the manifest tells a deployment
+_EXTRA_INPUT_VALUES = {"attention_mask": "1 where {first} is not padding_id, else 0",
+                       "token_type_ids": "0 (one segment)"}
+
+
+@dataclass(frozen=True)
+class TextClassifier(Task):
+    def graph_input(self, preprocessing: dict) -> dict:
+        if not preprocessing.get("graph_inputs"):  # our networks: word ids, 0 pads
+            return {"name": "token_ids", "dtype": "int64", "shape": ["batch", "length"],
+                    "padding_id": 0}
+        first, *others = preprocessing["graph_inputs"]  # an hf arch
+        return {"name": first, "dtype": "int64", "shape": ["batch", "length"],
+                "padding_id": preprocessing["pad_id"],
+                "max_length": preprocessing["max_length"],
+                "extra_inputs": [{"name": name, "dtype": "int64", "shape": ["batch", "length"],
+                                  "value": _EXTRA_INPUT_VALUES[name].format(first=first)}
+                                 for name in others]}
+
+    def report_sizes(self, preprocessing: dict) -> dict:
+        return {"vocab_size": preprocessing["vocab_size"],
+                "max_length": preprocessing["max_length"],
+                "tokenizer": preprocessing.get("tokenizer", "words")}
+
+    def factory_sizes(self, preprocessing: dict) -> dict:
+        return {"vocab_size": preprocessing["vocab_size"],
+                "max_length": preprocessing["max_length"]}
+
+
+TASK = TextClassifier(name="text_classifier", kind="text", archs=("bag", "cnn", "transformer"),
+                      input_role="text", input_field="text", reads_lines=True, hf_archs=True,
+                      teacher=True)
