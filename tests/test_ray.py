@@ -162,9 +162,12 @@ def test_a_worker_killed_mid_run_loses_no_row_and_an_interrupt_leaves_no_output(
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True)
     deadline = time.time() + 240
+    # polled often: under load the predictions can reach the writer in one burst, which then
+    # writes them all in milliseconds
     while time.time() < deadline and interrupted.poll() is None and not any(
             p.stat().st_size > 2000 for p in tmp_path.glob(".cut.csv.*.tmp")):
-        time.sleep(0.05)
+        time.sleep(0.01)
+    assert interrupted.poll() is None, "the run ended before it could be interrupted"
     interrupted.send_signal(signal.SIGINT)  # mid-run: nothing half-written is left behind
     _, stderr = interrupted.communicate(timeout=300)
     assert interrupted.returncode == 130, stderr[-2000:]
