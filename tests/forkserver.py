@@ -5,22 +5,25 @@ short pipeline run's CPU time is importing torch (and the parts of it that train
 exporter load), onnx, onnxslim, pandas and matplotlib, the same in every run. This server imports
 them once; each run is then a fork of it that takes the caller's stdin, stdout and stderr (passed
 over a Unix socket), its working directory, environment and arguments, and runs the script as
-`__main__` exactly as `python X.py ARGS` would: sys.argv, sys.path[0] the script's folder, the interpreter's
-normal exit (threads joined, atexit handlers, exit code; a traceback when the script raises),
-less the module-by-module teardown, which has nothing to show and costs half a second.
+`__main__` exactly as `python X.py ARGS` would: sys.argv, sys.path[0] the script's folder, the
+interpreter's normal exit (threads joined, atexit handlers, exit code; a traceback when the
+script raises), less the module-by-module teardown, which has nothing to show and costs half a
+second.
 
 What a fork does not reproduce, and so what the tests that check it run real interpreters for:
 which modules a CLI imports (tests/conftest.py heavy_modules_after), signals and resource limits
 set before exec (run_cli's popen arguments), and a library that prints while it is imported.
 Preloaded are only libraries that read no per-run environment at import and start no thread:
-not dspy (its cache directory comes from the environment), not onnxruntime (it starts a thread).
+not dspy (its cache directory comes from the environment), not transformers (HF_HUB_OFFLINE),
+not onnxruntime or torchvision (they start threads).
 
 Protocol: the client connects, sends its three standard descriptors (SCM_RIGHTS) with one JSON
-message {argv, cwd, env}, and reads back the child's pid, then its exit status ("exit N" or
-"signal N"). When the client goes away first (a test's timeout), the child kills itself.
+message {argv, cwd, env, executable}, and reads back the child's pid, then its exit status
+("exit N" or "signal N"). When the client goes away first (a test's timeout), the child kills
+itself.
 
     python tests/forkserver.py SOCKET   # serve (prints "ready" when it listens)
-    python tests/forkserver.py --client SOCKET ROOT SHIM ARGS...   # `python ARGS`, see client_main
+    python tests/forkserver.py --client SOCKET ROOT SHIM ARGS...   # `python ARGS`: client_main
 """
 from __future__ import annotations
 
@@ -73,7 +76,8 @@ def client_main(path: str, root: str, shim: str, argv: list[str]) -> None:
     itself fork too), exiting as it exits; anything else (`-c`, `-m`, a library's own script
     such as a Ray worker's) is the real interpreter."""
     script = os.path.realpath(argv[0]) if argv else ""
-    if not (script.endswith(".py") and script.startswith(os.path.join(os.path.realpath(root), ""))):
+    inside = script.startswith(os.path.join(os.path.realpath(root), ""))
+    if not (script.endswith(".py") and inside):
         os.execv(sys.executable, [sys.executable, *argv])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(path)
