@@ -1,13 +1,17 @@
 """Helpers shared by the tests: run the CLIs as subprocesses and write small real datasets."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import locale
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,10 +97,7 @@ class ForkServer:
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> Run:
         """One CLI run (argv[0] the script), as subprocess.run(capture_output=True) returns it."""
-        import socket
-        import tempfile
-
-        import forkserver
+        import forkserver  # tests/, beside this file
 
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 open(os.devnull, "rb") as stdin, \
@@ -125,8 +126,6 @@ class ForkServer:
 
 def _text(file) -> str:
     """What a child wrote, decoded as subprocess.run(text=True) decodes it."""
-    import locale
-
     file.seek(0)
     data = file.read().decode(locale.getpreferredencoding(False))
     return data.replace("\r\n", "\n").replace("\r", "\n")
@@ -140,10 +139,6 @@ def fork_server() -> ForkServer | None:
     if os.environ.get("TTC_TESTS_FORK", "1") == "0" or not hasattr(os, "fork"):
         return None
     if not _SERVER:
-        import tempfile
-
-        import atexit
-
         folder = Path(tempfile.mkdtemp(prefix="ttc-fork-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         _SERVER.append(ForkServer(folder))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PAGES, REPO, fork_server, page_commands
+from conftest import CLI_ENV, PAGES, REPO, fork_server, page_commands
 
 BENCH = REPO / "bench"
 SHARED_HELPERS = {"common.py"}
@@ -69,7 +69,7 @@ def test_every_bench_script_has_a_smoke_test():
     for name in sorted(set(PRINTS) - documented_scripts())])
 def test_bench_script_runs_quick(script, tmp_path):
     before = repository_files()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **CLI_ENV)
     python = sys.executable
     server = fork_server()
     if server:  # the script and the CLIs it runs fork from the server (tests/forkserver.py)

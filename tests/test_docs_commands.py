@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (PAGES, REPO, digits_images, feature_rows, fork_server, page_commands,
-                      tiny_hf_model, topic_texts)
+from conftest import (CLI_ENV, PAGES, REPO, digits_images, feature_rows, fork_server,
+                      page_commands, tiny_hf_model, topic_texts)
 from test_bench import PRINTS
 
 
@@ -235,7 +235,7 @@ def user_checkout(tmp_path: Path) -> Path:
 
 
 def run_in(tree: Path, command: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, **CLI_ENV,
                PATH=f"{tree / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     return subprocess.run(["bash", "-c", command], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
