@@ -14,8 +14,10 @@ What a fork does not reproduce, and so what the tests that check it run real int
 which modules a CLI imports (tests/conftest.py heavy_modules_after), signals and resource limits
 set before exec (run_cli's popen arguments), and a library that prints while it is imported.
 Preloaded are only libraries that read no per-run environment at import and start no thread:
-not dspy (its cache directory comes from the environment), not transformers (HF_HUB_OFFLINE),
-not onnxruntime or torchvision (they start threads).
+not transformers (HF_HUB_OFFLINE), not onnxruntime or torchvision (they start threads). dspy is:
+it reads DSPY_CACHEDIR at import only into the defaults of configure_cache and of fine-tuning,
+which the tool never calls; the cache it uses is built on first use from the run's environment
+(tests/test_forkserver.py checks that).
 
 Protocol: the client connects, sends its three standard descriptors (SCM_RIGHTS) with one JSON
 message {argv, cwd, env, executable}, and reads back the child's pid, then its exit status
@@ -38,7 +40,7 @@ import sys
 PRELOAD = ("numpy", "pandas", "PIL.Image", "onnx", "onnxslim", "torch", "torch._dynamo",
            "torch.onnx", "torch.onnx._internal.exporter._core", "torch.export._trace",
            "torch._functorch.aot_autograd", "onnxscript.function_libs.torch_lib.ops",
-           "sklearn.datasets", "matplotlib", "matplotlib.figure", "matplotlib.axes")
+           "sklearn.datasets", "matplotlib", "matplotlib.figure", "matplotlib.axes", "dspy")
 MAX_MESSAGE = 1 << 20
 
 

@@ -59,6 +59,17 @@ def test_a_forked_run_is_the_fresh_interpreter_s_run(server, tmp_path):
     assert fresh.stdout.splitlines()[1:] == ["thread joined", "atexit ran"]
 
 
+def test_dspy_preloaded_keeps_its_cache_where_the_run_s_environment_says(server, tmp_path):
+    """dspy is imported before the fork; the cache a run uses must follow the run's DSPY_CACHEDIR."""
+    script = tmp_path / "cache_dir.py"
+    script.write_text("import dspy\nprint(dspy.cache.disk_cache.directory)\n")
+    for name in ("one", "two"):
+        env = dict(os.environ, **CLI_ENV, DSPY_CACHEDIR=str(tmp_path / name))
+        fresh, forked = both_ways(server, script, [], tmp_path, env)
+        assert forked.returncode == fresh.returncode == 0, forked.stderr
+        assert forked.stdout == fresh.stdout == f"{tmp_path / name}\n"
+
+
 def test_an_uncaught_exception_is_a_traceback_and_exit_1(server, tmp_path):
     script = tmp_path / "boom.py"
     script.write_text("raise ValueError('boom')\n")
