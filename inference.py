@@ -24,6 +24,7 @@ from ttc.serving.profiling import PROFILED_RUNS, profile_runs, profile_section, 
 from report import run_with_report
 from ttc.serving.runtime import (batches_of, create_session, graph_padding_id, predict_proba,
                      session_device, session_runner, time_runners, whole_batches)
+from ttc.tasks.registry import task_of_kind
 from ttc.testtime.calibration import (calibration_under_shift, joined, run_calibration,
                                       single_variants, without_temperature)
 from ttc.testtime.registry import asked_methods
@@ -156,8 +157,9 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     report["inference"] = result.report_section()
     if config.profile:
         report["profile"] = profile_graph(config, model_path, test[0], graph_padding_id(session))
+    section_of = task_of_kind(manifest.preprocessing.kind).part("evaluation")
     report["evaluation"] = bundle_evaluation(
-        manifest.labels, manifest.dataset.train_class_counts,
+        section_of, manifest.labels, manifest.dataset.train_class_counts,
         Tally(manifest.classes).add(probabilities, test[1]))
     raw = without_temperature(session, test[0], config.batch_size)
     report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], config.seed)

@@ -80,13 +80,13 @@ def main() -> None:
     common = dict(epochs=args.epochs, no_progress=True, batch_size=64)
     measure("digits CNN", Config(dataset_path="builtin:digits",
                                  output_model=str(work / "cnn" / "model.onnx"), **common))
-    default_tabular = models.ARCHITECTURES["mlp"]  # the default tabular network
-    models.ARCHITECTURES["mlp"] = lambda pre, k: {**default_tabular(pre, k),
+    default_tabular = models.TABULAR_NETWORKS["mlp"]  # the default tabular network
+    models.TABULAR_NETWORKS["mlp"] = lambda pre, k: {**default_tabular(pre, k),
                                                   "hidden": [args.hidden] * 2}
     measure(f"Gemm-heavy MLP (digits pixels, 64-{args.hidden}-{args.hidden}-10)",
             Config(model_type="tabular_classifier", dataset_path=digits_table(work),
                    output_model=str(work / "mlp" / "model.onnx"), **common))
-    models.ARCHITECTURES["mlp"] = default_tabular
+    models.TABULAR_NETWORKS["mlp"] = default_tabular
     if args.quick:  # the same measure() as the MLP above
         return
     measure("breast_cancer MLP", Config(model_type="tabular_classifier",

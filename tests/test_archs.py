@@ -73,15 +73,14 @@ def test_an_arch_of_another_model_type_or_ttt_without_batchnorm_is_refused(texts
 
 
 def test_the_arch_names_of_config_and_models_agree():
+    """--arch's choices per model type (config, no torch) are the networks its entry builds."""
     from config import ARCHS
-    from ttc.nets.models import ARCH_KIND, ARCHITECTURES, DEFAULT_ARCH
+    from ttc.tasks.registry import task_for
 
-    kinds = {"image_classifier": "image", "text_classifier": "text",
-             "tabular_classifier": "tabular"}
-    assert sorted(n for names in ARCHS.values() for n in names) == sorted(ARCHITECTURES)
     for model_type, names in ARCHS.items():
-        assert DEFAULT_ARCH[kinds[model_type]] == names[0]
-        assert {ARCH_KIND[n] for n in names} == {kinds[model_type]}
+        task = task_for(model_type)
+        assert task.default_arch == names[0]
+        assert list(task.part("networks")) == list(names)
 
 
 def test_a_bundle_from_before_arch_still_runs(digits_bundle, tmp_path):

@@ -4,6 +4,7 @@ leaves, each CLI runs alone, and nothing points outside the repository."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -102,12 +103,24 @@ ALLOWED = {
     "nets": {"config", "utils", "ttc.inputs.*", "ttc.serving.bundle", "ttc.testtime.tta",
              "ttc.reporting.metrics", "ttc.tasks.*"},
     "serving": {"utils", "ttc.inputs.*", "ttc.reporting.evaluation", "ttc.tasks.*"},
-    "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*"},
+    "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
+                 "ttc.tasks.*"},
     "reporting": {"utils"},
     "convert": {"utils", "ttc.serving.runtime"},
     "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections",
                 "ttc.tasks.*"},
 }
+
+
+# A model type may keep its code in a folder of its own beside its entry (ttc/tasks/TYPE/, the
+# entry in its __init__.py, referenced by its Parts): that code uses the layers as testtime does.
+TYPE_CODE = {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
+             "ttc.testtime.*"}
+
+
+def is_type_code(module: str) -> bool:
+    """ttc.tasks.TYPE.NAME: a model type's own code, not an entry (entries are leaves)."""
+    return module.startswith(f"{PACKAGE}.tasks.") and module.count(".") >= 3
 
 
 def allowed(rules: set[str], module: str) -> bool:
@@ -123,9 +136,37 @@ def test_each_folder_imports_only_what_the_module_map_allows():
             continue
         folder = name.split(".")[1]
         outside = {d for d in deps if not d.startswith(f"{PACKAGE}.{folder}.")}
-        if bad := {d for d in outside if not allowed(ALLOWED[folder], d)}:
+        rules = TYPE_CODE if is_type_code(name) else ALLOWED[folder]
+        if bad := {d for d in outside if not allowed(rules, d)}:
             offenders[name] = bad
     assert offenders == {}
+
+
+def test_the_model_type_entries_import_no_type_s_code():
+    """Entries stay plain data every folder may read: no entry imports the code its Parts name."""
+    graph = import_graph()
+    offenders = {name: {d for d in deps if is_type_code(d)} for name, deps in graph.items()
+                 if name.startswith(f"{PACKAGE}.tasks") and not is_type_code(name)
+                 and any(is_type_code(d) for d in deps)}
+    assert offenders == {}
+
+
+def test_every_model_type_s_parts_resolve_to_its_code():
+    """A moved reader, row encoder, network table or evaluation fails here, not in a user's run."""
+    from ttc.tasks.base import Parts
+    from ttc.tasks.registry import TASKS
+
+    roles = [f.name for f in dataclasses.fields(Parts)]
+    assert roles == ["reader", "rows", "networks", "modules", "evaluation"]
+    for task in TASKS:
+        for role in ("reader", "rows", "evaluation"):
+            assert callable(task.part(role)), (task.name, role)
+        assert list(task.part("networks")) == list(task.archs), task.name
+        assert all(callable(build) for build in task.part("networks").values())
+        assert all(isinstance(cls, type) for cls in task.part("modules").values())
+    with pytest.raises(ModuleNotFoundError):
+        dataclasses.replace(TASKS[0], parts=dataclasses.replace(
+            TASKS[0].parts, reader="ttc.inputs.moved_away:load")).part("reader")
 
 
 def test_the_import_graph_sees_the_package():

@@ -344,8 +344,15 @@ def test_the_schema_knows_the_networks_and_archs_models_builds():
     (inference reads it): the lists must stay the same."""
     from ttc.serving import manifest_schema
     from ttc.nets import models
+    from ttc.tasks.registry import TASKS
 
-    assert set(manifest_schema.NETWORKS) == set(models.NETWORKS)
+    assert set(manifest_schema.NETWORKS) == {name for task in TASKS
+                                             for name in models.network_modules(task.kind)}
+    kind_of_form = {"words": "text", manifest_schema.HF_TOKENIZER: "text"}
+    for task in TASKS:  # each type builds the networks the schema checks against its records
+        assert set(task.part("modules")) == {
+            name for name, form in manifest_schema.NETWORK_FORMS.items()
+            if kind_of_form.get(form, form) == task.kind}
     assert set(manifest_schema.TORCHVISION_ARCHS) == set(models.TORCHVISION_ARCHS)
     from ttc.nets.hf import GRAPH_INPUTS
 

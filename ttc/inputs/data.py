@@ -214,7 +214,7 @@ def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
     training time (used by export.py and inference.py); otherwise both are derived from the
     training split.
     """
-    reader = READERS[task_for(options.model_type).kind]
+    reader = task_for(options.model_type).part("reader")
     dataset = reader(options, preprocessing=preprocessing, labels=labels, splits=splits)
     for name, split in dataset.splits.items():
         dataset.splits[name] = split.shuffled(np.random.default_rng([options.seed, SPLITS.index(name)]))
@@ -582,11 +582,6 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
                    given_splits=table.given, options=options, dropped=table.dropped,
                    columns=table.columns)
 
-
-# preprocessing kind (ttc/tasks) → the function that finds, splits and encodes its data
-READERS: dict[str, Callable[..., Dataset]] = {"image": load_image_dataset,
-                                              "text": load_table_dataset,
-                                              "tabular": load_table_dataset}
 
 
 def _read_table_splits(options: DataOptions) -> _TableSplits:

@@ -19,7 +19,7 @@ from ttc.serving.bundle import BundlePaths, Manifest, bundle_file, require_trust
 from ttc.nets.hf import HFGraph, HFTextNet, hf_architecture
 from ttc.inputs.limits import inflating_archive_problem, size_text
 from ttc.inputs.preprocess import hf_source, hf_tokenizer_text
-from ttc.tasks.registry import TASKS, task_of_kind
+from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, ExportError, UserCodeFailure, atomic_write, first_line,
                    register_user_code, sha256_of, stdout_to_stderr)
 
@@ -489,10 +489,10 @@ class UserNetwork(nn.Module):
                  mean: list[float] | None = None, std: list[float] | None = None,
                  median: list[float] | None = None, **_: object) -> None:
         super().__init__()
-        self.kind = input_spec["kind"]
-        width = (input_spec.get("channels") if self.kind == "image"
+        self.role = task_of_kind(input_spec["kind"]).input_role  # what its normalisation is
+        width = (input_spec.get("channels") if self.role == "image"
                  else input_spec.get("num_features") or 0)
-        shape = (1, -1, 1, 1) if self.kind == "image" else (1, -1)
+        shape = (1, -1, 1, 1) if self.role == "image" else (1, -1)
         register_statistics(self, width, shape, mean=mean, std=std, median=median)
         path = model_source({"model_def": model_def})
         factory = import_factory(path, model_def["factory"])
@@ -510,9 +510,9 @@ class UserNetwork(nn.Module):
         self.forward_hint = _fix_hint("forward", path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "image":
+        if self.role == "image":
             x = (x - self.mean) / self.std
-        elif self.kind == "tabular":
+        elif self.role == "feature":
             x = standardised_features(self, x)
         if torch.compiler.is_dynamo_compiling():  # strict export traces no fd juggling
             return self.module(x)
@@ -535,15 +535,13 @@ def _fix_hint(what: str, path: Path) -> str:
 
 # ----------------------------------------------------------------------------- choosing one
 
-# --arch → the function that sizes that network for the data (config.ARCHS lists the same
-# names per model type, default first).
-ARCHITECTURES = {"small_cnn": image_architecture,
-                 **{arch: torchvision_architecture(arch) for arch in TORCHVISION_ARCHS},
-                 "bag": text_architecture, "cnn": text_cnn_architecture,
-                 "transformer": text_transformer_architecture,
-                 "mlp": tabular_architecture, "resmlp": tabular_resmlp_architecture}
-ARCH_KIND = {arch: task.kind for task in TASKS for arch in task.archs}  # ttc/tasks lists them
-DEFAULT_ARCH = {task.kind: task.default_arch for task in TASKS}
+# Each model type's networks (its entry's parts.networks): --arch → the function that sizes
+# that network for the data. Its entry's `archs` lists the same names, default first.
+IMAGE_NETWORKS = {"small_cnn": image_architecture,
+                  **{arch: torchvision_architecture(arch) for arch in TORCHVISION_ARCHS}}
+TEXT_NETWORKS = {"bag": text_architecture, "cnn": text_cnn_architecture,
+                 "transformer": text_transformer_architecture}
+TABULAR_NETWORKS = {"mlp": tabular_architecture, "resmlp": tabular_resmlp_architecture}
 
 
 def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = None,
@@ -551,13 +549,15 @@ def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = N
     """The manifest's description of the `arch` network (default: the kind's first) for this
     data; build_model turns it into a module."""
     kind = preprocessing["kind"]
-    arch = arch or DEFAULT_ARCH[kind]
-    if task_of_kind(kind).hf_archs and hf_source(arch) is not None:
+    task = task_of_kind(kind)
+    arch = arch or task.default_arch
+    if task.hf_archs and hf_source(arch) is not None:
         return hf_architecture(hf_source(arch), preprocessing, labels or
                                [str(i) for i in range(num_classes)])
-    if ARCH_KIND.get(arch) != kind:
+    networks = task.part("networks")
+    if arch not in networks:
         raise ValueError(f"--arch {arch} is not a {kind} network")
-    return {**ARCHITECTURES[arch](preprocessing, num_classes), "arch": arch}
+    return {**networks[arch](preprocessing, num_classes), "arch": arch}
 
 
 def input_spec(preprocessing: dict) -> dict:
@@ -584,18 +584,24 @@ def calibrated_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
 
-# A manifest's architecture["name"] → its module (bundles written before --arch have no
-# "arch" key, and their names are here too).
-NETWORKS = {"SmallCNN": SmallCNN, "TextClassifier": TextClassifier, "TextCNN": TextCNN,
-            "TextTransformer": TextTransformer, "TabularMLP": TabularMLP,
-            "TabularResMLP": TabularResMLP, "TorchvisionNet": TorchvisionNet,
-            "UserNetwork": UserNetwork, "HFTextNet": HFTextNet}
+# Each model type's modules (its entry's parts.modules): a manifest's architecture["name"] → the
+# nn.Module it builds (bundles written before --arch have no "arch" key, and their names are
+# here too). A --model_def network (UserNetwork) is every type's.
+IMAGE_MODULES = {"SmallCNN": SmallCNN, "TorchvisionNet": TorchvisionNet}
+TEXT_MODULES = {"TextClassifier": TextClassifier, "TextCNN": TextCNN,
+                "TextTransformer": TextTransformer, "HFTextNet": HFTextNet}
+TABULAR_MODULES = {"TabularMLP": TabularMLP, "TabularResMLP": TabularResMLP}
+
+
+def network_modules(kind: str) -> dict[str, type[nn.Module]]:
+    """architecture["name"] → module, for the networks of a preprocessing kind."""
+    return {**task_of_kind(kind).part("modules"), "UserNetwork": UserNetwork}
 
 
 def build_model(architecture: dict, preprocessing: dict, pretrained: bool = False) -> nn.Module:
     """A fresh network for a manifest's architecture (load `model.pt` into it afterwards);
     `pretrained`: an hf network starts from its checkpoint's weights (training does)."""
-    cls = NETWORKS[architecture["name"]]
+    cls = network_modules(preprocessing["kind"])[architecture["name"]]
     stats = {k: preprocessing.get(k) for k in ("mean", "std", "median")}
     if cls is HFTextNet:
         return cls(**architecture, pretrained=pretrained)

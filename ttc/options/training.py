@@ -12,7 +12,7 @@ from ttc.tasks.registry import archs, find_task
 from utils import ConfigError
 
 # --arch names per model type, the default first, from the entries in ttc/tasks
-# (models.ARCHITECTURES builds each; a test keeps the two in step, since config.py must not
+# (each type's parts.networks builds them; a test keeps the two in step, since config.py must not
 # import torch).
 ARCHS = archs()
 # torchvision networks: --pretrained loads their ImageNet weights.

@@ -9,7 +9,7 @@ evaluation of a split and of a labelled `inference.py --input` stream of any len
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -133,12 +133,14 @@ def evaluation_section(tally: Tally, labels: Sequence[str],
     return section
 
 
-def bundle_evaluation(labels: Sequence[str], train_class_counts: Sequence[int] | None,
-                      tally: Tally, split: str = "test") -> dict:
-    """The evaluation of a bundle's predictions against its training split's majority class
+def bundle_evaluation(section_of: Callable[..., dict], labels: Sequence[str],
+                      train_class_counts: Sequence[int] | None, tally: Tally,
+                      split: str = "test") -> dict:
+    """The evaluation of a bundle's predictions by its model type's `section_of` (its entry's
+    parts.evaluation, e.g. evaluation_section), against its training split's majority class
     (`train_class_counts`: None in bundles from before that record); the warnings are logged
     (stderr), the verdict too."""
-    section = evaluation_section(tally, labels, train_class_counts, split)
+    section = section_of(tally, labels, train_class_counts, split)
     for warning in section["warnings"]:
         LOG.warning("%s", warning)
     LOG.info("evaluation: %s", section["verdict"])

@@ -123,7 +123,7 @@ class RowEncoder:
 
     def __init__(self, manifest: Manifest | Mapping) -> None:
         preprocessing = as_manifest(manifest).preprocessing
-        self.rows = ROW_ENCODERS[preprocessing.kind](preprocessing.spec)
+        self.rows = task_of_kind(preprocessing.kind).part("rows")(preprocessing.spec)
 
     def encode(self, frame) -> Chunk:
         reasons = frame[ROW_ERROR].to_numpy(dtype=object)
@@ -146,7 +146,7 @@ class RowEncoder:
         return self.rows.encode(frame, ids, labels)
 
 
-class _ImageRows:
+class ImageRows:
     """Image paths → pixels at the bundle's size and channels; an unreadable file fails its row."""
 
     def __init__(self, preprocessing: dict) -> None:
@@ -157,7 +157,7 @@ class _ImageRows:
                               labels or [None] * len(ids), self.preprocessing)
 
 
-class _TextRows:
+class TextRows:
     """Text cells → token ids; an empty text is predicted too (its tokens: [UNK])."""
 
     def __init__(self, preprocessing: dict) -> None:
@@ -168,7 +168,7 @@ class _TextRows:
         return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, texts))), labels)
 
 
-class _FeatureRows:
+class FeatureRows:
     """Feature cells → the standardised-at-training feature matrix; a row the encoder refuses
     (an unknown category, a non-number) fails alone."""
 
@@ -181,11 +181,6 @@ class _FeatureRows:
         errors = [(i, r) for i, r in zip(ids, reasons) if r is not None]
         return Chunk(_kept(ids, usable), x[np.array(usable, dtype=bool)] if any(usable) else None,
                      _kept(labels, usable) if labels else None, errors)
-
-
-# preprocessing kind (ttc/tasks) → its row encoder, built from the manifest's preprocessing
-ROW_ENCODERS: dict[str, Callable[[dict], "_ImageRows | _TextRows | _FeatureRows"]] = {
-    "image": _ImageRows, "text": _TextRows, "tabular": _FeatureRows}
 
 
 def _kept(values: Sequence, keep: Sequence[bool]) -> list:
@@ -678,8 +673,9 @@ def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iter
         run.seconds = round(time.perf_counter() - started, 3)
         report["predictions"] = run.report_section()
         if tally.samples:
+            section_of = task_of_kind(manifest.preprocessing.kind).part("evaluation")
             report["evaluation"] = bundle_evaluation(
-                manifest.labels, manifest.dataset.train_class_counts, tally, "input")
+                section_of, manifest.labels, manifest.dataset.train_class_counts, tally, "input")
         if run.predicted == 0:  # raised inside the block: the previous output stays as it was
             _fail_without_predictions(run, options, error_rows)
     if options.errors:

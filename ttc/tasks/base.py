@@ -1,20 +1,44 @@
 """The shape of one model type's entry: plain data, no torch."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The code that does a model type's work, as "module:name" references: resolved when a
+    stage first asks for one (Task.part), so the entries import none of it and a new type's
+    code may sit in its own folder beside its entry. A wrong reference raises there, loudly,
+    and tests/test_layout.py resolves every one."""
+
+    reader: str  # (DataOptions, *, preprocessing, labels, splits) -> Dataset: find, split, encode
+    rows: str  # (preprocessing record) -> the encoder of `--input` rows into model inputs
+    networks: str  # {--arch: (preprocessing, num_classes) -> the manifest's architecture record}
+    modules: str  # {the architecture record's name: the nn.Module class it builds}
+    evaluation: str  # (Tally, labels, train_class_counts, split) -> the report's `evaluation`
+
+
+def resolve(reference: str) -> Any:
+    """The object a "module:name" reference names (ImportError/AttributeError when none)."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
 class Task:
     """One model type. The stages read it instead of testing the type's name. It also knows its
     preprocessing record (the manifest's `preprocessing`, plain data): what graph input that
-    record implies, and which of its sizes the report and a --model_def factory are given. The
-    functions that do its work on data (data reader, row encoder, network builders) stay in
-    their modules, in tables keyed by `kind`, so that this package imports nothing of theirs."""
+    record implies, and which of its sizes the report and a --model_def factory are given; and
+    where the code that does its work lives (`parts`: data reader, row encoder, networks and
+    their modules, evaluation), which the stages look up through `part`."""
 
     name: str  # --model_type, the manifest's model_type
     kind: str  # the manifest's preprocessing.kind
-    archs: tuple[str, ...]  # --arch names, the default first (models.ARCHITECTURES builds each)
+    archs: tuple[str, ...]  # --arch names, the default first (its `networks` builds each)
+    parts: Parts
+    default_tta: str = ""  # --tta_transforms when none are given (ttc/testtime/tta.py's names)
     builtins: tuple[str, ...] = ()  # builtin: data sets of this type
     input_role: str = "feature"  # what its table inputs are: "image", "text" or "feature" columns
     input_field: str = "features"  # the DSPy program's input field (text programs take the text)
@@ -29,6 +53,10 @@ class Task:
     @property
     def default_arch(self) -> str:
         return self.archs[0]
+
+    def part(self, role: str) -> Any:
+        """The object of one of `parts` ("reader", "rows", "networks", "modules", "evaluation")."""
+        return resolve(getattr(self.parts, role))
 
     def graph_input(self, preprocessing: dict) -> dict:
         """The graph input the manifest promises (its `input`), with the axes that are dynamic."""

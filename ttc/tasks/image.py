@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.tasks.base import Task
+from ttc.tasks.base import Parts, Task
 
 
 @dataclass(frozen=True)
@@ -29,5 +29,10 @@ class ImageClassifier(Task):
 TASK = ImageClassifier(
     name="image_classifier", kind="image",
     archs=("small_cnn", "resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0"),
+    parts=Parts(reader="ttc.inputs.data:load_image_dataset", rows="ttc.serving.batch:ImageRows",
+                networks="ttc.nets.models:IMAGE_NETWORKS",
+                modules="ttc.nets.models:IMAGE_MODULES",
+                evaluation="ttc.reporting.evaluation:evaluation_section"),
+    default_tta="shift:1",
     builtins=("builtin:digits",), input_role="image", input_field="image", image_files=True,
     augments=True)

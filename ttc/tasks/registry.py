@@ -1,7 +1,7 @@
-"""The model types, in --model_type's order (the first is the default): adding one is a module
-in this folder and a line here, plus its row in the two per-kind tables of the modules that do
-the work on its data (inputs.data.READERS, serving.batch.ROW_ENCODERS) and its networks in
-nets.models.ARCHITECTURES."""
+"""The model types, in --model_type's order (the first is the default): adding one is its entry
+(a module in this folder, or a folder whose __init__.py holds it beside the type's own code, which
+its Parts reference) and a line here. Its manifest records are the one other place: a bundle is
+untrusted, so every schema it is checked against stays in serving/manifest_schema.py."""
 from __future__ import annotations
 
 from ttc.tasks import image, tabular, text

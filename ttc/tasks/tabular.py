@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.tasks.base import Task
+from ttc.tasks.base import Parts, Task
 
 
 @dataclass(frozen=True)
@@ -24,5 +24,11 @@ class TabularClassifier(Task):
 
 
 TASK = TabularClassifier(name="tabular_classifier", kind="tabular", archs=("mlp", "resmlp"),
+                         parts=Parts(reader="ttc.inputs.data:load_table_dataset",
+                                     rows="ttc.serving.batch:FeatureRows",
+                                     networks="ttc.nets.models:TABULAR_NETWORKS",
+                                     modules="ttc.nets.models:TABULAR_MODULES",
+                                     evaluation="ttc.reporting.evaluation:evaluation_section"),
+                         default_tta="jitter:0.1",
                          builtins=("builtin:iris", "builtin:wine", "builtin:breast_cancer"),
                          input_role="feature", missing_values=True)

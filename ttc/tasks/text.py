@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.tasks.base import Task
+from ttc.tasks.base import Parts, Task
 
 # what an hf network's inputs after the token ids hold, as the manifest tells a deployment
 _EXTRA_INPUT_VALUES = {"attention_mask": "1 where {first} is not padding_id, else 0",
@@ -35,5 +35,11 @@ class TextClassifier(Task):
 
 
 TASK = TextClassifier(name="text_classifier", kind="text", archs=("bag", "cnn", "transformer"),
+                      parts=Parts(reader="ttc.inputs.data:load_table_dataset",
+                                  rows="ttc.serving.batch:TextRows",
+                                  networks="ttc.nets.models:TEXT_NETWORKS",
+                                  modules="ttc.nets.models:TEXT_MODULES",
+                                  evaluation="ttc.reporting.evaluation:evaluation_section"),
+                      default_tta="token_dropout:0.1",
                       input_role="text", input_field="text", reads_lines=True, hf_archs=True,
                       teacher=True)

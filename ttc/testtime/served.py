@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 from ttc.serving.runtime import batches_of, session_runner
+from ttc.tasks.registry import task_of_kind
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -104,7 +105,7 @@ def plain_predictor(served: Served, batch_size: int, state_passes: int = 1
     """The chosen graph alone (fed its state `state_passes` times for --iterative state): text
     rows batched by length, others in their order; no extra columns."""
     run = session_runner(served.session, state_passes=state_passes)
-    if served.kind == "text":
+    if task_of_kind(served.kind).input_role == "text":  # token ids of varying length
         return by_length(run, batch_size, served.pad_id), []
     return (lambda x: (np.concatenate([run(b) for b in batches_of(x, batch_size)]), {})), []
 

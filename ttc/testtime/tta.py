@@ -24,6 +24,7 @@ import onnx
 from ttc.testtime import tta_graph
 from ttc.inputs.preprocess import PAD_ID, real_tokens, trim_padding
 from ttc.serving.runtime import batches_of, best_of, create_session, session_runner
+from ttc.tasks.registry import TASKS, task_of_kind
 from ttc.testtime.tta_graph import GraphNodes, ViewBuilder
 from utils import LOG, ConfigError
 
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from ttc.serving.manifest import Manifest
     from ttc.serving.runtime import RuntimeOptions
 
-DEFAULT_TRANSFORMS = {"image": "shift:1", "text": "token_dropout:0.1", "tabular": "jitter:0.1"}
 
 
 # ----------------------------------------------------------------------------- numpy views
@@ -340,7 +340,7 @@ TRANSFORMS: tuple[TransformSpec, ...] = (
 )
 REGISTRY: dict[str, dict[str, TransformSpec]] = {
     kind: {spec.name: spec for spec in TRANSFORMS if kind in spec.kinds}
-    for kind in DEFAULT_TRANSFORMS}
+    for kind in (task.kind for task in TASKS)}
 ALIASES = {alias: spec.name for spec in TRANSFORMS for alias in spec.aliases}
 
 
@@ -348,8 +348,12 @@ def parse_transform_specs(text: str, kind: str) -> list[tuple[str, float | None]
     """'hflip,rotate:10' → [('hflip', None), ('rotate', 10.0)]; exit 2 on anything invalid."""
     registry = REGISTRY[kind]
     valid = ", ".join(n + (":X" if spec.check else "") for n, spec in registry.items())
+    given = text or task_of_kind(kind).default_tta
+    if not given:
+        raise ConfigError(f"TTA has no default transforms for {kind} models",
+                          f"name them with --tta_transforms (valid: {valid})")
     parsed = []
-    for item in filter(None, (p.strip() for p in (text or DEFAULT_TRANSFORMS[kind]).split(","))):
+    for item in filter(None, (p.strip() for p in given.split(","))):
         name, _, raw = item.partition(":")
         name = ALIASES.get(name.strip().lower(), name.strip().lower())
         if name not in registry:
