@@ -31,7 +31,8 @@ from ttc.serving.manifest import Manifest, as_manifest
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
                     refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
-from utils import LOG, ConfigError, DataError, atomic_write_stream, progress, first_line
+from utils import (LOG, ConfigError, DataError, atomic_write_stream, first_line, progress,
+                   raise_if_interrupted)
 
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
@@ -648,6 +649,7 @@ def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iter
             contextlib.ExitStack() as before_closing:
         writer = None
         for item in progress(predicted, desc="predict", enabled=options.show_progress):
+            raise_if_interrupted()  # a stop that Ray's iterator swallowed still ends the run
             run.rows += len(item.ids) + len(item.errors)
             run.failed += len(item.errors)
             error_rows += item.errors
@@ -668,6 +670,7 @@ def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iter
                 if classes:
                     rows, truth = map(list, zip(*classes))
                     tally.add(item.probabilities[rows], np.asarray(truth))
+        raise_if_interrupted()  # nothing is committed after a stop, however late it came
         if writer is not None:
             writer.close()
         run.seconds = round(time.perf_counter() - started, 3)
