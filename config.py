@@ -19,6 +19,7 @@ from ttc.options.batch import BatchFlags
 from ttc.options.data import DataFlags
 from ttc.options.export import VALIDATE_ATOL, VALIDATE_ATOL_FOR_ARCH, ExportFlags
 from ttc.options.fields import GROUPS, SCRIPTS, bad, parse_bool
+from ttc.options.fitting import FittingFlags
 from ttc.options.iterative import IterativeFlags
 from ttc.options.output import (LOG_LEVELS, PLOT_NAMES, OutputFlags, page_beside,
                                 refuse_linked_plots_folder, visuals_beside)
@@ -45,13 +46,14 @@ __all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS"
            "start_cli", "visuals_beside"]
 
 # The stages in the order their flags appear in --help, the summary and the report.
-STAGES = (DataFlags, TrainingFlags, TeacherFlags, ExportFlags, QuantizeFlags, TTAFlags, TTTFlags,
-          ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags, OutputFlags)
+STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, ExportFlags, QuantizeFlags,
+          TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags, OutputFlags)
 
 
 @dataclass
 class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, TTTFlags,
-             TTAFlags, QuantizeFlags, ExportFlags, TeacherFlags, TrainingFlags, DataFlags):
+             TTAFlags, QuantizeFlags, ExportFlags, TeacherFlags, FittingFlags, TrainingFlags,
+             DataFlags):
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
     fields from the last base to the first, so the bases are STAGES reversed (checked below:
     the fields' order is the flags' order in --help, the summary and the report)."""
@@ -68,7 +70,8 @@ class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, 
         self.check_rates()
         self.check_ensemble_size()  # a count of models to train
         self.check_training(self.model_type)
-        self.check_dropout(self.arch)
+        self.check_fitting(self.model_type, self.arch, self.model_def)
+        self.check_dropout(self.arch, self.dropout)
         self.check_teacher(self.model_type)
         self.check_export()
         self.check_quantize()
@@ -214,8 +217,9 @@ class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, 
     def summary_lines(self) -> list[str]:
         data = self.as_dict()
         width = max(len(n) for n in data)
-        return [f"  {'*' if value != _default(name) else ' '} {name:<{width}} = {value!r}"
-                for name, value in data.items()]
+        from_network = getattr(self, "network_defaults", {})  # the network's own defaults
+        return [f"  {'*' if value != _default(name) and name not in from_network else ' '} "
+                f"{name:<{width}} = {value!r}" for name, value in data.items()]
 
 
 def _default(name: str) -> Any:

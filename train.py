@@ -86,6 +86,9 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
 
 # a training loss that falls by less than this share: the network barely learned
 LOSS_FALL_FLOOR = 0.05
+# the best epoch's train accuracy this far above its validation accuracy: the network overfits
+# (docs/networks.md gives the gaps measured on runs that generalise and on ones that do not)
+OVERFIT_GAP = 0.10
 
 
 def train_section(trained: TrainedModel, dataset: Dataset) -> dict:
@@ -126,10 +129,26 @@ def training_health(trained: TrainedModel, prior: float) -> dict | None:
         problem = (f"the training loss ended at {end:.4f}, no lower than {prior:.4f} (the loss "
                    "of answering every input with the class shares)")
     epochs = len(trained.history)
+    best = trained.history[max(0, trained.best_epoch - 1)]
+    gap = best.train_accuracy - best.val_accuracy
+    hint = problem and (f"after {epochs} epoch{'s' if epochs > 1 else ''} at learning rate "
+                        f"{trained.learning_rate:g}, {problem}: the network barely learned; try "
+                        f"{learning_rate_advice(trained)}, or more --epochs")
     return {"loss_start": start, "loss_end": end, "loss_fall": fall, "loss_prior": prior,
-            "hint": problem and f"after {epochs} epoch{'s' if epochs > 1 else ''} at learning "
-                                f"rate {trained.learning_rate:g}, {problem}: the network barely "
-                                f"learned; try {learning_rate_advice(trained)}, or more --epochs"}
+            "overfit_gap": gap, "hint": hint or overfit_hint(trained, best, gap)}
+
+
+def overfit_hint(trained: TrainedModel, best, gap: float) -> str | None:
+    """The levers against overfitting, when the best epoch's train accuracy runs more than
+    OVERFIT_GAP above its validation accuracy."""
+    if gap <= OVERFIT_GAP:
+        return None
+    dropout = trained.architecture.get("dropout")
+    return (f"the network overfits: at its best epoch ({best.epoch}) train accuracy "
+            f"{best.train_accuracy:.3f} is {gap:.3f} above validation accuracy "
+            f"{best.val_accuracy:.3f}; try more --dropout"
+            f"{f' (now {dropout:g})' if dropout is not None else ''}, more --weight_decay, a "
+            "lower --patience, more data, or a smaller --arch")
 
 
 def learning_rate_advice(trained: TrainedModel) -> str:
@@ -184,14 +203,27 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
         training={"program": "ClassifierProgram (dspy.Module)",
                   "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, " + (
                       "linear warm-up and decay, gradients clipped to norm 1"
-                      if trained.architecture["name"] == "HFTextNet" else "one-cycle"),
+                      if trained.architecture["name"] == "HFTextNet" else
+                      "one-cycle" if config.lr_schedule == "one_cycle" else
+                      "warm-up, stable, decay"),
                   "epochs": config.epochs, "batch_size": config.batch_size,
-                  "learning_rate": config.learning_rate, "weight_decay": config.weight_decay,
+                  "learning_rate": config.learning_rate,
+                  **regularisation_record(config, trained),
                   "train_augment": config.train_augment, "seed": config.seed,
                   "augment_transforms": (config.tta_transforms or "default")
                   if config.tta and config.train_augment else None,
                   **trained.report_section(), "teacher": teacher},
         calibration=trained.calibration)
+
+
+def regularisation_record(config: Config, trained: TrainedModel) -> dict:
+    """The manifest's record of how the weights were regularised, and where the defaults came
+    from."""
+    chosen = config.regularisation(config.model_type, config.arch, config.model_def)
+    return {"weight_decay": chosen.weight_decay, "dropout": trained.architecture.get("dropout"),
+            "label_smoothing": chosen.label_smoothing, "max_norm": chosen.max_norm or None,
+            "patience": config.patience, "lr_schedule": config.lr_schedule,
+            "regularisation_source": chosen.source or None}
 
 
 def class_counts(y, num_classes: int) -> list[int]:

@@ -30,6 +30,8 @@ PRINTS = {
     "iterative_speed.py": ("MC-dropout (batched)", "loop/py", "calibration over 2 seeds"),
     "quantize_layers.py": ("auto exclusion", "step by step", "inference.py --profile"),
     "ray_batch.py": ("raw session.run", "end to end", "local, 1 thread", "ray, "),
+    "regularisation.py": ("SST-2 cnn", "own CNN 2 epochs", "plain AdamW loop", "goals",
+                          "seconds after/before"),
     "report_cost.py": ("main job", "drawing step", "evaluation section"),
     "runtime_speed.py": ("digits CNN", "Gemm-heavy MLP", "ORT fp32 / PyTorch eager",
                          "int8 auto"),

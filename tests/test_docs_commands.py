@@ -145,6 +145,8 @@ def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
     for name in ("sms.tsv", "sms_spam.tsv"):
         (tree / name).write_text(tsv)
     (tree / "train.tsv").write_text("".join(f"{lb}\t{t}\n" for lb, t in sms[:120]))
+    for name, part in (("sst2_train.tsv", sms[:120]), ("sst2_dev.tsv", sms[120:])):
+        (tree / name).write_text("".join(f"{t}\t{int(lb == 'ham')}\n" for lb, t in part))
     (tree / "test.tsv").write_text("".join(f"{lb}\t{t}\n" for lb, t in sms[120:]))
     (tree / "messages.txt").write_text("".join(f"{t}\n" for _, t in sms_rows(12, seed=1)))
     (tree / "new.csv").write_text("".join(f"{t}\n" for _, t in sms_rows(12, seed=2)))

@@ -101,7 +101,7 @@ ALLOWED = {
     "tasks": set(),
     "inputs": {"utils", "ttc.nets.hf", "ttc.tasks.*"},
     "nets": {"config", "utils", "ttc.inputs.*", "ttc.serving.bundle", "ttc.testtime.tta",
-             "ttc.reporting.metrics", "ttc.tasks.*"},
+             "ttc.reporting.metrics", "ttc.tasks.*", "ttc.options.fitting"},
     "serving": {"utils", "ttc.inputs.*", "ttc.reporting.evaluation", "ttc.tasks.*"},
     "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
                  "ttc.tasks.*"},

@@ -53,7 +53,7 @@ def image_architecture(preprocessing: dict, num_classes: int) -> dict:
     widths = [32, 64, 128, 128, 128][: pools + 1]
     return {"name": "SmallCNN", "in_channels": preprocessing["channels"],
             "image_size": [height, width], "num_classes": num_classes, "widths": widths,
-            "convs_per_stage": 2, "dropout": 0.2}
+            "convs_per_stage": 2}
 
 
 class SmallCNN(nn.Module):
@@ -89,7 +89,7 @@ class SmallCNN(nn.Module):
 
 def text_architecture(preprocessing: dict, num_classes: int) -> dict:
     return {"name": "TextClassifier", "vocab_size": preprocessing["vocab_size"],
-            "num_classes": num_classes, "embedding_dim": 64, "hidden": 128, "dropout": 0.3}
+            "num_classes": num_classes, "embedding_dim": 64, "hidden": 128}
 
 
 class TextClassifier(nn.Module):
@@ -120,7 +120,7 @@ class TextClassifier(nn.Module):
 
 def tabular_architecture(preprocessing: dict, num_classes: int) -> dict:
     return {"name": "TabularMLP", "num_features": len(preprocessing["feature_names"]),
-            "num_classes": num_classes, "hidden": [128, 64], "dropout": 0.2}
+            "num_classes": num_classes, "hidden": [128, 64]}
 
 
 class TabularMLP(nn.Module):
@@ -151,7 +151,7 @@ class TabularMLP(nn.Module):
 def text_cnn_architecture(preprocessing: dict, num_classes: int) -> dict:
     return {"name": "TextCNN", "vocab_size": preprocessing["vocab_size"],
             "num_classes": num_classes, "embedding_dim": 64, "kernel_sizes": [3, 4, 5],
-            "filters": 64, "dropout": 0.3}
+            "filters": 64}
 
 
 class TextCNN(nn.Module):
@@ -190,7 +190,7 @@ class TextCNN(nn.Module):
 def text_transformer_architecture(preprocessing: dict, num_classes: int) -> dict:
     return {"name": "TextTransformer", "vocab_size": preprocessing["vocab_size"],
             "num_classes": num_classes, "max_positions": int(preprocessing["max_length"]),
-            "d_model": 64, "heads": 4, "layers": 2, "feedforward": 128, "dropout": 0.1}
+            "d_model": 64, "heads": 4, "layers": 2, "feedforward": 128}
 
 
 class TextTransformer(nn.Module):
@@ -230,7 +230,7 @@ class TextTransformer(nn.Module):
 
 def tabular_resmlp_architecture(preprocessing: dict, num_classes: int) -> dict:
     return {"name": "TabularResMLP", "num_features": len(preprocessing["feature_names"]),
-            "num_classes": num_classes, "width": 128, "blocks": 2, "dropout": 0.1}
+            "num_classes": num_classes, "width": 128, "blocks": 2}
 
 
 class TabularResMLP(nn.Module):
@@ -545,9 +545,10 @@ TABULAR_NETWORKS = {"mlp": tabular_architecture, "resmlp": tabular_resmlp_archit
 
 
 def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = None,
-                     labels: Sequence[str] | None = None) -> dict:
+                     labels: Sequence[str] | None = None, dropout: float | None = None) -> dict:
     """The manifest's description of the `arch` network (default: the kind's first) for this
-    data; build_model turns it into a module."""
+    data, with its dropout (`dropout`, else the network's default from its type's entry);
+    build_model turns it into a module."""
     kind = preprocessing["kind"]
     task = task_of_kind(kind)
     arch = arch or task.default_arch
@@ -557,7 +558,11 @@ def architecture_for(preprocessing: dict, num_classes: int, arch: str | None = N
     networks = task.part("networks")
     if arch not in networks:
         raise ValueError(f"--arch {arch} is not a {kind} network")
-    return {**networks[arch](preprocessing, num_classes), "arch": arch}
+    record = {**networks[arch](preprocessing, num_classes), "arch": arch}
+    default = task.regularisation[arch].dropout
+    if default is not None:  # one of our networks: its Dropout layers' rate
+        record["dropout"] = default if dropout is None else dropout
+    return record
 
 
 def input_spec(preprocessing: dict) -> dict:

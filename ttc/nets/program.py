@@ -1,8 +1,9 @@
 """The PyTorch model inside a DSPy program, and the DSPy teleprompters that train it.
 
 ClassifierProgram (a dspy.Module whose model is a torch network), WeightTrainer (a Teleprompter
-that fits its weights: AdamW, one-cycle, the best epoch on validation), CandidateSearch (one
-WeightTrainer per learning rate and seed, the best kept by dspy.Evaluate), and the checks that
+that fits its weights: AdamW under a schedule that follows the run's length, the best epoch on
+validation, early stopping), CandidateSearch (one WeightTrainer per learning rate and seed, the
+best kept by dspy.Evaluate), and the checks that
 stop a training run whose data or weights are not finite. train.py and pipeline.py call
 train_classifier; importing this module imports torch and dspy.
 """
@@ -27,8 +28,10 @@ from config import Config
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
 from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
-from ttc.nets.transfer import (Transfer, head_parameters, init_from_file, init_from_pretrained,
-                      require_pretrained_file)
+from ttc.nets.fitting import EarlyStopping, learning_rate_schedule, restrict_row_norms
+from ttc.options.fitting import Recipe
+from ttc.nets.transfer import (Transfer, head_name, head_parameters, init_from_file,
+                               init_from_pretrained, require_pretrained_file)
 from ttc.testtime.tta import build_transforms, random_augment
 from ttc.reporting.metrics import accuracy, nll
 from ttc.tasks.registry import task_of_kind
@@ -218,7 +221,6 @@ def check_finite_inputs(dataset: Dataset) -> None:
                     f"({where})", "remove or re-save those images")
 
 
-WARMUP_SHARE = 0.1  # fine-tuning: the share of steps the learning rate warms up over
 CLIP_NORM = 1.0  # fine-tuning: gradients clipped to this norm
 
 
@@ -233,18 +235,20 @@ class EpochRecord:
 
 
 class WeightTrainer(Teleprompter):
-    """A DSPy optimizer for a program's torch weights: AdamW with a one-cycle schedule, or for
-    fine-tuning a pretrained transformer (`fine_tune`) the standard recipe: linear warm-up over
-    the first tenth of the steps, linear decay to zero, gradients clipped to norm 1, on a GPU
-    when there is one, with mixed precision there.
+    """A DSPy optimizer for a program's torch weights: AdamW under the `recipe`'s schedule,
+    weight decay, label smoothing and max-norm (ttc/nets/fitting.py), or for fine-tuning a
+    pretrained transformer (`fine_tune`) the standard recipe: linear warm-up over the first
+    tenth of the steps, linear decay to zero, gradients clipped to norm 1, on a GPU when there
+    is one, with mixed precision there.
 
-    Each epoch is scored by dspy.Evaluate on the validation set; the best epoch's weights win.
-    A loss that is not finite (checked every batch) or weights that are not (checked every epoch
-    and at the end) stop it with TrainingDiverged (exit 4).
+    Each epoch is scored by dspy.Evaluate on the validation set; the best epoch's weights win,
+    and training stops early once the validation loss has not improved for recipe.patience
+    epochs. A loss that is not finite (checked every batch) or weights that are not (checked
+    every epoch and at the end) stop it with TrainingDiverged (exit 4).
     """
 
     def __init__(self, metric: Callable, *, epochs: int, batch_size: int, learning_rate: float,
-                 weight_decay: float, augment: bool, seed: int, show_progress: bool = True,
+                 recipe: Recipe, augment: bool, seed: int, show_progress: bool = True,
                  view_transforms: Sequence = (), freeze_epochs: int = 0,
                  fine_tune: bool = False, pad_id: int = PAD_ID) -> None:
         super().__init__()
@@ -257,12 +261,13 @@ class WeightTrainer(Teleprompter):
         self.view_rng = np.random.default_rng(seed)
         self.metric = metric
         self.epochs, self.batch_size = epochs, batch_size
-        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.learning_rate, self.recipe = learning_rate, recipe
         self.augment, self.seed, self.show_progress = augment, seed, show_progress
         self.history: list[EpochRecord] = []
         self.best_epoch = 0
         self.batches_run = 0  # in the current epoch
         self.initial_loss: float | None = None  # the first batch's, before any update
+        self.bounded: nn.Linear | None = None  # the layer whose row norms --max_norm bounds
 
     def compile(self, student: ClassifierProgram, *, trainset: list[dspy.Example],
                 teacher=None, valset: list[dspy.Example] | None = None,
@@ -274,11 +279,15 @@ class WeightTrainer(Teleprompter):
         generator = torch.Generator().manual_seed(self.seed)
         steps_per_epoch = max(1, len(x) // self.batch_size + (len(x) % self.batch_size > 1))
         optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
-                                      weight_decay=self.weight_decay)
-        schedule = self._schedule(optimizer, self.epochs * steps_per_epoch)
+                                      weight_decay=self.recipe.weight_decay)
+        schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
+                                          self.recipe.lr_schedule, self.learning_rate,
+                                          self.fine_tune)
         program.net.to(self.device)
         max_shift = max(1, round(min(x.shape[2:]) / 8)) if self.augment else 0
         best_score, best_state = -1.0, None
+        stopping = EarlyStopping(self.recipe.patience)
+        self.bounded = self._max_norm_layer(program.net)
         for epoch in range(1, self.epochs + 1):
             started = time.perf_counter()
             self._freeze_body(program.net, epoch <= self.freeze_epochs)
@@ -300,20 +309,25 @@ class WeightTrainer(Teleprompter):
             if score >= best_score:  # ties: the later epoch, further into the annealing
                 best_score, self.best_epoch = score, epoch
                 best_state = copy.deepcopy(program.net.state_dict())
+            if stopping.should_stop(record.val_loss, score) and epoch < self.epochs:
+                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
+                         "accuracy has improved for %d epochs (--patience); keeping epoch %d",
+                         epoch, self.epochs, self.recipe.patience, self.best_epoch)
+                break
         program.net.load_state_dict(best_state)
         program.net.cpu().eval()
         self._check_weights(program.net, self.best_epoch)
         return program
 
-    def _schedule(self, optimizer, total_steps: int):
-        """One-cycle (warm-up, cosine decay); for fine-tuning, linear warm-up then decay."""
-        if not self.fine_tune:
-            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.learning_rate,
-                                                       total_steps=total_steps)
-        warmup = max(1, round(WARMUP_SHARE * total_steps))
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min((step + 1) / warmup,
-                                        max(0.0, (total_steps - step) / max(1, total_steps - warmup))))
+    def _max_norm_layer(self, net: nn.Module) -> nn.Linear | None:
+        """The layer --max_norm bounds: the network's output layer (its last nn.Linear)."""
+        if not self.recipe.max_norm:
+            return None
+        name = head_name(net)
+        if name is None:
+            raise ConfigError("--max_norm bounds the output layer's weights, and this network "
+                              "has no nn.Linear layer", "drop --max_norm (or pass --max_norm 0)")
+        return net.get_submodule(name)
 
     def _precision(self):
         """Mixed precision on a GPU only: bfloat16 autocast where the GPU has it (no loss scaling
@@ -367,7 +381,8 @@ class WeightTrainer(Teleprompter):
                                                          self.view_rng))
             with self._precision():
                 logits = net(network_batch(inputs, self.pad_id, self.device))
-                loss = F.cross_entropy(logits.float(), y[batch].to(self.device))
+                loss = F.cross_entropy(logits.float(), y[batch].to(self.device),
+                                       label_smoothing=self.recipe.label_smoothing)
             value = loss.detach().item()
             if self.initial_loss is None:
                 self.initial_loss = value
@@ -380,6 +395,8 @@ class WeightTrainer(Teleprompter):
             if self.fine_tune:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP_NORM)
             optimizer.step()
+            if self.bounded is not None:
+                restrict_row_norms(self.bounded, self.recipe.max_norm)
             schedule.step()
             total_loss += value * len(batch)
             correct += int((logits.argmax(1).cpu() == y[batch]).sum())
@@ -519,12 +536,16 @@ class TrainedModel:
     diverged_candidates: list[dict] = field(default_factory=list)  # skipped by the search
     transfer: Transfer | None = None  # --init_weights / --pretrained
     freeze_epochs: int = 0
+    epochs_planned: int = 0  # --epochs; early stopping may run fewer
     initial_loss: float | None = None  # the kept candidate's first batch, before any update
     calibration: dict | None = None  # the temperature fit (train.calibrate_network)
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1
-        return {"epochs_run": len(self.history), "best_epoch": self.best_epoch,
+        return {"epochs_run": len(self.history),
+                "epochs_not_run": max(0, self.epochs_planned - len(self.history)),
+                "stopped_early": len(self.history) < self.epochs_planned,
+                "best_epoch": self.best_epoch,
                 "train_accuracy": self.train_accuracy, "val_accuracy": self.val_accuracy,
                 "seconds": self.seconds, "samples": self.samples,
                 "learning_rate": self.learning_rate, "seed": self.seed,
@@ -573,9 +594,11 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     if views:
         LOG.info("training on the TTA transforms too: %s", ", ".join(t.spec for t in views))
 
+    recipe = config.recipe(config.model_type, config.arch, config.model_def)
+
     def make_trainer(learning_rate: float, seed: int) -> WeightTrainer:
         return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
-                             learning_rate=learning_rate, weight_decay=config.weight_decay,
+                             learning_rate=learning_rate, recipe=recipe,
                              augment=config.train_augment and task.augments, seed=seed,
                              show_progress=not config.no_progress, view_transforms=views,
                              freeze_epochs=config.freeze_epochs, fine_tune=fine_tune,
@@ -591,7 +614,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
     return trained_model(program, search, dataset, architecture, started,
-                         transfers[0] if transfers else None, config.freeze_epochs)
+                         transfers[0] if transfers else None, config)
 
 
 def announce_training(config: Config, dataset: Dataset, architecture: dict,
@@ -613,7 +636,7 @@ def announce_training(config: Config, dataset: Dataset, architecture: dict,
 
 def trained_model(program: ClassifierProgram, search: CandidateSearch, dataset: Dataset,
                   architecture: dict, started: float, transfer: Transfer | None,
-                  freeze_epochs: int) -> TrainedModel:
+                  config: Config) -> TrainedModel:
     """What training hands to export: the chosen candidate's network and its history."""
     trainer, chosen = search.chosen_trainer, search.chosen_candidate
     train_accuracy = accuracy(program.predict_proba(dataset.train.x), dataset.train.y)
@@ -625,8 +648,8 @@ def trained_model(program: ClassifierProgram, search: CandidateSearch, dataset: 
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        transfer=transfer, freeze_epochs=freeze_epochs,
-                        initial_loss=trainer.initial_loss)
+                        transfer=transfer, freeze_epochs=config.freeze_epochs,
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss)
 
 
 def network_architecture(config: Config, dataset: Dataset) -> dict:
@@ -636,8 +659,9 @@ def network_architecture(config: Config, dataset: Dataset) -> dict:
         path, factory = config.model_def_parts()
         return user_architecture(path.resolve(), factory, dataset.preprocessing,
                                  len(dataset.labels))
+    dropout = config.regularisation(config.model_type, config.arch, None).dropout
     architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch,
-                                    dataset.labels)
+                                    dataset.labels, dropout)
     if config.pretrained:
         require_pretrained_file(config.arch)  # before any training: exit 3 with the path
         architecture["normalization"] = "imagenet"

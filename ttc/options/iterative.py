@@ -48,8 +48,12 @@ class IterativeFlags:
         """--ensemble_size, a count of models to train (checked with training's counts)."""
         positive("ensemble_size", self.ensemble_size)
 
-    def check_dropout(self, arch: str | None) -> None:
-        """mc_dropout needs Dropout layers in --arch."""
+    def check_dropout(self, arch: str | None, dropout: float | None) -> None:
+        """mc_dropout needs Dropout layers in --arch, at a rate above 0."""
+        if self.iterative == "mc_dropout" and dropout == 0:
+            raise ConfigError("--iterative mc_dropout samples dropout masks, and --dropout 0 "
+                              "turns the network's dropout off",
+                              "raise --dropout, or use --iterative ensemble --ensemble_size 3")
         if self.iterative == "mc_dropout" and arch in ARCHS_WITHOUT_DROPOUT:
             raise ConfigError(f"--iterative mc_dropout samples dropout masks, and --arch "
                               f"{arch} has no Dropout layer",

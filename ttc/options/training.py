@@ -69,10 +69,8 @@ class TrainingFlags:
                              "first N epochs, then the whole network", "training", type=int,
                              metavar="N", scripts="PT")
     learning_rate: float | None = opt(
-        None, "AdamW peak learning rate: of the one-cycle schedule (warm-up, then cosine decay), "
-        "default 3e-3; for hf: archs of linear warm-up (a tenth of the steps) and decay, default "
-        "2e-5", "training", type=float, metavar="LR", scripts="PT")
-    weight_decay: float = opt(1e-4, "AdamW weight decay", "training", type=float, scripts="PT")
+        None, "AdamW peak learning rate of the schedule (--lr_schedule), default 3e-3; for hf: "
+        "archs of linear warm-up (a tenth of the steps) and decay, default 2e-5", "training", type=float, metavar="LR", scripts="PT")
     train_augment: bool = opt(True, "light random shifts of training images (images only)",
                               "training", type=parse_bool, metavar="BOOL", scripts="PT")
     lr_candidates: str | None = opt(None, "candidate search: comma-separated peak learning "
@@ -97,10 +95,8 @@ class TrainingFlags:
             positive(name, getattr(self, name))
 
     def check_training(self, model_type: str) -> None:
-        """--weight_decay, --lr_candidates, and the network: --arch for `model_type`, or
-        --model_def, and its starting weights."""
-        if self.weight_decay < 0:
-            bad("weight_decay", self.weight_decay, "use 0 or a small positive number like 1e-4")
+        """--lr_candidates, and the network: --arch for `model_type`, or --model_def, and its
+        starting weights."""
         self.learning_rates()
         names = ARCHS.get(model_type, ())
         if is_hf_arch(self.arch):

@@ -65,7 +65,8 @@ TEACHER_KEYS: KeyLabels = (
     ("seconds", "seconds"),
 )
 TRAIN_KEYS: KeyLabels = (
-    ("samples", "train samples"), ("epochs_run", "epochs run"), ("best_epoch", "best epoch"),
+    ("samples", "train samples"), ("epochs_run", "epochs run"),
+    ("epochs_not_run", "epochs not run (early stop)"), ("best_epoch", "best epoch"),
     ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"), ("seconds", "seconds"),
 )
 EXPORT_KEYS: KeyLabels = (

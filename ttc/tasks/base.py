@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -18,6 +18,19 @@ class Parts:
     networks: str  # {--arch: (preprocessing, num_classes) -> the manifest's architecture record}
     modules: str  # {the architecture record's name: the nn.Module class it builds}
     evaluation: str  # (Tally, labels, train_class_counts, split) -> the report's `evaluation`
+
+
+@dataclass(frozen=True)
+class Regularisation:
+    """A network's regularisation defaults (docs/networks.md says where each comes from);
+    --dropout, --weight_decay, --label_smoothing and --max_norm override them."""
+
+    dropout: float | None  # None: not ours to set (torchvision's, a checkpoint's, your module's)
+    weight_decay: float  # AdamW's, decoupled
+    label_smoothing: float = 0.0
+    max_norm: float | None = None  # bound on the L2 norm of each row of the output layer's
+    # weights, restored after every step (Kim 2014); None: no bound
+    source: str = ""  # where the values come from, for the docs and the summary
 
 
 def resolve(reference: str) -> Any:
@@ -38,6 +51,8 @@ class Task:
     kind: str  # the manifest's preprocessing.kind
     archs: tuple[str, ...]  # --arch names, the default first (its `networks` builds each)
     parts: Parts
+    # each --arch's regularisation defaults ("hf": every hf:NAME network's)
+    regularisation: dict[str, Regularisation] = field(default_factory=dict)
     default_tta: str = ""  # --tta_transforms when none are given (ttc/testtime/tta.py's names)
     builtins: tuple[str, ...] = ()  # builtin: data sets of this type
     input_role: str = "feature"  # what its table inputs are: "image", "text" or "feature" columns

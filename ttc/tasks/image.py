@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.tasks.base import Parts, Task
+from ttc.tasks.base import Parts, Regularisation, Task
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,16 @@ class ImageClassifier(Task):
                 "image_size": list(preprocessing["image_size"])}
 
 
+_TORCHVISION = ("resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0")
 TASK = ImageClassifier(
-    name="image_classifier", kind="image",
-    archs=("small_cnn", "resnet18", "resnet34", "mobilenet_v3_small", "efficientnet_b0"),
+    name="image_classifier", kind="image", archs=("small_cnn", *_TORCHVISION),
     parts=Parts(reader="ttc.inputs.data:load_image_dataset", rows="ttc.serving.batch:ImageRows",
                 networks="ttc.nets.models:IMAGE_NETWORKS",
                 modules="ttc.nets.models:IMAGE_MODULES",
                 evaluation="ttc.reporting.evaluation:evaluation_section"),
+    regularisation={"small_cnn": Regularisation(0.2, 1e-4, source="ours, measured"),
+                    **{arch: Regularisation(None, 1e-4, source="torchvision's own dropout")
+                       for arch in _TORCHVISION}},
     default_tta="shift:1",
     builtins=("builtin:digits",), input_role="image", input_field="image", image_files=True,
     augments=True)

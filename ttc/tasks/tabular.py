@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.tasks.base import Parts, Task
+from ttc.tasks.base import Parts, Regularisation, Task
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ TASK = TabularClassifier(name="tabular_classifier", kind="tabular", archs=("mlp"
                                      networks="ttc.nets.models:TABULAR_NETWORKS",
                                      modules="ttc.nets.models:TABULAR_MODULES",
                                      evaluation="ttc.reporting.evaluation:evaluation_section"),
+                         regularisation={
+                             "mlp": Regularisation(0.2, 1e-4, source="ours, measured"),
+                             "resmlp": Regularisation(0.1, 1e-4, source=(
+                                 "Gorishniy et al. 2021's ResNet, dropout from their tuned "
+                                 "range"))},
                          default_tta="jitter:0.1",
                          builtins=("builtin:iris", "builtin:wine", "builtin:breast_cancer"),
                          input_role="feature", missing_values=True)

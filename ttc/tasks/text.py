@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.tasks.base import Parts, Task
+from ttc.tasks.base import Parts, Regularisation, Task
 
 # what an hf network's inputs after the token ids hold, as the manifest tells a deployment
 _EXTRA_INPUT_VALUES = {"attention_mask": "1 where {first} is not padding_id, else 0",
@@ -40,6 +40,17 @@ TASK = TextClassifier(name="text_classifier", kind="text", archs=("bag", "cnn", 
                                   networks="ttc.nets.models:TEXT_NETWORKS",
                                   modules="ttc.nets.models:TEXT_MODULES",
                                   evaluation="ttc.reporting.evaluation:evaluation_section"),
+                      regularisation={
+                          "bag": Regularisation(0.3, 1e-4, source="ours, measured"),
+                          "cnn": Regularisation(0.5, 0.0, max_norm=3.0, source=(
+                              "Kim 2014: dropout 0.5 on the pooled features, max-norm 3 on the "
+                              "output weights, no weight decay")),
+                          "transformer": Regularisation(0.1, 0.01, source=(
+                              "Vaswani et al. 2017 (dropout 0.1); AdamW weight decay 0.01 as "
+                              "in BERT")),
+                          "hf": Regularisation(None, 0.01, source=(
+                              "the checkpoint's own dropout (0.1 in BERT-style configs); "
+                              "weight decay 0.01 as in BERT's fine-tuning"))},
                       default_tta="token_dropout:0.1",
                       input_role="text", input_field="text", reads_lines=True, hf_archs=True,
                       teacher=True)
