@@ -104,11 +104,32 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
                 input_names=list(feed), output_names=list(output_names), dynamic_shapes=dynamic,
                 opset_version=opset, external_data=False, dynamo=True, optimize=optimize,
                 verbose=debug_enabled())
-        return mark_padding_id(program.model_proto, input_spec)
+        return mark_padding_id(without_stack_traces(program.model_proto), input_spec)
     except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
         first = first_line(err)
         raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",
                           "try the default --opset 18, or --log_level DEBUG for details") from None
+
+
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+
+
+def without_stack_traces(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The exporter records each node's Python stack trace, with the absolute paths of the
+    source files: a bundle's graphs (those onnxslim does not rewrite) would carry the path of
+    the checkout that made them, and differ by it. Dropped; the node's namespace stays."""
+    def clean(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            kept = [p for p in node.metadata_props if p.key != STACK_TRACE_KEY]
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept)
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.HasField("g") else []) + list(
+                        attribute.graphs):
+                    clean(sub)
+
+    clean(model.graph)
+    return model
 
 
 # ONNX Script's tables of ATen decompositions, one per opset, built once per process.

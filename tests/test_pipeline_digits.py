@@ -9,7 +9,7 @@ import onnxruntime as ort
 import torch
 from sklearn.datasets import load_digits
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 REPORT_KEYS = {"version", "status", "error", "config", "dataset", "train", "export", "quantize",
                "inference", "tta", "ttt", "iterative"}
@@ -77,6 +77,17 @@ def test_onnx_is_one_self_contained_checked_file(digits_bundle):
     model = onnx.load(str(digits_bundle["model"]))
     onnx.checker.check_model(model, full_check=True)
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # dynamic batch
+
+
+def test_no_graph_of_the_bundle_names_the_checkout_that_made_it(digits_bundle):
+    """The exporter's per-node stack traces hold absolute source paths: none is shipped."""
+    graphs = sorted(digits_bundle["dir"].glob("*.onnx"))
+    assert {p.name for p in graphs} >= {"model.onnx", "model.bn.onnx", "model.mc.onnx"}
+    for path in graphs:
+        assert str(REPO).encode() not in path.read_bytes(), path.name
+        nodes = onnx.load(path).graph.node
+        assert not any(p.key == "pkg.torch.onnx.stack_trace" for n in nodes
+                       for p in n.metadata_props), path.name
 
 
 def test_manifest_and_weights_rebuild_the_same_model(digits_bundle):
