@@ -17,7 +17,8 @@ class Parts:
     rows: str  # (preprocessing record) -> the encoder of `--input` rows into model inputs
     networks: str  # {--arch: (preprocessing, num_classes) -> the manifest's architecture record}
     modules: str  # {the architecture record's name: the nn.Module class it builds}
-    evaluation: str  # (Tally, labels, train_class_counts, split) -> the report's `evaluation`
+    # (Tally, labels, train_class_counts, split) -> the report's `evaluation`; a classifier's
+    evaluation: str = "ttc.reporting.evaluation:evaluation_section"
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,8 @@ TASK = ImageClassifier(
     name="image_classifier", kind="image", archs=("small_cnn", *_TORCHVISION),
     parts=Parts(reader="ttc.inputs.data:load_image_dataset", rows="ttc.serving.batch:ImageRows",
                 networks="ttc.nets.models:IMAGE_NETWORKS",
-                modules="ttc.nets.models:IMAGE_MODULES",
-                evaluation="ttc.reporting.evaluation:evaluation_section"),
-    regularisation={"small_cnn": Regularisation(0.2, 1e-4, source="ours, measured"),
+                modules="ttc.nets.models:IMAGE_MODULES"),
+    regularisation={"small_cnn": Regularisation(0.2, 1e-4, source="ours"),
                     **{arch: Regularisation(None, 1e-4, source="torchvision's own dropout")
                        for arch in _TORCHVISION}},
     default_tta="shift:1",

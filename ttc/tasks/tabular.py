@@ -27,10 +27,9 @@ TASK = TabularClassifier(name="tabular_classifier", kind="tabular", archs=("mlp"
                          parts=Parts(reader="ttc.inputs.data:load_table_dataset",
                                      rows="ttc.serving.batch:FeatureRows",
                                      networks="ttc.nets.models:TABULAR_NETWORKS",
-                                     modules="ttc.nets.models:TABULAR_MODULES",
-                                     evaluation="ttc.reporting.evaluation:evaluation_section"),
+                                     modules="ttc.nets.models:TABULAR_MODULES"),
                          regularisation={
-                             "mlp": Regularisation(0.2, 1e-4, source="ours, measured"),
+                             "mlp": Regularisation(0.2, 1e-4, source="ours"),
                              "resmlp": Regularisation(0.1, 1e-4, source=(
                                  "Gorishniy et al. 2021's ResNet, dropout from their tuned "
                                  "range"))},

@@ -38,10 +38,9 @@ TASK = TextClassifier(name="text_classifier", kind="text", archs=("bag", "cnn", 
                       parts=Parts(reader="ttc.inputs.data:load_table_dataset",
                                   rows="ttc.serving.batch:TextRows",
                                   networks="ttc.nets.models:TEXT_NETWORKS",
-                                  modules="ttc.nets.models:TEXT_MODULES",
-                                  evaluation="ttc.reporting.evaluation:evaluation_section"),
+                                  modules="ttc.nets.models:TEXT_MODULES"),
                       regularisation={
-                          "bag": Regularisation(0.3, 1e-4, source="ours, measured"),
+                          "bag": Regularisation(0.3, 1e-4, source="ours"),
                           "cnn": Regularisation(0.5, 0.0, max_norm=3.0, source=(
                               "Kim 2014: dropout 0.5 on the pooled features, max-norm 3 on the "
                               "output weights, no weight decay")),
