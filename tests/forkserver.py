@@ -17,12 +17,15 @@ Preloaded are only libraries that read no per-run environment at import and star
 not transformers (HF_HUB_OFFLINE), not onnxruntime or torchvision (they start threads). dspy is:
 it reads DSPY_CACHEDIR at import only into the defaults of configure_cache and of fine-tuning,
 which the tool never calls; the cache it uses is built on first use from the run's environment
-(tests/test_forkserver.py checks that).
+(tests/test_forkserver.py checks that). torch.onnx.export's table of decompositions for the
+default opset is built here too (prebuild_export_table): every exporting run saved its second
+of CPU.
 
 Protocol: the client connects, sends its three standard descriptors (SCM_RIGHTS) with one JSON
 message {argv, cwd, env, executable}, and reads back the child's pid, then its exit status
 ("exit N" or "signal N"). When the client goes away first (a test's timeout), the child kills
-itself.
+itself. The client passes on SIGTERM, SIGINT and SIGHUP to the child (a documented serve.py stops
+and reloads so).
 
     python tests/forkserver.py SOCKET   # serve (prints "ready" when it listens)
     python tests/forkserver.py --client SOCKET ROOT SHIM ARGS...   # `python ARGS`: client_main
@@ -72,6 +75,9 @@ def _read_line(sock: socket.socket) -> str:
     return data.decode().strip()
 
 
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def client_main(path: str, root: str, shim: str, argv: list[str]) -> None:
     """Be `python ARGV`, invoked as `shim`: a script of the repository under `root` runs
     through the server (its sys.executable the shim, so that the Python processes it starts
@@ -83,8 +89,10 @@ def client_main(path: str, root: str, shim: str, argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, *argv])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(path)
-        send_request(sock, argv, os.getcwd(), dict(os.environ), (0, 1, 2),
-                     executable=os.path.abspath(shim))
+        pid = send_request(sock, argv, os.getcwd(), dict(os.environ), (0, 1, 2),
+                           executable=os.path.abspath(shim))
+        for signum in FORWARDED_SIGNALS:  # a stop (or serve.py's reload) sent to `python X.py`
+            signal.signal(signum, lambda number, _frame: os.kill(pid, number))
         status = read_status(sock)
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
@@ -94,11 +102,37 @@ def client_main(path: str, root: str, shim: str, argv: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- server side
 
+EXPORT_OPSETS = (18,)  # the default --opset
+
+
+def prebuild_export_table() -> None:
+    """torch.onnx.export's table of ATen → ONNX decompositions (1-1.6 s of CPU), which every
+    process that exports builds once (export.py memoises it per process): built here once, for
+    the default opset, so that every forked run inherits it. Pure Python objects that the
+    exporter only reads, built from nothing a run's environment changes; no thread starts. A
+    torch without this private API is left as it is."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        build = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
+    except (ImportError, AttributeError, KeyError):
+        return
+    built = {opset: build(_registration.ONNXRegistry, opset_version=opset)
+             for opset in EXPORT_OPSETS}
+
+    def from_torchlib(cls: type, opset_version: int | None = None) -> object:
+        if opset_version in built:
+            return built[opset_version]
+        return build(cls) if opset_version is None else build(cls, opset_version=opset_version)
+
+    _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
+
+
 def serve(path: str) -> dict | None:
     """Accept runs until stdin closes (the test worker went away). Returns, in each forked
     child, the run it is to make."""
     for name in PRELOAD:
         __import__(name)
+    prebuild_export_table()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -138,3 +139,41 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead: only its status is left
         return stat.read().split(") ", 1)[1][0] != "Z"
+
+
+def test_the_shim_passes_stops_and_reloads_on_to_the_run(server, tmp_path):
+    """SIGHUP, then SIGTERM, sent to `python X.py` through the shim reach the forked run (a
+    documented serve.py reloads and stops so in tests/test_docs_commands.py)."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    (root / "waits.py").write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGHUP, lambda *_: print('reload', flush=True))\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('stop', flush=True), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    time.sleep(0.05)\n")
+    shim = root / "bin" / "python"
+    shim.parent.mkdir()
+    server.python_shim(shim, root)
+    run = subprocess.Popen([str(shim), "waits.py"], cwd=root, env=dict(os.environ, **CLI_ENV),
+                           stdout=subprocess.PIPE, text=True)
+    assert run.stdout.readline().strip() == "ready"
+    run.send_signal(signal.SIGHUP)
+    assert run.stdout.readline().strip() == "reload"
+    run.send_signal(signal.SIGTERM)
+    assert run.stdout.readline().strip() == "stop"
+    assert run.wait(timeout=30) == 0
+
+
+def test_the_exporter_s_table_is_built_once_in_the_server(server, tmp_path):
+    """Every forked run finds torch.onnx's decomposition table for the default opset already
+    built (the same object each time it asks), and builds other opsets as before."""
+    script = tmp_path / "table.py"
+    script.write_text(
+        "from torch.onnx._internal.exporter import _registration as r\n"
+        "a, b = r.ONNXRegistry.from_torchlib(18), r.ONNXRegistry.from_torchlib(18)\n"
+        "c, d = r.ONNXRegistry.from_torchlib(17), r.ONNXRegistry.from_torchlib(17)\n"
+        "print(a is b, c is d, type(a).__name__)\n")
+    run = server.run([str(script)], tmp_path, dict(os.environ, **CLI_ENV), timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "False", "ONNXRegistry"]
