@@ -24,6 +24,7 @@ from ttc.options.iterative import IterativeFlags
 from ttc.options.output import (LOG_LEVELS, PLOT_NAMES, OutputFlags, page_beside,
                                 refuse_linked_plots_folder, visuals_beside)
 from ttc.options.quantize import QuantizeFlags
+from ttc.options.serve import ServeFlags
 from ttc.options.sessions import RuntimeFlags
 from ttc.options.shift import ShiftFlags
 from ttc.options.teacher import TeacherFlags
@@ -47,13 +48,14 @@ __all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS"
 
 # The stages in the order their flags appear in --help, the summary and the report.
 STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, ExportFlags, QuantizeFlags,
-          TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags, OutputFlags)
+          TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags, ServeFlags,
+          OutputFlags)
 
 
 @dataclass
-class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, TTTFlags,
-             TTAFlags, QuantizeFlags, ExportFlags, TeacherFlags, FittingFlags, TrainingFlags,
-             DataFlags):
+class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags,
+             TTTFlags, TTAFlags, QuantizeFlags, ExportFlags, TeacherFlags, FittingFlags,
+             TrainingFlags, DataFlags):
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
     fields from the last base to the first, so the bases are STAGES reversed (checked below:
     the fields' order is the flags' order in --help, the summary and the report)."""
@@ -76,7 +78,10 @@ class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, 
         self.check_export()
         self.check_quantize()
         self._validate_test_time_compute()
-        self.check_batch(self.ray_threads, self.profile, self.adapts_online())
+        serving = getattr(self, "script", None) == "serve"
+        self.check_batch(self.ray_threads, self.profile, self.adapts_online(), serving)
+        if serving:
+            self.check_serve(self.adapts_online())
         self.check_runtime()
         self._validate_paths()
         return self
@@ -169,7 +174,8 @@ class Config(OutputFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, 
         if self.output_model:
             bundle = {f"--output_model (the bundle's {what})": path for what, path in
                       BundlePaths.from_model_path(self.output_model).files().items()}
-            (reads if getattr(self, "script", None) == "inference" else writes).update(bundle)
+            reads_bundle = getattr(self, "script", None) in ("inference", "serve")
+            (reads if reads_bundle else writes).update(bundle)
         writes.update(self.visual_outputs())
         if self.profile_path() is not None:
             writes["--profile (the ONNX Runtime trace)"] = self.profile_path()

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from ttc.serving.bundle import (BundlePaths, read_manifest, require_onnx_in_bundle,
-                    require_trusted_model_code)
+from ttc.serving.bundle import BundlePaths, require_onnx_in_bundle
 from config import Config, build_parser, start_cli
 from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.reporting.metrics import accuracy
@@ -27,9 +26,11 @@ from ttc.serving.runtime import (batches_of, create_session, graph_padding_id, p
 from ttc.tasks.registry import task_of_kind
 from ttc.testtime.calibration import (calibration_under_shift, joined, run_calibration,
                                       single_variants, without_temperature)
+from ttc.online.predictor import (check_bundle, chunk_predictor, input_variant,
+                                  load_bundle_session, served_graph, worker_predictor)
 from ttc.testtime.registry import asked_methods
-from ttc.testtime.served import Heldout, Served, plain_predictor
-from utils import LOG, ConfigError, ExportError, RuntimeFailure, exit_cli, run_cli
+from ttc.testtime.served import Heldout
+from utils import LOG, RuntimeFailure, exit_cli, run_cli
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -103,20 +104,6 @@ class InferenceResult:
 
     def report_section(self) -> dict:
         return dict(vars(self))
-
-
-def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx"
-                        ) -> tuple[Manifest, ort.InferenceSession, Path]:
-    """Manifest + verified graph (fp32 "onnx" or "int8") + a session whose input matches what
-    the manifest promises."""
-    manifest = read_manifest(paths)
-    model_path = require_onnx_in_bundle(paths, manifest, variant)
-    session = create_session(str(model_path), config.runtime(), classes=manifest.classes)
-    graph_input = session.get_inputs()[0]
-    if graph_input.name != manifest.input.name:
-        raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
-                          f"{manifest.input.name!r}", "re-run export.py or pipeline.py")
-    return manifest, session, model_path
 
 
 def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
@@ -199,59 +186,6 @@ def profile_graph(config: Config, model_path: Path, x: np.ndarray, pad_id: int) 
 # ----------------------------------------------------------------------------- batch inference
 
 
-def chunk_predictor(config: Config, paths: BundlePaths, manifest: Manifest,
-                    session: ort.InferenceSession, model_path: Path) -> tuple[Predictor, list[str]]:
-    """encoded chunk → (probabilities, extra columns), with the test-time compute asked for
-    (one of --tta, --ttt, --iterative), and the extra columns' names."""
-    asked = asked_methods(config)
-    if len(asked) > 1:
-        raise ConfigError(f"--input runs take one test-time method at a time, not "
-                          f"{' and '.join(method.flag for method in asked)}", "keep one of them")
-    served = served_graph(config, paths, manifest, session, model_path)
-    if asked:
-        return asked[0].predictor(config, served)
-    return plain_predictor(served, config.batch_size)
-
-
-def served_graph(config: Config, paths: BundlePaths, manifest: Manifest,
-                 session: ort.InferenceSession, model_path: Path) -> Served:
-    """The chosen graph as the test-time methods see it, with the sessions' settings and the
-    BatchNorm check test-time training runs when it picks its graph (config's arch table)."""
-    return Served(paths, manifest, session, model_path, config.runtime(),
-                  lambda method: require_ttt_method_applies(method, manifest))
-
-
-def without_batchnorm(manifest: Manifest) -> bool:
-    """Whether the bundle's network has no BatchNorm: an --arch known to have none
-    (config.norm_without_batchnorm), or a bundle whose export listed its extra graphs without
-    model.bn.onnx (export writes it wherever BatchNorm exists). A bundle from before the extra
-    graphs counts as having BatchNorm: its missing model.bn.onnx is exit 4 with the command that
-    adds it."""
-    from config import norm_without_batchnorm
-
-    return (norm_without_batchnorm(manifest.architecture.arch) is not None
-            or (manifest.extra_graphs.listed and manifest.extra_graphs.bn is None
-                and "bn" not in manifest.files))
-
-
-def require_ttt_method_applies(method: str, manifest: Manifest) -> bool:
-    """Whether the bundle's network has no BatchNorm; then `--ttt_method bn` alone is exit 2
-    (checked before any data is read)."""
-    from config import no_batchnorm_error, norm_without_batchnorm
-
-    if not without_batchnorm(manifest):
-        return False
-    arch = manifest.architecture.arch
-    if method == "bn" and norm_without_batchnorm(arch):
-        raise no_batchnorm_error(arch)
-    if method == "bn":
-        raise ConfigError("--ttt_method bn re-estimates BatchNorm statistics, and this bundle's "
-                          "network has none (its export wrote no model.bn.onnx)",
-                          "use --ttt_method tent, which adapts LayerNorm and GroupNorm affine "
-                          "parameters")
-    return True
-
-
 def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
     """--input: the chosen graph with the test-time compute asked for, over the input's chunks:
     in this process (batch.py), or on Ray workers (cluster.py) running the same predictor."""
@@ -289,17 +223,6 @@ def keeping_first_rows(predict: Predictor, seen: list[np.ndarray], rows: int) ->
         return predict(x)
 
     return keep
-
-
-def input_variant(config: Config) -> str:
-    return "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
-
-
-def worker_predictor(config: Config) -> tuple[Predictor, list[str]]:
-    """The local engine's predictor, built on a Ray worker (cluster.PredictorFactory)."""
-    paths = BundlePaths.from_model_path(config.output_model)
-    manifest, session, model_path = load_bundle_session(paths, config, input_variant(config))
-    return chunk_predictor(config, paths, manifest, session, model_path)
 
 
 def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
@@ -345,13 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def stages(report: dict) -> None:
         paths = BundlePaths.from_model_path(config.output_model)
-        manifest = read_manifest(paths)
-        if config.ttt and config.ttt_method in ("tent", "all"):  # Tent rebuilds it in PyTorch
-            require_trusted_model_code(manifest, paths, config.trust_model_code)
-        require_onnx_in_bundle(paths, manifest)  # graph and manifest agree, before any data
-        config.validate_tta(manifest.model_type)
-        if config.ttt:
-            require_ttt_method_applies(config.ttt_method, manifest)
+        manifest = check_bundle(config, paths)
         if config.input:
             predict_new_data(config, paths, report)
             return

@@ -701,3 +701,14 @@ def unwritable(path: Path) -> str | None:
     os.close(fd)
     os.unlink(probe)
     return None
+
+
+def hand_stops_to_server() -> None:
+    """A server that drains itself on SIGTERM (serve.py under uvicorn, which installs its own
+    handlers while it runs) takes the stops from here on: they no longer stop ONNX Runtime's
+    runs or end the process from the watcher, and once the server has drained, the signal it
+    re-raises ends nothing."""
+    if _wakeup is not None:
+        signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)

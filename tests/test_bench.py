@@ -35,6 +35,8 @@ PRINTS = {
     "report_cost.py": ("main job", "drawing step", "evaluation section"),
     "runtime_speed.py": ("digits CNN", "Gemm-heavy MLP", "ORT fp32 / PyTorch eager",
                          "int8 auto"),
+    "serve_load.py": ("overhead, ", "naive FastAPI, session.run per request",
+                      "raw session.run at batch", "soak", "reloads:", "SIGTERM after", "goals"),
     "teacher_distill.py": ("teacher: scripted keyword rule", "student_accuracy_with_teacher"),
     "text_export.py": ("max |onnx - torch|", "torch/onnx"),
     "train_augment.py": ("train_augment", "shifted accuracy", "mean"),

@@ -23,9 +23,13 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -41,6 +45,9 @@ NOT_RUN = {
     ".venv/bin/python -m pytest -q": "the test suite itself",
     "ray start --head --port 6379 --num-cpus 16": "starts a cluster node that outlives the test",
     "ray start --address HEAD_IP:6379": "joins a cluster that is not there",
+    "python serve.py --model /shared/runs/sms/model.onnx --engine ray --ray_address auto "
+    "--num_replicas 8 --num_threads 2 --host 0.0.0.0 --port 8000":
+        "a multi-node cluster with shared storage (tests/test_serve_ray.py serves on a local one)",
     "python inference.py --model /shared/runs/x/model.onnx --input /shared/in/rows.parquet "
     "--output preds.parquet --engine ray --ray_address auto --num_workers 8 --num_threads 2":
         "a multi-node cluster with shared storage",
@@ -100,7 +107,8 @@ def test_every_documented_command_is_run():
                for c in page_commands("README.md"))
     for page in PAGES:
         for command in page_commands(page):
-            assert "..." not in command and "[" not in command.split("#")[0], (page, command)
+            unquoted = re.sub(r"'[^']*'", "''", command)  # a JSON body may hold brackets
+            assert "..." not in command and "[" not in unquoted.split("#")[0], (page, command)
 
 
 # ----------------------------------------------------------------------------- stand-in data
@@ -184,10 +192,23 @@ STAND_IN_RUNS = {
 }
 
 
+def served_port(command: str) -> str | None:
+    """The port a documented `python serve.py ... --port N` listens on (None: not a server)."""
+    words = shlex.split(command)
+    if "serve.py" not in words:
+        return None
+    return words[words.index("--port") + 1] if "--port" in words else "8000"
+
+
 def reads_and_writes(command: str) -> tuple[list[str], list[str]]:
-    """The bundles and reports a command reads and the ones it writes, by its flags."""
+    """The bundles and reports a command reads and the ones it writes, by its flags; a server
+    counts as written by its serve.py command and read by the commands that call its port."""
     words = shlex.split(command)
     reads, writes = [], []
+    port = served_port(command)
+    if port:
+        writes.append(f"localhost:{port}")
+    reads += [f"localhost:{p}" for p in re.findall(r"localhost:(\d+)", command) if p != port]
     for flag, value in zip(words, words[1:]):
         if flag == "--model":
             reads.append(value)
@@ -296,16 +317,72 @@ def test_the_page_s_commands_run_as_written(page, part, tmp_path):
     for setup in stand_in_runs([r for _, r in runs]):
         done = run_in(tree, setup)
         assert done.returncode == 0, (setup, done.stderr[-3000:])
-    for documented, command in runs:
-        done = run_in(tree, command)
-        assert done.returncode in expected_codes(command), (
-            page, documented, done.returncode, done.stderr[-3000:])
-        assert "Traceback" not in done.stderr, (page, documented, done.stderr[-3000:])
-        if done.returncode == 5:
-            assert "execution provider" in done.stderr, done.stderr[-2000:]
-        if "--report_json -" in command:
-            json.loads(done.stdout)
-        script = bench_script(command) if "--quick" in command else None
-        for words in PRINTS.get(script, ()):
-            assert words in done.stdout, (documented, words, done.stdout[-3000:])
+    with ExitStack() as servers:
+        ports: dict[str, int] = {}
+        for documented, command in runs:
+            if served_port(command):
+                ports[served_port(command)] = servers.enter_context(
+                    documented_server(tree, command))
+                continue
+            check_documented_run(page, documented, on_ports(command, ports), tree)
 
+
+def on_ports(command: str, ports: dict[str, int]) -> str:
+    """A command calling a documented server's port, on the free port it was started on."""
+    return re.sub(r"localhost:(\d+)", lambda m: f"localhost:{ports.get(m.group(1), m.group(1))}",
+                  command)
+
+
+@contextmanager
+def documented_server(tree: Path, command: str) -> Iterator[int]:
+    """A documented `python serve.py ...` (the one rule: on a free port, not the page's, since
+    pages run side by side), started in the background, ready before the next command runs;
+    SIGTERM at the end of the page, as a user's Ctrl-C, must end it with exit 0."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    words = shlex.split(command)
+    words = [*words, "--port", str(port)] if "--port" not in words else \
+        [str(port) if k > 0 and words[k - 1] == "--port" else w for k, w in enumerate(words)]
+    env = dict(os.environ, **CLI_ENV,
+               PATH=f"{tree / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    server = subprocess.Popen(words, cwd=tree, env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready",
+                                            timeout=2) as ready:
+                    if ready.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        assert server.poll() is None, (command, server.communicate()[1][-3000:])
+        yield port
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        out, err = server.communicate(timeout=60)
+    assert server.returncode == 0, (command, server.returncode, err[-3000:])
+    assert "Traceback" not in err, (command, err[-3000:])
+
+
+def check_documented_run(page: str, documented: str, command: str, tree: Path) -> None:
+    done = run_in(tree, command)
+    assert done.returncode in expected_codes(command), (
+        page, documented, done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, (page, documented, done.stderr[-3000:])
+    if done.returncode == 5:
+        assert "execution provider" in done.stderr, done.stderr[-2000:]
+    if "--report_json -" in command:
+        json.loads(done.stdout)
+    if command.startswith("curl "):  # a server's answer, never an error status
+        assert '"detail"' not in done.stdout and '"error"' not in done.stdout, (
+            documented, done.stdout[-2000:])
+    script = bench_script(command) if "--quick" in command else None
+    for words in PRINTS.get(script, ()):
+        assert words in done.stdout, (documented, words, done.stdout[-3000:])

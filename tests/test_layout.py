@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "ttc"
-CLIS = {"pipeline", "train", "export", "quantize", "inference", "report"}
+CLIS = {"pipeline", "train", "export", "quantize", "inference", "report", "serve"}
 ROOT_MODULES = CLIS | {"config", "utils"}
 
 
@@ -109,6 +109,8 @@ ALLOWED = {
     "convert": {"utils", "ttc.serving.runtime"},
     "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections",
                 "ttc.tasks.*"},
+    "online": {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.testtime.*", "ttc.tasks.*",
+               "ttc.options.*", "ttc.reporting.*"},
 }
 
 
@@ -196,7 +198,7 @@ def test_leaf_modules_stay_leaves():
 
 
 @pytest.mark.parametrize("script", ["pipeline.py", "train.py", "export.py", "quantize.py",
-                                    "inference.py", "report.py"])
+                                    "inference.py", "report.py", "serve.py"])
 def test_each_stage_runs_alone_and_its_help_stays_light(script):
     """`python X.py --help` from the root works, and imports neither torch, DSPy, ONNX Runtime
     nor matplotlib (the package's moves must not pull a heavy module into a CLI's start)."""

@@ -11,7 +11,7 @@ import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -161,6 +161,8 @@ def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
                         "array of records", 'write it as [{"text": ..., "label": ...}, '
                         "...], or one record per line as .jsonl")
 
+    # dtype=False: no type conversion (pandas 3 then leaves a column named like a date,
+    # "created_at", as it is; json_records builds the same frame of parsed records)
     if kind == "jsonl" and chunk_rows:
         frames = pd.read_json(path, lines=True, dtype=False, encoding="utf-8-sig",
                               chunksize=chunk_rows)
@@ -170,20 +172,46 @@ def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
         frames = (whole.iloc[start:start + step] for start in range(0, len(whole), step))
     rows = 0
     for frame in frames:
-        nested = [_json_nested(frame.iloc[:, j]) for j in range(frame.shape[1])]
-        frame = frame.apply(lambda column: column.map(_cell_text)).astype(object)
-        frame.columns = unique_names(frame.columns)
-        frame.index = pd.RangeIndex(rows, rows + len(frame))
+        yield json_cells(frame, rows)
         rows += len(frame)
-        frame = frame.where(frame.notna() & ~frame.isin(EMPTY)).dropna(how="all")
-        frame.attrs[NESTED] = {n: k for n, k in zip(frame.columns, nested) if k}
-        yield frame
+
+
+def json_records(records: Sequence[Mapping]):
+    """JSON objects (serve.py's request rows, already parsed) as the frame the lines of a JSONL
+    file holding them read as: pandas' frame of the records (what read_json builds of them with
+    dtype=False) and the same cells (json_cells)."""
+    import pandas as pd
+
+    return json_cells(pd.DataFrame.from_records(list(records)), 0)
+
+
+_CELL_TEXTS = np.frompyfunc(lambda value: _cell_text(value), 1, 1)  # elementwise, kept object
+
+
+def json_cells(frame, first_row: int):
+    """A frame pandas read from JSON as a table's cells: text as a CSV cell would hold it
+    (_cell_text), empty cells NaN, rows with every cell empty left out, the index the data row;
+    which columns hold nested values is kept for refuse_nested. One pass over the cells as an
+    array (a column at a time cost a served row milliseconds of pandas' fixed costs)."""
+    import pandas as pd
+
+    values = frame.to_numpy(dtype=object)
+    nested = [_json_nested(values[:, j]) for j in range(values.shape[1])]
+    with np.errstate(invalid="ignore"):  # NaN compared with itself, on purpose
+        cells = _CELL_TEXTS(values) if values.size else values
+    present = ~(pd.isna(cells) | (cells == "")) if values.size else \
+        np.zeros(values.shape, dtype=bool)
+    cells[~present] = np.nan
+    keep = present.any(axis=1)
+    index = pd.RangeIndex(first_row, first_row + len(frame))
+    out = pd.DataFrame(cells[keep], index=index[keep], columns=unique_names(frame.columns),
+                       dtype=object)
+    out.attrs[NESTED] = {n: k for n, k in zip(out.columns, nested) if k}
+    return out
 
 
 def _json_nested(column) -> str | None:
-    """What nested values a JSON column holds ("JSON arrays", "JSON objects"), if any."""
-    if column.dtype != object:
-        return None
+    """What nested values a JSON column's cells hold ("JSON arrays", "JSON objects"), if any."""
     kinds = {type(v) for v in column if isinstance(v, (list, dict))}
     return " and ".join(("JSON arrays" if k is list else "JSON objects")
                         for k in sorted(kinds, key=lambda k: k.__name__)) or None
@@ -490,10 +518,13 @@ def serving_columns(frame, trained: Columns, path: Path, role: str,
         inputs = [detect_input(frame, role, path)]
     else:
         found = [locate_column(frame, name) for name in trained.inputs]
-        headerless = all(c.isdigit() for c in frame.columns)
+        # columns without names on either side: the model's were positions (a headerless
+        # training file), or this table's are
+        unnamed = all(c.isdigit() for c in frame.columns) or \
+            all(name.isdigit() for name in trained.inputs)
         if None not in found:
             inputs = found
-        elif role != "feature" and headerless and frame.shape[1] == len(found):
+        elif role != "feature" and unnamed and frame.shape[1] == len(found):
             inputs = list(frame.columns)  # a file of the inputs alone
         else:
             absent = [n for n, f in zip(trained.inputs, found) if f is None]
@@ -578,7 +609,10 @@ def joined_texts(frame, columns: Sequence[str]):
 
     if frame.empty:
         return pd.Series([], index=frame.index, dtype=object)
-    texts = frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+    if len(columns) == 1:  # the join of one cell is the cell (and pandas' row-wise agg is slow)
+        texts = frame[columns[0]].fillna("").astype(str).str.strip()
+    else:
+        texts = frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
     check_text_lengths(texts)
     return texts
 

@@ -34,17 +34,19 @@ class BatchFlags:
     allow_errors: bool = opt(False, "exit 0 even when some rows could not be predicted",
                              "batch", type=parse_bool, metavar="BOOL", scripts="I")
     top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
-                     "batch", type=int, metavar="K", scripts="I")
+                     "batch", type=int, metavar="K", scripts="IS")
     chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "
                           "whatever the input's size)", "batch", type=int, metavar="N",
                               scripts="I")
     engine: str = opt("local", "where --input is predicted: local (this process) or ray (Ray "
                       "Data workers on a cluster; docs/deploy.md, Ray)", "batch",
-                      choices=ENGINES, scripts="I")
+                      choices=ENGINES, scripts="IS", help_for={
+        "S": "where the server runs: local (this process, on uvicorn) or ray (a Ray Serve "
+             "deployment of --num_replicas replicas; docs/deploy.md)"})
     ray_address: str | None = opt(None, "--engine ray: the cluster to join (host:port of its "
                                   "head node; auto: the one `ray start` runs here); default (or "
                                   "local): start a local one of this machine's CPUs for the run",
-                                  "batch", metavar="ADDRESS", scripts="I")
+                                  "batch", metavar="ADDRESS", scripts="IS")
     num_workers: int | None = opt(None, "--engine ray: workers, each one ONNX Runtime session "
                                   "with --num_threads threads, which are the CPUs it reserves "
                                   "(default 2, or 1 where a local cluster cannot hold 2)",
@@ -53,7 +55,8 @@ class BatchFlags:
                                         "predicts at a time (default: --chunk_rows)", "batch",
                                         type=int, metavar="N", scripts="I")
 
-    def check_batch(self, threads: Callable[[], int], profile: bool, online_ttt: bool) -> None:
+    def check_batch(self, threads: Callable[[], int], profile: bool, online_ttt: bool,
+                    serving: bool = False) -> None:
         """--input, --output and the engine. `threads` (a Ray worker's ONNX Runtime threads) is
         asked only when a local cluster must hold the workers, so that a bad --ep is reported
         by the runtime checks, after these; `profile` and `online_ttt` are refused on Ray."""
@@ -63,7 +66,8 @@ class BatchFlags:
             bad("output", self.output, "give a path ending in .csv, .jsonl or .parquet")
         if self.input and not self.output:
             raise ConfigError("--input needs --output", "add --output preds.csv")
-        self._check_engine(threads, profile, online_ttt)
+        if not serving:  # serve.py checks its engine itself (ServeFlags.check_serve)
+            self._check_engine(threads, profile, online_ttt)
 
     def _check_engine(self, threads: Callable[[], int], profile: bool, online_ttt: bool
                       ) -> None:

@@ -69,15 +69,15 @@ class DataFlags:
     test_fraction: float = opt(0.15, "fraction of the data held out for the final test when the "
                                "dataset has no test split", "data", type=float, scripts="PT")
     seed: int = opt(0, "seed for the split, initialisation, augmentation and shuffling", "data",
-                    type=int, scripts="PTI")
+                    type=int, scripts="PTIS")
     max_row_bytes: int = opt(1048576, "the longest row of a text input (a CSV/TSV/JSONL line, a "
                              "text cell, a line of stdin) in bytes; a longer one is refused "
                              "(exit 3) before it is parsed", "data", type=int, metavar="N",
-                             scripts="PTEQI")
+                             scripts="PTEQIS")
     max_image_memory_mb: int = opt(4096, "the most memory (MB) images decoded at a bundle's "
                                    "image size may take at once: a split evaluated whole is "
                                    "refused beyond it (exit 4), --input chunks shrink to fit",
-                                   "data", type=int, metavar="MB", scripts="EQI")
+                                   "data", type=int, metavar="MB", scripts="EQIS")
 
     def check_data(self) -> None:
         """The split fractions, the text encoder's sizes and the input bounds (the token-id

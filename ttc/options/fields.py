@@ -17,6 +17,7 @@ GROUPS = {
     "teacher": "LM teacher (text models)",
     "ttc": "test-time compute",
     "batch": "batch inference (inference.py --input)",
+    "serve": "online serving (serve.py)",
     "runtime": "runtime",
     "output": "output",
 }
@@ -53,7 +54,8 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 
 
-SCRIPTS = {"P": "pipeline", "T": "train", "E": "export", "Q": "quantize", "I": "inference"}
+SCRIPTS = {"P": "pipeline", "T": "train", "E": "export", "Q": "quantize", "I": "inference",
+           "S": "serve"}
 
 
 def opt(default: Any, help: str, group: str, *, type: Any = None, choices: Sequence | None = None,

@@ -19,22 +19,22 @@ class IterativeFlags:
                          "with dropout on), ensemble (the bundle's ensemble graph, or the "
                          "bundles of --ensemble), state (feed a graph's state_out back into its "
                          "state input K times)", "ttc",
-                         choices=("none", "mc_dropout", "ensemble", "state"), scripts="PI")
+                         choices=("none", "mc_dropout", "ensemble", "state"), scripts="PIS")
     iterations: int = opt(16, "passes K for --iterative mc_dropout and state", "ttc", type=int,
-                          metavar="K", scripts="PI")
+                          metavar="K", scripts="PIS")
     iterative_backend: str = opt("batched", "how the K passes run: python (a loop of "
                                  "session.run; the only one that stops early), batched (K copies "
                                  "stacked in one run), loop (an ONNX Loop, one run)", "ttc",
-                                 choices=("python", "batched", "loop"), scripts="PI")
+                                 choices=("python", "batched", "loop"), scripts="PIS")
     iterative_tol: float | None = opt(None, "python backend: stop once the running mean's top-1 "
                                       "is unchanged and its largest change is below this for "
                                       "--iterative_patience passes", "ttc", type=float,
-                                      metavar="EPS", scripts="PI")
+                                      metavar="EPS", scripts="PIS")
     iterative_patience: int = opt(2, "passes the early-stopping test must hold in a row", "ttc",
-                                  type=int, metavar="N", scripts="PI")
-    ensemble: str | None = opt(None, "inference.py: more bundles (model.onnx paths, comma-"
-                               "separated) to average with --model; same labels and "
-                               "preprocessing", "ttc", metavar="LIST", scripts="I")
+                                  type=int, metavar="N", scripts="PIS")
+    ensemble: str | None = opt(None, "inference.py, serve.py: more bundles (model.onnx paths, "
+                               "comma-separated) to average with --model; same labels and "
+                               "preprocessing", "ttc", metavar="LIST", scripts="IS")
     ensemble_size: int = opt(1, "pipeline.py: train N models (seeds --seed, --seed+1, ...) and "
                              "write them as one ensemble graph, model.ensemble.onnx", "ttc",
                              type=int, metavar="N", scripts="P")

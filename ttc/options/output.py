@@ -47,11 +47,12 @@ class OutputFlags:
                       metavar="BOOL", scripts="I")
     output_model: str | None = opt(None, "where to write the model bundle: PATH.onnx plus "
                                    "PATH.json (manifest) and PATH.pt (weights)", "output",
-                                   metavar="PATH.onnx", scripts="PTEQI", help_for={
+                                   metavar="PATH.onnx", scripts="PTEQIS", help_for={
         "E": "the bundle to export: reads PATH.json and PATH.pt, writes PATH.onnx and its "
              "extra graphs",
         "Q": "the bundle to quantize: reads PATH.onnx, adds PATH.int8.onnx / PATH.fp16.onnx",
-        "I": "the bundle to read: PATH.onnx with its manifest PATH.json beside it"})
+        "I": "the bundle to read: PATH.onnx with its manifest PATH.json beside it",
+        "S": "the bundle to serve: PATH.onnx with its manifest PATH.json beside it"})
     report_json: str | None = opt(None, "write the final report as JSON to PATH ('-' prints it "
                                   "on stdout instead of the summary)", "output", metavar="PATH",
                                       scripts="PTEQI")
@@ -61,7 +62,7 @@ class OutputFlags:
                             scripts="PI")
     log_level: str = opt("INFO", "log verbosity on stderr; DEBUG also shows library logs and "
                          "tracebacks", "output", type=str.upper, choices=LOG_LEVELS,
-                             scripts="PTEQI")
+                             scripts="PTEQIS")
     no_progress: bool = opt(False, "hide progress bars (they only show when stderr is a "
                             "terminal anyway)", "output", type=parse_bool, metavar="BOOL",
                                 scripts="PTEQI")

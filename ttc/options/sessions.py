@@ -13,7 +13,7 @@ from ttc.serving.runtime import RuntimeOptions, parse_ep_options, parse_provider
 class RuntimeFlags:
     ep: str = opt("cpu", "ONNX Runtime execution providers, highest priority first, e.g. "
                   "cuda,cpu; CPU is always the last fallback. Aliases: cpu, cuda, tensorrt, dml, "
-                  "openvino, coreml, rocm", "runtime", metavar="LIST", scripts="PQI")
+                  "openvino, coreml, rocm", "runtime", metavar="LIST", scripts="PQIS")
     benchmark: bool = opt(False, "add a benchmark table: PyTorch eager fp32 (pipeline.py), ONNX "
                           "Runtime fp32 and int8 (when quantized), with size, accuracy, latency "
                           "at batch 1 and throughput; always on when an int8 graph exists",
@@ -29,15 +29,15 @@ class RuntimeFlags:
                                      "of fixed size beyond it is refused before running (exit "
                                      "4), an allocation beyond it at run time fails the run "
                                      "(exit 5)", "runtime", type=int, metavar="MB",
-                                     scripts="PEQI")
+                                     scripts="PEQIS")
     strict_ep: bool = opt(False, "fail (exit 5) instead of falling back when a requested "
                           "execution provider cannot run", "runtime", type=parse_bool,
-                          metavar="BOOL", scripts="PI")
+                          metavar="BOOL", scripts="PIS")
     ep_options: str | None = opt(None, "provider options as JSON or key=value list, e.g. "
                                  "cuda.device_id=0,cuda.gpu_mem_limit=2000000000 or "
                                  "tensorrt.trt_fp16_enable=true,tensorrt.trt_engine_cache_path="
                                  "trt_cache (engines then persist between runs)", "runtime",
-                                 metavar="OPTIONS", scripts="PQI")
+                                 metavar="OPTIONS", scripts="PQIS")
     intra_op_threads: int | None = opt(None, "ONNX Runtime threads within an operator "
                                        "(default: --num_threads)", "runtime", type=int,
                                        metavar="N", scripts="PI")
@@ -47,7 +47,7 @@ class RuntimeFlags:
                               choices=("sequential", "parallel"), scripts="PI")
     num_threads: int = opt(1, "threads for PyTorch and ONNX Runtime; 0 lets each library decide "
                            "(1 is fastest for small models on busy machines)", "runtime",
-                           type=int, metavar="N", scripts="PTEQI")
+                           type=int, metavar="N", scripts="PTEQIS")
     timeout_s: float = opt(0.0, "end the run after this many seconds of wall-clock time, also "
                            "inside ONNX Runtime (a graph that loops for ever): exit 124, "
                            "nothing half-written; 0: no limit", "runtime", type=float,

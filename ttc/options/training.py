@@ -56,7 +56,7 @@ class TrainingFlags:
                                  "it to rebuild the network. Only for a bundle whose maker you "
                                  "trust; without it such a bundle is refused (exit 2) before "
                                  "anything runs", "training", type=parse_bool, metavar="BOOL",
-                                 scripts="EI")
+                                 scripts="EIS")
     init_weights: str | None = opt(None, "start from these weights (.safetensors, or a torch "
                                    "state dict, read with weights_only): tensors load where "
                                    "name and shape match; the report counts loaded, skipped "

@@ -11,15 +11,15 @@ from ttc.options.fields import bad, opt, parse_bool
 class TTAFlags:
     tta: bool = opt(False, "test-time augmentation on the ONNX model (and, unless "
                     "--train_augment false, training on the same transforms)", "ttc",
-                    type=parse_bool, metavar="BOOL", scripts="PTI")
+                    type=parse_bool, metavar="BOOL", scripts="PTIS")
     tta_transforms: str = opt("", "comma-separated TTA transforms, name or name:param. image: "
                               "identity, hflip (flip), vflip, rot90, rot180, rot270, rotate:DEG, "
                               "shift:PX, crop:FRACTION, scale:FACTOR, brightness:DELTA, "
                               "contrast:FACTOR; text: token_dropout:P, window:N; tabular: "
                               "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1)",
-                              "ttc", metavar="LIST", scripts="PTI")
+                              "ttc", metavar="LIST", scripts="PTIS")
     tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
-                         choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PI")
+                         choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PIS")
     tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
                                       "plain top probability is below this", "ttc", type=float,
                                       metavar="P", scripts="PI")

@@ -32,25 +32,25 @@ class TTTFlags:
     ttt: bool = opt(False, "test-time training on the ONNX model: adapt its normalisation "
                     "layers (BatchNorm; LayerNorm for tent) to each test batch of --batch_size "
                     "samples", "ttc", type=parse_bool, metavar="BOOL",
-                        scripts="PI")
+                        scripts="PIS")
     ttt_method: str = opt("bn", "bn: re-estimate BatchNorm statistics (ONNX Runtime only); "
                           "tent: also minimise prediction entropy over the BatchNorm affine "
                           "parameters, or LayerNorm/GroupNorm's in a network without BatchNorm "
                           "(PyTorch); all: both, side by side", "ttc",
-                          choices=("bn", "tent", "all"), scripts="PI")
+                          choices=("bn", "tent", "all"), scripts="PIS")
     ttt_mode: str = opt("episodic", "episodic: every batch starts from the bundle's parameters; "
                         "online: adaptation carries over from batch to batch", "ttc",
-                        choices=("episodic", "online"), scripts="PI")
+                        choices=("episodic", "online"), scripts="PIS")
     ttt_reset_every: int = opt(0, "online mode: back to the bundle's parameters every N batches "
                                "(0: only when the collapse guard fires)", "ttc", type=int,
-                               metavar="N", scripts="PI")
+                               metavar="N", scripts="PIS")
     ttt_bn_prior: float = opt(0.0, "bn: weight of the stored statistics, in samples: a batch of "
                               "n uses n/(n+N) of its own statistics (0: batch statistics only)",
-                              "ttc", type=float, metavar="N", scripts="PI")
+                              "ttc", type=float, metavar="N", scripts="PIS")
     ttt_iterations: int = opt(1, "tent: Adam steps per test batch", "ttc", type=int, metavar="N",
-        scripts="PI")
+        scripts="PIS")
     ttt_learning_rate: float = opt(1e-3, "tent: Adam learning rate", "ttc", type=float,
-                                   metavar="LR", scripts="PI")
+                                   metavar="LR", scripts="PIS")
 
     def check_steps(self) -> None:
         """tent's step count and learning rate (checked with --iterative's counts)."""

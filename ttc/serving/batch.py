@@ -38,8 +38,9 @@ Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
 # ids, their true labels ("" none), the reason a row already failed ("" none), and the inputs
 # under fixed names: the texts to join (__text0, __text1, ... in order), an image's absolute
-# path (__path), or the tabular features under their training names.
+# path (__path) or its file bytes (__image), or the tabular features under their training names.
 ROW_ID, ROW_LABEL, ROW_ERROR, ROW_PATH, ROW_TEXT = "__id", "__label", "__error", "__path", "__text"
+ROW_IMAGE = "__image"  # an image's file bytes (serve.py's requests) in place of its path
 
 
 @dataclass
@@ -154,8 +155,9 @@ class ImageRows:
         self.preprocessing = preprocessing
 
     def encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
-        return _decode_images([Path(p) for p in frame[ROW_PATH]], ids,
-                              labels or [None] * len(ids), self.preprocessing)
+        sources = ([io.BytesIO(b) for b in frame[ROW_IMAGE]] if ROW_IMAGE in frame
+                   else [Path(p) for p in frame[ROW_PATH]])
+        return _decode_images(sources, ids, labels or [None] * len(ids), self.preprocessing)
 
 
 class TextRows:
@@ -191,14 +193,14 @@ def _kept(values: Sequence, keep: Sequence[bool]) -> list:
 # ----------------------------------------------------------------------------- images
 
 
-def _decode_images(paths: Sequence[Path], ids: Sequence[str], labels: Sequence[str | None],
-                   preprocessing: dict) -> Chunk:
+def _decode_images(sources: Sequence[Path | io.BytesIO], ids: Sequence[str],
+                   labels: Sequence[str | None], preprocessing: dict) -> Chunk:
     pixels, kept_ids, kept_labels, errors = [], [], [], []
-    for path, ident, label in zip(paths, ids, labels):
+    for source, ident, label in zip(sources, ids, labels):
         try:
-            pixels.append(decode_image_file(path, preprocessing))
+            pixels.append(decode_image_file(source, preprocessing))
         except Exception as err:  # noqa: BLE001 - any decoder failure is this row's error
-            reason = first_line(err)
+            reason = first_line(err).replace(f" {source!r}", "")  # bytes: no file to name
             errors.append((ident, f"unreadable image: {reason}"))
             continue
         kept_ids.append(ident)
@@ -314,24 +316,34 @@ class TableReader:
         for frame in iter_table(self.path, self.fmt, self.recorded.has_header or "auto",
                                 self._named_columns(), self.options.rows_per_chunk(self.manifest),
                                 numeric, self.row_groups, self.options.max_row_bytes):
-            if self.columns is None:
-                self.columns = self._choose_columns(frame)
-            # per chunk: a JSON column may turn to arrays in any chunk
-            refuse_nested(frame, [self.columns.label, *self.columns.inputs], self.path)
-            if frame.empty:  # a header alone
-                continue
-            ids = (frame.index.to_numpy() + 1).astype(str)  # 1-based data rows, no header
-            label = self.columns.label
-            inputs = frame if list(frame.columns) == self.columns.inputs \
-                else frame[self.columns.inputs]
-            if any(old != new for old, new in self.renamed.items()):
-                inputs = inputs.rename(columns=self.renamed)
-            errors = None
-            if self.task.image_files:
-                inputs, errors = self._image_paths(inputs[ROW_PATH])
-            elif self.role == "text":  # text cells as plain strings (see row_frame)
-                inputs = inputs.astype(object)
-            yield row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors)
+            rows = self.row_frame_of(frame)
+            if rows is not None:
+                yield rows
+
+    def row_frame_of(self, frame):
+        """The row frame of a frame of the table's cells (None: a header alone); the columns
+        are chosen on the first."""
+        if self.columns is None:
+            self.columns = self._choose_columns(frame)
+        # per chunk: a JSON column may turn to arrays in any chunk
+        refuse_nested(frame, [self.columns.label, *self.columns.inputs], self.path)
+        if frame.empty:
+            return None
+        ids = (frame.index.to_numpy() + 1).astype(str)  # 1-based data rows, no header
+        label = self.columns.label
+        inputs = frame if list(frame.columns) == self.columns.inputs \
+            else frame[self.columns.inputs]
+        if any(old != new for old, new in self.renamed.items()):
+            inputs = inputs.rename(columns=self.renamed)
+        errors = None
+        if self.task.image_files:
+            inputs, errors = self._images(inputs[ROW_PATH])
+        elif self.role == "text":  # text cells as plain strings (see row_frame)
+            inputs = inputs.astype(object)
+        return row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors)
+
+    def _images(self, cells) -> tuple[dict, list[str]]:
+        return self._image_paths(cells)
 
     def _image_paths(self, cells) -> tuple[dict, list[str]]:
         """Image paths relative to the table, made absolute; a missing path (NaN) is an error
@@ -455,6 +467,14 @@ def csv_lines(columns: Sequence[object]) -> str:
     return "".join(line + "\n" for line in map(",".join, zip(*cells)))
 
 
+def top_classes(probabilities: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's `top_k` classes, most probable first (ties: the lower index), and their
+    probabilities as written: float64 rounded to 6 decimals (every output of predictions)."""
+    rows = np.arange(len(probabilities))
+    order = np.argsort(-probabilities, axis=1, kind="stable")[:, :top_k]
+    return order, probabilities[rows[:, None], order].astype(np.float64).round(6)
+
+
 class PredictionWriter:
     """Rows to CSV, JSONL or Parquet (by the output's extension) in an open temporary file, a
     chunk at a time through whole columns (a Python loop over rows cost more than the model).
@@ -478,9 +498,7 @@ class PredictionWriter:
 
     def write(self, ids: Sequence[str], probabilities: np.ndarray,
               extra: dict[str, np.ndarray], truth: Sequence[str | None] | None) -> None:
-        rows = np.arange(len(ids))
-        order = np.argsort(-probabilities, axis=1, kind="stable")[:, : self.top_k]
-        top = probabilities[rows[:, None], order].astype(np.float64).round(6)
+        order, top = top_classes(probabilities, self.top_k)
         plain_ids = self.fmt == "csv" and all(i.isdigit() for i in ids)  # row numbers
         columns: dict[str, object] = {"id": np.array(ids, dtype=object) if plain_ids
                                       else list(ids), "label": self.labels[order[:, 0]],

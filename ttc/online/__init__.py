@@ -1,0 +1,9 @@
+"""Online prediction: a bundle opened once and asked row by row. predictor.py opens a bundle the
+one way every caller does (inference.py, its Ray workers, serve.py, users' code: the public
+`Predictor`); batcher.py joins concurrent requests into model runs; app.py is serve.py's
+FastAPI application (its endpoints, limits, metrics and reloads); ray_serve.py deploys that
+application on Ray Serve; tool.py hands a bundle to DSPy as a tool.
+
+May import the card (config, utils) and every layer below it: inputs, serving, testtime, tasks,
+options, reporting; nothing imports it but the CLIs.
+"""

@@ -1,0 +1,207 @@
+"""Dynamic batching, as Triton's dynamic batcher and Ray Serve's @serve.batch do it: concurrent
+requests wait in one bounded queue, and one model thread runs them joined into batches of up to
+`max_batch_size` rows, a batch leaving once it is full or once its oldest row has waited
+`max_delay_s`. A request of many rows is split across batches and its parts merged back in
+order; a request whose deadline passes while it waits is dropped from the queue, never run.
+
+The batch runs on one thread of its own: encoding the rows of all its requests in one pass (the
+encoders' cost is mostly per pass, not per row) and the model (ONNX Runtime releases the GIL, so
+the event loop keeps accepting requests meanwhile; its intra-op threads are the cores it was
+given). The batcher only cuts and joins: `run` gets each request's part of the batch and answers
+each part with its predictions or the error that request alone gets.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+Result = tuple[np.ndarray, dict[str, np.ndarray]]  # probabilities, the method's extra values
+# the batch's parts, each (a request's rows, the number of its first row) → each part's outcome
+RunBatch = Callable[[list[tuple[Sequence, int]]], list["Result | Exception"]]
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` requests: the caller answers 429."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before it was answered: the caller answers 504."""
+
+
+class BatcherClosed(Exception):
+    """The batcher stopped (a reload replaced it and drained): the caller retries on the new one."""
+
+
+@dataclass
+class Pending:
+    """One request in the queue: its rows, how many of them are taken, the parts predicted so
+    far, and the future its caller awaits."""
+
+    x: Sequence
+    deadline: float
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+    taken: int = 0
+    parts: list = field(default_factory=list)  # (probabilities, extra) per batch, in order
+    done_rows: int = 0
+
+
+@dataclass
+class BatchStats:
+    """What a batch was, for the metrics: its rows and the time the model took."""
+
+    rows: int
+    seconds: float
+
+
+class MicroBatcher:
+    """submit(x) → (probabilities, extra) of x's rows, run in batches with other requests."""
+
+    def __init__(self, run: RunBatch, *, max_batch_size: int, max_delay_s: float,
+                 max_queue: int, on_batch: Callable[[BatchStats], None] | None = None) -> None:
+        self.run, self.on_batch = run, on_batch
+        self.max_batch_size, self.max_delay_s, self.max_queue = (max_batch_size, max_delay_s,
+                                                                 max_queue)
+        self.queue: deque[Pending] = deque()
+        self.wakeup = asyncio.Event()
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.closing = False
+        self.task: asyncio.Task | None = None
+        self.in_flight = 0  # requests accepted and not yet answered
+
+    def start(self) -> "MicroBatcher":
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+        return self
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for the model (not counting the batch it is running)."""
+        return len(self.queue)
+
+    async def submit(self, x: Sequence, deadline: float) -> Result:
+        """Queue a request's rows; their predictions, or the request's own error (what `run`
+        answered for it), QueueFull, DeadlineExceeded, BatcherClosed."""
+        if self.closing:
+            raise BatcherClosed()
+        if len(self.queue) >= self.max_queue:
+            raise QueueFull()
+        pending = Pending(x, deadline, asyncio.get_running_loop().create_future())
+        self.queue.append(pending)
+        self.in_flight += 1
+        self.wakeup.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future),
+                                          max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pending.future.add_done_callback(_retrieved)  # no one awaits its outcome now
+            if pending.taken == 0:
+                self._forget(pending)  # its place in the queue is free at once
+            pending.deadline = 0.0  # partly taken: the loop drops the rest; its answer is lost
+            raise DeadlineExceeded() from None
+        finally:
+            self.in_flight -= 1
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wait_for_work()
+            if not self.queue:
+                if self.closing:
+                    return
+                continue
+            await self._wait_to_fill()
+            batch = self._take_batch()
+            if batch:
+                await self._run(batch)
+
+    async def _wait_for_work(self) -> None:
+        while not self.queue and not self.closing:
+            self.wakeup.clear()
+            await self.wakeup.wait()
+
+    async def _wait_to_fill(self) -> None:
+        """Until the queued rows fill a batch, or the oldest has waited max_delay_s."""
+        while (self._queued_rows() < self.max_batch_size and not self.closing
+               and (left := self.queue[0].arrived + self.max_delay_s - time.monotonic()) > 0):
+            self.wakeup.clear()
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), left)
+            except asyncio.TimeoutError:
+                return
+            if not self.queue:
+                return
+
+    def _queued_rows(self) -> int:
+        return sum(len(p.x) - p.taken for p in self.queue)
+
+    def _take_batch(self) -> list[tuple[Pending, int, int]]:
+        """Up to max_batch_size rows from the head of the queue: (request, start, stop) each;
+        requests past their deadline leave the queue unrun."""
+        batch, rows, now = [], 0, time.monotonic()
+        while self.queue and rows < self.max_batch_size:
+            pending = self.queue[0]
+            if pending.deadline <= now or pending.future.done():
+                self.queue.popleft()
+                continue
+            stop = min(len(pending.x), pending.taken + self.max_batch_size - rows)
+            batch.append((pending, pending.taken, stop))
+            rows += stop - pending.taken
+            pending.taken = stop
+            if stop == len(pending.x):
+                self.queue.popleft()
+        return batch
+
+    async def _run(self, batch: list[tuple[Pending, int, int]]) -> None:
+        parts = [(p.x[start:stop], start + 1) for p, start, stop in batch]
+        started = time.perf_counter()
+        try:
+            outcomes = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.run, parts)
+        except Exception as err:  # noqa: BLE001 - the batch's requests get the error
+            outcomes = [err] * len(batch)
+        if self.on_batch is not None:
+            rows = sum(len(o[0]) for o in outcomes if not isinstance(o, Exception))
+            self.on_batch(BatchStats(rows, time.perf_counter() - started))
+        for (pending, start, stop), outcome in zip(batch, outcomes):
+            if isinstance(outcome, Exception):
+                if not pending.future.done():
+                    pending.future.set_exception(outcome)
+                self._forget(pending)
+                continue
+            pending.parts.append(outcome)
+            pending.done_rows += stop - start
+            if pending.done_rows == len(pending.x) and not pending.future.done():
+                pending.future.set_result(merged(pending.parts))
+
+    def _forget(self, pending: Pending) -> None:
+        """A failed request's rows still queued are not run."""
+        try:
+            self.queue.remove(pending)
+        except ValueError:
+            pass
+
+    async def close(self) -> None:
+        """Answer everything queued, then stop the loop and the model thread."""
+        self.closing = True
+        self.wakeup.set()
+        if self.task is not None:
+            await self.task
+        self.executor.shutdown(wait=True)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def merged(parts: list[tuple[np.ndarray, dict]]) -> tuple[np.ndarray, dict]:
+    if len(parts) == 1:
+        return parts[0]
+    probabilities = np.concatenate([p for p, _ in parts])
+    extra = {k: np.concatenate([e[k] for _, e in parts]) for k in parts[0][1]}
+    return probabilities, extra

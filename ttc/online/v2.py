@@ -1,0 +1,120 @@
+"""The Open Inference Protocol (KServe V2, which Triton speaks too) in JSON, translated to and
+from the rows /predict takes: one input tensor per trained column (text and categories as BYTES,
+numbers as FP32/FP64/INT, an image's file bytes as BYTES holding base64), shape [rows]; two
+outputs, `label` (BYTES) and `probabilities` (FP32, [rows, classes]), and the test-time method's
+extra values (FP32, [rows]). A malformed tensor is a ProtocolError (400 with its reason)."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+NUMERIC_TYPES = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16",
+                 "UINT32", "UINT64", "BOOL"}
+DATATYPES = NUMERIC_TYPES | {"BYTES"}
+
+
+class ProtocolError(ValueError):
+    """A V2 request that does not follow the protocol (or this model's inputs)."""
+
+
+def input_metadata(columns: Sequence[str], numeric: set[str]) -> list[dict]:
+    return [{"name": name, "datatype": "FP64" if name in numeric else "BYTES", "shape": [-1]}
+            for name in columns]
+
+
+def output_metadata(classes: int, extra: Sequence[str]) -> list[dict]:
+    return [{"name": "label", "datatype": "BYTES", "shape": [-1]},
+            {"name": "probabilities", "datatype": "FP32", "shape": [-1, classes]},
+            *({"name": name, "datatype": "FP32", "shape": [-1]} for name in extra)]
+
+
+def request_rows(body: Any, columns: Sequence[str]) -> list[dict]:
+    """A V2 infer request's input tensors → rows of the trained columns."""
+    if not isinstance(body, Mapping) or not isinstance(body.get("inputs"), list):
+        raise ProtocolError('the request has no "inputs" list of tensors')
+    tensors = {}
+    for tensor in body["inputs"]:
+        if not isinstance(tensor, Mapping) or not isinstance(tensor.get("name"), str):
+            raise ProtocolError('each input tensor needs a "name"')
+        tensors[tensor["name"]] = tensor
+    missing = [name for name in columns if name not in tensors]
+    if missing:
+        raise ProtocolError(f"the request lacks the input tensors {missing}; the model takes "
+                            f"{list(columns)}")
+    values = {name: tensor_values(tensors[name]) for name in columns}
+    sizes = {len(v) for v in values.values()}
+    if len(sizes) != 1:
+        raise ProtocolError(f"the input tensors hold different numbers of rows: "
+                            f"{ {n: len(v) for n, v in values.items()} }")
+    rows = sizes.pop()
+    return [{name: values[name][k] for name in columns} for k in range(rows)]
+
+
+def tensor_values(tensor: Mapping) -> list:
+    """A tensor's data as one value per row (shape [rows] or [rows, 1]), checked."""
+    name, datatype, shape, data = (tensor.get("name"), tensor.get("datatype"),
+                                   tensor.get("shape"), tensor.get("data"))
+    if datatype not in DATATYPES:
+        raise ProtocolError(f"input {name!r}: datatype {datatype!r} is none of "
+                            f"{sorted(DATATYPES)}")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= 2
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+            or (len(shape) == 2 and shape[1] != 1)):
+        raise ProtocolError(f"input {name!r}: shape {shape!r} is not [rows] or [rows, 1]")
+    if not isinstance(data, list):
+        raise ProtocolError(f"input {name!r}: \"data\" must be a list")
+    flat = _flattened(data)
+    if len(flat) != shape[0]:
+        raise ProtocolError(f"input {name!r}: {len(flat)} values for shape {shape}")
+    for value in flat:
+        if datatype == "BYTES" and not isinstance(value, str):
+            raise ProtocolError(f"input {name!r}: BYTES data must be strings")
+        if datatype != "BYTES" and (isinstance(value, str) or value is None):
+            raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
+    return flat
+
+
+def _flattened(data: list, levels: int = 2) -> list:
+    """The values of data sent flat or nested as its shape, [rows] or [rows, 1]: at most two
+    levels are unpacked (a list left inside stays one value, refused as a cell)."""
+    if levels <= 1 or all(not isinstance(v, list) for v in data):
+        return data
+    return [w for v in data for w in (_flattened(v, levels - 1) if isinstance(v, list) else [v])]
+
+
+def response(model_name: str, version: str, request_id: str | None, labels: Sequence[str],
+             probabilities: np.ndarray, extra: Mapping[str, np.ndarray],
+             wanted: Sequence[str] | None) -> dict:
+    """The infer response: label, probabilities (as every prediction output rounds them) and the
+    extras; `wanted` the outputs the request named (None: all)."""
+    rows, classes = probabilities.shape
+    rounded = probabilities.astype(np.float64).round(6)
+    outputs = [{"name": "label", "datatype": "BYTES", "shape": [rows],
+                "data": [labels[k] for k in probabilities.argmax(axis=1)]},
+               {"name": "probabilities", "datatype": "FP32", "shape": [rows, classes],
+                "data": rounded.ravel().tolist()}]
+    outputs += [{"name": name, "datatype": "FP32", "shape": [rows],
+                 "data": np.round(np.asarray(values, np.float64), 6).tolist()}
+                for name, values in extra.items()]
+    if wanted is not None:
+        outputs = [o for o in outputs if o["name"] in wanted]
+    body = {"model_name": model_name, "model_version": version, "outputs": outputs}
+    if request_id is not None:
+        body["id"] = request_id
+    return body
+
+
+def wanted_outputs(body: Mapping, known: Sequence[str]) -> list[str] | None:
+    """The outputs a request asks for by name (None: it names none, so all)."""
+    asked = body.get("outputs")
+    if asked is None:
+        return None
+    if not isinstance(asked, list) or not all(isinstance(o, Mapping) and "name" in o
+                                              for o in asked):
+        raise ProtocolError('"outputs" must be a list of {"name": ...}')
+    names = [o["name"] for o in asked]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ProtocolError(f"unknown outputs {unknown}; the model has {list(known)}")
+    return names
