@@ -38,8 +38,7 @@ two do not take turns on one core; raw session.run is timed here on the server's
 
 --quick: the SMS bundle alone (unless --bundles), trained 1 epoch, 4 clients, tiny counts, a
 2-second soak and 2 reloads, without the --max_queue_delay_ms 0 diagnostic; its figures mean
-nothing. --json prints one JSON object on
-stdout (the tables go to stderr).
+nothing. --json prints one JSON object on stdout (the tables go to stderr).
 """
 from __future__ import annotations
 
@@ -146,9 +145,17 @@ class Cores:
         return (f"server pinned to CPU {','.join(map(str, self.server))}, load generator "
                 f"(this process) to CPU {','.join(map(str, self.client))}")
 
-    def pin_server(self) -> None:  # preexec_fn: every thread the server starts inherits it
+    def pin_server(self) -> None:
+        """preexec_fn of every server: pinned (every thread it starts inherits the mask), and
+        stopped with SIGTERM should this script die first (Linux)."""
         if self.server:
             os.sched_setaffinity(0, self.server)
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
     def pin_here(self, cpus: list[int]) -> None:
         if cpus:
@@ -1016,6 +1023,7 @@ def main() -> None:
         OUT = sys.stderr
     sms = sms_or_standin(args.sms, args.quick)
     cores = Cores.split(args.num_threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the servers stop, the folder goes
     with tempfile.TemporaryDirectory(prefix="bench_serve_load_") as tmp:
         work = Path(tmp)
         models = {name: bundle_path(name, args, work, sms, args.quick) for name in names}

@@ -24,8 +24,9 @@ class ServerMetrics:
                                  registry=self.registry)
         self.batch_rows = Histogram("ttc_batch_rows", "rows in each batch the model ran",
                                     buckets=ROW_BUCKETS, registry=self.registry)
-        self.batch_seconds = Histogram("ttc_batch_seconds", "model time of each batch",
-                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_seconds = Histogram("ttc_batch_seconds", "time of each batch: encoding its "
+                                       "rows and running the model", buckets=LATENCY_BUCKETS,
+                                       registry=self.registry)
         self.queue_depth = Gauge("ttc_queue_depth", "requests waiting for the model",
                                  registry=self.registry)
         self.model = Gauge("ttc_model_info", "the model being served (value 1)",
