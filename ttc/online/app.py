@@ -67,7 +67,7 @@ ERRORS = {status: {"model": ErrorBody} for status in (400, 413, 422, 429, 503, 5
 
 
 @dataclass
-class Served:
+class LiveModel:
     """A loaded model and the batcher feeding it."""
 
     predictor: Predictor
@@ -90,7 +90,7 @@ class ModelServer:
         self.name = config.name or predictor.paths.onnx.stem
         self.metrics = ServerMetrics()
         self.first = predictor
-        self.served: Served | None = None
+        self.served: LiveModel | None = None
         self.reloading = asyncio.Lock()
         self.draining = False
 
@@ -110,8 +110,8 @@ class ModelServer:
         self._serve(self.first)
         self.first = None
 
-    def _serve(self, predictor: Predictor) -> Served:
-        served = Served(predictor, self._batcher(predictor).start())
+    def _serve(self, predictor: Predictor) -> LiveModel:
+        served = LiveModel(predictor, self._batcher(predictor).start())
         previous, self.served = self.served, served
         self.metrics.watch_queue(lambda: served.batcher.depth)
         self.metrics.serving(self.name, predictor.version, predictor.variant_name,

@@ -162,17 +162,9 @@ def _require_local_cpus(replicas: int, threads: int) -> None:
 def _free_port(host: str, port: int) -> int:
     """The port a local cluster's proxy will listen on, checked free now, before the model
     (one in use: exit 5 with the local server's line; port 0: a free one)."""
-    import socket
+    from ttc.online.app import bound_socket
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            raise RuntimeFailure(f"cannot listen on {host}:{port}: {err.strerror or err}",
-                                 "choose another --port (or --host), or stop what uses "
-                                 "it") from None
+    with bound_socket(host, port) as sock:
         return sock.getsockname()[1]
 
 

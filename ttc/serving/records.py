@@ -179,8 +179,3 @@ class RecordReader(TableReader):
         return "{" + ", ".join(f'"{name}": ...' for name in names[:4]) + \
             (", ..." if len(names) > 4 else "") + "}"
 
-
-def request_rows(manifest: Manifest) -> list[str]:
-    """The keys of a request's row: the trained input columns, "image" for an image model,
-    "text" (text1, text2, ...) for a model trained on a headerless text file."""
-    return RecordReader(manifest).names
