@@ -91,6 +91,7 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
         self.check_passes()
         self.check_tta()
         self.check_ttt()
+        self.check_stream(self.ttt)
         self.check_network(self.arch, self.batch_size)
         self.check_iterative()
 
@@ -190,7 +191,7 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
         from ttc.testtime.tta import TTAOptions
 
         return TTAOptions(self.tta_transforms, self.tta_merge, self.tta_threshold,
-                          self.batch_size, self.seed)
+                          self.batch_size, self.seed, self.tta_plan)
 
     def ttt_settings(self, kind: str) -> "TTTSettings":
         """What test-time training takes from the flags, for a model of preprocessing `kind`."""
@@ -200,7 +201,8 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
                            self.ttt_learning_rate, self.ttt_bn_prior, self.ttt_reset_every,
                            self.batch_size, self.shift_names(kind),
                            self.shift_severity, self.seed, self.num_threads,
-                           self.trust_model_code)
+                           self.trust_model_code, self.ttt_guard, self.ttt_predict,
+                           self.eval_stream, self.stream_passes)
 
     def ray_workers(self) -> int:
         """--num_workers; by default 2, or 1 where a local cluster cannot hold two."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 import onnx
 
-from ttc.testtime.calibrate import fit_with_interval, log_scores, rescale, softmax
+from ttc.testtime.calibrate import calibrate_scores, log_scores, rescale, softmax
 from config import Config, build_parser, start_cli
 from ttc.inputs.data import bundle_data_options, load_bundle_dataset, split_paths_of
 from ttc.reporting.metrics import top1_agreement
@@ -551,7 +551,7 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
                                             seed=config.seed + k))
                   for k in range(config.iterations)]
         info.update(averaged_temperature("MC-dropout", np.mean(passes, axis=0), val[1],
-                                         passes=config.iterations))
+                                         manifest, passes=config.iterations))
     return ExtraGraph(graph, info)
 
 
@@ -577,13 +577,16 @@ def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: InputSpec,
             for i in range(0, len(x), batch_size)]).float().numpy()
 
 
-def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, **details: object) -> dict:
+def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, manifest: Manifest,
+                         **details: object) -> dict:
     """The temperature an average (of passes or members) is rescaled by: calibrate.rescale,
-    fitted on the validation split's averaged probabilities. The manifest's entry."""
-    fit = fit_with_interval(log_scores(mean), y)
-    LOG.info("calibration of the %s average: temperature %.4f (%s), validation NLL %.4f → %.4f",
-             what, fit.temperature, fit.method, fit.nll_before, fit.nll_after)
-    return {"temperature": fit.temperature,
+    fitted on the validation split's averaged probabilities and decided by the network's rule
+    (--calibrate). The manifest's entry: no `temperature` where it is not applied."""
+    fit = calibrate_scores(log_scores(mean), y, manifest.calibration.rule or "always")
+    LOG.info("calibration of the %s average: temperature %.4f (%s), validation NLL %.4f → %.4f;"
+             " %s", what, fit.fitted, fit.method, fit.nll_before, fit.nll_after,
+             "applied" if fit.applied else f"not applied: {fit.reason}")
+    return {**({"temperature": fit.temperature} if fit.applied else {}),
             "temperature_fit": {**fit.manifest_entry(), **details}}
 
 
@@ -602,7 +605,8 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
     calibration = {}
     if calibrating(manifest, val):
         mean = np.mean([softmax(network_logits(net, val[0], spec)) for net in nets], axis=0)
-        calibration = averaged_temperature("ensemble", mean, val[1], members=len(nets))
+        calibration = averaged_temperature("ensemble", mean, val[1], manifest,
+                                           members=len(nets))
     temperature = calibration.get("temperature", 1.0)
     graph = ensemble_model(members, manifest.classes, temperature)
     check_graph(graph)

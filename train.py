@@ -64,7 +64,7 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
                       report: dict) -> None:
     """--calibrate temperature: fit T on the validation split's logits (calibrate.py); the
     manifest records it and export bakes it into every graph. In the report: train.calibration."""
-    from ttc.testtime.calibrate import fit_with_interval, no_fit
+    from ttc.testtime.calibrate import RULES, calibrate_scores, no_fit
     from ttc.nets.program import split_logits
 
     if config.calibrate == "none":
@@ -73,13 +73,14 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
         fit = no_fit("the validation split is empty: no temperature can be fitted")
         LOG.warning("calibration: %s", fit.note)
     else:
-        fit = fit_with_interval(split_logits(trained.net, dataset.val.x), dataset.val.y,
-                                config.seed)
+        fit = calibrate_scores(split_logits(trained.net, dataset.val.x), dataset.val.y,
+                               RULES[config.calibrate], config.seed)
         LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation samples with %d "
-                 "errors, NLL %.4f → %.4f%s", fit.temperature,
+                 "errors, NLL %.4f → %.4f%s; %s: %s", fit.fitted,
                  " [%.3f, %.3f]" % tuple(fit.interval) if fit.interval else "", fit.method,
                  fit.samples, fit.errors, fit.nll_before, fit.nll_after,
-                 f"; {fit.note}" if fit.note else "")
+                 f"; {fit.note}" if fit.note else "",
+                 "applied" if fit.applied else "not applied (T = 1)", fit.reason)
     trained.calibration = fit.manifest_entry()
     report["train"]["calibration"] = trained.calibration
 

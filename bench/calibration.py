@@ -1,16 +1,26 @@
 """Temperature scaling against no temperature, MC-dropout and ensembles, in distribution and
-under shift (issue 21), over several seeds, through the real commands.
+under shift (issue 21), and the temperature applied only on evidence against always (issue 41),
+over several seeds, through the real commands.
 
-    python bench/calibration.py [--seeds 5] [--first_seed 0] [--members 5] [--sms sms_spam.tsv]
-                                [--datasets digits,sms] [--quick]
+    python bench/calibration.py [--seeds 5] [--sms_seeds N] [--first_seed 0] [--members 5]
+                                [--sms sms_spam.tsv] [--datasets digits,sms] [--evidence]
+                                [--quick]
 
 Per seed: `pipeline.py` on builtin:digits with --ensemble_size MEMBERS and --eval_shift (every
 image corruption, severity 3), then `inference.py --iterative mc_dropout --eval_shift` on the
-same bundle; and, when --sms exists, `pipeline.py` on the SMS texts. The test-split figures come
-from each report's `calibration` section; the shift figures from `calibration.shifts`.
+same bundle; and, when --sms exists, `pipeline.py` on the SMS texts (--sms_seeds seeds, default
+--seeds). The test-split figures come from each report's `calibration` section; the shift
+figures from `calibration.shifts`. These runs use the default `--calibrate temperature`, so
+"with T" is the tool's choice (T kept at 1 without evidence). For issue 41 each seed also runs
+`pipeline.py --calibrate temperature_always` (no ensemble, no shift: the same network and fit),
+and the bench prints test ECE and NLL without T, with the fitted T always and with the tool's
+choice. --evidence runs only that comparison (plain pipeline.py runs, no ensembles, no shift).
 
-Goals: on both datasets, test ECE with the temperature ≤ without on at least 4 of 5 seeds and on
-the mean, NLL lower on the mean; under shift, report which variant is best calibrated.
+Goals: issue 21: on both datasets, test ECE with the temperature ≤ without on at least 4 of 5
+seeds and on the mean, NLL lower on the mean; under shift, report which variant is best
+calibrated. Issue 41: test ECE with the tool's choice ≤ without T on ≥ 9 of 10 SMS seeds (90% of
+the seeds run) and on every digits seed, and the mean NLL with the choice never above the mean
+without T.
 
 --quick: one seed, 2 members, 1 epoch, two corruptions, and a generated stand-in for the SMS
 texts when --sms is not given.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +75,53 @@ def sms_seed(seed: int, path: Path, training: tuple = ()) -> dict:
     return run("pipeline.py", "--model_type", "text_classifier", "--dataset_path", path,
                "--label_column", "0", "--text_column", "1", "--seed", seed,
                "--output_model", model, *training)["calibration"]
+
+
+def digits_plain(seed: int, training: tuple = ()) -> dict:
+    """The calibration section of a plain digits run (no ensemble, no shift)."""
+    return run("pipeline.py", "--model_type", "image_classifier", "--dataset_path",
+               "builtin:digits", "--seed", seed, "--output_model",
+               scratch_dir() / "model.onnx", *training)["calibration"]
+
+
+ALWAYS = ("--calibrate", "temperature_always")
+# "without T" is numpy's softmax of the logits, a T kept at 1 the graph's float32 softmax: equal
+# up to this much in ECE or NLL
+SAME = 1e-6
+
+
+def print_rules(name: str, choice: list[dict], always: list[dict], seeds: range,
+                need: int) -> None:
+    """Issue 41: test ECE and NLL without T, with the fitted T always and with the tool's
+    choice, per seed; the goal counts. `choice` and `always` are the calibration sections of
+    runs of the same network under --calibrate temperature and temperature_always."""
+    print(f"\n{name}: without T, with the fitted T always, with the tool's choice (test split)")
+    print(f"  {'seed':>4} {'fitted T':>8} {'T 90% interval':>16} {'NLL gain 90% interval':>22} "
+          f"{'applied':>7}  {'ECE none':>8} {'always':>7} {'choice':>7}  {'NLL none':>8} "
+          f"{'always':>7} {'choice':>7}")
+    rows = []
+    for seed, c, a in zip(seeds, choice, always):
+        if abs(c["ece_before"] - a["ece_before"]) > 1e-9:  # not the same network: say so
+            print(f"  seed {seed}: the two runs trained different networks (ECE without T "
+                  f"{c['ece_before']:.4f} and {a['ece_before']:.4f})")
+        t_low, t_high = a.get("temperature_interval_90") or (float("nan"),) * 2
+        g_low, g_high = a.get("nll_gain_interval_90") or (float("nan"),) * 2
+        rows.append([c["ece_before"], a["ece_after"], c["ece_after"],
+                     c["nll_before"], a["nll_after"], c["nll_after"]])
+        print(f"  {seed:>4} {a['temperature']:>8.3f} {f'[{t_low:.2f}, {t_high:.2f}]':>16} "
+              f"{f'[{g_low:+.4f}, {g_high:+.4f}]':>22} {'yes' if c.get('applied') else 'no':>7}"
+              f"  {rows[-1][0]:>8.4f} {rows[-1][1]:>7.4f} {rows[-1][2]:>7.4f}  "
+              f"{rows[-1][3]:>8.4f} {rows[-1][4]:>7.4f} {rows[-1][5]:>7.4f}")
+    table = np.array(rows)
+    means = table.mean(0)
+    print(f"  mean ECE none {means[0]:.4f}, always {means[1]:.4f}, choice {means[2]:.4f}; "
+          f"mean NLL none {means[3]:.4f}, always {means[4]:.4f}, choice {means[5]:.4f}")
+    wins = int((table[:, 2] <= table[:, 0] + SAME).sum())
+    always_wins = int((table[:, 1] <= table[:, 0] + SAME).sum())
+    print(f"  goal ECE with the tool's choice ≤ without T on ≥ {need} of {len(rows)} seeds: "
+          f"{wins} {'met' if wins >= need else 'NOT met'} (T always: {always_wins})")
+    print(f"  goal mean NLL with the tool's choice ≤ without T: "
+          f"{'met' if means[5] <= means[3] + SAME else 'NOT met'}")
 
 
 def print_seeds(name: str, sections: list[dict], seeds: range) -> None:
@@ -119,27 +177,42 @@ def print_shifts(per_seed: list[list[dict]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--sms_seeds", type=int, help="seeds of the SMS runs (default: --seeds)")
     parser.add_argument("--first_seed", type=int, default=0)
     parser.add_argument("--datasets", default="digits,sms")
     parser.add_argument("--members", type=int, default=5)
     parser.add_argument("--sms", type=Path, help="the SMS spam TSV (label, text); skipped "
                         "when not given")
+    parser.add_argument("--evidence", action="store_true", help="issue 41 only: the tool's "
+                        "choice against T always and no T (no ensembles, no shift)")
     add_quick_flag(parser)
     args = parser.parse_args()
     corruptions, training = SHIFTS, ()
     if args.quick:
-        args.seeds, args.members, corruptions, training = 1, 2, QUICK_SHIFTS, ("--epochs", 1)
+        args.seeds, args.sms_seeds, args.members = 1, 1, 2
+        corruptions, training = QUICK_SHIFTS, ("--epochs", 1)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     if "digits" in args.datasets:
-        digits = [digits_seed(seed, args.members, corruptions, training) for seed in seeds]
-        print_seeds("builtin:digits", [c for c, _ in digits], seeds)
-        print_shifts([s for _, s in digits])
+        if args.evidence:
+            choice = [digits_plain(seed, training) for seed in seeds]
+        else:
+            digits = [digits_seed(seed, args.members, corruptions, training) for seed in seeds]
+            choice = [c for c, _ in digits]
+            print_seeds("builtin:digits", choice, seeds)
+            print_shifts([s for _, s in digits])
+        always = [digits_plain(seed, (*training, *ALWAYS)) for seed in seeds]
+        print_rules("builtin:digits", choice, always, seeds, len(seeds))
     if "sms" not in args.datasets:
         return
     sms = sms_or_standin(args.sms, args.quick)
     if sms and Path(sms).exists():
-        print_seeds(f"SMS ({Path(sms).name})",
-                    [sms_seed(seed, Path(sms), training) for seed in seeds], seeds)
+        seeds = range(args.first_seed, args.first_seed + (args.sms_seeds or args.seeds))
+        name = f"SMS ({Path(sms).name})"
+        choice = [sms_seed(seed, Path(sms), training) for seed in seeds]
+        if not args.evidence:
+            print_seeds(name, choice, seeds)
+        always = [sms_seed(seed, Path(sms), (*training, *ALWAYS)) for seed in seeds]
+        print_rules(name, choice, always, seeds, math.ceil(0.9 * len(seeds)))
     else:
         print(f"\nSMS: skipped, {args.sms} not found")
 

@@ -23,11 +23,14 @@ PRINTS = {
     "archs.py": ("arch", "params", "int8 speed-up", "bn-TTT shifted", "small_cnn"),
     "batch_scale.py": ("tabular (30 features)", "text (SMS)", "peak RSS", "raw session.run",
                        "a prediction run imports"),
-    "calibration.py": ("builtin:digits: test split", "under shift", "SMS (sms_standin.tsv)"),
+    "calibration.py": ("builtin:digits: test split", "under shift", "SMS (sms_standin.tsv)",
+                       "with the tool's choice ≤ without T"),
     "hf_text.py": ("tiny BERT", "(b) ORT fp32 / eager at batch 1", "goal (d)",
                    "profile of inference.py --input"),
     "int8_gemm.py": ("fp32 ms", "int8 / fp32 speed over these shapes"),
     "iterative_speed.py": ("MC-dropout (batched)", "loop/py", "calibration over 2 seeds"),
+    "parquet_columnar.py": ("raw session.run", "end to end, columnar", "row frames (pandas)",
+                            "predictions identical: True"),
     "quantize_layers.py": ("auto exclusion", "step by step", "inference.py --profile"),
     "ray_batch.py": ("raw session.run", "end to end", "local, 1 thread", "ray, "),
     "regularisation.py": ("SST-2 cnn", "own CNN 2 epochs", "plain AdamW loop", "goals",
@@ -42,6 +45,8 @@ PRINTS = {
     "train_augment.py": ("train_augment", "shifted accuracy", "mean"),
     "tta_speed.py": ("digits CNN", "SMS text", "breast_cancer MLP", "loop/graph"),
     "ttt_shift.py": ("mean of the shifts", "bn adapt+predict"),
+    "ttt_stream.py": ("label_sorted stream", "shuffled stream", "never more than 1 point",
+                      "keeps ≥ 90% of the unguarded gain", "vs tent.py", "agreement"),
 }
 RAY = {"ray_batch.py"}  # starts Ray clusters of 2 CPUs: one at a time, with tests/test_ray.py
 

@@ -158,6 +158,86 @@ def test_text_and_tabular_views_and_every_merge_in_the_graph_match_numpy(merge_m
     np.testing.assert_allclose(graph(rows), reference(rows), atol=1e-5)
 
 
+PLAN_CASES = [  # (kind, transforms, preprocessing, features): every kind of view
+    ("image", "shift:1,rotate:10,hflip,brightness:0.1", IMAGE, int(np.prod(IMAGE_SHAPE))),
+    ("text", "token_dropout:0.3,token_dropout:0.6", {**TEXT, "max_length": 9}, 20),
+    ("tabular", "jitter:0.3,jitter:1", TABULAR, 3),
+]
+
+
+def plan_inputs(kind):
+    rng = np.random.default_rng(9)
+    if kind == "image":
+        return rng.random((11, *IMAGE_SHAPE)).astype(np.float32)
+    if kind == "text":
+        ids = rng.integers(1, 20, (11, 9))
+        ids[4:, 5:] = 0  # shorter texts, padded
+        return ids
+    rows = rng.standard_normal((11, 3)).astype(np.float32)
+    rows[2, 1] = np.nan
+    return rows
+
+
+@pytest.mark.parametrize("merge_mode", ["mean", "gmean", "max", "vote", "tsharpen"])
+@pytest.mark.parametrize("kind,spec,pre,features", PLAN_CASES)
+def test_graph_and_loop_plans_give_identical_outputs(kind, spec, pre, features, merge_mode):
+    """The loop plan (one session.run per view, numpy merge) against the graph plan with the
+    views in the ONNX graph and with numpy-stacked views, at several batch sizes."""
+    from dataclasses import replace
+
+    x = plan_inputs(kind)
+    graph_runner, numpy_runner = runners(kind, spec, pre, features, merge_mode)
+    for batch_size in (1, 4, 16):
+        in_graph = replace(graph_runner, batch_size=batch_size)
+        stacked = replace(numpy_runner, batch_size=batch_size)
+        loop = in_graph.with_plan("loop")
+        assert (in_graph.plan, stacked.plan, loop.plan) == ("graph", "graph", "loop")
+        expected = in_graph(x)
+        for other in (loop, stacked, stacked.with_plan("loop")):
+            got = other(x)
+            np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+            np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
+
+
+def test_loop_plan_runs_one_view_at_a_time_and_handles_windows():
+    from ttc.testtime.tta import TTARunner
+
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 0, 0, 0, 0, 0, 0]], dtype=np.int64)
+    rows = []
+
+    def predict(batch):
+        rows.append(len(batch))
+        return np.stack([batch.sum(1) % 3 == k for k in range(3)], 1).astype(np.float32) + 0.1
+
+    transforms = build("token_dropout:0.5,window:4", TEXT, seed=3)
+    loop = TTARunner(predict, transforms, "mean", 2, plan="loop")
+    out = loop(ids)
+    assert rows == [2, 2, 3]  # plain, the dropout view, then the long text's 3 windows in one run
+    rows.clear()
+    stacked = TTARunner(predict, transforms, "mean", 2)(ids)
+    # the graph plan's numpy twin: all of a chunk's views in one run, a chunk being
+    # batch_size / views texts (here 1): 5 views of the long text, then 2 of the short one
+    assert rows == [5, 2]
+    np.testing.assert_allclose(out, stacked, atol=1e-6)
+
+
+def test_choose_plan_times_both_and_keeps_the_faster():
+    from ttc.testtime.tta import PLANS, choose_plan
+
+    in_graph, _ = runners("image", "hflip,vflip", IMAGE, int(np.prod(IMAGE_SHAPE)))
+    probe = np.random.default_rng(3).random((4, *IMAGE_SHAPE)).astype(np.float32)
+    chosen = choose_plan(in_graph, probe)
+    timings = chosen.plan_timings
+    assert timings is not None and timings.batch_size == 4
+    assert timings.graph_ms > 0 and timings.loop_ms > 0
+    assert chosen.plan == timings.faster and chosen.plan in PLANS
+    assert timings.report() == {"graph_ms": round(timings.graph_ms, 4), "batch_size": 4,
+                                "loop_ms": round(timings.loop_ms, 4), "clock": "wall"}
+    assert choose_plan(in_graph, probe, "cpu").plan_timings.clock == "cpu"
+    plain_only = runners("image", "identity", IMAGE, int(np.prod(IMAGE_SHAPE)))[0]
+    assert choose_plan(plain_only, probe).plan_timings is None  # one view: nothing to choose
+
+
 def test_window_views_fall_back_to_numpy():
     from ttc.testtime.tta import tta_model
 
@@ -259,17 +339,73 @@ def test_pipeline_tta_report_is_consistent(wine_bundle):
     assert tta["accuracy_plain"] == report["inference"]["accuracy"]
     assert tta["fixed"] - tta["broken"] == round((tta["accuracy"] - tta["accuracy_plain"]) * n)
     assert tta["cost_ratio"] > 1 and tta["accuracy_val"] is not None and tta["verdict"]
-    assert tta["backend"] == "onnx_graph"
+    assert tta["backend"] == "onnx_graph" and tta["plan"] in ("graph", "loop")
+    timings = tta["plan_timings"]  # --tta_plan auto: both timed on a batch of --batch_size
+    assert timings["batch_size"] == 32 and timings["graph_ms"] > 0 and timings["loop_ms"] > 0
+    assert tta["plan"] == ("loop" if timings["loop_ms"] < timings["graph_ms"] else "graph")
 
 
-def test_inference_tta_on_an_existing_bundle_with_threshold(digits_bundle):
-    run = run_cli("inference.py", "--model", digits_bundle["model"], "--tta", "true",
-                  "--tta_transforms", "shift:1,rotate:10", "--tta_threshold", "0.9",
-                  "--report_json", "-")
-    assert run.returncode == 0, run.stderr[-2000:]
-    tta = json.loads(run.stdout)["tta"]
-    assert tta["views"] == 7 and 0 < tta["triggered_fraction"] < 1 and tta["threshold"] == 0.9
-    assert ("TTA lowers" in tta["verdict"]) == (tta["accuracy_val"] < tta["accuracy_val_plain"])
+def test_inference_tta_on_an_existing_bundle_with_threshold_and_either_plan(digits_bundle):
+    sections = {}
+    for plan in ("auto", "loop"):
+        run = run_cli("inference.py", "--model", digits_bundle["model"], "--tta", "true",
+                      "--tta_transforms", "shift:1,rotate:10", "--tta_threshold", "0.9",
+                      "--tta_plan", plan, "--report_json", "-", "--log_level", "INFO")
+        assert run.returncode == 0, run.stderr[-2000:]
+        sections[plan] = tta = json.loads(run.stdout)["tta"]
+        assert tta["views"] == 7 and 0 < tta["triggered_fraction"] < 1
+        assert tta["threshold"] == 0.9
+        assert ("TTA lowers" in tta["verdict"]) == (tta["accuracy_val"] < tta["accuracy_val_plain"])
+        assert f"TTA plan: {tta['plan']}" in run.stderr
+    auto, loop = sections["auto"], sections["loop"]
+    assert auto["plan"] in ("graph", "loop") and auto["plan_timings"]["batch_size"] == 64
+    assert auto["plan_timings"]["clock"] == "cpu"  # ONNX Runtime on one CPU thread
+    assert loop["plan"] == "loop" and loop["plan_timings"] is None  # forced: nothing timed
+    same = ("accuracy", "accuracy_plain", "fixed", "broken", "triggered_fraction",
+            "accuracy_val", "accuracy_val_plain")
+    assert {k: auto[k] for k in same} == {k: loop[k] for k in same}
+
+
+def test_forced_plans_and_made_up_rows_on_a_bundle(digits_bundle):
+    """tta_runner on a real bundle: --tta_plan graph/loop skip the timing, auto times both on
+    rows made up from the manifest (no data at hand, as for --input and serve.py), and every
+    plan gives the same probabilities."""
+    from config import Config
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from ttc.serving.runtime import create_session
+    from ttc.testtime.tta import probe_rows, tta_runner
+
+    paths = BundlePaths.from_model_path(digits_bundle["model"])
+    manifest = read_manifest(paths)
+    rows = probe_rows(None, manifest, 16)
+    assert rows.shape == (16, 1, 8, 8) and rows.dtype == np.float32
+    outputs = {}
+    for plan in ("auto", "graph", "loop"):
+        config = Config(output_model=str(paths.onnx), tta=True, tta_transforms="hflip,shift:1",
+                        tta_plan=plan, batch_size=16)
+        session = create_session(str(paths.onnx), config.runtime())
+        runner = tta_runner(session, paths.onnx, manifest, config.tta_options(), config.runtime())
+        assert (runner.plan_timings is None) == (plan != "auto")
+        assert runner.plan == plan or plan == "auto"
+        outputs[plan] = runner(rows)
+    np.testing.assert_allclose(outputs["loop"], outputs["graph"], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(outputs["auto"].argmax(1), outputs["graph"].argmax(1))
+
+
+def test_made_up_token_ids_avoid_padding_and_special_ids():
+    from types import SimpleNamespace
+
+    from ttc.testtime.tta import probe_rows
+
+    pre = {"kind": "text", "max_length": 128, "vocab_size": 50, "pad_id": 1, "unk_id": 3,
+           "special_ids": [0, 1, 2, 3]}
+    manifest = SimpleNamespace(preprocessing=SimpleNamespace(spec=pre),
+                               input=SimpleNamespace(pad_id=1, shape=("batch", "length")))
+    ids = probe_rows(None, manifest, 8)
+    assert ids.shape == (8, 32) and ids.dtype == np.int64
+    assert ids.min() >= 3 and ids.max() < 50 and not np.isin(ids, [0, 1, 2]).any()
+    given = np.array([[5, 6, 1, 1], [7, 1, 1, 1]])
+    np.testing.assert_array_equal(probe_rows(given, manifest, 3), [[5, 6], [7, 1], [5, 6]])
 
 
 @pytest.mark.parametrize("args,phrase", [

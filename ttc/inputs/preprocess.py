@@ -393,16 +393,31 @@ class TabularEncoder:
                                        for c in col["categories"]], axis=1))
                 continue
             numbers, wrong = numeric[col["name"]]
-            with np.errstate(over="ignore"):
-                as_float32 = numbers.astype(np.float32)
+            as_float32 = float32_features(numbers)
             for i in np.flatnonzero(wrong):
                 cell = str(frame[col["name"]].iloc[i]).strip()[:40]
                 reasons[i] = reasons[i] or f"non-numeric value {cell!r} in column {col['name']!r}"
             for i in np.flatnonzero(np.isinf(as_float32)):
-                reasons[i] = reasons[i] or (f"value {numbers[i]:g} in column {col['name']!r} is "
-                                            "out of range")
+                reasons[i] = reasons[i] or out_of_range(numbers[i], col["name"])
             parts.append(as_float32[:, None])
         x = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), 0), np.float32)
+        return x, reasons
+
+    @property
+    def all_numeric(self) -> bool:
+        """Every column numeric: encode_numbers can encode its rows."""
+        return bool(self.columns) and all(c["type"] == "numeric" for c in self.columns)
+
+    def encode_numbers(self, numbers: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+        """encode's rule over a whole block of an all-numeric encoder's rows, vectorised: its
+        columns' numbers (rows, columns; float64, or float32 read as such; NaN where missing,
+        imputed inside the graph) → float32 (rows, features), and why each row that cannot be
+        trusted cannot (by row index): the first column holding a number beyond float32."""
+        x = float32_features(numbers)
+        reasons = {}
+        for i in np.flatnonzero(np.isinf(x).any(axis=1)):
+            j = int(np.flatnonzero(np.isinf(x[i]))[0])
+            reasons[int(i)] = out_of_range(numbers[i, j], self.columns[j]["name"])
         return x, reasons
 
     def transform(self, frame) -> tuple[np.ndarray, int]:
@@ -426,6 +441,18 @@ class TabularEncoder:
     @classmethod
     def from_manifest(cls, spec: dict) -> "TabularEncoder":
         return cls(columns=spec["columns"])
+
+
+def float32_features(numbers: np.ndarray) -> np.ndarray:
+    """Feature numbers as the float32 the graph takes (a new array); a number beyond float32
+    becomes inf (the row is then refused: out_of_range)."""
+    with np.errstate(over="ignore"):
+        return numbers.astype(np.float32)
+
+
+def out_of_range(value: float, column: str) -> str:
+    """Why a row whose `column` holds a number beyond float32 cannot be predicted."""
+    return f"value {value:g} in column {column!r} is out of range"
 
 
 def numeric_block(frame, names: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:

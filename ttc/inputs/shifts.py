@@ -145,3 +145,24 @@ def corrupt(x: np.ndarray, name: str, severity: int, preprocessing: dict, seed: 
             ) -> np.ndarray:
     rng = np.random.default_rng([seed, severity, sum(map(ord, name))])
     return CORRUPTIONS[preprocessing["kind"]][name](x, severity, preprocessing, rng)
+
+
+# ----------------------------------------------------------------------------- stream orders
+
+STREAM_ORDERS = ("shuffled", "label_sorted", "dirichlet:ALPHA")
+
+
+def parse_stream_order(text: str) -> tuple[str, float | None]:
+    """(order, Dirichlet concentration or None); ConfigError (exit 2) for anything else."""
+    name, _, value = text.partition(":")
+    if name in ("shuffled", "label_sorted") and not value:
+        return name, None
+    if name == "dirichlet":
+        try:
+            alpha = float(value)
+        except ValueError:
+            alpha = -1.0
+        if alpha > 0 and np.isfinite(alpha):
+            return name, alpha
+    raise ConfigError(f"--eval_stream {text!r} is not an order this tool knows",
+                      f"use one of {', '.join(STREAM_ORDERS)} (e.g. dirichlet:0.1)")

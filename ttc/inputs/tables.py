@@ -7,6 +7,7 @@ is the worst bug this tool can have: change a rule here, and both sides change.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import re
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
         raise DataError(f"data file {path} does not exist", "check the path")
     if kind in LINE_FORMATS:
         checked_line_lengths(path, max_row_bytes)
-    try:
+    with reading_errors(path, kind):
         if kind in ("csv", "tsv"):
             yield from _delimited_chunks(path, kind, has_header, named_columns, chunk_rows,
                                          numeric_columns)
@@ -94,6 +95,13 @@ def iter_table(path: Path, fmt: str | None = None, has_header: str = "auto",
             yield from _parquet_chunks(path, chunk_rows, numeric_columns, row_groups)
         else:
             yield from _json_chunks(path, kind, chunk_rows)
+
+
+@contextlib.contextmanager
+def reading_errors(path: Path, kind: str) -> Iterator[None]:
+    """What reading a table may raise (pandas', pyarrow's errors) as one DataError (exit 3)."""
+    try:
+        yield
     except UnicodeDecodeError:
         raise DataError(f"{path} is not UTF-8 text", "re-save it as UTF-8") from None
     except Exception as err:  # noqa: BLE001 - pandas raises several types for a bad file
@@ -240,49 +248,188 @@ def _parquet_chunks(path: Path, chunk_rows: int | None, numeric_columns: Sequenc
     import pyarrow.parquet as pq
 
     handle = pq.ParquetFile(path)
+    names, nested = parquet_names(handle.schema_arrow)
+    typed = set(numeric_columns)
+    for first_row, part in _parquet_parts(handle, chunk_rows, row_groups):
+        frame = _parquet_frame(part, names, typed, first_row)
+        frame.attrs[NESTED] = nested
+        yield frame
+
+
+def parquet_names(schema) -> tuple[list[str], dict[str, str]]:
+    """A Parquet schema's column names as iter_table's frames name them, and the Arrow type of
+    those that hold nested values (a frame's attrs[NESTED])."""
+    names = unique_names(schema.names)
+    nested = {name: str(column.type) for name, column in zip(names, schema)
+              if _is_nested(column.type)}
+    return names, nested
+
+
+def _parquet_parts(handle, chunk_rows: int | None, row_groups: range | None,
+                   threads: bool = True) -> Iterator[tuple[int, object]]:
+    """(its first data row, 0-based; the record batch) of each part of `chunk_rows` rows (a
+    whole record batch when None) of an open Parquet file's row groups (all when None): how
+    every reader of a Parquet file cuts it. `threads`: decode on Arrow's threads."""
     groups = list(row_groups if row_groups is not None
                   else range(handle.metadata.num_row_groups))
     rows = sum(handle.metadata.row_group(g).num_rows for g in range(groups[0])) if groups else 0
-    names = unique_names(handle.schema_arrow.names)
-    nested = {name: str(column.type) for name, column in zip(names, handle.schema_arrow)
-              if _is_nested(column.type)}
-    typed = set(numeric_columns)
     step = chunk_rows or PARQUET_BATCH_ROWS
     for batch in handle.iter_batches(batch_size=max(step, PARQUET_BATCH_ROWS),
-                                     row_groups=groups, use_threads=True):
+                                     row_groups=groups, use_threads=threads):
         for start in range(0, batch.num_rows, step):
             part = batch.slice(start, step)
-            frame = _parquet_frame(part, names, typed, rows)
-            frame.attrs[NESTED] = nested
-            yield frame
+            yield rows, part
             rows += part.num_rows
 
 
 def _parquet_frame(batch, names: list[str], numeric: set[str], first_row: int):
-    """A record batch as iter_table's frames are: cells as CSV text (numbers kept in the
-    `numeric` columns; dates and times as the numbers of temporal_numbers), empty cells NaN,
-    all-empty rows left out, the index the data row."""
+    """A record batch as iter_table's frames are: cells as parquet_cells reads them (numbers
+    kept in the `numeric` columns), empty cells NaN, all-empty rows left out, the index the
+    data row."""
     import pandas as pd
-    import pyarrow.types as pa_types
 
-    columns = {}
-    for name, array in zip(names, batch.columns):
-        kind = array.type
-        moments = temporal_numbers(array)
-        if moments is not None:
-            columns[name] = moments if name in numeric else pd.Series(moments).map(_cell_text)
-        elif name in numeric and (pa_types.is_integer(kind) or pa_types.is_floating(kind)):
-            columns[name] = array.to_numpy(zero_copy_only=False).astype(np.float64)
-        elif pa_types.is_string(kind) or pa_types.is_large_string(kind):
-            columns[name] = array.to_pandas()
-        else:
-            columns[name] = array.to_pandas().map(_cell_text)
+    columns = {name: parquet_cells(array, name in numeric)
+               for name, array in zip(names, batch.columns)}
     frame = pd.DataFrame(columns, columns=names)
     frame.index = pd.RangeIndex(first_row, first_row + len(frame))
     cells = frame.select_dtypes(exclude="number")
     if not cells.empty:
         frame[cells.columns] = cells.where(cells.notna() & ~cells.isin(EMPTY))
     return frame.dropna(how="all")
+
+
+def parquet_cells(array, numeric: bool):
+    """A Parquet column's cells as iter_table's frames hold them: in a `numeric` column (a
+    numeric feature) integers, floats, dates and times as float64 numbers (parquet_numbers);
+    strings as they are; anything else as CSV text (dates and times as the numbers of
+    temporal_numbers)."""
+    import pyarrow.types as pa_types
+
+    numbers = parquet_numbers(array) if numeric else None
+    if numbers is not None:
+        return numbers
+    moments = temporal_numbers(array)
+    if moments is not None:
+        import pandas as pd
+
+        return pd.Series(moments).map(_cell_text)
+    if pa_types.is_string(array.type) or pa_types.is_large_string(array.type):
+        return array.to_pandas()
+    return array.to_pandas().map(_cell_text)
+
+
+def parquet_numbers(array) -> np.ndarray | None:
+    """A numeric feature's Parquet column as float64 numbers, NaN where null: integers and
+    floats, dates and times as temporal_numbers; None for another type (read as text cells)."""
+    moments = temporal_numbers(array)
+    if moments is not None:
+        return moments
+    if reads_as_numbers(array.type):
+        return array.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    return None
+
+
+def reads_as_numbers(kind) -> bool:
+    """Does a numeric feature's Parquet column of this Arrow type reach the encoder as numbers
+    (integers, floats, dates, times, durations), not as text cells to parse?"""
+    import pyarrow.types as pa_types
+
+    return pa_types.is_integer(kind) or pa_types.is_floating(kind) or \
+        _temporal_type(kind) is not None
+
+
+def parquet_header(path: Path):
+    """An empty frame of a Parquet file's columns, named as iter_table's frames are (the nested
+    ones in its attrs[NESTED]), and each column's Arrow type by name; None when its schema
+    cannot be read (reading the file then says why)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as handle:
+            schema = handle.schema_arrow
+    except Exception:  # noqa: BLE001 - iter_table reports an unreadable file
+        return None
+    names, nested = parquet_names(schema)
+    frame = pd.DataFrame(columns=names)
+    frame.attrs[NESTED] = nested
+    return frame, dict(zip(names, schema.types))
+
+
+@dataclass
+class FeatureBlock:
+    """A part of a Parquet file read column-wise for a model whose features are all numeric:
+    the data rows kept (0-based, header excluded), their features' numbers (rows, features;
+    float64, or float32 where every feature column is float32; NaN where missing) and the label
+    column's cells (None: no label column)."""
+
+    rows: np.ndarray
+    numbers: np.ndarray
+    labels: object | None
+
+
+def parquet_feature_blocks(path: Path, features: Sequence[str], label: str | None,
+                           chunk_rows: int | None, row_groups: range | None = None,
+                           threads: bool = False) -> Iterator[FeatureBlock]:
+    """The rows of a Parquet file as iter_table reads them for numeric `features` (columns
+    whose type reads_as_numbers), column-wise and without a frame: the same parts, each
+    feature's numbers as parquet_numbers gives them (float32 and float64 columns converted by
+    Arrow at once), the label's cells as parquet_cells, and the same rows left out (every
+    cell of the row empty: the file's other columns are read for the rows whose features are
+    all missing)."""
+    import pyarrow.parquet as pq
+
+    with reading_errors(path, "parquet"):
+        handle = pq.ParquetFile(path)
+        names, _ = parquet_names(handle.schema_arrow)
+        wanted = [names.index(name) for name in features]
+        others = [k for k in range(len(names)) if k not in set(wanted)]
+        for first_row, part in _parquet_parts(handle, chunk_rows, row_groups, threads):
+            if part.num_rows == 0:
+                continue
+            numbers = _feature_numbers(part, wanted)
+            keep = ~_empty_rows(part, numbers, others)
+            rows = np.arange(first_row, first_row + part.num_rows)
+            labels = parquet_cells(part.column(names.index(label)), False) if label else None
+            if not keep.all():
+                if not keep.any():
+                    continue
+                numbers, rows = numbers[keep], rows[keep]
+                labels = labels[keep] if labels is not None else None
+            yield FeatureBlock(rows, numbers, labels)
+
+
+_ARROW_FLOATS = ("float", "double")  # float32, float64: what RecordBatch.to_tensor converts
+
+
+def _feature_numbers(batch, columns: list[int]) -> np.ndarray:
+    """(rows, len(columns)) numbers of a batch's columns, C order: when all are float32 or
+    float64, converted by Arrow at once (nulls as NaN); else a column at a time by
+    parquet_numbers."""
+    arrays = [batch.column(k) for k in columns]
+    if all(str(a.type) in _ARROW_FLOATS for a in arrays):
+        return batch.select(columns).to_tensor(null_to_nan=True, row_major=True).to_numpy()
+    return np.column_stack([parquet_numbers(a) for a in arrays])
+
+
+def _empty_rows(batch, numbers: np.ndarray, others: Sequence[int]) -> np.ndarray:
+    """_parquet_frame's rule for the rows of a FeatureBlock: a row is left out when every
+    feature is missing and every other column's cell is empty (NaN once read by parquet_cells,
+    or an EMPTY text). The other columns are read for those rows alone."""
+    import pandas as pd
+
+    empty = np.isnan(numbers[:, 0]) if numbers.shape[1] else np.ones(len(numbers), dtype=bool)
+    candidates = np.flatnonzero(empty)
+    if len(candidates):
+        empty[candidates] = np.isnan(numbers[candidates]).all(axis=1)
+        candidates = np.flatnonzero(empty)
+    for k in others:
+        if not len(candidates):
+            break
+        cells = pd.Series(parquet_cells(batch.column(k).take(candidates), False))
+        empty[candidates] = (cells.isna() | cells.isin(EMPTY)).to_numpy()
+        candidates = np.flatnonzero(empty)
+    return empty
 
 
 def _is_nested(kind) -> bool:
@@ -310,20 +457,33 @@ def temporal_numbers(array) -> np.ndarray | None:
     import pyarrow as pa
     import pyarrow.types as pa_types
 
-    kind = array.type
-    if pa_types.is_dictionary(kind) and pa_types.is_temporal(kind.value_type):
-        array, kind = array.dictionary_decode(), kind.value_type
+    kind = _temporal_type(array.type)
+    if kind is None:
+        return None
+    if pa_types.is_dictionary(array.type):
+        array = array.dictionary_decode()
     if pa_types.is_date32(kind):
         per_unit = 1  # stored as days
     elif pa_types.is_date64(kind):
         per_unit = 86_400_000  # stored as milliseconds
-    elif pa_types.is_timestamp(kind) or pa_types.is_duration(kind) or pa_types.is_time(kind):
-        per_unit = _PER_SECOND[kind.unit]
     else:
-        return None
+        per_unit = _PER_SECOND[kind.unit]
     raw = array.cast(pa.int32() if kind.bit_width == 32 else pa.int64())
     raw = raw.to_numpy(zero_copy_only=False)
     return raw.astype(np.float64) / per_unit  # a division: whole seconds stay exact
+
+
+def _temporal_type(kind):
+    """The date, time, timestamp or duration type of a column (also dictionary-encoded), or
+    None."""
+    import pyarrow.types as pa_types
+
+    if pa_types.is_dictionary(kind) and pa_types.is_temporal(kind.value_type):
+        kind = kind.value_type
+    if pa_types.is_date32(kind) or pa_types.is_date64(kind) or pa_types.is_timestamp(kind) or \
+            pa_types.is_duration(kind) or pa_types.is_time(kind):
+        return kind
+    return None
 
 
 def _first_character(path: Path) -> str:

@@ -83,9 +83,12 @@ class TrainingFlags:
                               type=int, metavar="N", scripts="PT")
     calibrate: str = opt("temperature", "temperature: fit one temperature T on the validation "
                          "split (minimum NLL) and bake softmax(logits / T) into every exported "
-                         "graph, so the probabilities a deployment reads are calibrated; none: "
-                         "softmax(logits)", "training", choices=("temperature", "none"),
-                         scripts="PT")
+                         "graph, so the probabilities a deployment reads are calibrated, but "
+                         "only on evidence: T stays 1 when the 90 percent bootstrap interval of "
+                         "T contains 1 or that of its validation NLL gain does not lie above 0 "
+                         "(the report says which); temperature_always: apply the fitted T "
+                         "whatever the intervals say; none: softmax(logits)", "training",
+                         choices=("temperature", "temperature_always", "none"), scripts="PT")
 
     def check_rates(self) -> None:
         """--learning_rate takes its arch's default when not given; the counts are positive."""

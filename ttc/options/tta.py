@@ -20,6 +20,11 @@ class TTAFlags:
                               "ttc", metavar="LIST", scripts="PTIS")
     tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
                          choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PIS")
+    tta_plan: str = opt("auto", "how the views run: graph (every view of a batch in one "
+                        "session.run, views and merge inside the ONNX graph where the transforms "
+                        "allow), loop (one session.run per view, merged by numpy), or auto (both "
+                        "timed on one batch at load, the faster kept; the report's tta.plan)",
+                        "ttc", choices=("auto", "graph", "loop"), scripts="PIS")
     tta_threshold: float | None = opt(None, "adaptive TTA: extra views only for samples whose "
                                       "plain top probability is below this", "ttc", type=float,
                                       metavar="P", scripts="PI")

@@ -51,6 +51,18 @@ class TTTFlags:
         scripts="PIS")
     ttt_learning_rate: float = opt(1e-3, "tent: Adam learning rate", "ttc", type=float,
                                    metavar="LR", scripts="PIS")
+    ttt_guard: str = opt("filter", "a label-free test on each batch's class mix (the unadapted "
+                         "model's predictions) that catches correlated batches (label-sorted "
+                         "streams, one customer's or camera's rows) and collapse. reset: such a "
+                         "batch is predicted by the unadapted model and online adaptation "
+                         "restarts from the bundle's parameters; filter: such a batch is not "
+                         "adapted to and online adaptation keeps what it had (tent also leaves "
+                         "high-entropy samples out of its loss); none: no test",
+                         "ttc", choices=("none", "reset", "filter"), scripts="PIS")
+    ttt_predict: str = opt("after", "tent: after: predict with the parameters after the batch's "
+                           "steps (one more forward pass); before: predict from the forward pass "
+                           "of the last step, before its update, as tent.py returns it (no extra "
+                           "pass)", "ttc", choices=("after", "before"), scripts="PIS")
 
     def check_steps(self) -> None:
         """tent's step count and learning rate (checked with --iterative's counts)."""

@@ -537,7 +537,8 @@ def _render_ttt(data: dict, view: _View) -> list[str]:
     methods = [m for m in ("bn", "tent")
                if any(r.get(f"accuracy_{m}") is not None for _, r in rows)]
     head = [f"{k.replace('_', ' ')} {_fmt(data[k])}"
-            for k in ("method", "mode", "batch_size", "bn_prior", "iterations", "learning_rate")
+            for k in ("method", "mode", "batch_size", "bn_prior", "iterations", "learning_rate",
+                      "guard", "predict")
             if data.get(k) is not None]
     parts = [_line(", ".join(head))] if head else []
     if rows:
@@ -551,10 +552,26 @@ def _render_ttt(data: dict, view: _View) -> list[str]:
     if isinstance(not_applicable, dict) and not_applicable:
         parts.append(_table(["method", "not applicable because"],
                             [(k, v) for k, v in not_applicable.items()]))
+    parts += _stream_table(data.get("stream"))
     if data.get("verdict"):
         parts.append(_labelled_line("verdict", data["verdict"]))
     parts.append(view.figures())
     return parts
+
+
+def _stream_table(stream: object) -> list[str]:
+    """--eval_stream: each run's accuracy per pass next to the source model's."""
+    if not isinstance(stream, dict):
+        return []
+    runs = [r for r in stream.get("runs") or [] if isinstance(r, dict)]
+    head = _line(f"stream {_fmt(stream.get('order'))}, {_fmt(stream.get('passes'))} passes, "
+                 f"{_fmt(stream.get('mode'))}")
+    rows = [(r.get("shift"), r.get("method"), r.get("guard"),
+             (r.get("source_accuracy_per_pass") or [None])[0],
+             " ".join(_fmt(a) for a in r.get("accuracy_per_pass") or []),
+             r.get("resets"), r.get("skipped")) for r in runs]
+    return [head, _table(["data", "method", "guard", "source", "accuracy per pass", "resets",
+                          "skipped"], rows)]
 
 
 def _render_iterative(data: dict, view: _View) -> list[str]:

@@ -275,7 +275,8 @@ def calibrated(report: dict) -> dict | None:
     """The calibration section of a run that applies a temperature (None for `--calibrate
     none`, a failed fit or an older report)."""
     calibration = section(report, "calibration")
-    if calibration is None or calibration.get("method") in (None, "none"):
+    if calibration is None or calibration.get("method") in (None, "none") or \
+            calibration.get("applied") is False:  # T kept at 1: nothing to draw beside
         return None
     return calibration
 

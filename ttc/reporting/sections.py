@@ -13,7 +13,7 @@ stdlib only (no torch, no matplotlib): the CLIs import it at start-up.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration, format_dropped,
                                    format_engine, format_evaluation, format_iterative,
@@ -99,7 +99,8 @@ INFERENCE_KEYS: KeyLabels = (
 )
 TTA_KEYS: KeyLabels = (
     ("transforms", "transforms"), ("merge", "merge"), ("views", "views per sample"),
-    ("backend", "views and merge in"), ("accuracy_plain", "test accuracy plain"),
+    ("backend", "views and merge in"), ("plan", "plan"),
+    ("accuracy_plain", "test accuracy plain"),
     ("accuracy", "test accuracy TTA"), ("accuracy_val_plain", "val accuracy plain"),
     ("accuracy_val", "val accuracy TTA"), ("fixed", "fixed (wrong → right)"),
     ("broken", "broken (right → wrong)"), ("cost_ratio", "cost ratio (TTA / plain)"),

@@ -167,7 +167,27 @@ def format_ttt(ttt: dict) -> list[str]:
             f"{row[f'cost_ratio_{m}']:>9.2f}x" if row.get(f"cost_ratio_{m}") is not None
             else f"{'':>10}") for m in methods)
         lines.append(f"  {name:<30} {row['accuracy_source']:>8.4f}{cells}")
-    return lines + [f"  verdict: {ttt['verdict']}"]
+    if ttt.get("guard"):
+        acted = ", ".join(f"{m} {ttt['resets'].get(m, 0)} reset, "
+                          f"{ttt.get('skipped', {}).get(m, 0)} skipped" for m in methods)
+        lines.append(f"  guard {ttt['guard']}: {acted} (batches)")
+    return lines + format_stream(ttt.get("stream")) + [f"  verdict: {ttt['verdict']}"]
+
+
+def format_stream(stream: dict | None) -> list[str]:
+    """--eval_stream: accuracy per pass of each method and guard next to the source model's."""
+    if not stream:
+        return []
+    lines = [f"  stream {stream['order']}, {stream['passes']} passes, {stream['mode']}, "
+             f"batches of {stream['batch_size']}:",
+             f"    {'data':<16} {'method':<6} {'guard':<7} {'source':>7}  accuracy per pass"]
+    for run in stream["runs"]:
+        passes = " ".join(f"{a:.4f}" for a in run["accuracy_per_pass"])
+        acted = f"  ({run['resets']} reset, {run['skipped']} skipped)" if run["guard"] != \
+            "none" else ""
+        lines.append(f"    {run['shift']:<16} {run['method']:<6} {run['guard']:<7} "
+                     f"{run['source_accuracy_per_pass'][0]:>7.4f}  {passes}{acted}")
+    return lines
 
 
 def format_iterative(iterative: dict) -> list[str]:
@@ -190,14 +210,25 @@ def format_iterative(iterative: dict) -> list[str]:
 
 
 def format_calibration(calibration: dict) -> list[str]:
-    """The temperature, how it was fitted, what it does on the test split, and under shift."""
+    """The temperature, how it was fitted, whether it is applied and why, what it does on the
+    test split, and under shift."""
     interval = calibration.get("temperature_interval_90")
     spread = f", 90% interval [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
-    lines = [f"  {'temperature':<26} {calibration['temperature']:.4f} ({calibration['method']}, "
+    fitted = calibration.get("fitted_temperature")
+    kept = calibration.get("applied") is False and fitted is not None
+    shown = f"1 (not applied; fitted {fitted:.4f}, " if kept else \
+        f"{calibration['temperature']:.4f} ("
+    lines = [f"  {'temperature':<26} {shown}{calibration['method']}, "
              f"fitted on {calibration.get('fit_samples')} {calibration['fitted_on']} samples "
              f"with {calibration.get('fit_errors')} errors{spread})"]
     if calibration.get("fit_note"):
         lines.append(f"  {'':<26} {calibration['fit_note']}")
+    gain = calibration.get("nll_gain_interval_90")
+    if gain:
+        lines.append(f"  {'validation NLL gain of T':<26} 90% interval [{gain[0]:+.4f}, "
+                     f"{gain[1]:+.4f}]")
+    if calibration.get("reason") and calibration.get("applied"):  # not applied: the verdict
+        lines.append(f"  {'applied':<26} {calibration['reason']}")
     for key, label in (("ece", "ECE"), ("nll", "NLL")):
         low, high = calibration[f"{key}_change_interval_90"]
         lines.append(f"  {label + ' before → after':<26} {calibration[f'{key}_before']:.4f} → "

@@ -28,7 +28,8 @@ from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.inputs.limits import LIMITS, images_per_chunk, row_hint
 from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from ttc.serving.manifest import Manifest, as_manifest
-from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, iter_table, joined_texts, label_texts,
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, FeatureBlock, iter_table, joined_texts,
+                    label_texts, parquet_feature_blocks, parquet_header, reads_as_numbers,
                     refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, DataError, atomic_write_stream, first_line, progress,
@@ -47,7 +48,7 @@ ROW_IMAGE = "__image"  # an image's file bytes (serve.py's requests) in place of
 class Chunk:
     """Encoded rows ready for the model, the rows that failed, and the true labels if given."""
 
-    ids: list[str]
+    ids: Sequence[str]  # a list, or RowIds
     x: np.ndarray | None
     labels: list[str | None] | None = None
     errors: list[tuple[str, str]] = field(default_factory=list)
@@ -113,6 +114,41 @@ def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
     frame.insert(frame.columns.get_loc(ROW_ID) + 1 + (labels is not None), ROW_ERROR,
                  cells(errors) if errors is not None else np.full(len(ids), "", object))
     return frame
+
+
+class RowIds(Sequence[str]):
+    """The ids of a table's rows (their 1-based data row numbers, as text) kept as numbers until
+    read as text: the columnar path's ids, most of which are only counted or written as a
+    Parquet column (converted by Arrow at once)."""
+
+    __hash__ = None  # type: ignore[assignment] - a sequence compared by value, as a list
+
+    def __init__(self, numbers: np.ndarray) -> None:
+        self.numbers = numbers
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return RowIds(self.numbers[index])
+        return str(self.numbers[index])
+
+    def __iter__(self) -> Iterator[str]:
+        return map(str, self.numbers.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, str) and \
+            list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"RowIds({list(self)!r})"
+
+    def arrow(self):
+        """The ids as an Arrow string array."""
+        import pyarrow as pa
+
+        return pa.array(self.numbers).cast(pa.string())
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -259,7 +295,10 @@ def printable_name(path: Path) -> str:
 
 class TableReader:
     """Row frames of a table (`row_groups`: a part of a Parquet file), its columns chosen as at
-    training time; iterating it gives the encoded chunks."""
+    training time; iterating it gives the encoded chunks: column-wise, without row frames,
+    where the columnar path applies (see _columnar_features)."""
+
+    columnar = True  # False: always row frames (the bench and tests compare the two paths)
 
     def __init__(self, path: Path, manifest: Manifest | Mapping, options: BatchOptions,
                  row_groups: range | None = None) -> None:
@@ -360,8 +399,66 @@ class TableReader:
         return {ROW_PATH: paths}, errors
 
     def __iter__(self) -> Iterator[Chunk]:
+        if self.columnar and self.fmt == "parquet" and self.encoder is not None and \
+                self.encoder.all_numeric:
+            return self._columnar_chunks()
+        return self._frame_chunks()
+
+    def _frame_chunks(self) -> Iterator[Chunk]:
         encoder = RowEncoder(self.manifest)
         return (encoder.encode(frame) for frame in self.frames())
+
+    # The columnar path: a Parquet file whose trained columns are all numeric and stored as
+    # numbers, read as Arrow columns straight into one matrix per chunk (tables.py's
+    # parquet_feature_blocks, preprocess.py's encode_numbers), with the same rows, ids, labels,
+    # errors and numbers as the row frames give. Anything else takes the row frames.
+
+    def _columnar_chunks(self) -> Iterator[Chunk]:
+        features = self._columnar_features()
+        if features is None:
+            yield from self._frame_chunks()
+            return
+        for block in parquet_feature_blocks(self.path, features, self.columns.label,
+                                            self.options.rows_per_chunk(self.manifest),
+                                            self.row_groups):
+            yield self._block_chunk(block)
+
+    def _columnar_features(self) -> list[str] | None:
+        """The file's feature columns, in the encoder's order, where the columnar path reads
+        them as the row frames would: the columns chosen as on a first frame (any error there:
+        None, and the row frames raise it as always), found under their training names (which
+        the row frames read as numbers) and of a type read as numbers, each once."""
+        header = parquet_header(self.path)
+        if header is None:
+            return None
+        frame, types = header
+        try:
+            columns = self._choose_columns(frame)
+            refuse_nested(frame, [columns.label, *columns.inputs], self.path)
+        except DataError:
+            self.renamed = {}
+            return None
+        inputs = columns.inputs
+        if any(old != new for old, new in self.renamed.items()) or \
+                len(set(inputs)) != len(inputs) or \
+                not all(reads_as_numbers(types[name]) for name in inputs):
+            self.renamed = {}
+            return None
+        self.columns = columns
+        return inputs
+
+    def _block_chunk(self, block: FeatureBlock) -> Chunk:
+        """A FeatureBlock as FeatureRows encodes the row frame of the same rows."""
+        x, reasons = self.encoder.encode_numbers(block.numbers)
+        ids = RowIds(block.rows + 1)  # 1-based data rows, no header
+        labels = label_texts(block.labels) if block.labels is not None else None
+        if not reasons:
+            return Chunk(ids, x, labels)
+        usable = np.ones(len(ids), dtype=bool)
+        usable[list(reasons)] = False
+        errors = [(ids[i], reasons[i]) for i in sorted(reasons)]
+        return Chunk(RowIds(ids.numbers[usable]), x[usable] if usable.any() else None,
+                     _kept(labels, usable) if labels else None, errors)
 
 
 # ----------------------------------------------------------------------------- stdin
@@ -433,6 +530,8 @@ def input_frames(manifest: Manifest, options: BatchOptions) -> Iterator:
 def input_chunks(manifest: Manifest, options: BatchOptions) -> Iterator[Chunk]:
     """The encoded chunks of --input, whatever it is."""
     manifest = as_manifest(manifest)
+    if input_kind(manifest, options) == "table":
+        return iter(TableReader(Path(options.input), manifest, options))
     frames = input_frames(manifest, options)
     encoder = RowEncoder(manifest)
     return (encoder.encode(frame) for frame in frames)
@@ -492,6 +591,7 @@ class PredictionWriter:
             self.columns += [f"top{k}_label", f"top{k}_probability"]
         self.columns += list(extra) + (["true_label"] if with_truth else [])
         self.parquet = None
+        self.arrow_labels = None
         self.pending: list = []
         if fmt == "csv":
             csv.writer(handle).writerow(self.columns)
@@ -499,12 +599,11 @@ class PredictionWriter:
     def write(self, ids: Sequence[str], probabilities: np.ndarray,
               extra: dict[str, np.ndarray], truth: Sequence[str | None] | None) -> None:
         order, top = top_classes(probabilities, self.top_k)
-        plain_ids = self.fmt == "csv" and all(i.isdigit() for i in ids)  # row numbers
-        columns: dict[str, object] = {"id": np.array(ids, dtype=object) if plain_ids
-                                      else list(ids), "label": self.labels[order[:, 0]],
+        labels = self._label_column
+        columns: dict[str, object] = {"id": self._id_column(ids), "label": labels(order[:, 0]),
                                       "confidence": top[:, 0]}
         for k in range(self.top_k):
-            columns[f"top{k + 1}_label"] = self.labels[order[:, k]]
+            columns[f"top{k + 1}_label"] = labels(order[:, k])
             columns[f"top{k + 1}_probability"] = top[:, k]
         for name, values in extra.items():
             columns[name] = np.round(np.asarray(values, dtype=np.float64), 6)
@@ -523,6 +622,24 @@ class PredictionWriter:
             text = frame.to_json(orient="records", lines=True, double_precision=6,
                                  force_ascii=False)
             self.handle.write(text if text.endswith("\n") else text + "\n")
+
+    def _id_column(self, ids: Sequence[str]):
+        if self.fmt == "parquet":
+            return ids.arrow() if isinstance(ids, RowIds) else list(ids)
+        if self.fmt == "csv" and (isinstance(ids, RowIds) or all(i.isdigit() for i in ids)):
+            return np.array(list(ids), dtype=object)  # row numbers: cells as they are
+        return list(ids)
+
+    def _label_column(self, classes: np.ndarray):
+        """The labels of these class indices: an Arrow array for Parquet (taken from the
+        labels' array, not converted a cell at a time), else an array of the cells."""
+        if self.fmt != "parquet":
+            return self.labels[classes]
+        if self.arrow_labels is None:
+            import pyarrow as pa
+
+            self.arrow_labels = pa.array(list(self.labels), pa.string())
+        return self.arrow_labels.take(classes)
 
     def _write_parquet(self, columns: dict[str, object]) -> None:
         import pyarrow as pa
@@ -626,7 +743,7 @@ class Predicted:
     """A chunk's predictions, rows in input order: what either engine (this process, or Ray
     workers) hands to the writer."""
 
-    ids: list[str]
+    ids: Sequence[str]  # a list, or RowIds
     probabilities: np.ndarray | None  # (rows, classes); None when every row failed
     extra: dict[str, np.ndarray]
     labels: list[str | None] | None

@@ -108,16 +108,36 @@ class Architecture:
 @dataclass(frozen=True)
 class Calibration:
     """The temperature fit every exported graph bakes in (calibrate.TemperatureFit); `entry`
-    is the manifest's JSON object, as the report shows it."""
+    is the manifest's JSON object, as the report shows it. `temperature` is the T the graphs
+    bake, `fitted_temperature` the fitted one; they differ where the fit was not applied (no
+    evidence for it, docs/calibration.md: `temperature` is then 1). A bundle from before that
+    decision has neither `applied` nor `rule` (or has them null): its T was applied whenever it
+    is not 1, by the rule of the time, "always"."""
 
     temperature: float
     method: str
+    applied: bool = False
+    fitted_temperature: float | None = None
+    rule: str | None = None
     entry: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_dict(cls, entry: Mapping) -> "Calibration":
-        return cls(temperature=float(entry.get("temperature", 1.0)),
-                   method=entry.get("method", "none"), entry=dict(entry))
+        temperature, method = float(entry.get("temperature", 1.0)), entry.get("method", "none")
+        fitted, applied = entry.get("fitted_temperature"), entry.get("applied")
+        if fitted is None and method != "none":
+            fitted = temperature
+        return cls(temperature=temperature, method=method,
+                   applied=(method != "none" and temperature != 1.0) if applied is None
+                   else applied,
+                   fitted_temperature=None if fitted is None else float(fitted),
+                   rule=entry.get("rule") or ("always" if method != "none" else None),
+                   entry=dict(entry))
+
+    def report_entry(self) -> dict:
+        """The entry with the decision's keys an older bundle lacks filled in as read."""
+        return {**self.entry, "applied": self.applied,
+                "fitted_temperature": self.fitted_temperature, "rule": self.rule}
 
 
 @dataclass(frozen=True)

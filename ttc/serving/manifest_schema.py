@@ -236,7 +236,10 @@ CALIBRATION = record({"temperature": POSITIVE, "method": STRING, "fitted_on": ST
                       "samples": optional(COUNT), "errors": optional(COUNT),
                       "nll_before": optional(FINITE), "nll_after": optional(FINITE),
                       "temperature_interval_90": optional(list_of(FINITE, length=2)),
-                      "note": optional(STRING)}, required=("temperature", "method"))
+                      "note": optional(STRING), "applied": optional(either(True, False)),
+                      "fitted_temperature": optional(POSITIVE), "reason": optional(STRING),
+                      "nll_gain_interval_90": optional(list_of(FINITE, length=2)),
+                      "rule": optional(STRING)}, required=("temperature", "method"))
 VARIANT = record({"mode": optional(STRING), "verdict": optional(STRING),
                   "used_for_inference": optional(either(True, False))})
 EXTRA_GRAPHS = record({
@@ -331,7 +334,8 @@ def agreement_problem(manifest: dict) -> str | None:
     the class counts, the preprocessing and the input or the network. An edited manifest
     usually: bundle.read_manifest lets the graph's own check speak first."""
     return next((problem for check in (_counts_agree, _input_agrees, _network_agrees,
-                                       _tokens_agree, _features_agree, _graphs_agree)
+                                       _tokens_agree, _features_agree, _graphs_agree,
+                                       _calibration_agrees)
                  if (problem := check(manifest))), None)
 
 
@@ -422,6 +426,15 @@ def _features_agree(manifest: dict) -> str | None:
                   if len(pre.get(key, names)) != len(names)), None)
     if wrong:
         return f"preprocessing.{wrong} has {len(pre[wrong])} values for {len(names)} features"
+    return None
+
+
+def _calibration_agrees(manifest: dict) -> str | None:
+    """A temperature not applied is kept at 1: the graphs bake `temperature`."""
+    calibration = manifest.get("calibration") or {}
+    if calibration.get("applied") is False and calibration["temperature"] != 1:
+        return (f"calibration.applied is false but calibration.temperature is "
+                f"{calibration['temperature']:g}, not 1")
     return None
 
 

@@ -12,6 +12,11 @@ mean(E_p[z] − z_y) is monotone, so bisection on the derivative finds the one m
 since every answer is right. Such a fit falls back to the temperature whose mean validation
 confidence equals Laplace's estimate of the accuracy, (n + 1) / (n + 2): a split of n right
 answers says the error rate is small, not zero.
+
+A fitted T is applied only on evidence (`decide`, docs/calibration.md): the same bootstrap
+resamples give the 90% interval of T and of the validation NLL gain, NLL(T = 1) − NLL(T), paired
+on each resample; when T's interval contains 1, or the gain's does not lie above 0, T is kept at 1
+and the fit is recorded beside the decision. `--calibrate temperature_always` applies it anyway.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ BISECTIONS = 60  # β's bracket shrinks 2**60-fold: far below float precision
 RESAMPLES = 100  # bootstrap refits for the temperature's interval
 MAX_RESAMPLED_SCORES = 2_000_000  # samples x classes beyond which the interval is skipped
 LOG_FLOOR = 1e-12  # log of an averaged probability: the floor metrics.nll clips at
+# --calibrate → the rule that decides whether a fitted T is applied (`decide`)
+RULES = {"temperature": "evidence", "temperature_always": "always"}
 
 
 def softmax(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
@@ -50,24 +57,41 @@ def rescale(probabilities: np.ndarray, temperature: float) -> np.ndarray:
 class TemperatureFit:
     """One fitted temperature and how it was found, on the split it was fitted on."""
 
-    temperature: float
+    temperature: float  # the T the graphs bake: the fitted T, or 1 where `decide` keeps it
     method: str  # "nll", "laplace" (no validation errors: no NLL minimum) or "none"
     samples: int
     errors: int
     nll_before: float | None
     nll_after: float | None
     note: str | None = None
-    interval: list[float] | None = None  # 90% bootstrap interval (temperature_interval)
+    interval: list[float] | None = None  # 90% bootstrap interval of T (fit_with_interval)
+    gain_interval: list[float] | None = None  # ... of the validation NLL gain, same resamples
+    fitted: float | None = None  # the fitted T; `temperature` is 1 where it is not applied
+    applied: bool | None = None  # None until `decide`
+    reason: str | None = None  # why it is applied or not, in words with the numbers
+    rule: str | None = None  # "evidence" or "always" (--calibrate), None for no fit
 
     def manifest_entry(self) -> dict:
+        """The manifest's `calibration` (and the report's `train.calibration`): `temperature`
+        is the T every graph bakes, `fitted_temperature` the fit's, `nll_before`/`nll_after`
+        the validation NLL at T = 1 and at the fitted T."""
         return {"temperature": self.temperature, "method": self.method,
                 "fitted_on": "validation", "samples": self.samples, "errors": self.errors,
                 "nll_before": self.nll_before, "nll_after": self.nll_after,
-                "temperature_interval_90": self.interval, "note": self.note}
+                "temperature_interval_90": self.interval, "note": self.note,
+                "fitted_temperature": self.fitted, "nll_gain_interval_90": self.gain_interval,
+                "applied": bool(self.applied), "reason": self.reason, "rule": self.rule}
 
 
 def no_fit(reason: str, samples: int = 0) -> TemperatureFit:
-    return TemperatureFit(1.0, "none", samples, 0, None, None, reason)
+    return TemperatureFit(1.0, "none", samples, 0, None, None, reason, applied=False,
+                          reason=reason)
+
+
+def sample_nll(scores: np.ndarray, y: np.ndarray, temperature: float) -> np.ndarray:
+    """Each sample's NLL under softmax(scores / T), clipped as metrics.nll clips."""
+    p = softmax(scores, temperature)[np.arange(len(y)), y]
+    return -np.log(np.clip(p, LOG_FLOOR, 1.0))
 
 
 def _nll_slope(scores: np.ndarray, y: np.ndarray, beta: float) -> float:
@@ -142,18 +166,77 @@ def fit_temperature(scores: np.ndarray, y: np.ndarray) -> TemperatureFit:
 
 
 def fit_with_interval(scores: np.ndarray, y: np.ndarray, seed: int = 0) -> TemperatureFit:
-    """fit_temperature, with the 90% bootstrap interval of T: the fit repeated on RESAMPLES
-    resamples of the split. A split with a handful of errors gives a wide one, and then a T
-    that helps on one test split may hurt on another (docs/calibration.md)."""
+    """fit_temperature, with the 90% bootstrap interval of T (the fit repeated on RESAMPLES
+    resamples of the split) and, on the same resamples, of the validation NLL gain of the
+    fitted T, NLL(T = 1) − NLL(T) (paired: both scored on each resample). A split with a
+    handful of errors gives wide ones, and then a T that helps on one test split may hurt on
+    another (docs/calibration.md). Undecided: `decide` says whether T is applied."""
     fit = fit_temperature(scores, y)
+    fit.fitted = fit.temperature if fit.method != "none" else None
     scores, y = np.asarray(scores, np.float64), np.asarray(y, np.int64)
     if fit.method == "none" or scores.size > MAX_RESAMPLED_SCORES:
         return fit
+    gains = sample_nll(scores, y, 1.0) - sample_nll(scores, y, fit.temperature)
     rng = np.random.default_rng(seed)
-    refits = [fit_temperature(scores[pick], y[pick]).temperature
-              for pick in (rng.integers(0, len(y), len(y)) for _ in range(RESAMPLES))]
+    refits, resampled_gains = [], []
+    for pick in (rng.integers(0, len(y), len(y)) for _ in range(RESAMPLES)):
+        refits.append(fit_temperature(scores[pick], y[pick]).temperature)
+        resampled_gains.append(gains[pick].mean())
     fit.interval = [float(t) for t in np.percentile(refits, [5, 95])]
+    fit.gain_interval = [float(g) for g in np.percentile(resampled_gains, [5, 95])]
     return fit
+
+
+def evidence(fit: TemperatureFit) -> tuple[bool, str]:
+    """Whether the validation split shows that the fitted T helps, and why, with the numbers:
+    T's 90% interval must exclude 1 and the NLL gain's must lie above 0. A Laplace fit (no
+    validation errors) is judged the same way: with no errors the validation NLL falls as T
+    falls, so its gain lies above 0 for a T < 1 (the network is surer than it says: evidence)
+    and below for a T > 1 (Laplace's prior alone asks for softer answers: no evidence)."""
+    t = f"T = {fit.temperature:.3f}"
+    if fit.interval is None:
+        return True, (f"{t} applied without the interval test: the validation split "
+                      f"({fit.samples} samples) is too large to resample")
+    low, high = fit.interval
+    if low <= 1.0 <= high:
+        return False, (f"the 90% bootstrap interval of the fitted {t}, [{low:.3f}, {high:.3f}], "
+                       f"contains 1: the validation split cannot tell it from no temperature")
+    gain_low, gain_high = fit.gain_interval
+    gain = f"[{gain_low:+.4f}, {gain_high:+.4f}]"
+    if gain_low <= 0.0:
+        why = (", since no validation answer is wrong and only a T < 1 lowers its NLL"
+               if fit.method == "laplace" else "")
+        return False, (f"the 90% bootstrap interval of the validation NLL gain of the fitted "
+                       f"{t}, {gain}, does not lie above 0{why} (T's interval "
+                       f"[{low:.3f}, {high:.3f}] excludes 1)")
+    return True, (f"the 90% bootstrap interval of the fitted {t}, [{low:.3f}, {high:.3f}], "
+                  f"excludes 1 and that of its validation NLL gain, {gain}, lies above 0")
+
+
+def decide(fit: TemperatureFit, rule: str) -> TemperatureFit:
+    """Whether the fitted T is applied: `rule` "evidence" (--calibrate temperature) applies it
+    only on evidence (`evidence`), and otherwise keeps T = 1, which every graph then bakes;
+    "always" (--calibrate temperature_always) applies it whatever the intervals say. A fit of
+    nothing (method "none") stays unapplied."""
+    if fit.method == "none":
+        fit.applied, fit.reason = False, fit.reason or fit.note
+        return fit
+    fit.rule = rule
+    shown, why = evidence(fit)
+    if rule == "always":
+        fit.applied, fit.reason = True, (f"--calibrate temperature_always applies it whatever "
+                                         f"the evidence ({why})")
+    else:
+        fit.applied, fit.reason = shown, why
+    if not fit.applied:
+        fit.temperature = 1.0
+    return fit
+
+
+def calibrate_scores(scores: np.ndarray, y: np.ndarray, rule: str = "evidence",
+                     seed: int = 0) -> TemperatureFit:
+    """The fit with its intervals, decided by `rule`: the T the graphs bake and its record."""
+    return decide(fit_with_interval(scores, y, seed), rule)
 
 
 # ----------------------------------------------------------------------------- judging
@@ -186,6 +269,9 @@ def verdict(fit: dict, row: dict) -> str:
     t = f"T = {fit['temperature']:.3f}"
     if fit["method"] == "none":
         return f"not calibrated ({fit.get('note') or '--calibrate none'})"
+    if fit.get("applied") is False:
+        return (f"temperature not applied, T kept at 1: {fit.get('reason') or 'no evidence'}; "
+                f"ECE {row['ece_before']:.4f}, NLL {row['nll_before']:.4f} {where}")
     if high < 0:
         return f"temperature scaling ({t}) lowers {ece} and {loss} {where}"
     if low > 0:
@@ -196,15 +282,20 @@ def verdict(fit: dict, row: dict) -> str:
 
 def calibration_section(fit: dict, raw: np.ndarray, calibrated: np.ndarray, y: np.ndarray,
                         seed: int) -> dict:
-    """The report's `calibration`: the bundle's fit (manifest) and what it does on the test
+    """The report's `calibration`: the bundle's fit (manifest; `applied`, `fitted_temperature`
+    and `rule` filled in for older bundles, manifest.Calibration) and what it does on the test
     split: `raw` is softmax(logits), `calibrated` the graph's probabilities."""
     from ttc.reporting.evaluation import reliability
 
     row = before_after(raw, calibrated, y, seed)
     return {"temperature": fit["temperature"], "method": fit["method"],
+            "applied": fit.get("applied", fit["method"] != "none" and fit["temperature"] != 1.0),
+            "reason": fit.get("reason"), "rule": fit.get("rule"),
+            "fitted_temperature": fit.get("fitted_temperature", fit["temperature"]),
             "fitted_on": fit.get("fitted_on", "validation"), "fit_samples": fit.get("samples"),
             "fit_errors": fit.get("errors"), "fit_note": fit.get("note"),
-            "temperature_interval_90": fit.get("temperature_interval_90"), "split": "test",
+            "temperature_interval_90": fit.get("temperature_interval_90"),
+            "nll_gain_interval_90": fit.get("nll_gain_interval_90"), "split": "test",
             **row, "verdict": verdict(fit, row),
             "reliability_before": reliability(raw, y),
             "reliability_after": reliability(calibrated, y), "shifts": None}

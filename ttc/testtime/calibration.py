@@ -75,7 +75,7 @@ def run_calibration(manifest: Manifest, raw: np.ndarray | None, probabilities: n
 
     if raw is None:
         return None
-    fit = (manifest.calibration.entry if manifest.calibration else None) or no_fit(
+    fit = (manifest.calibration.report_entry() if manifest.calibration else None) or no_fit(
         "a bundle written before calibration: re-run pipeline.py to fit a temperature"
     ).manifest_entry()
     section = calibration_section(fit, raw, probabilities, y, seed)

@@ -2,10 +2,12 @@
 rules, adaptive triggering. No torch: inference stays lean.
 
 A transform turns a batch into extra views, as ONNX nodes (tta_graph.py puts them in front of the
-model and the merge behind it: one session.run per chunk) and as a numpy twin (the reference the
-tests hold the graph to, and the path for window:N). A transform may give several views per
-sample (rotate:DEG gives ±DEG, shift:PX four shifts, window:N one per window of a long text);
-numpy views keep the index of the sample each came from (`owner`). The plain view is always
+model and the merge behind it: one session.run per chunk, the `graph` plan) and as a numpy twin
+(the reference the tests hold the graph to, the path for window:N, and the `loop` plan: one
+session.run per view); tta_runner times both plans at load and keeps the faster (--tta_plan).
+A transform may give several views per sample (rotate:DEG gives ±DEG, shift:PX four shifts,
+window:N one per window of a long text); numpy views keep the index of the sample each came
+from (`owner`). The plain view is always
 included. Each transform also has a `random` form, used to train on the same distortions.
 Each transform name is one TransformSpec in TRANSFORMS; each merge rule, in numpy and as graph
 nodes, one entry of MERGES.
@@ -13,10 +15,12 @@ nodes, one entry of MERGES.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -389,23 +393,36 @@ def build_transforms(text: str, preprocessing: dict, seed: int = 0) -> list[Tran
     return transforms
 
 
-def expand(x: np.ndarray, transforms: Sequence[Transform]
-           ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The plain view plus every transform's views of a batch: (views, owner row of each), the
-    owners None when every view covers the whole batch in order (the common, fast case)."""
-    views, owners, regular = [x], [np.arange(len(x))], True
+def view_sets(x: np.ndarray, transforms: Sequence[Transform]
+              ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """The plain view, then every transform's views of a batch, one array at a time: (view, the
+    owner row of each of its rows), the owners None where the view covers the whole batch in
+    order. What `expand` stacks and the loop plan runs one at a time."""
+    yield x, None
     for transform in transforms:
         if transform.ragged is not None:
             windowed, rows = transform.ragged(x)
             if len(rows):
-                views.append(windowed)
-                owners.append(rows)
-                regular = False
+                yield windowed, rows
             continue
         for view in transform.views(x):
-            views.append(view)
-            owners.append(np.arange(len(x)))
-    return _stack(views, pad_id_of(transforms)), None if regular else np.concatenate(owners)
+            yield view, None
+
+
+def expand(x: np.ndarray, transforms: Sequence[Transform]
+           ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The plain view plus every transform's views of a batch: (views, owner row of each), the
+    owners None when every view covers the whole batch in order (the common, fast case)."""
+    views, owners = zip(*view_sets(x, transforms))
+    return _stack(list(views), pad_id_of(transforms)), _owners(owners, len(x))
+
+
+def _owners(owners: Sequence[np.ndarray | None], n: int) -> np.ndarray | None:
+    """The owner row of every stacked view row (view_sets' owners joined), or None where every
+    view covers the whole batch in order."""
+    if all(o is None for o in owners):
+        return None
+    return np.concatenate([np.arange(n) if o is None else o for o in owners])
 
 
 def tta_model(model: onnx.ModelProto, transforms: Sequence[Transform], merge_mode: str,
@@ -567,46 +584,98 @@ class TTAOptions:
     threshold: float | None
     batch_size: int
     seed: int
+    plan: str = "auto"  # --tta_plan: auto (timed at load), graph or loop
+
+
+PLANS = ("graph", "loop")  # how the views run: all in one session.run, or one run per view
+PLAN_CHOICES = ("auto", *PLANS)
+PLAN_TIMED_RUNS = 3  # timed turns per plan at load (after one untimed turn), best of
+
+
+@dataclass(frozen=True)
+class PlanTimings:
+    """The two plans timed at load on one batch of the run's batch size, best of a few turns."""
+
+    graph_ms: float
+    loop_ms: float
+    batch_size: int
+    clock: str = "wall"  # cpu: this process's CPU time (one CPU thread); wall: elapsed time
+
+    @property
+    def faster(self) -> str:
+        return "loop" if self.loop_ms < self.graph_ms else "graph"
+
+    def report(self) -> dict:
+        return {"graph_ms": round(self.graph_ms, 4), "loop_ms": round(self.loop_ms, 4),
+                "batch_size": self.batch_size, "clock": self.clock}
 
 
 @dataclass
 class TTARunner:
-    """How TTA runs: `merged` runs the TTA graph (views, model and merge in one session.run);
-    without it numpy stacks the views for `predict` (the plain graph) and merges its output."""
+    """How TTA runs. Plan `graph`: every view of a chunk in one session.run: `merged` runs the
+    TTA graph (views, model and merge in one graph); without it numpy stacks the views for
+    `predict` (the plain graph) and merges its output. Plan `loop`: numpy builds one view at a
+    time, `predict` runs each (batch_size rows), numpy merges (what ttach does in PyTorch). Both
+    give the same probabilities; which is faster depends on the model and the batch size
+    (choose_plan times them)."""
 
     predict: Predict
     transforms: Sequence[Transform]
     merge_mode: str
     batch_size: int
     merged: Predict | None = None
+    plan: str = "graph"
+    plan_timings: PlanTimings | None = None  # None: the plan was not timed (--tta_plan given)
 
     @property
     def backend(self) -> str:
+        """Where the graph plan builds the views: in the TTA graph, or numpy."""
         return "onnx_graph" if self.merged is not None else "numpy"
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """Merged probabilities; each run takes a chunk of samples with all their views, never
-        one run per view. A chunk is batch_size samples (batch_size × views rows), except for
-        token ids: batch_size / views texts, so that a chunk pads only to its own longest text
-        (SMS, 4 views, batch 64: TTA cost 4.6x plain with 64-text chunks, 3.0x with 16)."""
+        """Merged probabilities, chunk by chunk. A chunk is batch_size samples, except for token
+        ids under the graph plan: batch_size / views texts, so that its one run of all the views
+        pads only to the chunk's own longest text (SMS, 4 views, batch 64: TTA cost 4.6x plain
+        with 64-text chunks, 3.0x with 16)."""
         out = []
         step = self.batch_size
-        if x.dtype == np.int64 and x.ndim == 2:
+        if x.dtype == np.int64 and x.ndim == 2 and self.plan == "graph":
             step = max(1, self.batch_size // views_per_sample(self.transforms))
         for start in range(0, len(x), step):
             chunk = x[start:start + step]
             if chunk.dtype == np.int64 and chunk.ndim == 2:  # token ids: drop unused padding
                 chunk = trim_padding(chunk, pad_id_of(self.transforms))
-            out.append(self._run_chunk(np.ascontiguousarray(chunk)))
+            chunk = np.ascontiguousarray(chunk)
+            out.append(self._loop(chunk) if self.plan == "loop" else self._run_chunk(chunk))
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
     def _run_chunk(self, chunk: np.ndarray) -> np.ndarray:
         if self.merged is not None:
             return self.merged(chunk)
         stacked, owners = expand(chunk, self.transforms)
-        if stacked.dtype == np.int64 and stacked.ndim == 2:
-            stacked = np.ascontiguousarray(trim_padding(stacked, pad_id_of(self.transforms)))
-        return merge(self.predict(stacked), owners, len(chunk), self.merge_mode)
+        return merge(self.predict(self._fed(stacked)), owners, len(chunk), self.merge_mode)
+
+    def _loop(self, chunk: np.ndarray) -> np.ndarray:
+        """One session.run per view (window:N's views of a chunk: one run), merged by numpy."""
+        probs, owners = [], []
+        for view, rows in view_sets(chunk, self.transforms):
+            probs.append(self.predict(self._fed(view)))
+            owners.append(rows)
+        return merge(np.concatenate(probs), _owners(owners, len(chunk)), len(chunk),
+                     self.merge_mode)
+
+    def _fed(self, views: np.ndarray) -> np.ndarray:
+        """Views as a session takes them: contiguous, token ids without unused padding."""
+        if views.dtype == np.int64 and views.ndim == 2:
+            views = trim_padding(views, pad_id_of(self.transforms))
+        return np.ascontiguousarray(views)
+
+    def with_plan(self, plan: str, timings: PlanTimings | None = None) -> TTARunner:
+        """The same runner (sessions shared) running `plan`."""
+        if plan not in PLANS:
+            raise ConfigError(f"unknown --tta_plan {plan!r}",
+                              f"use one of {', '.join(PLAN_CHOICES)}")
+        return replace(self, plan=plan, plan_timings=timings)
 
     def run(self, x: np.ndarray, threshold: float | None = None) -> TTAOutcome:
         """Plain predictions (timed), then TTA (timed): on every sample, or with `threshold`
@@ -647,7 +716,9 @@ class TTAResult:
     cost_ratio: float
     triggered_fraction: float
     threshold: float | None
-    backend: str = "numpy"  # onnx_graph: views and merge ran inside one ONNX graph
+    backend: str = "numpy"  # onnx_graph: the graph plan's views and merge are ONNX nodes
+    plan: str = "graph"  # graph: all views in one session.run; loop: one run per view
+    plan_timings: dict | None = None  # both plans timed at load (None: --tta_plan chose)
     accuracy_val: float | None = None
     accuracy_val_plain: float | None = None
     verdict: str = ""
@@ -681,7 +752,8 @@ def evaluate_tta(runner: TTARunner, test: tuple[np.ndarray, np.ndarray],
         accuracy_plain=float(right_plain.mean()), fixed=int((right_tta & ~right_plain).sum()),
         broken=int((~right_tta & right_plain).sum()), cost_ratio=runner.cost_ratio(x, threshold),
         triggered_fraction=float(outcome.triggered.mean()), threshold=threshold,
-        backend=runner.backend)
+        backend=runner.backend, plan=runner.plan,
+        plan_timings=runner.plan_timings.report() if runner.plan_timings else None)
     if val is not None and len(val[1]):
         checked = runner.run(val[0], threshold)
         result.accuracy_val = float((checked.probabilities.argmax(1) == val[1]).mean())
@@ -699,14 +771,88 @@ def evaluate_tta(runner: TTARunner, test: tuple[np.ndarray, np.ndarray],
 
 
 def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: Manifest,
-               options: TTAOptions, runtime: RuntimeOptions) -> TTARunner:
+               options: TTAOptions, runtime: RuntimeOptions, rows: np.ndarray | None = None
+               ) -> TTARunner:
     """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
-    on the same providers) where the transforms allow, else numpy views around `session`."""
+    on the same providers) where the transforms allow, else numpy views around `session`; run
+    by the plan --tta_plan names, or with auto the faster one on a batch of `rows` (the first
+    batch_size of them, repeated where fewer; None: rows made up from the manifest)."""
     transforms = build_transforms(options.transforms, manifest.preprocessing.spec, options.seed)
     model = tta_model(onnx.load(str(model_path)), transforms, options.merge, manifest.classes)
     merged = None
     if model is not None:
         merged = session_runner(create_session(model.SerializeToString(), runtime,
                                                classes=manifest.classes, source=model_path))
-    return TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
-                     merged)
+    runner = TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
+                       merged)
+    if options.plan != "auto":
+        LOG.info("TTA plan: %s (--tta_plan)", options.plan)
+        return runner.with_plan(options.plan)
+    probe = probe_rows(rows, manifest, options.batch_size, options.seed)
+    return choose_plan(runner, probe, plan_clock(session, runtime))
+
+
+def choose_plan(runner: TTARunner, probe: np.ndarray, clock: str = "wall") -> TTARunner:
+    """The runner with the faster plan on `probe` (one batch), both timed by `clock` and
+    recorded; a runner without extra views keeps the graph plan (one run either way)."""
+    if views_per_sample(runner.transforms) == 1:
+        return runner
+    timings = time_plans(runner, probe, clock)
+    LOG.info("TTA plan: %s (batch of %d, %s time: all views in one session.run %.3f ms, one "
+             "run per view %.3f ms)", timings.faster, timings.batch_size, timings.clock,
+             timings.graph_ms, timings.loop_ms)
+    return runner.with_plan(timings.faster, timings)
+
+
+def plan_clock(session: ort.InferenceSession, runtime: RuntimeOptions) -> str:
+    """What the plans are timed by: "cpu", this process's CPU time, where ONNX Runtime runs on
+    one CPU thread (what a run costs however busy the machine is: elapsed time then also counts
+    the waits for other processes, which hit a long run more often than a short one); else
+    "wall", elapsed time (a GPU, several threads)."""
+    cpu_only = list(session.get_providers()) == ["CPUExecutionProvider"]
+    return "cpu" if cpu_only and runtime.intra_op_threads == 1 else "wall"
+
+
+def time_plans(runner: TTARunner, probe: np.ndarray, clock: str = "wall",
+               runs: int = PLAN_TIMED_RUNS) -> PlanTimings:
+    """Both plans on the same batch in turns, each turn in the other order, after one untimed
+    turn (ONNX Runtime sizes its buffers for the batch): the best of `runs` turns each."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    plans = [runner.with_plan(plan) for plan in PLANS]
+    best = [math.inf] * len(plans)
+    for turn in range(1 + runs):
+        for k in (range(len(plans)) if turn % 2 else reversed(range(len(plans)))):
+            start = now()
+            plans[k](probe)
+            if turn:
+                best[k] = min(best[k], now() - start)
+    return PlanTimings(best[0] * 1e3, best[1] * 1e3, len(probe), clock)
+
+
+def probe_rows(rows: np.ndarray | None, manifest: Manifest, batch_size: int, seed: int = 0
+               ) -> np.ndarray:
+    """A batch of batch_size rows to time the plans on: the first of `rows` (repeated where
+    there are fewer), else made up from the manifest: pixels in [0, 1), standard normal
+    features, or 32 token ids drawn from the vocabulary (no padding or special id)."""
+    if rows is not None and len(rows):
+        picked = rows[np.arange(batch_size) % len(rows)]
+        if picked.dtype == np.int64 and picked.ndim == 2:
+            picked = trim_padding(picked, manifest.input.pad_id)
+        return np.ascontiguousarray(picked)
+    rng = np.random.default_rng(seed)
+    pre = manifest.preprocessing.spec
+    if pre["kind"] == "image":
+        shape = (int(pre["channels"]), *map(int, pre["image_size"]))
+        return rng.random((batch_size, *shape), dtype=np.float32)
+    if pre["kind"] == "text":
+        return _probe_ids(pre, batch_size, rng)
+    features = len(pre.get("feature_names", ())) or int(manifest.input.shape[-1])
+    return rng.standard_normal((batch_size, features)).astype(np.float32)
+
+
+def _probe_ids(pre: dict, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    length = min(32, int(pre.get("max_length", 32)))
+    vocab = int(pre.get("vocab_size", 2))
+    ids = rng.integers(0, vocab, (batch_size, length))
+    reserved = [_pad(pre), *pre.get("special_ids", ())]
+    return np.where(np.isin(ids, reserved), int(pre.get("unk_id", 1)), ids).astype(np.int64)

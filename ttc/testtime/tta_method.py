@@ -10,6 +10,8 @@ from ttc.testtime.served import Evaluation, Heldout, RunFlags, Served
 from utils import LOG
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ttc.serving.batch import Predictor
     from ttc.serving.manifest import Manifest
     from ttc.testtime.tta import TTAOptions, TTARunner
@@ -31,7 +33,8 @@ class TTA:
         from ttc.testtime.tta import evaluate_tta
 
         options = self.options(config, served.manifest)
-        tta = evaluate_tta(runner(served, options), heldout.test, heldout.val, options.threshold)
+        tta = evaluate_tta(runner(served, options, heldout.test[0]), heldout.test, heldout.val,
+                           options.threshold)
         (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
         return Evaluation(tta.report_section())
 
@@ -40,8 +43,10 @@ class TTA:
         return (lambda x: (tta(x), {})), []
 
 
-def runner(served: Served, options: TTAOptions) -> TTARunner:
+def runner(served: Served, options: TTAOptions, rows: np.ndarray | None = None) -> TTARunner:
+    """The runner on the served graph, its plan (--tta_plan auto) timed on a batch of `rows`
+    (the test split's; None, as for --input and serve.py: rows made up from the manifest)."""
     from ttc.testtime.tta import tta_runner
 
     return tta_runner(served.session, served.model_path, served.manifest, options,
-                      served.runtime)
+                      served.runtime, rows)

@@ -20,11 +20,15 @@ keeps no statistics) and is reported as not applicable.
 - bn runs in ONNX Runtime only; torch is never imported.
 - tent minimises the mean prediction entropy over the affine parameters of the BatchNorm layers
   (or, in a network without BatchNorm, of the LayerNorm and GroupNorm layers) of a PyTorch copy
-  rebuilt from model.pt (Adam, --ttt_iterations steps per batch); the adapted parameters are fed
-  into the ONNX graph, which gives the predictions.
+  rebuilt from model.pt (Adam, --ttt_iterations steps per batch). By default (--ttt_predict
+  after) the adapted parameters are fed into the ONNX graph, which gives the predictions: one
+  forward pass more than tent.py, whose predictions are the outputs of the forward pass that
+  computed the loss, before the step (--ttt_predict before gives those).
 - episodic: every batch starts from the bundle's parameters. online: the adapted statistics
   (bn) or parameters (tent) carry over to the next batch, reset every --ttt_reset_every batches
   and, with a WARNING, when the predictions collapse.
+- the guard (--ttt_guard, ttt_guard.py) tests each batch's class mix first and keeps correlated
+  batches from being adapted to.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ttc.reporting.metrics import accuracy, entropy
 from ttc.serving.runtime import batches_of, best_of, graph_padding_id, model_feeder
 from ttc.testtime.tta_graph import GraphNodes
+from ttc.testtime.ttt_guard import StreamGuard
 from utils import LOG, ConfigError, ExportError
 
 if TYPE_CHECKING:  # torch loads only for tent
@@ -50,6 +55,7 @@ if TYPE_CHECKING:  # torch loads only for tent
 
 PRIOR = "ttt_bn_prior"  # graph input: the prior strength N
 SOURCE_PRIOR = 1e12  # a prior so strong that the stored statistics win: the unadapted model
+EATA_LIMIT = 0.4  # --ttt_guard filter: tent learns from samples under 0.4 ln C of entropy (EATA)
 
 
 @dataclass(frozen=True)
@@ -322,7 +328,10 @@ class AdaptationGraph:
 
 class Tent:
     """Entropy minimisation over normalisation affine parameters of a PyTorch copy of the
-    network (Wang et al. 2021; configure, collect, adapt, reset as in DequanWang/tent's tent.py):
+    network (Wang et al. 2021; configure, collect, adapt and reset follow DequanWang/tent's
+    tent.py, but tent.py puts the whole model in train mode and returns the outputs of the
+    forward pass before the step, while here dropout stays off and adapt_and_predict predicts
+    after the step unless asked for tent.py's outputs):
     with BNLayer layers, those of BatchNorm, which normalises with batch statistics; with
     AffineNorm layers (a network without BatchNorm), those of LayerNorm and GroupNorm, which need
     no configuring since they keep no statistics. The rest of the network stays in eval mode
@@ -332,7 +341,7 @@ class Tent:
 
     def __init__(self, manifest: Manifest, weights: Path, layers: list[BNLayer] | list[AffineNorm],
                  learning_rate: float, steps: int, num_threads: int = 1,
-                 trust_model_code: bool = False) -> None:
+                 trust_model_code: bool = False, filter_unreliable: bool = False) -> None:
         import torch
 
         from ttc.nets.models import load_weights
@@ -343,6 +352,8 @@ class Tent:
             torch.set_num_threads(num_threads)
 
         self.torch, self.steps, self.learning_rate = torch, steps, learning_rate
+        self.filter_unreliable = filter_unreliable  # EATA: see step
+        self.filtered = 0  # samples left out of the loss so far
         self.net = load_weights(manifest, weights, trust_model_code).eval()
         self.net.requires_grad_(False)
         self.temperature = manifest.temperature
@@ -380,14 +391,30 @@ class Tent:
                                                betas=(0.9, 0.999))
 
     def adapt(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """`steps` steps on the batch (see step): the adapted parameters."""
+        self.step(x)
+        return self.parameters()
+
+    def step(self, x: np.ndarray) -> np.ndarray | None:
+        """`steps` entropy-minimising steps on the batch: the probabilities of the last step's
+        forward pass, before its update (what tent.py's forward returns, and `--ttt_predict
+        before` serves; None for 0 steps). With `filter_unreliable`, samples
+        whose entropy is above EATA_LIMIT ln C stay out of the loss (EATA's reliable samples,
+        Niu et al. 2022), and a batch of only those takes no step."""
         batch = self.torch.from_numpy(np.ascontiguousarray(x))
+        log_probs = None
         for _ in range(self.steps):
             log_probs = (self.net(batch) / self.temperature).log_softmax(1)
-            entropy = -(log_probs.exp() * log_probs).sum(1).mean()
-            entropy.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-        return self.parameters()
+            entropies = -(log_probs.exp() * log_probs).sum(1)
+            if self.filter_unreliable:
+                reliable = entropies.detach() < EATA_LIMIT * np.log(log_probs.shape[1])
+                self.filtered += int((~reliable).sum())
+                entropies = entropies[reliable]
+            if len(entropies):
+                entropies.mean().backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+        return log_probs.detach().exp().numpy() if log_probs is not None else None
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The current affine parameters, under the ONNX graph's names."""
@@ -434,6 +461,7 @@ def collapse_reason(adapted: np.ndarray, source: Callable[[], np.ndarray]) -> st
 class Adaptation:
     probabilities: np.ndarray
     resets: int = 0
+    skipped: int = 0  # batches the guard kept from adapting (--ttt_guard filter)
 
 
 @dataclass
@@ -448,38 +476,79 @@ class OnlineCarry:
 
 def adapt_and_predict(graph: AdaptationGraph, method: str, x: np.ndarray, batch_size: int,
                       mode: str, prior: float, reset_every: int, tent: Tent | None = None,
-                      carry: OnlineCarry | None = None) -> Adaptation:
+                      carry: OnlineCarry | None = None, guard: StreamGuard | None = None,
+                      predict_before: bool = False) -> Adaptation:
     """Run `method` over x batch by batch. Episodic: every batch from the bundle's parameters.
     Online: statistics (bn) or affine parameters (tent) carry over, across calls too when the
     caller passes the same `carry`; a fresh carry starts from the bundle's parameters (tent's
-    too, which live in the Tent object)."""
+    too, which live in the Tent object). `guard` tests each batch first (ttt_guard.py; None:
+    online adaptation resets on collapse only, as before the guard). `predict_before`: tent's
+    predictions come from its last forward pass, before the update (tent.py's outputs)."""
     graph.applicable([method])
     carry = carry if carry is not None else OnlineCarry()
     state: dict[str, np.ndarray] = carry.state
-    out, resets = [], 0
+    out, counts = [], Adaptation(np.zeros(0))
     for i, batch in enumerate(ttt_batches(x, batch_size, graph.pad_id), start=carry.batches):
         carry.batches = i + 1
         if mode == "episodic" or i == 0 or (reset_every and i % reset_every == 0):
             state = {}
             if tent is not None:
                 tent.reset()
+        if guard is not None and guard.active:
+            source = graph.run(batch, SOURCE_PRIOR, {})[0]
+            reason = guard.correlated(source)
+            if reason:
+                LOG.debug("test-time training guard (%s) at batch %d: %s", guard.mode, i + 1,
+                          reason)
+                probabilities, state = _guarded(graph, guard, batch, source, state, tent,
+                                                counts)
+                out.append(probabilities)
+                continue
         if tent is not None:
-            probabilities, _ = graph.run(batch, 0.0, tent.adapt(batch))
+            observed = tent.step(batch)
+            if predict_before and observed is not None:
+                probabilities = observed
+            else:
+                probabilities, stats = graph.run(batch, 0.0, tent.parameters())
+                state = stats if mode == "online" else state
         else:
             probabilities, stats = graph.run(batch, prior, state)
             state = stats if mode == "online" else state
-        if mode == "online":
+        if mode == "online" and (guard is None or guard.active):
             reason = collapse_reason(probabilities,
                                      lambda b=batch: graph.run(b, SOURCE_PRIOR, {})[0])
             if reason:
                 LOG.warning("online %s adaptation reset to the bundle's parameters at batch %d: "
                             "%s", method, i + 1, reason)
-                state, resets = {}, resets + 1
+                state, counts.resets = {}, counts.resets + 1
                 if tent is not None:
                     tent.reset()
         out.append(probabilities)
     carry.state = state
-    return Adaptation(np.concatenate(out), resets)
+    counts.probabilities = np.concatenate(out)
+    return counts
+
+
+def _guarded(graph: AdaptationGraph, guard: StreamGuard, batch: np.ndarray, source: np.ndarray,
+             state: dict, tent: Tent | None, counts: Adaptation
+             ) -> tuple[np.ndarray, dict]:
+    """A batch the guard found correlated: its predictions and the state adaptation goes on
+    with. reset: the unadapted model's predictions, and back to the bundle's parameters.
+    filter: no adaptation to this batch, which is predicted with the statistics of the last
+    batch adapted to (online; tent with its current parameters) or the unadapted model
+    (episodic), and the state adaptation goes on with is kept."""
+    if guard.mode == "reset":
+        guard.resets += 1
+        counts.resets += 1
+        if tent is not None:
+            tent.reset()
+        return source, {}
+    guard.skipped += 1
+    counts.skipped += 1
+    if state:
+        parameters = tent.parameters() if tent is not None else {}
+        return graph.run(batch, SOURCE_PRIOR, {**state, **parameters})[0], state
+    return source, state
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -499,10 +568,26 @@ class TTTSettings:
     seed: int
     num_threads: int = 1  # tent's PyTorch threads
     trust_model_code: bool = False  # tent may import a --model_def bundle's model.def.py
+    guard: str = "filter"  # none, reset or filter (ttt_guard.py)
+    predict: str = "after"  # tent: after or before its update
+    stream: str | None = None  # --eval_stream's order (ttt_stream.py)
+    stream_passes: int = 3
 
     @property
     def methods(self) -> list[str]:
         return ["bn", "tent"] if self.method == "all" else [self.method]
+
+    def new_guard(self) -> StreamGuard:
+        """A guard for one stream: it remembers the stream's recent class mix."""
+        return StreamGuard(self.guard, self.seed)
+
+    def run(self, graph: AdaptationGraph, method: str, x: np.ndarray, tent: Tent | None,
+            carry: OnlineCarry | None = None, guard: StreamGuard | None = None) -> Adaptation:
+        """adapt_and_predict with these settings (a fresh guard unless one is given)."""
+        return adapt_and_predict(graph, method, x, self.batch_size, self.mode, self.bn_prior,
+                                 self.reset_every, tent if method == "tent" else None, carry,
+                                 guard if guard is not None else self.new_guard(),
+                                 self.predict == "before")
 
 
 @dataclass
@@ -519,6 +604,10 @@ class TTTResult:
     mean_shifted: dict | None
     resets: dict
     verdict: str = ""
+    guard: str = "filter"
+    predict: str = "after"
+    skipped: dict = field(default_factory=dict)  # method → batches the guard kept from adapting
+    stream: dict | None = None  # --eval_stream (ttt_stream.py)
     not_applicable: dict = field(default_factory=dict)  # method → why it cannot adapt this graph
     warnings: list[str] = field(default_factory=list)
 
@@ -543,7 +632,7 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
     cases = [("clean", 0, x)] + [(name, settings.severity,
                                   corrupt(x, name, settings.severity, preprocessing, settings.seed))
                                  for name in settings.shifts]
-    rows, resets = [], {m: 0 for m in methods}
+    rows, resets, skipped = [], {m: 0 for m in methods}, {m: 0 for m in methods}
     graph.run(x[: settings.batch_size], 0.0, {})  # warm-up both: first runs allocate
     predict(x[: settings.batch_size])
     if tent is not None:
@@ -557,14 +646,12 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
                "accuracy_bn": None, "accuracy_tent": None, "cost_ratio_bn": None,
                "cost_ratio_tent": None}
         for method in methods:
-            tent_or_none = tent if method == "tent" else None
             passes = 1 if method == "tent" else TIMING_PASSES  # tent's torch steps dominate
-            seconds, adapted = best_of(passes, lambda: adapt_and_predict(
-                graph, method, data, settings.batch_size, settings.mode, settings.bn_prior,
-                settings.reset_every, tent_or_none))
+            seconds, adapted = best_of(passes, lambda: settings.run(graph, method, data, tent))
             row[f"accuracy_{method}"] = accuracy(adapted.probabilities, y)
             row[f"cost_ratio_{method}"] = round(seconds / max(plain_seconds, 1e-9), 3)
             resets[method] += adapted.resets
+            skipped[method] += adapted.skipped
         LOG.info("ttt %s%s: source %.4f%s", name, f" (severity {severity})" if severity else "",
                  row["accuracy_source"], "".join(f", {m} {row[f'accuracy_{m}']:.4f}"
                                                  for m in methods))
@@ -578,7 +665,8 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
     result = TTTResult(settings.method, settings.mode, settings.iterations, settings.bn_prior,
                        settings.learning_rate, settings.batch_size, settings.severity,
                        {k: v for k, v in clean.items() if k not in ("name", "severity")},
-                       shifted, mean_shifted, resets,
+                       shifted, mean_shifted, resets, guard=settings.guard,
+                       predict=settings.predict, skipped=skipped,
                        not_applicable={m: why for m, why in graph.not_applicable.items()
                                        if m in settings.methods})
     result.verdict, result.warnings = _verdict(result, methods)

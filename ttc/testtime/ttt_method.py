@@ -51,6 +51,11 @@ def run_ttt(settings: TTTSettings, served: Served, predict: Callable[[np.ndarray
     graph, tent = adaptation(settings, served)
     result = evaluate_ttt(settings, graph, predict, tent, *test,
                           served.manifest.preprocessing.spec)
+    if settings.stream:
+        from ttc.testtime.ttt_stream import evaluate_stream
+
+        result.stream = evaluate_stream(settings, graph, tent, *test,
+                                        served.manifest.preprocessing.spec)
     for warning in result.warnings:
         LOG.warning("test-time training: %s", warning)
     LOG.info("test-time training: %s", result.verdict)
@@ -72,17 +77,18 @@ def adaptation(settings: TTTSettings, served: Served) -> tuple[AdaptationGraph, 
     graph = AdaptationGraph(onnx.load(str(path)), lambda m: create_session(
         m, served.runtime, classes=served.classes, source=path))
     tent = (Tent(manifest, served.paths.weights, graph.layers, settings.learning_rate,
-                 settings.iterations, settings.num_threads, settings.trust_model_code)
+                 settings.iterations, settings.num_threads, settings.trust_model_code,
+                 filter_unreliable=settings.guard == "filter")
             if "tent" in settings.methods else None)
     return graph, tent
 
 
 def ttt_predictor(settings: TTTSettings, served: Served) -> Predictor:
-    """Each chunk adapted, then predicted; online adaptation goes on from chunk to chunk."""
-    from ttc.testtime.ttt import OnlineCarry, adapt_and_predict
+    """Each chunk adapted, then predicted; online adaptation, and the guard's memory of the
+    stream, go on from chunk to chunk."""
+    from ttc.testtime.ttt import OnlineCarry
 
     graph, tent = adaptation(settings, served)
-    carry = OnlineCarry()  # online adaptation goes on from chunk to chunk of the input
-    return lambda x: (adapt_and_predict(graph, settings.method, x, settings.batch_size,
-                                        settings.mode, settings.bn_prior, settings.reset_every,
-                                        tent, carry).probabilities, {})
+    carry, guard = OnlineCarry(), settings.new_guard()
+    return lambda x: (settings.run(graph, settings.method, x, tent, carry, guard).probabilities,
+                      {})
