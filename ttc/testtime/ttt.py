@@ -384,11 +384,14 @@ class Tent:
         return norms
 
     def reset(self) -> None:
+        """The bundle's parameters and a fresh Adam state (its moments and step count)."""
         with self.torch.no_grad():
             for (_, parameter), value in zip(self.pairs, self.initial):
                 parameter.copy_(value)
-        self.optimizer = self.torch.optim.Adam([p for _, p in self.pairs], lr=self.learning_rate,
-                                               betas=(0.9, 0.999))
+        if getattr(self, "optimizer", None) is None:
+            self.optimizer = self.torch.optim.Adam([p for _, p in self.pairs],
+                                                   lr=self.learning_rate, betas=(0.9, 0.999))
+        self.optimizer.state.clear()
 
     def adapt(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """`steps` steps on the batch (see step): the adapted parameters."""
