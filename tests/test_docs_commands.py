@@ -5,7 +5,8 @@ the repository (relative paths, `python` on PATH as the test's interpreter, whos
 runs go through the fork server, tests/forkserver.py). Data a clone has not
 got (the user's `photos/`, `sms.tsv`, `customers.csv`, ...) is laid there first as small
 stand-ins under the same names, and a bundle a page reads before any of its commands writes it
-(`runs/x/model.onnx`) is built first from a stand-in. Three kinds of command do not run as
+(`runs/x/model.onnx`) is built first from a stand-in (once per test worker, on the same stand-in
+data, and copied into each checkout that reads it). Three kinds of command do not run as
 written, each by a rule below and not by editing the command:
 - those that cannot run inside a test suite (NOT_RUN, with the reason);
 - training on builtin:digits, a full data set that no stand-in shrinks, runs with `--epochs 2`
@@ -18,6 +19,7 @@ fails otherwise.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -26,7 +28,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -145,7 +149,7 @@ def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
         if row % 6 == 0:
             (tree / "incoming").mkdir(exist_ok=True)
             img.convert("RGB").save(tree / "incoming" / f"{row}.png")
-    for label, row, img in digits_images((3, 5, 8), 20, size=28):
+    for label, row, img in digits_images((3, 5, 8), 10, size=28):
         (tree / "mnist28" / label).mkdir(parents=True, exist_ok=True)
         img.save(tree / "mnist28" / label / f"{row}.png")
     sms = sms_rows()
@@ -239,6 +243,42 @@ def stand_in_runs(commands: list[str]) -> list[str]:
     return list(dict.fromkeys(needed))
 
 
+# A stand-in pipeline run is made once per test worker, in a checkout of its own on the same
+# stand-in data, and its runs/NAME folder copied into each checkout that reads it; the parts
+# that read one run on one worker (STAND_IN_GROUP), so that each is made once per suite run.
+STAND_IN_GROUP = "docs_stand_ins"
+_STAND_IN_TREE: list[Path] = []
+_STAND_INS_MADE: set[str] = set()
+
+
+def stand_in_folder(setup: str) -> str | None:
+    """The folder a stand-in pipeline.py run writes (runs/NAME); None for another setup."""
+    words = shlex.split(setup)
+    if "pipeline.py" not in words:
+        return None
+    return str(Path(words[words.index("--output_model") + 1]).parent)
+
+
+def lay_stand_in_run(tree: Path, setup: str) -> None:
+    """A setup the page needs, done in `tree`: a stand-in run copied from this worker's stand-in
+    checkout (made there the first time), any other setup (a copy) run in the tree."""
+    folder = stand_in_folder(setup)
+    if folder is None:
+        done = run_in(tree, setup)
+        assert done.returncode == 0, (setup, done.stderr[-3000:])
+        return
+    if not _STAND_IN_TREE:
+        root = Path(tempfile.mkdtemp(prefix="ttc-stand-ins-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _STAND_IN_TREE.append(user_checkout(root))
+        lay_stand_in_data(_STAND_IN_TREE[0], [])
+    if setup not in _STAND_INS_MADE:
+        done = run_in(_STAND_IN_TREE[0], setup)
+        assert done.returncode == 0, (setup, done.stderr[-3000:])
+        _STAND_INS_MADE.add(setup)
+    shutil.copytree(_STAND_IN_TREE[0] / folder, tree / folder)
+
+
 def user_checkout(tmp_path: Path) -> Path:
     """A copy of the repository as a user's clone holds it, with `python` on PATH."""
     tree = tmp_path / "checkout"
@@ -306,8 +346,18 @@ def _cut_allowed(runs: list[tuple[str, str]], i: int) -> bool:
     return not any(set(reads_and_writes(r)[0]) & written for _, r in runs[i:])
 
 
-@pytest.mark.parametrize("page,part", [(page, k) for page in PAGES
-                                       for k in range(len(page_parts(page)))])
+def page_part_params() -> list:
+    """(page, part) for every part; those that read a stand-in run another part reads too in
+    STAND_IN_GROUP."""
+    setups = {(page, k): [s for s in stand_in_runs([r for _, r in runs]) if stand_in_folder(s)]
+              for page in PAGES for k, runs in enumerate(page_parts(page))}
+    readers = Counter(s for made in setups.values() for s in made)
+    return [pytest.param(*part, marks=[pytest.mark.xdist_group(STAND_IN_GROUP)]
+                         if any(readers[s] > 1 for s in made) else [])
+            for part, made in setups.items()]
+
+
+@pytest.mark.parametrize("page,part", page_part_params())
 def test_the_page_s_commands_run_as_written(page, part, tmp_path):
     runs = page_parts(page)[part]
     tree = user_checkout(tmp_path)
@@ -315,8 +365,7 @@ def test_the_page_s_commands_run_as_written(page, part, tmp_path):
     for name, code in page_files(page).items():
         (tree / name).write_text(code)
     for setup in stand_in_runs([r for _, r in runs]):
-        done = run_in(tree, setup)
-        assert done.returncode == 0, (setup, done.stderr[-3000:])
+        lay_stand_in_run(tree, setup)
     with ExitStack() as servers:
         ports: dict[str, int] = {}
         for documented, command in runs:

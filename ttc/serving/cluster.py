@@ -451,8 +451,12 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
         context.enable_progress_bars = False  # ours counts the rows written
         context.print_on_execution_start = False
         # one block stream per part (Ray would otherwise split the blocks to reach its
-        # default read parallelism), cut into batches of the worker batch size
+        # default read parallelism), cut into batches of the worker batch size; as many parts
+        # read at a time as there are workers to take them (each read task is a worker process
+        # of its own: 24 of them at once on 2 CPUs put the first predictions of 120,000 Parquet
+        # rows 59 s after the start instead of 13 s)
         dataset = ray.data.read_datasource(input_datasource(parts), num_cpus=0,
+                                           concurrency=ray_options.workers,
                                            override_num_blocks=len(parts)).map_batches(
             PredictWorker, fn_constructor_args=(make_predictor, manifest, copy(LIMITS)),
             batch_size=ray_options.worker_batch_size, batch_format="pandas",
