@@ -453,8 +453,9 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
         # one block stream per part (Ray would otherwise split the blocks to reach its
         # default read parallelism), cut into batches of the worker batch size; as many parts
         # read at a time as there are workers to take them (each read task is a worker process
-        # of its own: 24 of them at once on 2 CPUs put the first predictions of 120,000 Parquet
-        # rows 59 s after the start instead of 13 s)
+        # of its own: the 24 row groups of 120,000 Parquet rows read at once on 2 CPUs put the
+        # first predictions 38-40 s after the start, against 7 s so, and the whole run took
+        # 51-55 s against 26-28 s)
         dataset = ray.data.read_datasource(input_datasource(parts), num_cpus=0,
                                            concurrency=ray_options.workers,
                                            override_num_blocks=len(parts)).map_batches(
