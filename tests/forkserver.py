@@ -19,7 +19,7 @@ it reads DSPY_CACHEDIR at import only into the defaults of configure_cache and o
 which the tool never calls; the cache it uses is built on first use from the run's environment
 (tests/test_forkserver.py checks that). torch.onnx.export's table of decompositions for the
 default opset is built here too (prebuild_export_table): every exporting run saved its second
-of CPU.
+of CPU. Then everything loaded is frozen (gc.freeze), so that a run's garbage collections skip it.
 
 Protocol: the client connects, sends its three standard descriptors (SCM_RIGHTS) with one JSON
 message {argv, cwd, env, executable}, and reads back the child's pid, then its exit status
@@ -33,6 +33,7 @@ and reloads so).
 from __future__ import annotations
 
 import array
+import gc
 import json
 import os
 import selectors
@@ -133,6 +134,11 @@ def serve(path: str) -> dict | None:
     for name in PRELOAD:
         __import__(name)
     prebuild_export_table()
+    # The preloaded objects (about 600,000: one full collection of them is 0.3 s of CPU) go to
+    # the collector's permanent generation: a run's collections no longer walk them, nor write
+    # into their pages (copy-on-write); 0.3-0.5 s of CPU less in a forked pipeline run.
+    # Reference counting frees them as before; only cycles among them stay, in a short run.
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
