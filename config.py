@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ttc.options.batch import BatchFlags
+from ttc.options.compress import CompressFlags
 from ttc.options.data import DataFlags
 from ttc.options.export import VALIDATE_ATOL, VALIDATE_ATOL_FOR_ARCH, ExportFlags
 from ttc.options.fields import GROUPS, SCRIPTS, bad, parse_bool
@@ -47,15 +48,15 @@ __all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS"
            "start_cli", "visuals_beside"]
 
 # The stages in the order their flags appear in --help, the summary and the report.
-STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, ExportFlags, QuantizeFlags,
-          TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags, ServeFlags,
-          OutputFlags)
+STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, CompressFlags, ExportFlags,
+          QuantizeFlags, TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags,
+          ServeFlags, OutputFlags)
 
 
 @dataclass
 class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags,
-             TTTFlags, TTAFlags, QuantizeFlags, ExportFlags, TeacherFlags, FittingFlags,
-             TrainingFlags, DataFlags):
+             TTTFlags, TTAFlags, QuantizeFlags, ExportFlags, CompressFlags, TeacherFlags,
+             FittingFlags, TrainingFlags, DataFlags):
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
     fields from the last base to the first, so the bases are STAGES reversed (checked below:
     the fields' order is the flags' order in --help, the summary and the report)."""
@@ -75,6 +76,7 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
         self.check_fitting(self.model_type, self.arch, self.model_def)
         self.check_dropout(self.arch, self.dropout)
         self.check_teacher(self.model_type)
+        self.check_compress(self.arch)
         self.check_export()
         self.check_quantize()
         self._validate_test_time_compute()

@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    not config.no_progress, split_paths_of(config),
                                    ", or --input PATH to predict new data")
         report["dataset"] = data.report_section()
-        variant = input_variant(config)
+        variant = input_variant(config, manifest)
         if variant != "onnx":
             verdict = manifest.variant(variant)
             if verdict and not verdict.used_for_inference:

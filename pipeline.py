@@ -87,9 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["dataset"] = dataset.report_section()
         # Heavy imports only once the flags and the data are known to be good: a typo or a bad
         # file fails in a fraction of a second, not after seconds of importing torch and DSPy.
-        from export import export_bundle
+        from export import export_bundle, export_compressed
         from inference import run_on_bundle
-        from quantize import fp16_bundle, quantize_bundle
+        from quantize import fp16_bundle, judge_compressed, quantize_bundle
         from ttc.nets.program import set_torch_threads  # imports torch and DSPy
         from train import build_manifest, cap_batch_size, train_stage
         from utils import quiet_library_loggers
@@ -101,23 +101,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         cap_batch_size(config, dataset)
         trained, dataset = train_stage(config, dataset, report)
         members = train_ensemble_members(config, dataset, trained)
-        manifest = build_manifest(config, trained, dataset, report.get("teacher"))
+        manifest = build_manifest(config, trained, dataset, report.get("teacher"), paths)
         exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,
                                  paths, members, (dataset.val.x, dataset.val.y))
         report["export"] = exported.report_section()
-        variant = "onnx"
+        if trained.compressed:
+            export_compressed(config, trained.compressed, paths, dataset.test.x, dataset.train.x)
+        variant, quantized = "onnx", None
         if config.quantize != "none":
             quantized = quantize_bundle(config, paths, dataset.train.x,
                                         (dataset.val.x, dataset.val.y),
                                         (dataset.test.x, dataset.test.y))
             report["quantize"] = quantized.report_section()
             variant = "int8" if quantized.used_for_inference else "onnx"
+        if trained.compressed:
+            report["compression"] = judge_compressed(config, paths, (dataset.val.x, dataset.val.y),
+                                                     (dataset.test.x, dataset.test.y), quantized)
+            variant = report["compression"]["served"]
         if config.fp16:
             half = fp16_bundle(config, paths, (dataset.val.x, dataset.val.y),
                                (dataset.test.x, dataset.test.y))
             report["fp16"] = half.report_section()
             variant = "fp16" if half.used_for_inference else variant
-        several_variants = config.quantize != "none" or config.fp16
+        several_variants = config.quantize != "none" or config.fp16 or bool(trained.compressed)
         run_on_bundle(config, paths, variant, (dataset.test.x, dataset.test.y),
                       (dataset.val.x, dataset.val.y), report,
                       benchmark=config.benchmark or several_variants,

@@ -27,7 +27,7 @@ from ttc.serving.runtime import (RuntimeOptions, batches_of, cpu_info, create_se
                      model_feeder, predict_proba, session_runner, time_runners,
                      whole_batches)
 from ttc.serving.bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
-                    stamp_contract)
+                    stamp_contract, write_manifest_section)
 from report import run_with_report
 from utils import (LOG, ConfigError, ExportError, debug_enabled, exit_cli, first_line,
                    native_section, run_cli, scratch_folder, stdout_to_stderr)
@@ -408,7 +408,7 @@ def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> li
 def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequence[str] = ()
           ) -> None:
     """Fill problems, verdict and used_for_inference; say plainly what the variant did."""
-    label = "fp16" if result.mode == "fp16" else f"int8 {result.mode}"
+    label = variant_label(result.mode)
     result.problems.extend(problems)
     on_val = result.accuracy_val is not None and result.accuracy_val_fp32 is not None
     drop = (result.accuracy_val_fp32 - result.accuracy_val if on_val
@@ -439,9 +439,16 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
         result.used_for_inference = True
         result.verdict = f"{'; '.join(result.problems)}; inference uses {label} (--force_quantized)"
     else:
-        outcome = ("inference does not use fp16" if result.mode == "fp16" else
-                   "inference uses fp32 (--force_quantized true to use int8 anyway)")
+        outcome = (f"inference does not use {label}" if result.mode not in ("static", "dynamic")
+                   else "inference uses fp32 (--force_quantized true to use int8 anyway)")
         result.verdict = f"{'; '.join(result.problems)}; {outcome}"
+
+
+def variant_label(mode: str) -> str:
+    """How a verdict names a variant: "int8 static", "fp16", "pruned", "qat int8", ..."""
+    if mode in ("static", "dynamic"):
+        return f"int8 {mode}"
+    return f"{mode} int8" if mode in ("qat", "pruned_qat") else mode
 
 
 def grown_note(result: VariantResult) -> str:
@@ -666,6 +673,87 @@ def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Spl
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
     record_variant(paths, manifest, "fp16", data, result.report_section())
     return result
+
+
+# ----------------------------------------------------------------------------- compression
+
+def judge_compressed(config: Config, paths: BundlePaths, val: Split | None, test: Split,
+                     int8: VariantResult | dict | None = None) -> dict:
+    """Each compressed variant of the bundle (--prune, --qat) through the gate int8 passes:
+    validation accuracy within --max_accuracy_drop of fp32 and faster at --batch_size, timed
+    against fp32 in turns. The served graph is the fastest that passes (int8 among them where it
+    passed), else fp32; the manifest records the verdicts and the choice. Returns the report's
+    compression section."""
+    manifest = read_manifest(paths)
+    record = manifest.to_json_dict()["compression"]
+    results: dict[str, VariantResult] = {}
+    for entry in record["variants"]:
+        name = entry["name"]
+        require_onnx_in_bundle(paths, manifest, name)
+        data = paths.variant(name).read_bytes()
+        result = measure_against_fp32(paths.onnx, data, config.cpu_runtime(), *test,
+                                      config.batch_size, val, mode=name, requested=name,
+                                      path=str(paths.variant(name)))
+        judge(result, config.max_accuracy_drop, False)
+        (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
+        entry.update(verdict=result.verdict, used_for_inference=result.used_for_inference,
+                     speedup=round(speedup_of(result), 4))
+        results[name] = result
+    int8 = int8.report_section() if isinstance(int8, VariantResult) else int8
+    record["served"] = served_choice(record["variants"], int8)
+    write_manifest_section(paths, manifest, "compression", record)
+    LOG.info("compression: inference uses %s", SERVED_WORDS.get(record["served"],
+                                                                  record["served"]))
+    return compression_section(record, results, int8)
+
+
+SERVED_WORDS = {"onnx": "fp32 (model.onnx)", "int8": "int8 (model.int8.onnx)"}
+
+
+def speedup_of(result: VariantResult | dict) -> float:
+    row = result if isinstance(result, dict) else asdict(result)
+    return row["latency_ms_p50_fp32"] / max(row["latency_ms_p50"], 1e-9)
+
+
+def served_choice(entries: Sequence[dict], int8: dict | None) -> str:
+    """The fastest graph that passed its gate (highest speed-up over fp32), else fp32."""
+    passed = [(entry["speedup"], entry["name"]) for entry in entries
+              if entry.get("used_for_inference")]
+    if int8 and int8.get("used_for_inference"):
+        passed.append((speedup_of(int8), "int8"))
+    return max(passed)[1] if passed else "onnx"
+
+
+def compression_section(record: dict, results: dict[str, VariantResult], int8: dict | None
+                        ) -> dict:
+    """The report's compression table: fp32 first, then post-training int8 where it ran, then
+    each compressed variant; one row each with the figures the gate judged."""
+    fp32 = record.get("fp32") or {}
+    first = next(iter(results.values()), None)
+    rows = [{"name": "fp32", "recipe": None, "params": fp32.get("params"),
+             "macs": fp32.get("macs"), "size_bytes": first.size_bytes_fp32 if first else None,
+             "val_accuracy": first.accuracy_val_fp32 if first else None,
+             "test_accuracy": first.accuracy_fp32 if first else None,
+             "latency_ms": first.latency_ms_p50_fp32 if first else None, "speedup": 1.0,
+             "verdict": "the trained network", "served": record["served"] == "onnx"}]
+    if int8:
+        rows.append({"name": f"int8 {int8['mode']} (post-training)",
+                     "recipe": {"quantize": int8["mode"]}, "params": fp32.get("params"),
+                     "macs": fp32.get("macs"), "size_bytes": int8["size_bytes"],
+                     "val_accuracy": int8.get("accuracy_val"), "test_accuracy": int8["accuracy"],
+                     "latency_ms": int8["latency_ms_p50"], "speedup": round(speedup_of(int8), 4),
+                     "verdict": int8["verdict"], "served": record["served"] == "int8"})
+    for entry in record["variants"]:
+        result = results[entry["name"]]
+        rows.append({"name": entry["name"], "recipe": entry["recipe"], "params": entry["params"],
+                     "macs": entry["macs"], "size_bytes": result.size_bytes,
+                     "val_accuracy": result.accuracy_val, "test_accuracy": result.accuracy,
+                     "latency_ms": result.latency_ms_p50, "speedup": entry["speedup"],
+                     "verdict": result.verdict, "served": record["served"] == entry["name"],
+                     "top1_agreement_torch": entry.get("top1_agreement"),
+                     "qdq": entry.get("qdq")})
+    return {"batch_size": first.batch_size if first else None, "served": record["served"],
+            "cpu": first.cpu if first else None, "variants": rows}
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -41,10 +41,15 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     `teacher_lm` replaces the LM --teacher_lm names (tests pass dspy.utils.DummyLM)."""
     from ttc.nets.program import train_classifier
 
+    if config.compresses():  # a network with no path for --prune / --qat: before training
+        from ttc.compress.variants import check_compressible
+
+        check_compressible(config, dataset)
     if not config.teacher_lm:
         trained = train_classifier(config, dataset)
         report["train"] = train_section(trained, dataset)
         calibrate_network(config, trained, dataset, report)
+        compress_stage(config, trained, dataset, report)
         return trained, dataset
     from ttc.nets.teacher import distill
 
@@ -57,7 +62,24 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     report["train"] = train_section(trained, distilled.dataset)
     report["teacher"].update(teacher_comparison(baseline, dataset, trained, distilled.dataset))
     calibrate_network(config, trained, distilled.dataset, report)
+    compress_stage(config, trained, distilled.dataset, report)
     return trained, distilled.dataset
+
+
+def compress_stage(config: Config, trained: TrainedModel, dataset: Dataset, report: dict) -> None:
+    """--prune / --qat: the compressed variants of the trained network, fine-tuned (export
+    exports and checks them, the gate judges them). In the report: train.compression."""
+    if not config.compresses():
+        return
+    from ttc.compress.variants import compress_trained, example_input, fp32_record
+
+    example = example_input(dataset.train.x, dataset.preprocessing.get("pad_id", 0))
+    trained.fp32_record = fp32_record(trained.net, example)
+    trained.compressed = compress_trained(config, trained, dataset)
+    report["train"]["compression"] = [
+        {"name": v.name, "recipe": v.recipe, "params": v.params, "macs": v.macs,
+         "channels": v.channels, "val_accuracy_torch": v.val_accuracy_torch,
+         "seconds": v.seconds, "history": v.history} for v in trained.compressed]
 
 
 def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
@@ -189,7 +211,7 @@ def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: Traine
 
 
 def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
-                   teacher: dict | None = None) -> dict:
+                   teacher: dict | None = None, paths: BundlePaths | None = None) -> dict:
     """The bundle manifest as training knows it (bundle.new_manifest); export fills the rest."""
     from ttc.nets.models import input_spec
 
@@ -214,7 +236,16 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                   "augment_transforms": (config.tta_transforms or "default")
                   if config.tta and config.train_augment else None,
                   **trained.report_section(), "teacher": teacher},
-        calibration=trained.calibration)
+        calibration=trained.calibration) | compression_entry(trained, paths)
+
+
+def compression_entry(trained: TrainedModel, paths: BundlePaths | None) -> dict:
+    """{"compression": ...} for a manifest whose network was compressed, else {}."""
+    if not trained.compressed or paths is None:
+        return {}
+    from ttc.compress.variants import compression_draft
+
+    return {"compression": compression_draft(trained.compressed, trained.fp32_record, paths)}
 
 
 def regularisation_record(config: Config, trained: TrainedModel) -> dict:
@@ -239,8 +270,12 @@ def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
     from ttc.nets.models import save_weights, side_files
 
-    manifest = build_manifest(config, trained, dataset, teacher)
+    manifest = build_manifest(config, trained, dataset, teacher, paths)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))
+    for variant in trained.compressed:  # export.py rebuilds and exports them
+        key, path = f"weights_{variant.name}", paths.variant_weights(variant.name)
+        manifest["files"][key] = path.name
+        manifest["files"]["sha256"][key] = save_weights(variant.net, path)
     # the bundle keeps the --model_def file (export and Tent rebuild from it) and an hf tokenizer
     for key, data in side_files(Manifest.from_dict(manifest)).items():
         atomic_write(paths.side_file(key), lambda tmp, d=data: tmp.write_bytes(d))

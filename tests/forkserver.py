@@ -113,6 +113,7 @@ def prebuild_export_table() -> None:
     exporter only reads, built from nothing a run's environment changes; no thread starts. A
     torch without this private API is left as it is."""
     try:
+        import torch.ao.quantization.fx._decomposed  # noqa: F401 - as export.py: the QDQ ops
         from torch.onnx._internal.exporter import _registration
         build = _registration.ONNXRegistry.__dict__["from_torchlib"].__func__
     except (ImportError, AttributeError, KeyError):

@@ -25,6 +25,8 @@ PRINTS = {
                        "a prediction run imports"),
     "calibration.py": ("builtin:digits: test split", "under shift", "SMS (sms_standin.tsv)",
                        "with the tool's choice ≤ without T"),
+    "compress.py": ("variant", "speed-up", "served", "pruned_qat",
+                    "improve on post-training int8"),
     "hf_text.py": ("tiny BERT", "(b) ORT fp32 / eager at batch 1", "goal (d)",
                    "profile of inference.py --input"),
     "int8_gemm.py": ("fp32 ms", "int8 / fp32 speed over these shapes"),

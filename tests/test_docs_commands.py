@@ -10,7 +10,8 @@ data, and copied into each checkout that reads it). Three kinds of command do no
 written, each by a rule below and not by editing the command:
 - those that cannot run inside a test suite (NOT_RUN, with the reason);
 - training on builtin:digits, a full data set that no stand-in shrinks, runs with `--epochs 2`
-  appended (except README's main command, which runs as written);
+  appended (except README's main command, which runs as written), and a compressing one also
+  with `--prune_steps 1 --qat_epochs 1`;
 - benchmark scripts run with `--quick` appended (their smoke mode, on the stand-in data) for
   a script's first documented command, and with `--check_flags` (parse the flags, stop) for its
   others, which differ in sizes and rounds that --quick overrides anyway.
@@ -79,6 +80,11 @@ README_MAIN = ".venv/bin/python pipeline.py --model_type image_classifier --data
 NEEDS_GPU = ("--ep tensorrt",)
 
 
+# A compressing run's fine-tuning cut as its training is (--epochs 2): one pruning step, one
+# QAT epoch; every variant is still made, exported, checked and judged.
+COMPRESS_SHORT = " --prune_steps 1 --qat_epochs 1"
+
+
 def bench_script(command: str) -> str | None:
     """The bench script a command runs (its file name), if any."""
     return next((w.removeprefix("bench/") for w in command.split() if w.startswith("bench/")),
@@ -94,7 +100,8 @@ def as_run(page: str, command: str) -> str | None:
     words = shlex.split(command)
     if "builtin:digits" in words and {"pipeline.py", "train.py"} & set(words) and \
             command != README_MAIN:
-        return command + " --epochs 2"
+        return command + " --epochs 2" + (COMPRESS_SHORT if {"--prune", "--qat"} & set(words)
+                                          else "")
     script = bench_script(command)
     if script:
         first = next(c for p in PAGES for c in page_commands(p) if bench_script(c) == script)

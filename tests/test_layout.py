@@ -107,6 +107,8 @@ ALLOWED = {
                  "ttc.tasks.*"},
     "reporting": {"utils"},
     "convert": {"utils", "ttc.serving.runtime"},
+    "compress": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.*",
+                 "ttc.options.compress", "ttc.tasks.*"},
     "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections",
                 "ttc.tasks.*"},
     "online": {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.testtime.*", "ttc.tasks.*",

@@ -539,6 +539,8 @@ class TrainedModel:
     epochs_planned: int = 0  # --epochs; early stopping may run fewer
     initial_loss: float | None = None  # the kept candidate's first batch, before any update
     calibration: dict | None = None  # the temperature fit (train.calibrate_network)
+    compressed: list = field(default_factory=list)  # --prune / --qat (compress.CompressedNet)
+    fp32_record: dict | None = None  # the trained network's parameters and MACs, when compressed
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1

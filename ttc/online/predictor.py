@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from ttc.serving.batch import Predictor as BatchPredictor
     from ttc.serving.manifest import Manifest
 
-GRAPH_OF = {"fp32": "onnx", "int8": "int8", "fp16": "fp16"}  # --variant → the bundle's file key
+# --variant → the bundle's file key
+GRAPH_OF = {"fp32": "onnx", "int8": "int8", "fp16": "fp16", "pruned": "pruned", "qat": "qat",
+            "pruned_qat": "pruned_qat"}
 
 
 # ----------------------------------------------------------------------------- opening a bundle
@@ -73,9 +75,13 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     return manifest, session, model_path
 
 
-def input_variant(config: Config) -> str:
-    """inference.py's graph: --fp16, --quantized, else fp32."""
-    return "fp16" if config.fp16 else "int8" if config.quantized else "onnx"
+def input_variant(config: Config, manifest: Manifest | None = None) -> str:
+    """inference.py's graph: --fp16, --quantized, else --variant (fp32 by default)."""
+    if config.fp16 or config.quantized:
+        return "fp16" if config.fp16 else "int8"
+    if config.variant == "auto" and manifest is None:
+        manifest = read_manifest(BundlePaths.from_model_path(config.output_model))
+    return served_variant(config.variant, manifest)
 
 
 def served_variant(variant: str, manifest: Manifest) -> str:
@@ -84,6 +90,9 @@ def served_variant(variant: str, manifest: Manifest) -> str:
     names the command that adds it)."""
     if variant != "auto":
         return GRAPH_OF[variant]
+    chosen = manifest.compression.served if manifest.compression else None
+    if chosen and chosen in manifest.files:  # the compression gate chose among every variant
+        return chosen
     verdict = manifest.variant("int8")
     return "int8" if "int8" in manifest.files and verdict and verdict.used_for_inference \
         else "onnx"

@@ -15,6 +15,7 @@ GROUPS = {
     "export": "export and validation",
     "quantization": "quantization",
     "teacher": "LM teacher (text models)",
+    "compression": "compression (pruning, quantization-aware training)",
     "ttc": "test-time compute",
     "batch": "batch inference (inference.py --input)",
     "serve": "online serving (serve.py)",

@@ -20,9 +20,11 @@ class QuantizeFlags:
                                 "quantization", type=int, metavar="N", scripts="PQ")
     calibration_method: str = opt("minmax", "static calibration method", "quantization",
                                   choices=("minmax", "entropy", "percentile"), scripts="PQ")
-    max_accuracy_drop: float = opt(0.01, "largest validation-accuracy loss allowed for int8; "
-                                   "beyond it (or if int8 is slower) inference uses fp32",
-                                   "quantization", type=float, metavar="FRACTION", scripts="PQ")
+    max_accuracy_drop: float = opt(0.01, "largest validation-accuracy loss allowed for int8 "
+                                   "and the compressed variants (--prune, --qat); "
+                                   "beyond it (or if the variant is slower) inference uses "
+                                   "fp32", "quantization", type=float, metavar="FRACTION",
+                                   scripts="PQE")
     quantize_ops: str | None = opt(
         None, "op types int8 may quantize: default (static: Conv, MatMul, Gemm; dynamic: "
         "MatMul, Attention), all (every op type ONNX Runtime's quantizer handles), auto (try "

@@ -10,7 +10,7 @@ from ttc.options.batch import check_ray_address
 from ttc.options.fields import bad, opt, positive
 from utils import ConfigError
 
-VARIANTS = ("fp32", "int8", "fp16", "auto")
+VARIANTS = ("fp32", "int8", "fp16", "pruned", "qat", "pruned_qat", "auto")
 
 
 @dataclass
@@ -21,9 +21,10 @@ class ServeFlags:
                     scripts="S")
     name: str | None = opt(None, "the model's name in the /v2 endpoints (default: the bundle "
                            "file's stem, e.g. model)", "serve", metavar="NAME", scripts="S")
-    variant: str = opt("fp32", "the bundle's graph to serve: fp32 (model.onnx), int8, fp16, or "
-                       "auto (int8 where quantize.py judged it worth using, else fp32)", "serve",
-                       choices=VARIANTS, scripts="S")
+    variant: str = opt("fp32", "the bundle's graph to run: fp32 (model.onnx), int8, fp16, a "
+                       "compressed variant (pruned, qat, pruned_qat: --prune, --qat), or auto "
+                       "(the fastest graph the gate passed: int8 or a compressed variant, else "
+                       "fp32)", "serve", choices=VARIANTS, scripts="SI")
     max_batch_size: int = opt(32, "the most rows the micro-batcher joins into one model run",
                               "serve", type=int, metavar="N", scripts="S")
     max_queue_delay_ms: float = opt(2.0, "the longest the oldest waiting row is held for more "

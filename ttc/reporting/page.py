@@ -621,6 +621,27 @@ def _render_benchmark(rows: list | dict, view: _View) -> list[str]:
     return [table, view.figures()]
 
 
+def _render_compression(data: dict, view: _View) -> list[str]:
+    """The variants' table (fp32 first, the served one marked), each verdict, and the plot."""
+    rows = [r for r in data.get("variants") or [] if isinstance(r, dict)]
+    batch = data.get("batch_size")
+    table = _table(["variant", "recipe", "parameters", "MACs", "size (bytes)", "val accuracy",
+                    "test accuracy", f"p50 ms (batch {_fmt(batch)})", "speed-up", "served"],
+                   [(r.get("name"), _recipe_text(r.get("recipe")), r.get("params"),
+                     r.get("macs"), r.get("size_bytes"), r.get("val_accuracy"),
+                     r.get("test_accuracy"), r.get("latency_ms"), r.get("speedup"),
+                     "yes" if r.get("served") else "") for r in rows])
+    verdicts = [_labelled_line(str(r.get("name")), r.get("verdict")) for r in rows[1:]
+                if r.get("verdict")]
+    return [table, *verdicts, view.figures()]
+
+
+def _recipe_text(recipe: Any) -> str:
+    if not isinstance(recipe, dict):
+        return ""
+    return ", ".join(f"{key} {value}" for key, value in recipe.items())
+
+
 def _render_quantize(data: dict, view: _View) -> list[str]:
     """The variant's figures, then what int8 may quantize (each op set tried), the automatic
     exclusion's steps, where a slower variant's time grew, and the diagnosis's worst layers."""

@@ -585,6 +585,40 @@ def benchmark(report: dict) -> Figure | None:
     return fig
 
 
+def compression(report: dict) -> Figure | None:
+    """Validation accuracy against latency at the judged batch size, one point per variant
+    (fp32 a black star, the served one ringed), so a variant up and to the left is better."""
+    data = section(report, "compression")
+    rows = [r for r in (data or {}).get("variants") or [] if isinstance(r, dict)
+            and number(r.get("latency_ms")) is not None
+            and number(r.get("val_accuracy") if r.get("val_accuracy") is not None
+                       else r.get("test_accuracy")) is not None]
+    if not rows:
+        return None
+    fig = new_figure(6.0, 3.4 + 0.17 * len(rows))
+    place(fig, left=0.75, right=0.2, bottom=0.75 + 0.17 * len(rows), top=0.3)
+    ax = fig.subplots()
+    for index, row in enumerate(rows):
+        latency = number(row["latency_ms"])
+        score = number(row.get("val_accuracy") if row.get("val_accuracy") is not None
+                       else row.get("test_accuracy"))
+        fp32 = row.get("name") == "fp32"
+        color = "black" if fp32 else PALETTE[index % len(PALETTE)]
+        label = plain(row.get("name"), 40) + (" (served)" if row.get("served") else "")
+        ax.plot([latency], [score], marker="*" if fp32 else "os^DvPX"[index % 7], color=color,
+                linestyle="none", markersize=11 if fp32 else 7, label=label)
+        if row.get("served"):
+            ax.plot([latency], [score], marker="o", markersize=16, markerfacecolor="none",
+                    markeredgecolor=color, linestyle="none")
+    batch = (data or {}).get("batch_size")
+    ax.set_xlabel(f"p50 latency per batch of {batch} (ms)" if batch else "p50 latency (ms)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_xlim(0, max(number(r["latency_ms"]) for r in rows) * 1.15 or 1.0)
+    ax.set_title("Accuracy against latency per variant (fp32: the star)", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(-0.1, -0.17), frameon=False)
+    return fig
+
+
 # ----------------------------------------------------------------------------- TTA
 
 

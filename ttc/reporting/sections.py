@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration, format_dropped,
+from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration,
+                                   format_compression, format_dropped,
                                    format_engine, format_evaluation, format_iterative,
                                    format_profile, format_quantize_details, format_training,
                                    format_ttt)
@@ -126,6 +127,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("export", "ONNX export", EXPORT_KEYS),
     Section("quantize", "Quantization", QUANTIZE_KEYS, format_quantize_details, page="quantize"),
     Section("fp16", "FP16", FP16_KEYS),
+    Section("compression", "Compression (pruning, quantization-aware training)",
+            details=format_compression, page="compression", plots=("compression",)),
     Section("inference", "Inference (ONNX Runtime)", INFERENCE_KEYS),
     Section("profile", "Profile (ONNX Runtime)", details=format_profile, page="profile",
             summary_after="tta", json_after="engine"),
@@ -157,6 +160,8 @@ PLOT_CAPTIONS: dict[str, str] = {
     "ttt_shifts": "test-time training: accuracy per shift",
     "benchmark": "benchmark: latency, throughput and accuracy per variant",
     "tta": "test-time augmentation",
+    "compression": "compression: validation accuracy against latency per variant (fp32 "
+                   "marked), at the judged batch size",
 }
 PLOT_NAMES: tuple[str, ...] = tuple(PLOT_CAPTIONS)
 assert {p for s in SECTIONS for p in s.plots} == set(PLOT_NAMES), "a plot without its section"

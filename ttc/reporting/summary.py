@@ -151,6 +151,35 @@ def format_benchmark(rows: list[dict]) -> list[str]:
         f"{r['throughput_per_s']:>14.0f}" for r in rows]
 
 
+def format_compression(section: dict) -> list[str]:
+    """One line per variant (fp32 first): size, accuracy, latency and speed-up at the judged
+    batch size, and which one inference serves; then each verdict."""
+    batch = section.get("batch_size")
+    header = (f"  {'variant':<30} {'params':>10} {'MACs':>12} {'size KB':>9} {'val acc':>8} "
+              f"{'test acc':>8} {f'ms@{batch}':>9} {'speedup':>8}  served")
+    lines = [header]
+    for row in section["variants"]:
+        lines.append(
+            f"  {row['name']:<30} {_count(row.get('params')):>10} {_count(row.get('macs')):>12} "
+            f"{_scaled(row.get('size_bytes'), 1024, 1):>9} {_fixed(row.get('val_accuracy')):>8} "
+            f"{_fixed(row.get('test_accuracy')):>8} {_fixed(row.get('latency_ms'), 3):>9} "
+            f"{_fixed(row.get('speedup'), 2):>7}x  {'yes' if row.get('served') else ''}")
+    lines += [f"  {row['name']}: {row['verdict']}" for row in section["variants"][1:]]
+    return lines
+
+
+def _count(value: Any) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
+def _scaled(value: Any, unit: int, digits: int) -> str:
+    return "n/a" if value is None else f"{value / unit:.{digits}f}"
+
+
+def _fixed(value: Any, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def format_ttt(ttt: dict) -> list[str]:
     """Accuracy without and with each adaptation method, clean and per corruption."""
     methods = [m for m in ("bn", "tent") if ttt["clean"].get(f"accuracy_{m}") is not None]

@@ -69,14 +69,20 @@ class BundlePaths:
         """A file the manifest's network or preprocessing needs: "model_def", "tokenizer"."""
         return {"model_def": self.model_def, "tokenizer": self.tokenizer}[key]
 
-    GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble")
+    GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble", "pruned", "qat", "pruned_qat")
 
     def files(self) -> dict[str, Path]:
         """Every file a bundle may hold, by what it is."""
         return {"manifest": self.manifest, "weights": self.weights,
+                **{f"{key} weights": self.variant_weights(key)
+                   for key in ("pruned", "qat", "pruned_qat")},
                 "model definition": self.model_def, "tokenizer": self.tokenizer,
                 **{f"{key} graph" if key != "onnx" else "graph": self.variant(key)
                    for key in self.GRAPH_KEYS}}
+
+    def variant_weights(self, key: str) -> Path:
+        """A compressed variant's weights ("pruned", "qat", "pruned_qat"): model.<key>.pt."""
+        return self.onnx.with_suffix(f".{key}.pt")
 
     def variant(self, key: str) -> Path:
         """The graph file of a variant: "onnx" (fp32), "int8", "fp16", or of an extra graph:
@@ -218,15 +224,20 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: Manifest, variant: str 
            "fp16": f"python quantize.py --output_model {paths.onnx} --fp16 true",
            "bn": f"python export.py --output_model {paths.onnx}",
            "mc": f"python export.py --output_model {paths.onnx}",
-           "ensemble": f"python pipeline.py ... --ensemble_size N --output_model {paths.onnx}"
-           }[variant]
+           "ensemble": f"python pipeline.py ... --ensemble_size N --output_model {paths.onnx}",
+           **{key: f"python pipeline.py ... --prune RATIO --qat true --output_model {paths.onnx}"
+              for key in ("pruned", "qat", "pruned_qat")}}[variant]
     if not manifest.files.name(variant) or not expected:
         what = {"onnx": "exported ONNX graph", "int8": "int8 graph", "fp16": "fp16 graph",
                 "bn": "BatchNorm adaptation graph (bundles exported before test-time training "
                       "existed lack it)",
                 "mc": "MC-dropout graph (a model without dropout, or a bundle exported before "
                       "MC-dropout existed, has none)",
-                "ensemble": "ensemble graph (train one with --ensemble_size N)"}[variant]
+                "ensemble": "ensemble graph (train one with --ensemble_size N)",
+                "pruned": "pruned graph (train one with --prune RATIO)",
+                "qat": "quantization-aware int8 graph (train one with --qat true)",
+                "pruned_qat": "pruned int8 graph (train one with --prune RATIO --qat true)"
+                }[variant]
         raise ExportError(f"bundle {paths.manifest} has no {what} yet", f"run: {fix}")
     info = bundle_file(path, "graph")  # a link, a FIFO or a 1 TB file: refused unread
     if info is None:
@@ -457,6 +468,16 @@ def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict
         manifest["files"][key] = paths.variant(key).name
         manifest["files"]["sha256"][key] = hashes[key]
         manifest["extra_graphs"][key] = {"file": paths.variant(key).name, **info}
+
+
+def write_manifest_section(paths: BundlePaths, typed: Manifest, key: str, section: dict) -> None:
+    """Replace one top-level section of the manifest ("compression": the gate's verdicts),
+    atomically; the graphs it names stay as they are."""
+    manifest = typed.to_json_dict()
+    manifest[key] = section
+    with staged_files() as stage:
+        stage(paths.manifest, lambda tmp: tmp.write_text(manifest_text(manifest),
+                                                          encoding="utf-8"))
 
 
 def record_variant(paths: BundlePaths, typed: Manifest, key: str, data: bytes,

@@ -157,6 +157,58 @@ class Variant:
                    used_for_inference=entry.get("used_for_inference"))
 
 
+COMPRESSED_VARIANTS = ("pruned", "qat", "pruned_qat")  # in the order training makes them
+
+
+@dataclass(frozen=True)
+class CompressedVariant:
+    """A compressed network (--prune, --qat): how to rebuild it from the manifest's architecture
+    (its parameter shapes, whether it is fake-quantized, its weights file) and, once judged,
+    the gate's verdict."""
+
+    name: str
+    quantized: bool = False
+    shapes: Mapping[str, tuple[int, ...]] | None = None
+    weights: str | None = None
+    verdict: str | None = None
+    used_for_inference: bool | None = None  # passed the gate
+    speedup: float | None = None  # fp32's latency / its own, at the judged batch size
+    entry: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, entry: Mapping) -> "CompressedVariant":
+        shapes = entry.get("shapes")
+        return cls(name=entry["name"], quantized=bool(entry.get("quantized")),
+                   shapes=None if shapes is None else {k: tuple(v) for k, v in shapes.items()},
+                   weights=entry.get("weights"), verdict=entry.get("verdict"),
+                   used_for_inference=entry.get("used_for_inference"),
+                   speedup=entry.get("speedup"), entry=dict(entry))
+
+    def as_variant(self) -> Variant:
+        return Variant(mode=self.name, verdict=self.verdict,
+                       used_for_inference=self.used_for_inference)
+
+
+@dataclass(frozen=True)
+class Compression:
+    """The manifest's compression record: the variants training made and the graph the gate
+    chose to serve ("onnx", "int8" or a variant's name; None before it judged)."""
+
+    variants: tuple[CompressedVariant, ...] = ()
+    served: str | None = None
+
+    @classmethod
+    def from_dict(cls, entry: Any) -> "Compression | None":
+        if not isinstance(entry, dict):
+            return None
+        return cls(variants=tuple(CompressedVariant.from_dict(v)
+                                  for v in entry.get("variants") or ()),
+                   served=entry.get("served"))
+
+    def get(self, name: str) -> CompressedVariant | None:
+        return next((v for v in self.variants if v.name == name), None)
+
+
 @dataclass(frozen=True)
 class ExtraGraph:
     """A graph besides model.onnx (bn, mc, ensemble): its file, its averages' temperature,
@@ -277,6 +329,7 @@ class Manifest:
     calibration: Calibration | None = None
     quantization: Variant | None = None
     fp16: Variant | None = None
+    compression: Compression | None = None
     extra_graphs: ExtraGraphs = field(default_factory=ExtraGraphs)
     files: BundleFiles = field(default_factory=BundleFiles)
     created: str | None = None
@@ -297,6 +350,7 @@ class Manifest:
                                 if isinstance(calibration, dict) else None),
                    quantization=Variant.from_dict(raw.get("quantization")),
                    fp16=Variant.from_dict(raw.get("fp16")),
+                   compression=Compression.from_dict(raw.get("compression")),
                    extra_graphs=ExtraGraphs.from_dict(raw.get("extra_graphs")),
                    files=BundleFiles.from_dict(raw.get("files")), created=raw.get("created"),
                    _json=raw)
@@ -321,7 +375,10 @@ class Manifest:
         return len(self.labels)
 
     def variant(self, key: str) -> Variant | None:
-        """What quantize.py recorded of "int8" or "fp16"."""
+        """What quantize.py recorded of "int8" or "fp16", or the gate of a compressed variant."""
+        if key in COMPRESSED_VARIANTS:
+            compressed = self.compression.get(key) if self.compression else None
+            return compressed.as_variant() if compressed else None
         return self.quantization if key == "int8" else self.fp16 if key == "fp16" else None
 
 

@@ -242,6 +242,14 @@ CALIBRATION = record({"temperature": POSITIVE, "method": STRING, "fitted_on": ST
                       "rule": optional(STRING)}, required=("temperature", "method"))
 VARIANT = record({"mode": optional(STRING), "verdict": optional(STRING),
                   "used_for_inference": optional(either(True, False))})
+COMPRESSED = record({
+    "name": text(("pruned", "qat", "pruned_qat")), "quantized": either(True, False),
+    "weights": optional(_must("a bare file name", _is_file_name)),
+    "shapes": optional(mapping(list_of(COUNT))),  # a scalar buffer's shape is []
+    "verdict": optional(STRING), "used_for_inference": optional(either(True, False)),
+    "speedup": optional(FINITE)}, required=("name", "quantized"))
+COMPRESSION = record({"variants": list_of(COMPRESSED),
+                      "served": optional(text(("onnx", "int8", "pruned", "qat", "pruned_qat")))})
 EXTRA_GRAPHS = record({
     "bn": record({"file": STRING}),
     "mc": record({"temperature": optional(POSITIVE),
@@ -271,7 +279,8 @@ SECTIONS: dict[str, tuple[Check, bool]] = {
     "architecture": (ARCHITECTURE, True), "dataset": (DATASET, True),
     "training": (ANY_OBJECT, False), "calibration": (optional(CALIBRATION), False),
     "export": (ANY_OBJECT, False), "quantization": (optional(VARIANT), False),
-    "fp16": (optional(VARIANT), False), "extra_graphs": (optional(EXTRA_GRAPHS), False),
+    "fp16": (optional(VARIANT), False), "compression": (optional(COMPRESSION), False),
+    "extra_graphs": (optional(EXTRA_GRAPHS), False),
     "files": (optional(_files_problem), False)}
 
 

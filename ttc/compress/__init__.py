@@ -1,0 +1,1 @@
+"""Compression before export: pruning and quantization-aware training."""
