@@ -5,6 +5,7 @@ pruned shapes) are tested in test_compress_qat.py and test_compress_pruning.py."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -93,8 +94,21 @@ def test_the_report_has_one_compression_row_per_variant_fp32_first(compressed):
     inference = compressed["report"]["inference"]["model_path"]
     expected = {"fp32": "model.onnx", "int8 static (post-training)": "model.int8.onnx"}
     assert inference.endswith(expected.get(served["name"], f"model.{served['name']}.onnx"))
-    assert (compressed["dir"] / "plots" / "compression.png").is_file() or \
-        "compression" in compressed["report"]["plots"]
+    plot = Path(compressed["report"]["plots"]["compression"])
+    assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = Path(compressed["report"]["html"]).read_text(encoding="utf-8")
+    assert "Compression" in page and "pruned_qat" in page and "accuracy against latency" in page
+
+
+def test_test_time_augmentation_runs_on_a_compressed_variant(compressed, tmp_path):
+    """--tta puts its views around the variant's own graph (a QDQ graph here)."""
+    run = run_cli("inference.py", "--model", compressed["model"], "--dataset_path",
+                  compressed["dir"] / "digits", "--variant", "qat", "--tta", "true",
+                  "--report_json", tmp_path / "r.json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["inference"]["model_path"].endswith("model.qat.onnx")
+    assert report["tta"]["accuracy"] is not None and report["tta"]["verdict"]
 
 
 @pytest.mark.parametrize("variant", ["qat", "pruned"])
