@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -634,17 +633,14 @@ def write_bundle(model: onnx.ModelProto, net: torch.nn.Module, result: ExportRes
     """Weights, graphs and the manifest that names them by hash, all written to temporary
     files first and then moved into place, manifest last (utils.StagedFiles): a run killed
     while writing leaves the previous bundle as it was."""
-    import torch
-
-    from ttc.nets.models import side_files
+    from ttc.nets.models import side_files, weights_bytes
 
     paths, manifest, draft = result.paths, result.manifest, result.draft
     extras = extras or {}
-    weights = io.BytesIO()  # serialised first: torch's own writer hides a full disk's OSError
-    torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, weights)
+    weights = weights_bytes(net)
     with staged_files() as stage:
         hashes = {"weights": sha256_of(stage(paths.weights,
-                                             lambda tmp: tmp.write_bytes(weights.getvalue())))}
+                                             lambda tmp: tmp.write_bytes(weights)))}
         for key, data in side_files(manifest).items():
             hashes[key] = sha256_of(stage(paths.side_file(key),
                                           lambda tmp, d=data: tmp.write_bytes(d)))
@@ -736,9 +732,8 @@ def export_compressed(config: Config, variants: Sequence, paths: BundlePaths,
                       held_out: np.ndarray, train_samples: np.ndarray) -> list[CompressedGraph]:
     """Every compressed variant exported and checked, then written with its weights and the
     manifest that names them, staged together (graphs first, manifest last)."""
-    import torch
-
     from ttc.compress.variants import compression_record
+    from ttc.nets.models import weights_bytes
 
     manifest = read_manifest(paths)
     samples = check_samples(held_out, train_samples, manifest.input)
@@ -746,13 +741,10 @@ def export_compressed(config: Config, variants: Sequence, paths: BundlePaths,
     draft = manifest.to_json_dict()
     with staged_files() as stage:
         for variant, graph in zip(variants, graphs):
-            weights = io.BytesIO()
-            torch.save({k: v.detach().cpu().contiguous()
-                        for k, v in variant.net.state_dict().items()}, weights)
             weights_path = paths.variant_weights(variant.name)
             draft["files"][f"weights_{variant.name}"] = weights_path.name
             draft["files"]["sha256"][f"weights_{variant.name}"] = sha256_of(
-                stage(weights_path, lambda tmp, b=weights.getvalue(): tmp.write_bytes(b)))
+                stage(weights_path, lambda tmp, b=weights_bytes(variant.net): tmp.write_bytes(b)))
             model = stamp_contract(graph.model, manifest)
             draft["files"][variant.name] = paths.variant(variant.name).name
             draft["files"]["sha256"][variant.name] = sha256_of(

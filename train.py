@@ -71,11 +71,9 @@ def compress_stage(config: Config, trained: TrainedModel, dataset: Dataset, repo
     exports and checks them, the gate judges them). In the report: train.compression."""
     if not config.compresses():
         return
-    from ttc.compress.variants import compress_trained, example_input, fp32_record
+    from ttc.compress.variants import compress_trained
 
-    example = example_input(dataset.train.x, dataset.preprocessing.get("pad_id", 0))
-    trained.fp32_record = fp32_record(trained.net, example)
-    trained.compressed = compress_trained(config, trained, dataset)
+    trained.compressed, trained.fp32_record = compress_trained(config, trained, dataset)
     report["train"]["compression"] = [
         {"name": v.name, "recipe": v.recipe, "params": v.params, "macs": v.macs,
          "channels": v.channels, "val_accuracy_torch": v.val_accuracy_torch,

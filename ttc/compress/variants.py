@@ -130,10 +130,12 @@ def taylor_batches(dataset: "Dataset", batch_size: int, seed: int
 
 
 def compress_trained(config: "Config", trained: "TrainedModel", dataset: "Dataset"
-                     ) -> list[CompressedNet]:
-    """The variants --prune and --qat ask for, in order: pruned, qat, pruned_qat."""
+                     ) -> tuple[list[CompressedNet], dict]:
+    """The variants --prune and --qat ask for, in order (pruned, qat, pruned_qat), and the
+    trained network's own parameters and MACs (the compression table's first row)."""
     tune = FineTuner(config, trained, dataset)
     example = example_input(dataset.train.x, dataset.preprocessing.get("pad_id", PAD_ID))
+    fp32 = fp32_record(trained.net, example)
     made: dict[str, CompressedNet] = {}
     for name, recipe in config.compress_recipes():
         started = time.perf_counter()
@@ -150,7 +152,7 @@ def compress_trained(config: "Config", trained: "TrainedModel", dataset: "Datase
                  name, f"{variant.params:,}", f"{variant.macs:,}",
                  "n/a" if variant.val_accuracy_torch is None
                  else f"{variant.val_accuracy_torch:.4f}", variant.seconds)
-    return list(made.values())
+    return list(made.values()), fp32
 
 
 def split_accuracy_of(net: nn.Module, dataset: "Dataset") -> float | None:

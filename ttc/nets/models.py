@@ -647,11 +647,18 @@ def count_parameters(net: nn.Module) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
-def save_weights(net: nn.Module, path: Path) -> str:
-    """Write the state_dict (tensors only, no pickled code) atomically; return its sha256."""
-    buffer = io.BytesIO()  # serialised first: torch's own file writer hides a full disk's OSError
+def weights_bytes(net: nn.Module) -> bytes:
+    """The state_dict (tensors only, no pickled code) as a weights file's bytes, serialised in
+    memory first: torch's own file writer hides a full disk's OSError."""
+    buffer = io.BytesIO()
     torch.save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, buffer)
-    atomic_write(path, lambda tmp: tmp.write_bytes(buffer.getvalue()))
+    return buffer.getvalue()
+
+
+def save_weights(net: nn.Module, path: Path) -> str:
+    """Write the state_dict (weights_bytes) atomically; return its sha256."""
+    data = weights_bytes(net)
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
     return sha256_of(path)
 
 
