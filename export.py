@@ -110,6 +110,59 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
                           "try the default --opset 18, or --log_level DEBUG for details") from None
 
 
+@dataclass
+class TracedGraphs:
+    """The graphs export_bundle checks, from one trace (trace_graphs)."""
+
+    deployable: onnx.ModelProto  # optimised: model.onnx before slimming
+    adaptation: onnx.ModelProto | None  # BatchNorm nodes kept (None without BatchNorm)
+    sampling: onnx.ModelProto | None  # Dropout nodes in training mode (None without dropout)
+
+
+def dropout_layers(net: torch.nn.Module) -> list:
+    import torch
+
+    return [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+
+
+def sampling_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the network in eval mode but for its Dropout layers: what MC-dropout samples."""
+    import torch
+
+    sampling = copy.deepcopy(net).eval()
+    for module in sampling.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.train()
+            module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
+    return sampling
+
+
+def trace_graphs(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: InputSpec,
+                 output_names: Sequence[str], temperature: float) -> TracedGraphs:
+    """The deployable graph, and the adaptation and MC-dropout graphs where the network has
+    BatchNorm or dropout, from one unoptimised export of it with Dropout in training mode
+    (ttc/convert/graphs.py says why and what was measured). A Dropout whose mask the network
+    reads gets the deployable graph exported on its own."""
+    import torch
+
+    from ttc.convert.graphs import optimised, without_dropout
+
+    batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
+    dropout = bool(dropout_layers(net))
+    if not batchnorm and not dropout:
+        return TracedGraphs(export_graph(net, example, opset, input_spec, output_names,
+                                         temperature=temperature), None, None)
+    raw = export_graph(sampling_copy(net) if dropout else net, example, opset, input_spec,
+                       output_names, optimize=False, keep_modes=dropout, temperature=temperature)
+    eval_raw = without_dropout(raw) if dropout else raw
+    if eval_raw is None:
+        eval_raw = export_graph(net, example, opset, input_spec, output_names, optimize=False,
+                                temperature=temperature)
+    deployable = mark_padding_id(optimised(eval_raw), input_spec)
+    return TracedGraphs(deployable, fold_constants(eval_raw) if batchnorm else None,
+                        mark_padding_id(optimised(raw), input_spec) if dropout else None)
+
+
 STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
 
 
@@ -372,8 +425,9 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: Manifest | dic
     samples = check_samples(held_out, train_samples, manifest.input)
     spec = manifest.input
     temperature = manifest.temperature
-    exported = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
-                            temperature=temperature)
+    traced = trace_graphs(net, export_example(samples, spec), config.opset, spec, output_names,
+                          temperature)
+    exported = traced.deployable
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     check = compare_with_torch(slimmed, net, samples, manifest.input, config.validate_atol,
@@ -392,10 +446,11 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: Manifest | dic
         result.size_bytes = slimmed.ByteSize()
         result.seconds = round(time.perf_counter() - started, 3)
     extras: dict[str, ExtraGraph] = {}
-    adaptation = export_adaptation_graph(net, samples, slimmed, config, manifest)
+    adaptation = export_adaptation_graph(net, traced.adaptation, samples, slimmed, config,
+                                         manifest)
     if adaptation is not None:
         extras["bn"] = adaptation
-    mc = export_mc_dropout_graph(net, samples, slimmed, config, manifest, val)
+    mc = export_mc_dropout_graph(net, traced.sampling, samples, slimmed, config, manifest, val)
     if mc is not None:
         extras["mc"] = mc
     if members:
@@ -467,22 +522,17 @@ def _require_close(diff: float, what: str, config: Config) -> None:
                           "raise --validate_atol, or report it")
 
 
-def export_adaptation_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
-                            config: Config, manifest: Manifest) -> ExtraGraph | None:
-    """The graph test-time training adapts: exported unoptimised and not slimmed, so that its
-    BatchNormalization nodes survive (the deployable graph has them folded into Conv/Gemm).
-    Checked against the deployable graph on the same samples. None without BatchNorm: tent then
-    adapts the LayerNorm/GroupNorm nodes of the deployable graph itself (check_norms_adaptable)."""
-    import torch
-
-    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+def export_adaptation_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
+                            samples: np.ndarray, slimmed: onnx.ModelProto, config: Config,
+                            manifest: Manifest) -> ExtraGraph | None:
+    """The graph test-time training adapts (`graph`, trace_graphs' adaptation graph):
+    unoptimised and not slimmed, so that its BatchNormalization nodes survive (the deployable
+    graph has them folded into Conv/Gemm). Checked against the deployable graph on the same
+    samples. None without BatchNorm: tent then adapts the LayerNorm/GroupNorm nodes of the
+    deployable graph itself (check_norms_adaptable)."""
+    if graph is None:
         check_norms_adaptable(net, slimmed)
         return None
-    output_names = list(manifest.output_names)
-    spec = manifest.input
-    graph = export_graph(net, export_example(samples, spec), config.opset, spec, output_names,
-                         optimize=False, temperature=manifest.temperature)
-    graph = fold_constants(graph)
     check_graph(graph)
     diff = _max_diff_to(graph, slimmed, samples, config, manifest)
     _require_close(diff, "BatchNorm adaptation graph", config)
@@ -517,29 +567,19 @@ def check_norms_adaptable(net: torch.nn.Module, slimmed: onnx.ModelProto) -> Non
              "layers of the exported graph itself", len(layers))
 
 
-def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: onnx.ModelProto,
-                            config: Config, manifest: Manifest,
-                            val: tuple[np.ndarray, np.ndarray] | None = None
+def export_mc_dropout_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
+                            samples: np.ndarray, slimmed: onnx.ModelProto, config: Config,
+                            manifest: Manifest, val: tuple[np.ndarray, np.ndarray] | None = None
                             ) -> ExtraGraph | None:
-    """The graph MC-dropout samples: the network with its Dropout layers in training mode,
-    exported as usual but not slimmed (onnxslim drops Dropout). With ONNX Runtime's default
-    optimisations (EliminateDropout) it must equal the deployable graph: that checks the rest
-    of it. Its passes are averaged from their logits, and the average gets its own temperature
-    (fitted on `val` with --iterations passes). None without dropout."""
-    import torch
-
-    dropouts = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if not dropouts:
+    """The graph MC-dropout samples (`graph`, trace_graphs' sampling graph): the network with
+    its Dropout layers in training mode, optimised but not slimmed (onnxslim drops Dropout).
+    With ONNX Runtime's default optimisations (EliminateDropout) it must equal the deployable
+    graph: that checks the rest of it. Its passes are averaged from their logits, and the
+    average gets its own temperature (fitted on `val` with --iterations passes). None without
+    dropout."""
+    if graph is None:
         return None
-    output_names = list(manifest.output_names)
-    sampling = copy.deepcopy(net).eval()
-    for module in sampling.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.train()
-            module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
-    graph = export_graph(sampling, export_example(samples, manifest.input), config.opset,
-                         manifest.input, output_names, keep_modes=True,
-                         temperature=manifest.temperature)
+    dropouts = dropout_layers(net)
     check_graph(graph)
     layers = sum(n.op_type == "Dropout" for n in graph.graph.node)  # a module used twice: 2
     if layers == 0:
@@ -550,6 +590,7 @@ def export_mc_dropout_graph(net: torch.nn.Module, samples: np.ndarray, slimmed: 
     info = {"purpose": "MC-dropout: Dropout nodes in training mode, not slimmed; run with "
             "EliminateDropout disabled", "dropout_layers": layers, "rates": [m.p for m in dropouts]}
     if calibrating(manifest, val):
+        sampling = sampling_copy(net)
         passes = [softmax(network_logits(sampling, val[0], manifest.input,
                                             seed=config.seed + k))
                   for k in range(config.iterations)]
