@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -97,7 +98,9 @@ def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_sp
     dynamic = tuple({axis: dims[name] for axis, name in enumerate(input_spec.shape)
                      if isinstance(name, str)} for _ in feed)
     try:
-        with stdout_to_stderr(), torchlib_registry_built_once():
+        with stdout_to_stderr(), torchlib_registry_built_once(), warnings.catch_warnings():
+            # keep_modes: the wrapper and the Dropout layers are in training mode on purpose
+            warnings.filterwarnings("ignore", "Exporting a model while it is in training mode")
             program = torch.onnx.export(
                 wrapper, tuple(torch.from_numpy(v) for v in feed.values()),
                 input_names=list(feed), output_names=list(output_names), dynamic_shapes=dynamic,

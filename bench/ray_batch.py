@@ -15,8 +15,8 @@
    the input size where Ray starts to pay off on this machine follows.
 
 --quick: 2,000 rows and 300 texts, 1 epoch, one timing of each, the local engine with 1 thread
-against Ray on a local cluster of at most 2 CPUs, without the 100-row runs (one Ray start per
-kind of data).
+against Ray on a local cluster of at most 2 CPUs on the tabular input (the texts: the local
+engine only), without the 100-row runs: one Ray start.
 """
 from __future__ import annotations
 
@@ -203,16 +203,16 @@ def parquet_goal(model: Path, work: Path, rows: int, batch_size: int, repeats: i
 
 
 def engines(name: str, model: Path, data: Path, rows: int, work: Path, workers: int,
-            batch_args: list, small: Path | None) -> None:
+            batch_args: list, small: Path | None, ray: bool = True) -> None:
     """Each engine on `data` and on the 100-row `small` input (None, under --quick: the local
     engine with 2 threads and the 100-row runs left out, so Ray's start-up cost is not told
-    apart)."""
+    apart); ray=False (--quick's second input) leaves the Ray engine out too."""
     print(f"\n2. {name}, {rows:,} rows:")
     results = {}
     for label, args in (("local, 1 thread", []), ("local, 2 threads", ["--num_threads", 2]),
                         (f"ray, {workers} workers x 1 thread",
                          ["--engine", "ray", "--num_workers", workers])):
-        if small is None and label == "local, 2 threads":
+        if (small is None and label == "local, 2 threads") or (not ray and "ray" in label):
             continue
         wall, report = run(model, data, work / "out.parquet", *batch_args, *args)
         small_wall = run(model, small, work / "small.parquet", *batch_args, *args)[0] \
@@ -224,6 +224,9 @@ def engines(name: str, model: Path, data: Path, rows: int, work: Path, workers: 
         small_part = f"; 100 rows: {small_wall:5.1f} s" if small else ""
         print(f"   {label:<26} {wall:7.1f} s wall = {rows / wall:>9,.0f} rows/s{small_part}"
               f"{extra}")
+    if not ray:
+        print("   ray: not run (--quick: one Ray cluster, on the first input, is its smoke test)")
+        return
     local_wall, local_small = results["local, 1 thread"]
     ray_wall, ray_small = results[f"ray, {workers} workers x 1 thread"]
     print(f"   ray / local (1 thread) rows/s, whole command: {local_wall / ray_wall:.2f}x",
@@ -306,7 +309,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
     write_texts(work / "texts_small.csv", 100, texts)
     engines(name, text_paths.onnx, work / "texts.csv", args.texts, work, args.workers,
             ["--batch_size", args.text_batch_size, "--text_column", TEXT_HEADER],
-            None if args.quick else work / "texts_small.csv")
+            None if args.quick else work / "texts_small.csv", ray=not args.quick)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ class ClassifierProgram(dspy.Module):
         self.input_field = input_field
         self.tokenizer = tokenizer
         self.pad_id = pad_id
+        self._batched: dict[int, np.ndarray] | None = None  # id(input) → probabilities
 
     def encode(self, values: Sequence) -> np.ndarray:
         """Program inputs → the network's input array."""
@@ -62,10 +63,28 @@ class ClassifierProgram(dspy.Module):
         return np.stack(values)
 
     def forward(self, **inputs) -> dspy.Prediction:
-        probabilities = self.predict_proba(self.encode([inputs[self.input_field]]))[0]
+        value = inputs[self.input_field]
+        probabilities = self._batched.get(id(value)) if self._batched is not None else None
+        if probabilities is None:
+            probabilities = self.predict_proba(self.encode([value]))[0]
         best = int(probabilities.argmax())
         return dspy.Prediction(label=self.labels[best], confidence=float(probabilities[best]),
                                probabilities=probabilities)
+
+    @contextlib.contextmanager
+    def batched_for(self, examples: Sequence[dspy.Example]):
+        """Within the block, forward() on one of these examples' inputs (the same object, as
+        dspy.Evaluate passes it) returns probabilities computed here for all of them in batches:
+        Evaluate calls the program one example at a time, and the network run on one input
+        costs nearly as much as on 256 (builtin:digits, 269 validation images, 6 epochs: the
+        training stage 4.6 → 4.0 s, the same accuracy at every epoch)."""
+        values = [example[self.input_field] for example in examples]
+        probabilities = self.predict_proba(self.encode(values)) if values else []
+        self._batched = {id(v): p for v, p in zip(values, probabilities)}
+        try:
+            yield self
+        finally:
+            self._batched = None
 
     def predict_proba(self, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
         return torch.softmax(torch.from_numpy(self.predict_logits(pixels, batch_size)), -1).numpy()
@@ -296,7 +315,7 @@ class WeightTrainer(Teleprompter):
             recalibrate_batchnorm(program.net, x[torch.randperm(len(x), generator=generator)],
                                   self.batch_size)
             self._check_weights(program.net, epoch)
-            with stdout_to_stderr():
+            with stdout_to_stderr(), program.batched_for(evaluate.devset):
                 evaluated = evaluate(program)
             raise_if_interrupted()
             score = evaluated.score / 100.0
@@ -470,7 +489,7 @@ class CandidateSearch(Teleprompter):
                     raise
                 self._skip(index, err)
                 continue
-            with stdout_to_stderr():
+            with stdout_to_stderr(), program.batched_for(devset):
                 score = evaluate(program).score / 100.0
             raise_if_interrupted()
             loss = validation_loss(program, devset)
