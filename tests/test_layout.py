@@ -48,8 +48,10 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def short(graph: dict[str, set[str]], name: str) -> set[str]:
-    """What `name` (a module's last part) imports, by last parts."""
-    [full] = [m for m in graph if m.rpartition(".")[2] == name and m != PACKAGE]
+    """What the layer module `name` (its last part; a model type's own code of the same name,
+    e.g. ttc.tasks.segment.metrics, is not it) imports, by last parts."""
+    [full] = [m for m in graph if m.rpartition(".")[2] == name and m != PACKAGE
+              and not is_type_code(m)]
     return {m.rpartition(".")[2] for m in graph[full]}
 
 

@@ -1,0 +1,1 @@
+"""Semantic segmentation (`--model_type image_segmenter`): its data, networks and metrics."""

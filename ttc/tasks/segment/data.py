@@ -1,0 +1,391 @@
+"""Semantic segmentation data: `ROOT/images/*` paired with `ROOT/masks/*` by file stem, split
+and decoded by the image classifier's rules (ttc/inputs/data.py).
+
+- A mask is a PNG of class indices, 8-bit gray ("L") or palette ("P", as Pascal VOC: its index
+  values are read, never its colours). `ROOT/classes.txt` names the classes, one per line;
+  without it they are 0..K-1, K = 1 + the largest index in the masks read. `ignore_index`
+  (255) marks void pixels, kept as they are in `y`.
+- Images are decoded by the classifier's decoder (`decode_image_file`: every Pillow mode, the
+  channel rule, bilinear resize, [0, 1]); masks are resized with NEAREST, so no index appears
+  that the mask did not hold. One training size: the most common among the training images
+  (or --image_size).
+- Splits: ROOT/train, ROOT/val, ROOT/test each with images/ and masks/ (given), or
+  val_path/test_path roots, else cut from ROOT with the seeded val/test fractions (one class
+  for assign_splits: a seeded shuffle and cut). ROOT's classes.txt names every split's classes.
+- A bad pair is counted and skipped with its reason (`Dataset.skipped` holds its files,
+  `Dataset.dropped` one record per reason); DataError (exit 3) when nothing is left.
+
+No torch here.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ttc.inputs.data import (SPLITS, DataOptions, Dataset, Split, _channel_stats, _Item,
+                             _scan_image_headers, assign_splits)
+from ttc.inputs.limits import check_decoded_images
+from ttc.inputs.preprocess import decode_image_file, image_files
+from utils import LOG, DataError, first_line, progress, quoted, quoted_sample
+
+MODEL_TYPE = "image_segmenter"
+KIND = "segmentation"
+DEFAULT_IGNORE_INDEX = 255
+MASK_MODES = ("L", "P")  # 8-bit gray, palette: both hold one 8-bit index per pixel
+CLASSES_FILE = "classes.txt"
+MAX_CLASSES = 256  # a mask's indices are 8-bit
+MAX_CLASSES_FILE_BYTES = 1 << 20
+SHOWN_FILES = 10  # files a skip record names
+LAYOUT_HINT = ("lay it out as ROOT/images/NAME.png and ROOT/masks/NAME.png (a PNG of class "
+               "indices with the image's file stem), with an optional ROOT/classes.txt")
+
+# Why a pair is skipped (the records' `reason`, counted per reason).
+NO_MASK = "image without a mask"
+NO_IMAGE = "mask without an image"
+DUPLICATE = "second file with one stem"
+UNREADABLE_IMAGE = "unreadable image"
+UNREADABLE_MASK = "unreadable mask"
+MASK_MODE = "mask not 8-bit gray or palette"
+SIZE_MISMATCH = "mask size differs from its image"
+BEYOND_CLASSES = "class index beyond the class list"
+ALL_VOID = "all-void mask"
+
+
+@dataclass
+class Pair:
+    """One image and its mask, in one split."""
+
+    image: Path
+    mask: Path
+    root: Path  # the folder holding images/ and masks/
+    name: str  # the image's path under images/: the sample's id
+    split: str = "train"
+
+
+@dataclass
+class Skips:
+    """The pairs left out, with their reasons: `paths` (Dataset.skipped) and one record per
+    folder and reason (Dataset.dropped, in the shape of the classifier's dropped rows)."""
+
+    paths: list[str] = field(default_factory=list)
+    names: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    details: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def add(self, root: Path, reason: str, path: Path, detail: str = "") -> None:
+        key = (str(root), reason)
+        self.paths.append(str(path))
+        self.names.setdefault(key, []).append(path.relative_to(root).as_posix())
+        if detail:
+            self.details.setdefault(key, f"{path.name}: {detail}")
+
+    def count(self) -> int:
+        return len(self.paths)
+
+    def summary(self) -> str:
+        """'3 with an all-void mask, 1 with an unreadable image' (every folder together)."""
+        totals: Counter = Counter()
+        for (_, reason), names in self.names.items():
+            totals[reason] += len(names)
+        return ", ".join(f"{n} with {_a(reason)}" for reason, n in totals.most_common())
+
+    def records(self) -> list[dict]:
+        """One record per folder and reason, each with one WARNING naming the first files."""
+        out = []
+        for (root, reason), names in self.names.items():
+            first = names[:SHOWN_FILES]
+            more = f" and {len(names) - len(first)} more" if len(names) > len(first) else ""
+            said = self.details.get((root, reason))
+            detail = f" (first: {said})" if said else ""
+            LOG.warning("skipped %d image/mask pairs of %s with %s (%s%s)%s", len(names), root,
+                        _a(reason), ", ".join(first), more, detail)
+            out.append({"file": root, "reason": reason, "count": len(names), "first_rows": first})
+        return out
+
+
+class _Skip(Exception):
+    """A pair that cannot be used, and why."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+# ----------------------------------------------------------------------------- public entry
+
+
+def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | None = None,
+                              labels: Sequence[str] | None = None,
+                              splits: Sequence[str] = SPLITS) -> Dataset:
+    """Find, split and decode a segmentation data set (Parts.reader's contract). With a
+    bundle's `preprocessing` and `labels` its image size, channels, ignore index and classes
+    are used; otherwise they are derived (the size and channels from the training images)."""
+    skips = Skips()
+    pairs, given, root = list_pairs(options, skips)
+    names = list(labels) if labels is not None else read_classes(root)
+    derived = preprocessing is None
+    if derived:
+        preprocessing = derive_preprocessing(pairs, options)
+    else:  # the bundle's image size, whatever it claims, times the user's images
+        kept = sum(p.split in splits for p in pairs)
+        check_decoded_images(preprocessing, kept, f"the {' and '.join(splits)} split"
+                             + ("s" if len(splits) > 1 else ""))
+    decoded = {split: decode_split([p for p in pairs if p.split == split], preprocessing,
+                                   None if names is None else len(names), skips, options, split)
+               for split in splits}
+    _require_pairs_left(decoded, skips, options)
+    if names is None:
+        names = index_names(decoded, preprocessing["ignore_index"], options.path)
+    if derived and "train" in decoded:
+        preprocessing = dict(preprocessing, **_channel_stats(decoded["train"].x))
+    counts = Counter(p.split for p in pairs)
+    for split, data in decoded.items():
+        counts[split] = len(data)
+    return Dataset(model_type=MODEL_TYPE, labels=names, preprocessing=preprocessing,
+                   splits=decoded, counts={s: counts.get(s, 0) for s in SPLITS},
+                   given_splits=given, options=options, skipped=skips.paths,
+                   dropped=skips.records())
+
+
+def ignore_index_of(options: DataOptions) -> int:
+    """--ignore_index where DataOptions carries it, else 255."""
+    value = getattr(options, "ignore_index", None)
+    return DEFAULT_IGNORE_INDEX if value is None else int(value)
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+def list_pairs(options: DataOptions, skips: Skips) -> tuple[list[Pair], bool, Path]:
+    """Every image/mask pair with its split, whether splits were given, and the main root.
+    Unpaired files go to `skips`."""
+    root = _folder(options.path, "dataset path")
+    roots = {"train": root}
+    if (root / "train").is_dir() and not (root / "images").is_dir():
+        roots = {s: root / s for s in SPLITS if (root / s).is_dir()}
+    for split in ("val", "test"):
+        extra = getattr(options, f"{split}_path", None)
+        if extra:
+            roots[split] = _folder(extra, f"--{split}_path")
+    pairs = [pair for split, where in roots.items() for pair in pairs_in(where, split, skips)]
+    if not pairs:
+        raise DataError(f"no image/mask pairs in {root}"
+                        + (f": {skips.summary()}" if skips.count() else ": no image files"),
+                        "a mask has its image's file stem; " + LAYOUT_HINT)
+    main = [p for p in pairs if p.split == "train"]
+    missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in roots}
+    cut = assign_splits([""] * len(main), missing.get("val", 0.0), missing.get("test", 0.0),
+                        options.seed)
+    for pair, split in zip(main, cut):
+        pair.split = split
+    return pairs, len(roots) > 1, root
+
+
+def _folder(path: str | Path, what: str) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise DataError(f"{what} {folder} does not exist", "check the path")
+    if not folder.is_dir():
+        raise DataError(f"{what} {folder} is not a folder; {MODEL_TYPE} reads a folder of "
+                        "images/ and masks/", LAYOUT_HINT)
+    return folder
+
+
+def pairs_in(root: Path, split: str, skips: Skips) -> list[Pair]:
+    """The pairs of one folder, sorted by stem; files of a stem with no partner, and second
+    files of one stem (a.png beside a.jpg), go to `skips`."""
+    for sub in ("images", "masks"):
+        if not (root / sub).is_dir():
+            raise DataError(f"{root} has no {sub}/ folder", LAYOUT_HINT)
+    images, masks = _files_by_stem(root / "images", root, skips), _files_by_stem(
+        root / "masks", root, skips)
+    for stem in sorted(images.keys() - masks.keys()):
+        skips.add(root, NO_MASK, images[stem])
+    for stem in sorted(masks.keys() - images.keys()):
+        skips.add(root, NO_IMAGE, masks[stem])
+    return [Pair(images[s], masks[s], root, images[s].relative_to(root / "images").as_posix(),
+                 split) for s in sorted(images.keys() & masks.keys())]
+
+
+def _files_by_stem(folder: Path, root: Path, skips: Skips) -> dict[str, Path]:
+    """stem (the path under `folder` without its suffix) → file (image_files' extensions)."""
+    found: dict[str, Path] = {}
+    for path in image_files(folder):
+        stem = path.relative_to(folder).with_suffix("").as_posix()
+        if stem in found:
+            skips.add(root, DUPLICATE, path, f"beside {found[stem].name}")
+        else:
+            found[stem] = path
+    return found
+
+
+def read_classes(root: Path) -> list[str] | None:
+    """ROOT/classes.txt's names, one per line (blank lines ignored); None without the file."""
+    path = root / CLASSES_FILE
+    if not path.is_file():
+        return None
+    hint = "write one class name per line (the first is index 0), UTF-8"
+    if path.stat().st_size > MAX_CLASSES_FILE_BYTES:
+        raise DataError(f"{path} is over {MAX_CLASSES_FILE_BYTES >> 20} MiB; a mask's 8-bit "
+                        f"indices name at most {MAX_CLASSES} classes", hint)
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read {path}: {first_line(err)}", hint) from err
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise DataError(f"{path} names no class", hint + ", or delete it to name the classes "
+                        "by their index")
+    if len(names) < 2 or len(names) > MAX_CLASSES:
+        raise DataError(f"{path} names {len(names)} classes; a segmenter needs 2 to "
+                        f"{MAX_CLASSES} (a mask's indices are 8-bit)", hint)
+    repeated = [name for name, n in Counter(names).items() if n > 1]
+    if repeated:
+        raise DataError(f"{path} names {quoted_sample(repeated)} more than once", hint)
+    return names
+
+
+def index_names(decoded: dict[str, Split], ignore_index: int, source: str) -> list[str]:
+    """Classes named by their index, 0..K-1, K = 1 + the largest index in the masks read."""
+    largest = max((int(y[y != ignore_index].max(initial=-1)) for y in
+                   (split.y for split in decoded.values())), default=-1)
+    if largest < 1:
+        raise DataError(f"the masks of {source} hold only class 0 (besides void pixels); a "
+                        "segmenter needs at least 2 classes",
+                        "check the masks' values, and --ignore_index")
+    return [str(i) for i in range(largest + 1)]
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def derive_preprocessing(pairs: list[Pair], options: DataOptions) -> dict:
+    """The training size and channels, by the classifier's rules: the most common size of the
+    training images (or --image_size); 1 channel when every one is grayscale, else 3 (or
+    --channels)."""
+    train = [_Item(source=p.image, label="") for p in pairs if p.split == "train"]
+    if not train:
+        raise DataError(f"the training split of {options.path} has no image/mask pairs",
+                        LAYOUT_HINT)
+    data_size, data_channels = _scan_image_headers(train)
+    height, width = options.image_size or data_size
+    channels = options.channels or data_channels
+    if (height, width) != tuple(data_size):
+        LOG.info("training at %dx%d (the most common image size is %dx%d)", height, width,
+                 data_size[0], data_size[1])
+    return {"kind": KIND, "image_size": [int(height), int(width)], "channels": int(channels),
+            "color_mode": "L" if channels == 1 else "RGB", "resample": "bilinear",
+            "mask_resample": "nearest", "resize": "bilinear/nearest",
+            "ignore_index": ignore_index_of(options),
+            "pixel_scale": "by image mode: 8-bit /255, 16-bit /65535 (docs/data.md)",
+            "input_range": [0.0, 1.0], "layout": "NCHW", "normalization": "in_graph"}
+
+
+def decode_split(pairs: list[Pair], preprocessing: dict, num_classes: int | None, skips: Skips,
+                 options: DataOptions, split: str) -> Split:
+    """x float32 (N, C, H, W) in [0, 1], y int64 (N, H, W) class indices (void kept), ids the
+    images' names; a pair that cannot be used goes to `skips` with its reason."""
+    channels = preprocessing["channels"]
+    height, width = preprocessing["image_size"]
+    x = np.empty((len(pairs), channels, height, width), dtype=np.float32)
+    y = np.empty((len(pairs), height, width), dtype=np.int64)
+    ids: list[str] = []
+    for pair in progress(pairs, desc=f"decode {split}", enabled=options.show_progress):
+        try:
+            x[len(ids)], y[len(ids)] = decode_pair(pair, preprocessing, num_classes)
+        except _Skip as skip:
+            skips.add(pair.root, skip.reason, pair.image, skip.detail)
+            continue
+        ids.append(pair.name)
+    return Split(x=x[:len(ids)], y=y[:len(ids)], ids=ids)
+
+
+def decode_pair(pair: Pair, preprocessing: dict,
+                num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """One pair → ((C, H, W) float32 pixels, (H, W) uint8 indices) at the training size;
+    raises _Skip with the reason it cannot be used."""
+    ignore = preprocessing["ignore_index"]
+    height, width = preprocessing["image_size"]
+    size = _image_size(pair.image)
+    mask = read_mask(pair.mask)
+    if mask.shape != size:
+        raise _Skip(SIZE_MISMATCH, f"mask {mask.shape[1]}x{mask.shape[0]}, image "
+                    f"{size[1]}x{size[0]}")
+    if num_classes is not None:
+        beyond = (mask >= num_classes) & (mask != ignore)
+        if beyond.any():
+            raise _Skip(BEYOND_CLASSES, f"index {int(mask[beyond].max())} of {num_classes} "
+                        "classes")
+    mask = resize_mask(mask, height, width)
+    if (mask == ignore).all():
+        raise _Skip(ALL_VOID)
+    try:
+        pixels = decode_image_file(pair.image, preprocessing)
+    except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
+        raise _Skip(UNREADABLE_IMAGE, first_line(err)) from err
+    return pixels, mask
+
+
+def _image_size(path: Path) -> tuple[int, int]:
+    """(height, width) as the decoder sees the image (after its EXIF orientation)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+                turned = img.getexif().get(0x0112) in (5, 6, 7, 8)  # Orientation: a quarter turn
+    except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
+        raise _Skip(UNREADABLE_IMAGE, first_line(err)) from err
+    return (width, height) if turned else (height, width)
+
+
+def read_mask(path: Path) -> np.ndarray:
+    """A mask's class indices, (H, W) uint8: an "L" image's values, a "P" image's palette
+    indices (never its colours)."""
+    from PIL import Image, ImageOps
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                if img.mode not in MASK_MODES:
+                    raise _Skip(MASK_MODE, f"mode {quoted(img.mode)}")
+                img = ImageOps.exif_transpose(img) or img
+                return np.asarray(img, dtype=np.uint8).copy()
+    except _Skip:
+        raise
+    except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
+        raise _Skip(UNREADABLE_MASK, first_line(err)) from err
+
+
+def resize_mask(mask: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Class indices at (height, width) by NEAREST: never a blend of two classes."""
+    if mask.shape == (height, width):
+        return mask
+    from PIL import Image
+
+    img = Image.fromarray(mask).resize((width, height), Image.Resampling.NEAREST)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _require_pairs_left(decoded: dict[str, Split], skips: Skips, options: DataOptions) -> None:
+    """Exit 3 when no training pair (or no test pair) is left."""
+    reasons = f" ({skips.count()} skipped: {skips.summary()})" if skips.count() else ""
+    if "train" in decoded and len(decoded["train"]) == 0:
+        raise DataError(f"no usable image/mask pairs in the training split of "
+                        f"{options.path}{reasons}",
+                        "check that images and masks share file stems and sizes and that "
+                        "masks hold class indices")
+    if "test" in decoded and len(decoded["test"]) == 0:
+        raise DataError(f"the test split of {options.path} is empty{reasons}",
+                        "add pairs to test/ (or --test_path) or raise --test_fraction")
