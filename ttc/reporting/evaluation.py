@@ -176,30 +176,56 @@ def usefulness_warnings(section: dict) -> list[str]:
     warnings = []
     gain = section["accuracy"] - section["baseline_accuracy"]
     if section["samples"] and gain < BASELINE_MARGIN:
-        warnings.append(
-            f"{section['split']} accuracy {section['accuracy']:.4f} does not beat always "
-            f"answering the majority class {quoted(section['baseline_class'], LABEL_WIDTH)} "
-            f"({section['baseline_accuracy']:.4f}) by at least {BASELINE_MARGIN * 100:g} point: "
-            "the model has not learned the task; try more --epochs or another learning rate "
-            "(--lr_candidates)")
-    dead = [row for row in section["per_class"] if row["support"] and row["recall"] == 0]
+        warnings.append(not_learned_warning(
+            f"{section['split']} accuracy {section['accuracy']:.4f}", "always answering the "
+            f"majority class {quoted(section['baseline_class'], LABEL_WIDTH)}",
+            section["baseline_accuracy"]))
+    dead = [(row["label"], row["support"]) for row in section["per_class"]
+            if row["support"] and row["recall"] == 0]
     if dead:
-        shown = ", ".join(f"{quoted(row['label'], LABEL_WIDTH)} ({row['support']} samples)"
-                          for row in dead[:5])
-        more = f" and {len(dead) - 5} more" if len(dead) > 5 else ""
-        warnings.append(f"recall 0 for {len(dead)} class{'es' if len(dead) > 1 else ''}: "
-                        f"{shown}{more} never predicted right: the model answers other "
-                        "classes for all of them; give those classes more samples (on "
-                        "imbalanced data), or train longer")
+        warnings.append(never_right_warning(
+            dead, "recall", "samples", "of them",
+            "give those classes more samples (on imbalanced data), or train longer"))
     return warnings
 
 
-def verdict(section: dict) -> str:
-    gain = section["accuracy"] - section["baseline_accuracy"]
-    against = (f"accuracy {section['accuracy']:.4f} against {section['baseline_accuracy']:.4f} "
-               f"for always {quoted(section['baseline_class'], LABEL_WIDTH)} ({gain:+.4f})")
-    if section["warnings"]:
+def not_learned_warning(score: str, baseline: str, baseline_value: float) -> str:
+    """The warning for a `score` ("test accuracy 0.6123") that does not beat the `baseline`
+    ("always answering the majority class 'ham'") by BASELINE_MARGIN."""
+    return (f"{score} does not beat {baseline} ({baseline_value:.4f}) by at least "
+            f"{BASELINE_MARGIN * 100:g} point: the model has not learned the task; try more "
+            "--epochs or another learning rate (--lr_candidates)")
+
+
+DEAD_SHOWN = 5  # classes named in the warning about classes never predicted right
+
+
+def never_right_warning(dead: Sequence[tuple[str, int]], measure: str, unit: str, whole: str,
+                        remedy: str) -> str:
+    """The warning about the classes present in the data (label, count of `unit`) whose
+    `measure` is 0: the model answers other classes for all `whole`."""
+    shown = ", ".join(f"{quoted(label, LABEL_WIDTH)} ({count} {unit})"
+                      for label, count in dead[:DEAD_SHOWN])
+    more = f" and {len(dead) - DEAD_SHOWN} more" if len(dead) > DEAD_SHOWN else ""
+    return (f"{measure} 0 for {len(dead)} class{'es' if len(dead) > 1 else ''}: {shown}{more} "
+            f"never predicted right: the model answers other classes for all {whole}; {remedy}")
+
+
+def baseline_verdict(measure: str, value: float, baseline: float, baseline_class: str,
+                     warnings: Sequence[str], recognised: str) -> str:
+    """"useful" or "NOT USEFUL as it is", `measure` against always answering the majority
+    class; `recognised` closes a useful verdict (e.g. the macro-F1)."""
+    gain = value - baseline
+    against = (f"{measure} {value:.4f} against {baseline:.4f} "
+               f"for always {quoted(baseline_class, LABEL_WIDTH)} ({gain:+.4f})")
+    if warnings:
         return f"NOT USEFUL as it is: {against}; " + (
             "a class is never recognised" if gain >= BASELINE_MARGIN else
             "it does not beat the majority class")
-    return f"useful: {against}; every class recognised (macro-F1 {section['macro_f1']:.4f})"
+    return f"useful: {against}; every class recognised ({recognised})"
+
+
+def verdict(section: dict) -> str:
+    return baseline_verdict("accuracy", section["accuracy"], section["baseline_accuracy"],
+                            section["baseline_class"], section["warnings"],
+                            f"macro-F1 {section['macro_f1']:.4f}")

@@ -13,11 +13,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ttc.reporting.evaluation import BASELINE_MARGIN, LABEL_WIDTH
+from ttc.reporting.evaluation import (BASELINE_MARGIN, LABEL_WIDTH, baseline_verdict,
+                                      never_right_warning, not_learned_warning)
 from utils import quoted
 
 IGNORE_INDEX = 255
-DEAD_SHOWN = 5  # classes named in the warning about classes never predicted right
 
 
 @dataclass
@@ -142,32 +142,19 @@ def segmentation_warnings(section: dict) -> list[str]:
     warnings = []
     gain = section["mean_iou"] - section["baseline_mean_iou"]
     if section["pixels"] and gain < BASELINE_MARGIN:
-        warnings.append(
-            f"{section['split']} mean IoU {section['mean_iou']:.4f} does not beat answering "
-            f"the majority class {quoted(section['baseline_class'], LABEL_WIDTH)} for every "
-            f"pixel ({section['baseline_mean_iou']:.4f}) by at least "
-            f"{BASELINE_MARGIN * 100:g} point: the model has not learned the task; try more "
-            "--epochs or another learning rate (--lr_candidates)")
+        warnings.append(not_learned_warning(
+            f"{section['split']} mean IoU {section['mean_iou']:.4f}", "answering the majority "
+            f"class {quoted(section['baseline_class'], LABEL_WIDTH)} for every pixel",
+            section["baseline_mean_iou"]))
     dead = [(label, row["pixels"]) for label, row in section["per_class"].items()
             if row["pixels"] and row["iou"] == 0]
     if dead:
-        shown = ", ".join(f"{quoted(label, LABEL_WIDTH)} ({pixels} pixels)"
-                          for label, pixels in dead[:DEAD_SHOWN])
-        more = f" and {len(dead) - DEAD_SHOWN} more" if len(dead) > DEAD_SHOWN else ""
-        warnings.append(f"IoU 0 for {len(dead)} class{'es' if len(dead) > 1 else ''}: "
-                        f"{shown}{more} never predicted right: the model answers other "
-                        "classes for all their pixels; give those classes more images, or "
-                        "train longer")
+        warnings.append(never_right_warning(dead, "IoU", "pixels", "their pixels",
+                                            "give those classes more images, or train longer"))
     return warnings
 
 
 def segmentation_verdict(section: dict) -> str:
-    gain = section["mean_iou"] - section["baseline_mean_iou"]
-    against = (f"mean IoU {section['mean_iou']:.4f} against {section['baseline_mean_iou']:.4f} "
-               f"for always {quoted(section['baseline_class'], LABEL_WIDTH)} ({gain:+.4f})")
-    if section["warnings"]:
-        return f"NOT USEFUL as it is: {against}; " + (
-            "a class is never recognised" if gain >= BASELINE_MARGIN else
-            "it does not beat the majority class")
-    return (f"useful: {against}; every class recognised (pixel accuracy "
-            f"{section['pixel_accuracy']:.4f})")
+    return baseline_verdict("mean IoU", section["mean_iou"], section["baseline_mean_iou"],
+                            section["baseline_class"], section["warnings"],
+                            f"pixel accuracy {section['pixel_accuracy']:.4f}")
