@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -197,7 +197,7 @@ class Dataset:
 
 
 @dataclass
-class _Item:
+class ImageItem:
     source: Path | int  # a file, or a row of a built-in array
     label: str
     split: str = "train"
@@ -282,7 +282,7 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
         raise DataError(f"no usable training images in {options.path}",
                         "check that the files are readable images")
     if derived:
-        preprocessing = dict(preprocessing, **_channel_stats(decoded["train"].x))
+        preprocessing = dict(preprocessing, **channel_stats(decoded["train"].x))
     if "test" in decoded and len(decoded["test"]) == 0:
         raise DataError(f"the test split of {options.path} is empty",
                         "add images to test/ or raise --test_fraction")
@@ -303,7 +303,7 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
 class _Listing:
     """All samples with their labels and splits, before decoding."""
 
-    items: list[_Item]
+    items: list[ImageItem]
     given_splits: bool = False
     builtin_pixels: np.ndarray | None = None  # builtin:digits' pixel array
     columns: Columns | None = None  # a table of image paths
@@ -330,24 +330,24 @@ def _list_items(options: DataOptions) -> _Listing:
                     "pass an image folder ROOT/<class>/*.png or a table of image paths")
 
 
-def _builtin_digits() -> tuple[np.ndarray, list[_Item]]:
+def _builtin_digits() -> tuple[np.ndarray, list[ImageItem]]:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     pixels = (digits.images / 16.0).astype(np.float32)[:, None]  # 0..16 → [0, 1]
-    items = [_Item(source=i, label=str(int(t))) for i, t in enumerate(digits.target)]
+    items = [ImageItem(source=i, label=str(int(t))) for i, t in enumerate(digits.target)]
     return pixels, items
 
 
-def _class_folder_items(root: Path, split: str) -> list[_Item]:
+def _class_folder_items(root: Path, split: str) -> list[ImageItem]:
     items = []
     for class_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        items += [_Item(source=file, label=class_dir.name, split=split)
+        items += [ImageItem(source=file, label=class_dir.name, split=split)
                   for file in image_files(class_dir)]
     return items
 
 
-def _list_folder(root: Path, options: DataOptions) -> tuple[list[_Item], bool]:
+def _list_folder(root: Path, options: DataOptions) -> tuple[list[ImageItem], bool]:
     if (root / "train").is_dir():
         items = _class_folder_items(root / "train", "train")
         missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test")
@@ -371,7 +371,7 @@ def _list_folder(root: Path, options: DataOptions) -> tuple[list[_Item], bool]:
     return items, given
 
 
-def _list_table(path: Path, options: DataOptions) -> tuple[list[_Item], Columns, list[dict]]:
+def _list_table(path: Path, options: DataOptions) -> tuple[list[ImageItem], Columns, list[dict]]:
     named = [s for s in (options.image_column, options.label_column) if s]
     frame = read_table(path, options.dataset_format, options.has_header, named)
     columns = detect_columns(frame, "image", path, options.label_column, options.image_column)
@@ -384,7 +384,7 @@ def _list_table(path: Path, options: DataOptions) -> tuple[list[_Item], Columns,
                dropped_rows(path, "missing image path", frame.index[no_path & labels.notna()])]
     keep = labels.notna() & ~no_path
     base = path.parent
-    items = [_Item(source=(base / str(img)).resolve() if not Path(str(img)).is_absolute()
+    items = [ImageItem(source=(base / str(img)).resolve() if not Path(str(img)).is_absolute()
                    else Path(str(img)), label=lab)
              for img, lab in zip(frame[image_col][keep], labels[keep])]
     return items, columns, [d for d in dropped if d["count"]]
@@ -434,7 +434,7 @@ def assign_splits(labels: Sequence[str], val_fraction: float, test_fraction: flo
     return splits
 
 
-def _assign_splits(items: list[_Item], val_fraction: float, test_fraction: float,
+def _assign_splits(items: list[ImageItem], val_fraction: float, test_fraction: float,
                    seed: int) -> None:
     for item, split in zip(items, assign_splits([i.label for i in items], val_fraction,
                                                 test_fraction, seed)):
@@ -451,12 +451,12 @@ def _share(n: int, fraction: float) -> int:
 # ----------------------------------------------------------------------------- decoding
 
 
-def _derive_preprocessing(items: list[_Item], builtin_pixels: np.ndarray | None,
+def _derive_preprocessing(items: list[ImageItem], builtin_pixels: np.ndarray | None,
                           options: DataOptions) -> dict:
     if builtin_pixels is not None:
         data_size, data_channels, note = tuple(builtin_pixels.shape[2:]), 1, "1/16 (builtin:digits)"
     else:
-        data_size, data_channels = _scan_image_headers([i for i in items if i.split == "train"])
+        data_size, data_channels = scan_image_headers([i for i in items if i.split == "train"])
         note = "by image mode: 8-bit /255, 16-bit /65535 (docs/data.md)"
     size = options.image_size or _capped(data_size)
     if options.image_size is None and size != data_size:
@@ -469,7 +469,7 @@ def _derive_preprocessing(items: list[_Item], builtin_pixels: np.ndarray | None,
             "normalization": "in_graph"}
 
 
-def _scan_image_headers(items: list[_Item]) -> tuple[tuple[int, int], int]:
+def scan_image_headers(items: list[ImageItem]) -> tuple[tuple[int, int], int]:
     """Most common (height, width), and 1 channel if every image is grayscale else 3."""
     from PIL import Image
 
@@ -494,7 +494,7 @@ def _capped(size: tuple[int, int]) -> tuple[int, int]:
     return max(1, round(height * scale)), max(1, round(width * scale))
 
 
-def _decode_split(items: list[_Item], labels: list[str], preprocessing: dict,
+def _decode_split(items: list[ImageItem], labels: list[str], preprocessing: dict,
                   builtin_pixels: np.ndarray | None, skipped: list[str], options: DataOptions,
                   split: str) -> Split:
     channels = preprocessing["channels"]
@@ -534,7 +534,7 @@ def _fit_array(pixels: np.ndarray, channels: int, height: int, width: int) -> np
     return np.repeat(pixels, channels, axis=0) if channels != pixels.shape[0] else pixels
 
 
-def _channel_stats(x: np.ndarray) -> dict:
+def channel_stats(x: np.ndarray) -> dict:
     mean = x.mean(axis=(0, 2, 3))
     std = x.std(axis=(0, 2, 3))
     std = np.where(std < 1e-6, 1.0, std)

@@ -27,8 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ttc.inputs.data import (SPLITS, DataOptions, Dataset, Split, _channel_stats, _Item,
-                             _scan_image_headers, assign_splits)
+from ttc.inputs.data import (SPLITS, DataOptions, Dataset, Split, channel_stats, ImageItem,
+                             scan_image_headers, assign_splits)
 from ttc.inputs.limits import check_decoded_images
 from ttc.inputs.preprocess import decode_image_file, image_files
 from utils import LOG, DataError, first_line, progress, quoted, quoted_sample
@@ -145,7 +145,7 @@ def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | Non
     if names is None:
         names = index_names(decoded, preprocessing["ignore_index"], options.path)
     if derived and "train" in decoded:
-        preprocessing = dict(preprocessing, **_channel_stats(decoded["train"].x))
+        preprocessing = dict(preprocessing, **channel_stats(decoded["train"].x))
     counts = Counter(p.split for p in pairs)
     for split, data in decoded.items():
         counts[split] = len(data)
@@ -271,11 +271,11 @@ def derive_preprocessing(pairs: list[Pair], options: DataOptions) -> dict:
     """The training size and channels, by the classifier's rules: the most common size of the
     training images (or --image_size); 1 channel when every one is grayscale, else 3 (or
     --channels)."""
-    train = [_Item(source=p.image, label="") for p in pairs if p.split == "train"]
+    train = [ImageItem(source=p.image, label="") for p in pairs if p.split == "train"]
     if not train:
         raise DataError(f"the training split of {options.path} has no image/mask pairs",
                         LAYOUT_HINT)
-    data_size, data_channels = _scan_image_headers(train)
+    data_size, data_channels = scan_image_headers(train)
     height, width = options.image_size or data_size
     channels = options.channels or data_channels
     if (height, width) != tuple(data_size):
