@@ -183,3 +183,31 @@ def test_the_majority_baseline_and_its_verdict():
     assert from_training["baseline_class"] == "one"
     assert from_training["baseline_source"] == "train split"
     assert exactly(from_training["baseline_pixel_accuracy"], Fraction(3, 14))
+
+
+def test_the_segmentation_graph_exports_its_mask_as_the_argmax_of_its_logits(tmp_path):
+    """SegmentationGraph (what a segmenter's export will trace) through torch.onnx.export with
+    dynamic batch, height and width: ONNX Runtime's mask is the argmax of its logits and its
+    probabilities (softmax(logits / T) over the classes) sum to 1 at every pixel."""
+    import onnxruntime as ort
+
+    from ttc.tasks.segment.nets import SegmentationGraph, UNet
+
+    torch.manual_seed(0)
+    graph = SegmentationGraph(UNet(in_channels=1, num_classes=4, widths=(8, 16)).eval(), 0.7)
+    dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height"),
+            3: torch.export.Dim("width")}
+    path = tmp_path / "seg.onnx"
+    torch.onnx.export(graph.eval(), (torch.rand(2, 1, 20, 24),), str(path), dynamo=True,
+                      input_names=["image"], output_names=["logits", "probabilities", "mask"],
+                      dynamic_shapes=(dims,), external_data=False)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for shape in ((1, 1, 17, 23), (3, 1, 32, 32)):
+        x = np.random.default_rng(2).random(shape, np.float32)
+        logits, probabilities, mask = session.run(None, {"image": x})
+        assert mask.shape == (shape[0], *shape[2:]) and mask.dtype == np.int64
+        np.testing.assert_array_equal(mask, logits.argmax(1))
+        np.testing.assert_allclose(probabilities.sum(1), 1.0, atol=1e-5)
+        with torch.no_grad():
+            expected = torch.softmax(torch.from_numpy(logits) / 0.7, dim=1).numpy()
+        np.testing.assert_allclose(probabilities, expected, atol=1e-6)

@@ -292,7 +292,7 @@ def _first_conv_path(body: nn.Module) -> tuple[nn.Module, str]:
     return body.features[0], "0"  # MobileNetV3, EfficientNet: Conv2dNormActivation
 
 
-def _adapt_stem(body: nn.Module, in_channels: int, small: bool) -> None:
+def adapt_stem(body: nn.Module, in_channels: int, small: bool) -> None:
     """The first conv for `in_channels` inputs; for small images stride 1 (ResNets: a 3×3 conv
     and no max-pool)."""
     parent, name = _first_conv_path(body)
@@ -325,7 +325,7 @@ class TorchvisionNet(nn.Module):
             std = IMAGENET_STD if in_channels == 3 else [sum(IMAGENET_STD) / 3]
         register_statistics(self, in_channels, (1, -1, 1, 1), mean=mean, std=std)
         self.body = tv.models.get_model(torchvision, weights=None, num_classes=num_classes)
-        _adapt_stem(self.body, in_channels, small_stem)
+        adapt_stem(self.body, in_channels, small_stem)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.body((pixels - self.mean) / self.std)
@@ -584,9 +584,10 @@ class WithProbabilities(nn.Module):
         return logits, calibrated_softmax(logits, self.temperature)
 
 
-def calibrated_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T); at T = 1 no division, so an uncalibrated graph has no Div node."""
-    return torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+def calibrated_softmax(logits: torch.Tensor, temperature: float, dim: int = -1) -> torch.Tensor:
+    """softmax(logits / T) over the classes' axis `dim` (a segmenter's: 1); at T = 1 no
+    division, so an uncalibrated graph has no Div node."""
+    return torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=dim)
 
 
 # Each model type's modules (its entry's parts.modules): a manifest's architecture["name"] → the

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ttc.nets.models import (IMAGENET_MEAN, IMAGENET_STD, SMALL_STEM_MAX_SIDE, _adapt_stem,
-                             register_statistics)
+from ttc.nets.models import (IMAGENET_MEAN, IMAGENET_STD, SMALL_STEM_MAX_SIDE, adapt_stem,
+                             calibrated_softmax, register_statistics)
 
 UNET_WIDTHS = (16, 32, 64)
 # The record's widths: one level more per halving of the image while the bottleneck stays at
@@ -107,7 +107,7 @@ class TorchvisionSegmenter(nn.Module):
         self.body = build(weights=None, weights_backbone=None, num_classes=num_classes, **extra)
         # The backbone's first Conv2dNormActivation, where the classifiers' stem helper looks
         # for it (features[0]); it replaces that block's conv.
-        _adapt_stem(SimpleNamespace(features=[self.body.backbone["0"]]), in_channels, small_stem)
+        adapt_stem(SimpleNamespace(features=[self.body.backbone["0"]]), in_channels, small_stem)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.body((pixels - self.mean) / self.std)["out"]
@@ -125,8 +125,7 @@ class SegmentationGraph(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.net(pixels)
-        scaled = logits if self.temperature == 1.0 else logits / self.temperature
-        return logits, torch.softmax(scaled, dim=1), logits.argmax(dim=1)
+        return logits, calibrated_softmax(logits, self.temperature, dim=1), logits.argmax(dim=1)
 
 
 # ----------------------------------------------------------------------------- the records
