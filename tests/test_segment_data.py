@@ -220,3 +220,19 @@ def test_given_split_roots_and_a_bundle_s_size_and_classes(tmp_path):
     assert 0 < len(read.test) < 6 and read.test.y.max() <= 9  # a 9 is beyond its classes
     assert [(d["reason"], d["count"]) for d in read.dropped] == [(seg.BEYOND_CLASSES,
                                                                   6 - len(read.test))]
+
+
+def test_a_data_set_too_large_for_the_image_memory_bound_is_refused_before_decoding(
+        tmp_path, monkeypatch):
+    from ttc.inputs.limits import LIMITS
+
+    root = write_digit_canvases(tmp_path / "canvases", count=40, size=32)
+    monkeypatch.setattr(LIMITS, "max_image_memory_mb", 0)  # any data set is over it
+    decoded = []
+    monkeypatch.setattr(seg, "decode_split", lambda *a, **k: decoded.append(a))
+    with pytest.raises(DataError) as refused:
+        seg.load_segmentation_dataset(options(root))
+    message = str(refused.value)
+    assert "40 image/mask pairs" in message and "at 32x32" in message
+    assert "over --max_image_memory_mb 0" in message and "--image_size" in refused.value.hint
+    assert decoded == []  # refused before any image was decoded

@@ -29,7 +29,7 @@ import numpy as np
 
 from ttc.inputs.data import (SPLITS, DataOptions, Dataset, Split, channel_stats, ImageItem,
                              scan_image_headers, assign_splits)
-from ttc.inputs.limits import check_decoded_images
+from ttc.inputs.limits import LIMITS, MIB, check_decoded_images, image_bytes, size_text
 from ttc.inputs.preprocess import decode_image_file, image_files
 from utils import LOG, DataError, first_line, progress, quoted, quoted_sample
 
@@ -134,6 +134,7 @@ def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | Non
     derived = preprocessing is None
     if derived:
         preprocessing = derive_preprocessing(pairs, options)
+        require_memory_for(preprocessing, sum(p.split in splits for p in pairs), options)
     else:  # the bundle's image size, whatever it claims, times the user's images
         kept = sum(p.split in splits for p in pairs)
         check_decoded_images(preprocessing, kept, f"the {' and '.join(splits)} split"
@@ -265,6 +266,23 @@ def index_names(decoded: dict[str, Split], ignore_index: int, source: str) -> li
 
 
 # ----------------------------------------------------------------------------- decoding
+
+
+def require_memory_for(preprocessing: dict, count: int, options: DataOptions) -> None:
+    """Refuse (exit 3) a data set whose images and masks, decoded at the training size (float32
+    images, int64 masks), would take more than --max_image_memory_mb: the size comes from the
+    data (the classifier caps its own; a segmenter's masks are worth their full size), so a
+    folder of large photographs is refused before any decoding, with the size to set."""
+    height, width = preprocessing["image_size"]
+    need = count * (image_bytes(preprocessing) + height * width * np.dtype(np.int64).itemsize)
+    limit = LIMITS.max_image_memory_mb * MIB
+    if need > limit:
+        raise DataError(
+            f"the {count} image/mask pairs of {options.path} at {height}x{width} would take "
+            f"{size_text(need)} decoded, over --max_image_memory_mb "
+            f"{LIMITS.max_image_memory_mb}",
+            "train at a smaller size (--image_size HEIGHT WIDTH) or raise "
+            "--max_image_memory_mb")
 
 
 def derive_preprocessing(pairs: list[Pair], options: DataOptions) -> dict:
