@@ -136,7 +136,7 @@ def sampling_copy(net: torch.nn.Module) -> torch.nn.Module:
     for module in sampling.modules():
         if isinstance(module, torch.nn.Dropout):
             module.train()
-            module.inplace = False  # an in-place dropout (torchvision's heads) exports no Dropout op
+            module.inplace = False  # in place (torchvision's heads), it exports no Dropout op
     return sampling
 
 

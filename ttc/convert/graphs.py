@@ -11,8 +11,9 @@ layers in training mode:
 - deployable = optimise(trace without its Dropout nodes)
 Measured on every built-in network, ResNet-18 and MobileNetV3 (tiny weights, 8 random inputs):
 the same operators in the same order as three exports give, outputs equal to the bit, in
-2.0-3.8x less time than the three exports. Only generated names (node names, `val_N` constants) differ. Each
-graph is still checked against PyTorch or the deployable graph by the caller.
+2.0-3.8x less time than the three exports. Only generated names (node names, `val_N`
+constants) differ. Each graph is still checked against PyTorch or the deployable graph by the
+caller.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ image; and each image's share of pixels per class, for the summary table. Each f
 atomically (utils.atomic_write)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,11 @@ from utils import atomic_write
 PALETTE_CLASSES = 256
 
 
+@functools.cache
 def voc_palette(count: int = PALETTE_CLASSES) -> np.ndarray:
     """The PASCAL VOC colour map: class k's colour from the bits of k, spread over the channels
-    from the high bit down ((count, 3) uint8; class 0 black, 1 dark red, 2 dark green, ...)."""
+    from the high bit down ((count, 3) uint8, read-only: built once, shared by every mask and
+    overlay; class 0 black, 1 dark red, 2 dark green, ...)."""
     colours = np.zeros((count, 3), np.uint8)
     for k in range(count):
         value, red, green, blue = k, 0, 0, 0
@@ -26,6 +29,7 @@ def voc_palette(count: int = PALETTE_CLASSES) -> np.ndarray:
             blue |= ((value >> 2) & 1) << shift
             value >>= 3
         colours[k] = red, green, blue
+    colours.flags.writeable = False
     return colours
 
 
