@@ -34,7 +34,7 @@ from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, Traini
 from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
 from ttc.tasks.registry import task_for
-from utils import DataError, check_paths
+from utils import ConfigError, DataError, check_paths
 
 if TYPE_CHECKING:
     from ttc.testtime.tta import TTAOptions
@@ -117,13 +117,34 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
 
     def validate_tta(self, model_type: str) -> None:
         """--tta_transforms and --eval_shift against the model type (known from the flags, or
-        from a bundle)."""
-        if self.tta or self.tta_transforms:
+        from a bundle), after the flags that model type does not take (Task.refused_flags)."""
+        self.refuse_flags_for(model_type)
+        if task_for(model_type).dense:
+            from ttc.tasks.segment.views import check_segmenter_flags
+
+            check_segmenter_flags(self)
+        elif self.tta or self.tta_transforms:
             from ttc.testtime.tta import parse_transform_specs
 
             parse_transform_specs(self.tta_transforms, task_for(model_type).kind)
         if self.eval_shift:
             self.shift_names(task_for(model_type).kind)
+
+    def refuse_flags_for(self, model_type: str) -> None:
+        """A flag given with a value other than its default that `model_type` does not take
+        (its entry's refused_flags): one line naming it, exit 2, before any work."""
+        task = task_for(model_type)
+        defaults = {f.name: f.default for f in fields(self)}
+        named = getattr(self, "given", frozenset(self.names()))
+        given = [name for name in task.refused_flags
+                 if name in named and getattr(self, name) != defaults[name]]
+        if given:
+            flags = ", ".join(f"--{name}" for name in given[:4])
+            verb, them = ("does", "it") if len(given) == 1 else ("do", "them")
+            article = "an" if model_type[0] in "aeiou" else "a"
+            raise ConfigError(f"{flags} {verb} not apply to {article} {model_type}",
+                              f"drop {them} (docs/{task.guide} lists what {article} "
+                              f"{model_type} takes)")
 
     # ------------------------------------------------------------------ files
 
@@ -305,6 +326,7 @@ def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
     namespace = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     config = Config(**vars(namespace))
     config.script = parser.prog.removesuffix(".py")
+    config.given = frozenset(vars(namespace))  # the flags on the command line
     return config
 
 

@@ -22,6 +22,7 @@ from config import Config, build_parser, start_cli
 from ttc.inputs.data import bundle_data_options, load_bundle_dataset, split_paths_of
 from ttc.reporting.metrics import top1_agreement
 from ttc.serving.runtime import RuntimeOptions, create_session, session_feeder
+from ttc.tasks.registry import task_of_kind
 from ttc.inputs.preprocess import text_graph_feed, trim_padding
 from ttc.serving.bundle import (BundlePaths, InputSpec, Manifest, as_manifest, mark_padding_id,
                     manifest_text, read_manifest, record_export,
@@ -64,9 +65,10 @@ class ExportResult:
     size_bytes: int
     seconds: float
     fusion: dict | None = None  # the hf graph ONNX Runtime's transformer fusion made (model.onnx)
+    dense: dict | None = None  # a segmenter's check: mask agreement, pixels, resolutions
 
     def report_section(self) -> dict:
-        return {"path": str(self.paths.onnx), "opset": self.opset,
+        return {**(self.dense or {}), "path": str(self.paths.onnx), "opset": self.opset,
                 "nodes_before_slim": self.nodes_before_slim,
                 "nodes_after_slim": self.nodes_after_slim,
                 "max_abs_diff": self.check.max_abs_diff, "checker": "passed",
@@ -78,17 +80,19 @@ class ExportResult:
 
 def export_graph(net: torch.nn.Module, example: np.ndarray, opset: int, input_spec: InputSpec,
                  output_names: Sequence[str], optimize: bool = True,
-                 keep_modes: bool = False, temperature: float = 1.0) -> onnx.ModelProto:
+                 keep_modes: bool = False, temperature: float = 1.0,
+                 wrapper: torch.nn.Module | None = None) -> onnx.ModelProto:
     """torch.onnx.export (dynamo) with the input's named axes dynamic (batch; length for text).
     optimize=False keeps BatchNorm nodes, with parameters named as in the state_dict;
     keep_modes=True exports each module in its own train/eval mode (MC-dropout), not all in eval;
-    the probabilities output is softmax(logits / temperature).
+    the probabilities output is softmax(logits / temperature). `wrapper`: the module traced
+    instead of the classifiers' (a segmenter's SegmentationGraph, with its mask output).
 
     The exporter's progress prints go to stderr."""
     import torch
     from ttc.nets.models import export_wrapper
 
-    wrapper = export_wrapper(net, temperature)
+    wrapper = wrapper if wrapper is not None else export_wrapper(net, temperature)
     wrapper = wrapper if keep_modes else wrapper.eval()
     feed = graph_inputs(np.ascontiguousarray(example), input_spec)
     dims = {name: torch.export.Dim(name, **({"max": input_spec.max_length}
@@ -428,6 +432,8 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: Manifest | dic
     samples = check_samples(held_out, train_samples, manifest.input)
     spec = manifest.input
     temperature = manifest.temperature
+    if task_of_kind(manifest.preprocessing.kind).dense:
+        return export_dense_bundle(config, net, manifest, draft, samples, paths, started)
     traced = trace_graphs(net, export_example(samples, spec), config.opset, spec, output_names,
                           temperature)
     exported = traced.deployable
@@ -461,6 +467,79 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: Manifest | dic
                                                    val)
     write_bundle(slimmed, net, result, extras)
     return result
+
+
+def export_dense_bundle(config: Config, net: torch.nn.Module, manifest: Manifest, draft: dict,
+                        samples: np.ndarray, paths: BundlePaths, started: float) -> ExportResult:
+    """A segmenter's bundle: SegmentationGraph (logits, probabilities and mask per pixel) with
+    dynamic batch, height and width, slimmed, checked, and compared with PyTorch at two
+    resolutions (ttc/tasks/segment/export.py); its BatchNorm graph (model.bn.onnx) for --ttt bn,
+    checked against model.onnx."""
+    from ttc.tasks.segment.export import compare_segmentation
+    from ttc.tasks.segment.nets import SegmentationGraph
+
+    spec, temperature = manifest.input, manifest.temperature
+    exported = export_graph(net, samples[:2], config.opset, spec, manifest.output_names,
+                            temperature=temperature,
+                            wrapper=SegmentationGraph(net, temperature))
+    slimmed = slim_graph(exported)
+    check_graph(slimmed)
+    session = create_session(slimmed.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    masks = compare_segmentation(lambda batch: session.run(None, {spec.name: batch}), net,
+                                 samples, config.validate_atol, config.batch_size, temperature)
+    LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, mask agreement "
+             "%.4f%% of %d pixels at %s", len(exported.graph.node), len(slimmed.graph.node),
+             masks.max_abs_diff, 100 * masks.top1_agreement, masks.pixels,
+             " and ".join(masks.probes))
+    check = NumericCheck(masks.max_abs_diff, masks.top1_agreement, masks.samples,
+                         masks.batch_sizes, masks.probes)
+    result = ExportResult(paths=paths, manifest=manifest, draft=draft, opset=config.opset,
+                          nodes_before_slim=len(exported.graph.node),
+                          nodes_after_slim=len(slimmed.graph.node), check=check,
+                          atol=config.validate_atol, size_bytes=slimmed.ByteSize(),
+                          seconds=round(time.perf_counter() - started, 3))
+    result.dense = {"mask_agreement": masks.top1_agreement, "pixels_checked": masks.pixels,
+                    "mask_disagreements": masks.mask_disagreements,
+                    "resolutions_checked": masks.resolutions}
+    unoptimised = fold_constants(export_graph(
+        net, samples[:2], config.opset, spec, manifest.output_names, optimize=False,
+        temperature=temperature, wrapper=SegmentationGraph(net, temperature)))
+    has_batchnorm = any(n.op_type == "BatchNormalization" for n in unoptimised.graph.node)
+    extras = {"bn": export_adaptation_graph(net, unoptimised if has_batchnorm else None,
+                                            samples, slimmed, config, manifest)}
+    if config.tta:
+        extras["tta"] = segmentation_tta_graph(config, net, samples, manifest)
+    write_bundle(slimmed, net, result, {k: v for k, v in extras.items() if v is not None})
+    return result
+
+
+def segmentation_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
+                           manifest: Manifest) -> ExtraGraph:
+    """--tta for a segmenter: its views (--tta_transforms, default hflip) and the mean of their
+    logits, mapped back onto the input's pixels, in one graph (model.tta.onnx), checked against
+    the same module in PyTorch at two resolutions as model.onnx is."""
+    from ttc.tasks.segment.export import compare_segmentation
+    from ttc.tasks.segment.nets import SegmentationGraph
+    from ttc.tasks.segment.tta import SegmentationTTA, parse_views
+    from ttc.tasks.segment.views import parse_view_specs, views_text
+
+    spec, temperature = manifest.input, manifest.temperature
+    views = views_text(parse_view_specs(config.tta_transforms))
+    merged = SegmentationTTA(net, parse_views(views)).eval()
+    graph = slim_graph(export_graph(merged, samples[:2], config.opset, spec,
+                                    manifest.output_names, temperature=temperature,
+                                    wrapper=SegmentationGraph(merged, temperature)))
+    check_graph(graph)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    check = compare_segmentation(lambda batch: session.run(None, {spec.name: batch}), merged,
+                                 samples, config.validate_atol, config.batch_size, temperature)
+    LOG.info("TTA graph (%s) ok: max |onnx - torch| %.2g, mask agreement %.4f%%", views,
+             check.max_abs_diff, 100 * check.top1_agreement)
+    return ExtraGraph(graph, {"views": views, "max_abs_diff": check.max_abs_diff,
+                              "mask_agreement": check.top1_agreement,
+                              "resolutions_checked": check.resolutions})
 
 
 def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, manifest: Manifest
@@ -714,7 +793,7 @@ def export_section(result: ExportResult) -> dict:
         "samples_checked": result.check.samples, "batch_sizes_checked": result.check.batch_sizes,
         "probes": result.check.probes, "padding_max_diff": result.check.padding_max_diff,
         "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds,
-        "fusion": result.fusion}
+        "fusion": result.fusion, **(result.dense or {})}
 
 
 # ----------------------------------------------------------------------------- compressed variants
@@ -825,6 +904,19 @@ def bundle_compressed_nets(manifest: Manifest, paths: BundlePaths, net: torch.nn
                                                                or 0))
 
 
+def require_tta_graph_applies(config: Config, manifest: Manifest) -> None:
+    """export.py --tta writes a segmenter's TTA graph; a classifier's TTA is built at inference."""
+    if not (config.tta or config.tta_transforms):
+        return
+    if not task_of_kind(manifest.preprocessing.kind).dense:
+        from utils import ConfigError
+
+        raise ConfigError(f"export.py --tta writes an image_segmenter's TTA graph, and this "
+                          f"bundle is an {manifest.model_type}", "drop --tta here: inference.py "
+                          "--tta true runs a classifier's TTA")
+    config.validate_tta(manifest.model_type)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
         "export", "Export the weights train.py wrote to ONNX, slim, check and validate them "
@@ -845,6 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
         require_trusted_model_code(manifest, paths, config.trust_model_code)  # before any work
+        require_tta_graph_applies(config, manifest)
         bundle_data_options(manifest, config.dataset_path,  # the data is named: before any work
                             split_paths=split_paths_of(config))
         net = load_weights(manifest, paths.weights, config.trust_model_code)

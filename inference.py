@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from ttc.serving.bundle import BundlePaths, require_onnx_in_bundle
+from ttc.serving.bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 from config import Config, build_parser, start_cli
 from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.reporting.metrics import accuracy
@@ -137,6 +137,9 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     into its section; --eval_shift measures the variants they hand back) and the benchmark table
     (`baseline` rows first), into `report`."""
     manifest, session, model_path = load_bundle_session(paths, config, variant)
+    if task_of_kind(manifest.preprocessing.kind).dense:
+        evaluate_dense(config, manifest, session, model_path, test, report)
+        return
     result, probabilities = evaluate(session, *test, config, model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
@@ -168,6 +171,71 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
                                                  manifest.input.pad_id)
 
 
+def evaluate_dense(config: Config, manifest: Manifest, session: ort.InferenceSession,
+                   model_path: Path, test: tuple[np.ndarray, np.ndarray], report: dict) -> None:
+    """A segmenter's inference stage: the test split's masks in ONNX Runtime, scored over
+    pixels (mean IoU and the rest: ttc/tasks/segment/evaluate.py), and its latency."""
+    from ttc.tasks.segment.evaluate import run_test_split
+
+    ignore_index = manifest.preprocessing.spec["ignore_index"]
+    result, report["evaluation"], masks = run_test_split(
+        session, str(model_path), *test, manifest.labels, ignore_index,
+        manifest.dataset.train_class_counts, config.batch_size)
+    LOG.info("inference on %s: pixel accuracy %.4f, mean IoU %.4f, p50 %.3f ms/batch of %d, "
+             "%.0f images/s", ", ".join(result.providers_active), result.pixel_accuracy,
+             result.mean_iou, result.latency_ms_p50, config.batch_size, result.throughput_per_s)
+    report["inference"] = result.report_section()
+    if config.tta:
+        report["tta"] = dense_tta(config, manifest, session, test, masks)
+    if config.ttt:
+        report["ttt"] = dense_ttt(config, manifest, session, test)
+
+
+def dense_ttt(config: Config, manifest: Manifest, session: ort.InferenceSession,
+              test: tuple[np.ndarray, np.ndarray]) -> dict:
+    """--ttt for a segmenter: bn through the bundle's adaptation graph (model.bn.onnx), on the
+    test split and on each --eval_shift corruption of it (ttc/tasks/segment/adapt.py)."""
+    import onnx
+
+    from ttc.tasks.segment.adapt import dense_ttt_section
+    from ttc.tasks.segment.evaluate import mask_runner
+    from ttc.testtime.ttt import AdaptationGraph
+
+    paths = BundlePaths.from_model_path(config.output_model)
+    path = require_onnx_in_bundle(paths, manifest, "bn")
+    graph = AdaptationGraph(onnx.load(str(path)), lambda model: create_session(
+        model, config.runtime(), classes=manifest.classes, source=path))
+    section = dense_ttt_section(graph, mask_runner(session), *test, manifest.labels,
+                                manifest.preprocessing.spec, config.batch_size,
+                                config.ttt_bn_prior, config.shift_names("segmentation"),
+                                config.shift_severity, config.seed)
+    LOG.info("test-time training: %s", section["verdict"])
+    return section
+
+
+def dense_tta(config: Config, manifest: Manifest, session: ort.InferenceSession,
+              test: tuple[np.ndarray, np.ndarray], masks: np.ndarray) -> dict:
+    """--tta for a segmenter: the bundle's TTA graph (model.tta.onnx, its views fixed at
+    export) against model.onnx on the test split."""
+    from ttc.tasks.segment.evaluate import mask_runner, tta_section
+    from ttc.tasks.segment.views import parse_view_specs, views_text
+
+    paths = BundlePaths.from_model_path(config.output_model)
+    graph = manifest.extra_graphs.tta
+    tta_path = require_onnx_in_bundle(paths, manifest, "tta")
+    asked = views_text(parse_view_specs(config.tta_transforms))
+    if config.tta_transforms and graph is not None and asked != graph.views:
+        LOG.warning("the bundle's TTA graph has the views %s (fixed at export); --tta_transforms "
+                    "%s is not used (re-export with them to change the views)", graph.views,
+                    config.tta_transforms)
+    merged = create_session(str(tta_path), config.runtime(), classes=manifest.classes)
+    section = tta_section(mask_runner(session), mask_runner(merged),
+                          graph.views if graph else "", *test, masks, manifest.labels,
+                          manifest.preprocessing.spec["ignore_index"], config.batch_size)
+    LOG.info("%s", section["verdict"])
+    return section
+
+
 def profile_graph(config: Config, model_path: Path, x: np.ndarray, pad_id: int) -> dict:
     """--profile: the served graph's plain pass under ONNX Runtime's profiler, in a session of
     its own on the first PROFILED_RUNS batches of `x` (so that the profiler's overhead stays out
@@ -191,6 +259,10 @@ def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
     in this process (batch.py), or on Ray workers (cluster.py) running the same predictor."""
     from ttc.serving.batch import BatchOptions, predict_input
 
+    manifest = read_manifest(paths)
+    if task_of_kind(manifest.preprocessing.kind).dense:
+        predict_masks(config, paths, report)
+        return
     chunk_rows = config.worker_batch_size or config.chunk_rows
     if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
         chunk_rows = -(-chunk_rows // config.batch_size) * config.batch_size
@@ -210,6 +282,21 @@ def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
     if config.profile and seen:
         report["profile"] = profile_graph(config, model_path, np.concatenate(seen),
                                           graph_padding_id(session))
+
+
+def predict_masks(config: Config, paths: BundlePaths, report: dict) -> None:
+    """A segmenter's --input: one mask PNG per image (and an overlay with --overlay true), and
+    the summary table at --output (ttc/tasks/segment/predict.py)."""
+    from ttc.tasks.segment.evaluate import mask_runner
+    from ttc.tasks.segment.predict import SegmentBatchOptions, predict_images
+
+    options = SegmentBatchOptions(
+        input=Path(config.input), output=Path(config.output), mask_dir=config.mask_dir,
+        overlay=config.overlay, batch_size=config.batch_size, errors=config.errors,
+        allow_errors=config.allow_errors, show_progress=not config.no_progress)
+    manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
+    predict_images(options, manifest.preprocessing.spec, list(manifest.labels),
+                   mask_runner(session), report)
 
 
 def keeping_first_rows(predict: Predictor, seen: list[np.ndarray], rows: int) -> Predictor:

@@ -39,8 +39,9 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     unlabeled texts and the student is trained twice, without and with them, so the report can
     say what the teacher's labels bought. Returns the model to export and the data it saw.
     `teacher_lm` replaces the LM --teacher_lm names (tests pass dspy.utils.DummyLM)."""
-    from ttc.nets.program import train_classifier
+    from ttc.tasks.registry import task_for
 
+    train_classifier = task_for(config.model_type).part("trainer")
     if config.compresses():  # a network with no path for --prune / --qat: before training
         from ttc.compress.variants import check_compressible
 
@@ -85,7 +86,6 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
     """--calibrate temperature: fit T on the validation split's logits (calibrate.py); the
     manifest records it and export bakes it into every graph. In the report: train.calibration."""
     from ttc.testtime.calibrate import RULES, calibrate_scores, no_fit
-    from ttc.nets.program import split_logits
 
     if config.calibrate == "none":
         fit = no_fit("--calibrate none")
@@ -93,16 +93,37 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
         fit = no_fit("the validation split is empty: no temperature can be fitted")
         LOG.warning("calibration: %s", fit.note)
     else:
-        fit = calibrate_scores(split_logits(trained.net, dataset.val.x), dataset.val.y,
-                               RULES[config.calibrate], config.seed)
-        LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation samples with %d "
+        logits, truth = validation_scores(config, trained, dataset)
+        fit = calibrate_scores(logits, truth, RULES[config.calibrate], config.seed)
+        LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation %s with %d "
                  "errors, NLL %.4f → %.4f%s; %s: %s", fit.fitted,
                  " [%.3f, %.3f]" % tuple(fit.interval) if fit.interval else "", fit.method,
-                 fit.samples, fit.errors, fit.nll_before, fit.nll_after,
+                 fit.samples, "pixels" if dense(dataset) else "samples", fit.errors, fit.nll_before, fit.nll_after,
                  f"; {fit.note}" if fit.note else "",
                  "applied" if fit.applied else "not applied (T = 1)", fit.reason)
     trained.calibration = fit.manifest_entry()
     report["train"]["calibration"] = trained.calibration
+
+
+def dense(dataset: Dataset) -> bool:
+    """One prediction per pixel (a segmenter), not per sample."""
+    from ttc.tasks.registry import task_of_kind
+
+    return task_of_kind(dataset.preprocessing["kind"]).dense
+
+
+def validation_scores(config: Config, trained: TrainedModel, dataset: Dataset):
+    """The validation logits and classes a temperature is fitted on: one row per sample, or
+    for a segmenter a seeded sample of its non-void pixels."""
+    if dense(dataset):
+        from ttc.tasks.segment.evaluate import pixel_logits
+
+        return pixel_logits(trained.net, dataset.val.x, dataset.val.y,
+                            dataset.preprocessing["ignore_index"], config.batch_size,
+                            config.seed)
+    from ttc.nets.program import split_logits
+
+    return split_logits(trained.net, dataset.val.x), dataset.val.y
 
 
 # a training loss that falls by less than this share: the network barely learned
@@ -116,7 +137,13 @@ def train_section(trained: TrainedModel, dataset: Dataset) -> dict:
     """The report's `train`, with its health: a WARNING and a hint when the network barely
     learned."""
     prior = prior_loss(class_counts(dataset.train.y, len(trained.labels)))
-    section = {**trained.report_section(), "health": training_health(trained, prior)}
+    section = {**trained.report_section(),
+               "health": training_health(trained, prior, not dense(dataset))}
+    if dense(dataset):  # a segmenter's epochs score validation mean IoU, not accuracy
+        section["val_mean_iou"] = section["val_accuracy"]
+        section["train_pixel_accuracy"] = section["train_accuracy"]
+        section["score"] = "val_accuracy is the validation mean IoU; train_accuracy the " \
+                           "training pixel accuracy"
     if section["health"] and section["health"]["hint"]:
         LOG.warning("%s", section["health"]["hint"])
     return section
@@ -132,11 +159,13 @@ def prior_loss(counts: list[int]) -> float:
     return float(entropy(np.asarray(counts, np.float64) / max(1, sum(counts))))
 
 
-def training_health(trained: TrainedModel, prior: float) -> dict | None:
+def training_health(trained: TrainedModel, prior: float, overfitting: bool = True
+                    ) -> dict | None:
     """Whether the network learned from its inputs: the training loss must fall by
     LOSS_FALL_FLOOR from the first batch (before any update) to the last epoch's mean, and end
     below `prior`, the loss of answering the class shares. Otherwise a hint that names the
-    learning rate used."""
+    learning rate used. `overfitting`: the history's train and validation accuracies measure
+    the same thing, so their gap is a sign of overfitting (not for a segmenter's)."""
     if trained.initial_loss is None or not trained.history or trained.initial_loss <= 0:
         return None
     start, end = trained.initial_loss, trained.history[-1].loss
@@ -151,12 +180,13 @@ def training_health(trained: TrainedModel, prior: float) -> dict | None:
                    "of answering every input with the class shares)")
     epochs = len(trained.history)
     best = trained.history[max(0, trained.best_epoch - 1)]
-    gap = best.train_accuracy - best.val_accuracy
+    gap = best.train_accuracy - best.val_accuracy if overfitting else None
     hint = problem and (f"after {epochs} epoch{'s' if epochs > 1 else ''} at learning rate "
                         f"{trained.learning_rate:g}, {problem}: the network barely learned; try "
                         f"{learning_rate_advice(trained)}, or more --epochs")
     return {"loss_start": start, "loss_end": end, "loss_fall": fall, "loss_prior": prior,
-            "overfit_gap": gap, "hint": hint or overfit_hint(trained, best, gap)}
+            "overfit_gap": gap,
+            "hint": hint or (overfit_hint(trained, best, gap) if gap is not None else None)}
 
 
 def overfit_hint(trained: TrainedModel, best, gap: float) -> str | None:
@@ -221,7 +251,7 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                  "counts": dataset.counts, "skipped_images": len(dataset.skipped),
                  "train_class_counts": class_counts(dataset.train.y, len(trained.labels)),
                  "columns": dataset.columns.to_manifest() if dataset.columns else None},
-        training={"program": "ClassifierProgram (dspy.Module)",
+        training={"program": f"{type_of_program(dataset)} (dspy.Module)",
                   "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, " + (
                       "linear warm-up and decay, gradients clipped to norm 1"
                       if trained.architecture["name"] == "HFTextNet" else
@@ -235,6 +265,10 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                   if config.tta and config.train_augment else None,
                   **trained.report_section(), "teacher": teacher},
         calibration=trained.calibration) | compression_entry(trained, paths)
+
+
+def type_of_program(dataset: Dataset) -> str:
+    return "SegmenterProgram" if dense(dataset) else "ClassifierProgram"
 
 
 def compression_entry(trained: TrainedModel, paths: BundlePaths | None) -> dict:
@@ -257,10 +291,12 @@ def regularisation_record(config: Config, trained: TrainedModel) -> dict:
 
 
 def class_counts(y, num_classes: int) -> list[int]:
-    """Samples per class, in label order (the evaluation's majority-class baseline)."""
+    """Samples per class, in label order (the evaluation's majority-class baseline); for masks,
+    pixels per class (void pixels, beyond the classes, left out)."""
     import numpy as np
 
-    return np.bincount(np.asarray(y, np.int64), minlength=num_classes).tolist()
+    flat = np.asarray(y, np.int64).ravel()
+    return np.bincount(flat[flat < num_classes], minlength=num_classes).tolist()
 
 
 def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,

@@ -163,9 +163,9 @@ def test_every_model_type_s_parts_resolve_to_its_code():
     from ttc.tasks.registry import TASKS
 
     roles = [f.name for f in dataclasses.fields(Parts)]
-    assert roles == ["reader", "rows", "networks", "modules", "evaluation"]
+    assert roles == ["reader", "rows", "networks", "modules", "evaluation", "trainer"]
     for task in TASKS:
-        for role in ("reader", "rows", "evaluation"):
+        for role in ("reader", "rows", "evaluation", "trainer"):
             assert callable(task.part(role)), (task.name, role)
         assert list(task.part("networks")) == list(task.archs), task.name
         assert all(callable(build) for build in task.part("networks").values())

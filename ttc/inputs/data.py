@@ -55,6 +55,7 @@ class DataOptions:
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     seed: int = 0
+    ignore_index: int | None = None  # a segmenter's void pixels (None: 255)
     show_progress: bool = True
 
     # What a bundle records so that export.py and inference.py find and split the data again.
@@ -87,7 +88,7 @@ class DataOptions:
         for split in ("val", "test"):
             _require_split_path(recorded, split, split_paths.get(split))
         task = find_task(recorded.get("model_type"))
-        if task is not None and task.image_files and any(split_paths.values()):
+        if task is not None and not task.split_paths and any(split_paths.values()):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",
                               "drop them: an image folder's val/ and test/ subfolders are used")

@@ -120,6 +120,9 @@ def token_deletion(x: np.ndarray, severity: int, pre: dict, rng: np.random.Gener
 CORRUPTIONS: dict[str, dict[str, Corruption]] = {
     "image": {"gaussian_noise": gaussian_noise, "contrast": contrast, "blur": blur,
               "shift": shift, "brightness": brightness},
+    # a segmenter's: the photometric ones (a geometric shift would move pixels off their masks)
+    "segmentation": {"gaussian_noise": gaussian_noise, "contrast": contrast, "blur": blur,
+                     "brightness": brightness},
     "tabular": {"feature_noise": feature_noise, "feature_scale": feature_scale},
     "text": {"unknown_tokens": unknown_tokens, "token_deletion": token_deletion},
 }

@@ -33,6 +33,13 @@ class BatchFlags:
                              "this CSV", "batch", metavar="PATH", scripts="I")
     allow_errors: bool = opt(False, "exit 0 even when some rows could not be predicted",
                              "batch", type=parse_bool, metavar="BOOL", scripts="I")
+    mask_dir: str | None = opt(None, "image_segmenter --input: the folder of the mask PNGs, "
+                               "one per image with its path under --input (default: beside "
+                               "--output, OUTPUT-STEM_masks)", "batch", metavar="DIR",
+                               scripts="I")
+    overlay: bool = opt(False, "image_segmenter --input: also write each image with its mask "
+                        "overlaid in colour (beside the masks, OUTPUT-STEM_overlays)", "batch",
+                        type=parse_bool, metavar="BOOL", scripts="I")
     top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
                      "batch", type=int, metavar="K", scripts="IS")
     chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "

@@ -58,6 +58,10 @@ class DataFlags:
         metavar="SIZE", scripts="PT")
     channels: int | None = opt(None, "1 (grayscale) or 3 (RGB); default: 1 if every image is "
                                "grayscale, else 3", "data", type=int, choices=(1, 3), scripts="PT")
+    ignore_index: int | None = opt(None, "image_segmenter: the mask value of void pixels, "
+                                   "left out of the loss and the metrics (default 255, as "
+                                   "Pascal VOC)", "data", type=int, metavar="INDEX",
+                                   scripts="PT")
     max_vocab: int = opt(20000, "text: vocabulary size (word unigrams and bigrams seen at least "
                          "twice in training, most frequent first)", "data", type=int, metavar="N",
                              scripts="PT")
@@ -94,6 +98,18 @@ class DataFlags:
         positive("max_length", self.max_length)
         for name in ("max_row_bytes", "max_image_memory_mb"):
             positive(name, getattr(self, name))
+        self._check_ignore_index()
+
+    def _check_ignore_index(self) -> None:
+        if self.ignore_index is None:
+            return
+        task = find_task(self.model_type)
+        if task is not None and task.kind != "segmentation":
+            raise ConfigError(f"--ignore_index marks void mask pixels, and a {self.model_type} "
+                              "has no masks", "drop --ignore_index, or use --model_type "
+                              "image_segmenter")
+        if not 0 <= self.ignore_index <= 255:
+            bad("ignore_index", self.ignore_index, "masks hold 8-bit indices: use 0 to 255")
 
     def check_text_length(self) -> None:
         if self.max_length > MAX_TEXT_LENGTH:
@@ -116,7 +132,7 @@ class DataFlags:
     def check_image_splits(self, names_model_type: bool) -> None:
         """Images take their splits from folders, never from --val_path / --test_path."""
         task = find_task(self.model_type)
-        if (names_model_type and task is not None and task.image_files
+        if (names_model_type and task is not None and not task.split_paths
                 and (self.val_path or self.test_path)):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",

@@ -10,14 +10,17 @@ from ttc.options.fields import bad, opt, parse_bool
 @dataclass
 class TTAFlags:
     tta: bool = opt(False, "test-time augmentation on the ONNX model (and, unless "
-                    "--train_augment false, training on the same transforms)", "ttc",
-                    type=parse_bool, metavar="BOOL", scripts="PTIS")
+                    "--train_augment false, training on the same transforms); for an "
+                    "image_segmenter, export.py and pipeline.py write its TTA graph "
+                    "(model.tta.onnx) and inference compares it with the plain one", "ttc",
+                    type=parse_bool, metavar="BOOL", scripts="PTEIS")
     tta_transforms: str = opt("", "comma-separated TTA transforms, name or name:param. image: "
                               "identity, hflip (flip), vflip, rot90, rot180, rot270, rotate:DEG, "
                               "shift:PX, crop:FRACTION, scale:FACTOR, brightness:DELTA, "
                               "contrast:FACTOR; text: token_dropout:P, window:N; tabular: "
-                              "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1)",
-                              "ttc", metavar="LIST", scripts="PTIS")
+                              "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1); "
+                              "segmentation: hflip, vflip, scale:F[,F...] (default hflip)",
+                              "ttc", metavar="LIST", scripts="PTEIS")
     tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
                          choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PIS")
     tta_plan: str = opt("auto", "how the views run: graph (every view of a batch in one "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -30,6 +31,18 @@ EVALUATION_KEYS = [("split", "split"), ("samples", "samples"), ("accuracy", "acc
                    ("ece", "ECE (15 bins)"), ("baseline_accuracy", "baseline accuracy"),
                    ("baseline_class", "baseline class (always answered)"),
                    ("baseline_source", "baseline counted on")]
+# a segmenter's evaluation (ttc/tasks/segment/metrics.py): its figures over the test pixels
+SEGMENTATION_KEYS = [("split", "split"), ("pixels", "pixels"),
+                     ("pixel_accuracy", "pixel accuracy"), ("mean_iou", "mean IoU"),
+                     ("mean_dice", "mean Dice"),
+                     ("frequency_weighted_iou", "frequency-weighted IoU"),
+                     ("baseline_mean_iou", "baseline mean IoU"),
+                     ("baseline_pixel_accuracy", "baseline pixel accuracy"),
+                     ("baseline_class", "baseline class (always answered)"),
+                     ("baseline_source", "baseline counted on")]
+EXAMPLE_SIDE = 96  # CSS pixels: the longer side of an example picture on the page
+# an example's picture as the report holds it; anything else is not put in an <img>
+PNG_DATA_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/]+={0,2}")
 # the calibration section's before/after rows: (key prefix of `_before` and `_after`, label)
 CALIBRATION_METRICS = [("accuracy", "accuracy"), ("mean_confidence", "mean confidence"),
                        ("ece", "ECE"), ("nll", "NLL")]
@@ -86,6 +99,13 @@ figure { margin: 10px 0; }
 figure img { display: block; max-width: 100%; height: auto; border: 1px solid #e6e9ee; }
 img { max-width: 100%; height: auto; }
 figcaption { font-size: 13px; color: #5a6475; margin-top: 4px; }
+.examples { display: flex; flex-wrap: wrap; gap: 10px 28px; margin: 8px 0 12px; }
+.example h4 { font-size: 13px; font-weight: 600; margin: 0 0 2px; }
+.example .trio { display: flex; gap: 8px; }
+.example figure { margin: 0; text-align: center; }
+.example figure img { image-rendering: pixelated; border: 1px solid #c9ced6;
+  background: #000; }
+.example figcaption { margin-top: 2px; font-size: 12px; }
 details summary { cursor: pointer; font-weight: 600; }
 footer { color: #5a6475; font-size: 13px; margin: 14px 2px; }
 """
@@ -298,6 +318,12 @@ def _headline(report: dict, sections: Sequence[str]) -> _Html:
     stats = [(accuracy_from, accuracy), ("macro-F1", evaluation.get("macro_f1")),
              ("balanced accuracy", evaluation.get("balanced_accuracy")),
              ("baseline accuracy", evaluation.get("baseline_accuracy"))]
+    if "mean_iou" in evaluation:  # a segmenter's
+        split = evaluation.get("split") or "test"
+        stats = [(f"{split} mean IoU", evaluation.get("mean_iou")),
+                 ("pixel accuracy", evaluation.get("pixel_accuracy")),
+                 ("mean Dice", evaluation.get("mean_dice")),
+                 ("baseline mean IoU", evaluation.get("baseline_mean_iou"))]
     cells = "".join(f'<div class="stat"><span class="v">{_esc(_fmt(v))}</span>'
                     f'<span class="k">{_esc(k)}</span></div>' for k, v in stats if v is not None)
     if cells:
@@ -370,9 +396,17 @@ def _render_train(data: dict, view: _View) -> list[str]:
                  h.get("val_loss"), h.get("seconds")) for h in history]
         parts.append(_Html(f"<details><summary>Per-epoch history ({len(history)} epochs)"
                            "</summary>"
-                           + _table(["epoch", "loss", "train accuracy", "val accuracy",
-                                     "val loss", "seconds"], rows) + "</details>"))
+                           + _table(["epoch", "loss", *_score_names(data), "val loss",
+                                     "seconds"], rows) + "</details>"))
     return parts
+
+
+def _score_names(train: dict) -> list[str]:
+    """What a history's train_accuracy and val_accuracy are: a segmenter's training pixel
+    accuracy and validation mean IoU."""
+    if train.get("val_mean_iou") is not None:
+        return ["train pixel accuracy", "val mean IoU"]
+    return ["train accuracy", "val accuracy"]
 
 
 def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> _Html:
@@ -401,7 +435,9 @@ def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> 
 
 def _render_evaluation(data: dict, view: _View) -> list[str]:
     """The evaluation's tables and plots (the reliability diagram unless the calibration
-    section shows it)."""
+    section shows it); a segmenter's: _render_segmentation."""
+    if "mean_iou" in data:
+        return _render_segmentation(data, view)
     parts = [_kv_table(_pairs(data, view.keys if view.keys is not None else EVALUATION_KEYS))]
     tables = []
     per_class = [r for r in data.get("per_class") or [] if isinstance(r, dict)]
@@ -431,6 +467,90 @@ def _render_evaluation(data: dict, view: _View) -> list[str]:
         parts.append(_line(f"no confusion matrix for {len(labels)} classes (too many to keep "
                            "dense): the report JSON lists the most frequent confusions in "
                            "evaluation.confusion_pairs"))
+    parts.append(view.figures())
+    return parts
+
+
+def _score(value: Any) -> _Html:
+    """An IoU or Dice to 4 decimals; a dash where there is none (a class neither in the truth
+    nor predicted)."""
+    return _NumHtml(_esc(f"{value:.4f}" if _is_number(value) else "–"))
+
+
+def _segmentation_table(per_class: Any) -> _Html:
+    """A segmenter's per-class rows: IoU, Dice, true and predicted pixels."""
+    rows = [(label, _score(row.get("iou")), _score(row.get("dice")), row.get("pixels"),
+             row.get("predicted_pixels"))
+            for label, row in _dict(per_class).items() if isinstance(row, dict)]
+    if not rows:
+        return _Html("")
+    return _Html("<h3>Per class</h3>" + _table(["class", "IoU", "Dice", "pixels",
+                                                "predicted pixels"], rows))
+
+
+def _example_img(url: Any, size: Any, caption: str) -> str:
+    """One picture of an example as an <img> (its longer side EXAMPLE_SIDE CSS pixels, drawn
+    as squares), or its caption alone where the report holds no PNG data URL."""
+    if not isinstance(url, str) or not PNG_DATA_URL.fullmatch(url):
+        return f"<figure><figcaption>{_esc(caption)}: not shown</figcaption></figure>"
+    height, width = size if isinstance(size, list) and len(size) == 2 \
+        and all(_is_number(v) and v > 0 for v in size) else (1, 1)
+    scale = EXAMPLE_SIDE / max(height, width)
+    return (f'<figure><img src="{url}" alt="{_esc(caption)}" '
+            f'width="{max(1, round(width * scale))}" height="{max(1, round(height * scale))}">'
+            f"<figcaption>{_esc(caption)}</figcaption></figure>")
+
+
+def _examples_grid(examples: Any) -> _Html:
+    """Test images of a segmenter, one block each: the image, it with the true mask and with
+    the predicted mask overlaid, under its index and pixel accuracy. The pictures go in <img>
+    only (their data URLs are never text on the page)."""
+    blocks = []
+    for example in examples if isinstance(examples, list) else []:
+        if not isinstance(example, dict):
+            continue
+        index, accuracy = example.get("index"), example.get("pixel_accuracy")
+        title = f"example {_fmt(index)}" if index is not None else "example"
+        if _is_number(accuracy):
+            title += f" · pixel accuracy {accuracy:.3f}"
+        size = example.get("size")
+        pictures = "".join(_example_img(example.get(key), size, caption) for key, caption in
+                           (("image", "image"), ("truth", "true mask"),
+                            ("predicted", "predicted mask")))
+        blocks.append(f'<div class="example"><h4>{_esc(title)}</h4>'
+                      f'<div class="trio">{pictures}</div></div>')
+    if not blocks:
+        return _Html("")
+    return _Html(f"<h3>{_esc(f'Examples ({len(blocks)} test images)')}</h3>"
+                 '<div class="examples">' + "".join(blocks) + "</div>")
+
+
+def _render_segmentation(data: dict, view: _View) -> list[str]:
+    """A segmenter's evaluation: its figures and baseline, the verdict and warnings, the
+    per-class IoU and Dice, the pixel confusion matrix, the examples as pictures, and its plots
+    (the examples' grid only as a file: the page shows the pictures themselves)."""
+    parts: list[str] = [_kv_table(_pairs(data, SEGMENTATION_KEYS))]
+    if data.get("verdict"):
+        parts.append(_labelled_line("verdict", data["verdict"]))
+    warnings = [w for w in data.get("warnings") or [] if w]
+    if warnings:
+        items = "".join(f"<li>{_esc(w)}</li>" for w in warnings)
+        parts.append(_Html(f'<div class="warnings"><strong>Warnings</strong><ul>{items}</ul>'
+                           "</div>"))
+    parts.append(_segmentation_table(data.get("per_class")))
+    examples = _examples_grid(data.get("examples"))
+    parts.append(examples)
+    if examples:
+        view.plots.placed.add("segmentation_examples")
+    labels = [str(label) for label in data.get("labels") or []]
+    matrix = data.get("confusion_matrix") or []
+    if labels and len(matrix) == len(labels) and len(labels) <= MAX_MATRIX_CLASSES \
+            and all(isinstance(r, list) and len(r) == len(labels) for r in matrix):
+        parts += ["<h3>Confusion matrix (pixels)</h3>", _confusion_table(labels, matrix)]
+    elif matrix:
+        parts.append(_line(f"pixel confusion matrix of {len(matrix)} classes: "
+                           + ("see its plot" if view.plots.has("confusion_matrix")
+                              else "in the report JSON")))
     parts.append(view.figures())
     return parts
 

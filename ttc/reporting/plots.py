@@ -111,6 +111,14 @@ def text_width(text: str, points: float) -> float:
     return ems * points / 72
 
 
+def segmenter(report: dict) -> bool:
+    """A segmenter's report: its evaluation scores pixels (mean IoU), or its training ran on
+    masks."""
+    evaluation, train = section(report, "evaluation"), section(report, "train")
+    return bool(evaluation and "mean_iou" in evaluation
+                or train and train.get("val_mean_iou") is not None)
+
+
 def no_data(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", color="0.5",
             transform=ax.transAxes)
@@ -130,6 +138,9 @@ def training_curves(report: dict) -> Figure | None:
         return None
     panels = [("loss", [("train", "loss"), ("val", "val_loss")]),
               ("accuracy", [("train", "train_accuracy"), ("val", "val_accuracy")])]
+    # a segmenter's history: the training pixel accuracy and the validation mean IoU
+    names = {"train": "train pixel accuracy", "val": "val mean IoU"} if segmenter(report) \
+        else {}
     series = {(title, name): points(history, "epoch", key)
               for title, lines in panels for name, key in lines}
     if not any(xs for xs, _ in series.values()):
@@ -142,7 +153,8 @@ def training_curves(report: dict) -> Figure | None:
         for name, _ in lines:
             xs, ys = series[(title, name)]
             if xs:
-                ax.plot(xs, ys, color=COLORS[name], label=name, linewidth=1.5,
+                ax.plot(xs, ys, color=COLORS[name],
+                        label=names.get(name, name) if title != "loss" else name, linewidth=1.5,
                         marker="o" if len(xs) <= 30 else None, markersize=3)
                 drawn = True
         if not drawn:
@@ -151,7 +163,8 @@ def training_curves(report: dict) -> Figure | None:
         if best is not None:
             ax.axvline(best, color="0.4", linestyle=":", linewidth=1,
                        label=f"kept (epoch {best:g})")
-        ax.set_title(f"{title} per epoch")
+        ax.set_title(f"{'pixel accuracy, mean IoU' if names and title != 'loss' else title}"
+                     " per epoch")
         ax.set_xlabel("epoch")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(loc="upper right" if title == "loss" else "lower right", frameon=False)
@@ -214,16 +227,186 @@ def confusion_matrix(report: dict) -> Figure | None:
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     split = plain(evaluation.get("split") or "test")
-    samples = number(evaluation.get("samples"))
-    accuracy = number(evaluation.get("accuracy"))
-    detail = ", ".join(([f"{samples:g} samples"] if samples is not None else [])
-                       + ([f"accuracy {accuracy:.3f}"] if accuracy is not None else []))
+    pixels = segmenter(report)  # a segmenter's matrix counts pixels, not samples
+    unit, score = ("pixels", "pixel_accuracy") if pixels else ("samples", "accuracy")
+    samples = number(evaluation.get(unit))
+    accuracy = number(evaluation.get(score))
+    detail = ", ".join(([f"{samples:,.0f} {unit}"] if samples is not None else [])
+                       + ([f"{score.replace('_', ' ')} {accuracy:.3f}"]
+                          if accuracy is not None else []))
     ax.set_title(f"Confusion matrix, {split} split" + (f" ({detail})" if detail else ""),
                  fontsize=9)
     bar = fig.add_axes(((left + side + 0.15) / width, bottom / height, 0.15 / width,
                         side / height))
-    fig.colorbar(image, cax=bar, label="share of the true class")
+    fig.colorbar(image, cax=bar, label="share of the true class"
+                 + ("'s pixels" if pixels else ""))
     return fig
+
+
+# ----------------------------------------------------------------------------- segmentation
+
+
+MAX_IOU_CLASSES = 40  # bars on the per-class IoU chart; more classes: the lowest IoU
+EXAMPLE_ROWS = 8  # test images on the examples' grid
+MAX_EXAMPLE_SIDE = 1024  # pixels; a bigger "example" in a report is not drawn
+PNG_DATA_URL = "data:image/png;base64,"
+
+
+def segmentation_rows(evaluation: dict) -> list[tuple[str, float | None, float | None]]:
+    """(label, IoU, Dice) per class of a segmenter's evaluation, in its order; at most
+    MAX_IOU_CLASSES, the lowest IoU first among more (a class without an IoU, neither in the
+    truth nor predicted, last, as the summary ranks them)."""
+    per_class = evaluation.get("per_class")
+    if not isinstance(per_class, dict):
+        return []
+    rows = [(str(label), number(row.get("iou")), number(row.get("dice")))
+            for label, row in per_class.items() if isinstance(row, dict)]
+    if len(rows) > MAX_IOU_CLASSES:
+        rows = sorted(rows, key=lambda r: 2.0 if r[1] is None else r[1])[:MAX_IOU_CLASSES]
+    return rows
+
+
+def class_iou(report: dict) -> Figure | None:
+    """A segmenter's IoU (bar, value written beside it) and Dice (thinner bar) per class, with
+    its mean IoU and the majority-class baseline's as vertical lines."""
+    evaluation = section(report, "evaluation")
+    if not evaluation or "mean_iou" not in evaluation:
+        return None
+    rows = segmentation_rows(evaluation)
+    if not any(iou is not None or dice is not None for _, iou, dice in rows):
+        return None
+    names = [plain(label) for label, _, _ in rows]
+    label_width = max(text_width(name.replace("\\", ""), 8) for name in names)
+    left = 0.35 + label_width
+    height = 1.3 + 0.26 * len(rows)
+    fig = new_figure(left + 5.2, height)
+    place(fig, left=left, right=0.25, bottom=0.85, top=0.35)
+    ax = fig.subplots()
+    y = np.arange(len(rows))
+    ious = [np.nan if iou is None else iou for _, iou, _ in rows]
+    dices = [np.nan if dice is None else dice for _, _, dice in rows]
+    ax.barh(y - 0.17, ious, height=0.36, color=PALETTE[0], label="IoU")
+    ax.barh(y + 0.19, dices, height=0.22, color=PALETTE[0], alpha=0.35, label="Dice")
+    for k, (_, iou, dice) in enumerate(rows):
+        text = "absent (no pixels)" if iou is None and dice is None else \
+            "" if iou is None else f"{iou:.3f}"
+        ax.annotate(text, (iou or 0.0, k - 0.17), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=7, color="0.45" if iou is None else "black")
+    mean, baseline = number(evaluation.get("mean_iou")), number(evaluation.get("baseline_mean_iou"))
+    if mean is not None:
+        ax.axvline(mean, color=COLORS["fixed"], linewidth=1.2, label=f"mean IoU {mean:.3f}")
+    if baseline is not None:
+        always = evaluation.get("baseline_class")
+        ax.axvline(baseline, color=COLORS["broken"], linestyle="--", linewidth=1.2,
+                   label=f"baseline mean IoU {baseline:.3f}"
+                   + (f" (always {plain(always, 18)})" if always is not None else ""))
+    ax.set_yticks(y, names)
+    ax.set_ylim(len(rows) - 0.5, -0.6)  # the first class on top
+    ax.set_xlim(0, 1.08)
+    ax.set_xlabel("IoU / Dice")
+    ax.grid(axis="y", visible=False)
+    split = plain(evaluation.get("split") or "test")
+    shown = "" if len(rows) == len(evaluation["per_class"]) else \
+        f", the {len(rows)} lowest of {len(evaluation['per_class'])}"
+    ax.set_title(f"IoU and Dice per class, {split} split{shown}")
+    ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.45 / (height - 1.2)), ncol=2,
+              frameon=False, fontsize=7)
+    return fig
+
+
+def data_url_picture(url: Any) -> np.ndarray | None:
+    """The RGB pixels of a PNG data URL (an example of the report), or None for anything else:
+    not a PNG data URL, undecodable, or bigger than MAX_EXAMPLE_SIDE a side."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    if not isinstance(url, str) or not url.startswith(PNG_DATA_URL):
+        return None
+    try:
+        data = base64.b64decode(url[len(PNG_DATA_URL):], validate=True)
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as picture:
+            if max(picture.size) > MAX_EXAMPLE_SIDE:
+                return None
+            return np.asarray(picture.convert("RGB"))
+    except (binascii.Error, OSError, ValueError):  # UnidentifiedImageError is an OSError
+        return None
+
+
+def example_pictures(evaluation: dict) -> list[tuple[dict, list[np.ndarray]]]:
+    """The first EXAMPLE_ROWS examples whose three pictures (image, truth, predicted) decode."""
+    examples = evaluation.get("examples")
+    drawn = []
+    for example in examples if isinstance(examples, list) else []:
+        if not isinstance(example, dict):
+            continue
+        pictures = [data_url_picture(example.get(k)) for k in ("image", "truth", "predicted")]
+        if all(p is not None for p in pictures):
+            drawn.append((example, pictures))
+        if len(drawn) == EXAMPLE_ROWS:
+            break
+    return drawn
+
+
+def voc_colour(k: int) -> tuple[float, float, float]:
+    """Class k's colour in the PASCAL VOC colour map, as ttc/tasks/segment/masks.py colours the
+    overlays (the reporting layer imports no model type's code): the bits of k spread over the
+    channels from the high bit down."""
+    rgb = [0, 0, 0]
+    for shift in range(7, -1, -1):
+        for channel in range(3):
+            rgb[channel] |= ((k >> channel) & 1) << shift
+        k >>= 3
+    return (rgb[0] / 255, rgb[1] / 255, rgb[2] / 255)
+
+
+def mask_colours(labels: Sequence[Any]) -> list[tuple[str, tuple[float, float, float]]]:
+    """(label, colour) of the overlays' classes after the first (class 0 is left unshaded),
+    at most 20."""
+    return [(plain(label, 16), voc_colour(k)) for k, label in enumerate(labels) if 0 < k < 21]
+
+
+def segmentation_examples(report: dict) -> Figure | None:
+    """Test images of a segmenter, one per row: the image, the true mask overlaid and the
+    predicted mask overlaid (pixels drawn as squares), each row titled with the example's index
+    and pixel accuracy; the class colours underneath."""
+    evaluation = section(report, "evaluation")
+    drawn = example_pictures(evaluation) if evaluation else []
+    if not drawn:
+        return None
+    labels = evaluation.get("labels") if isinstance(evaluation.get("labels"), list) else []
+    colours = mask_colours(labels)
+    legend_rows = math.ceil(len(colours) / 5)
+    panel, top, bottom = 1.5, 0.75, 0.2 + 0.2 * legend_rows + (0.35 if colours else 0.0)
+    width, height = 0.3 + 3 * panel + 2 * 0.25, top + bottom + len(drawn) * (panel + 0.4) - 0.4
+    fig = new_figure(width, height)
+    place(fig, left=0.15, right=0.15, bottom=bottom, top=top)
+    fig.subplots_adjust(wspace=0.25 / panel, hspace=0.4 / panel)
+    axes = fig.subplots(len(drawn), 3, squeeze=False)
+    for row, (example, pictures) in zip(axes, drawn):
+        index = example.get("index")
+        accuracy = number(example.get("pixel_accuracy"))
+        titles = [f"example {index}" if isinstance(index, int) else "example", "true mask",
+                  "predicted" + (f", {accuracy:.1%} right" if accuracy is not None
+                                 else "")]
+        for ax, picture, title in zip(row, pictures, titles):
+            ax.imshow(picture, interpolation="nearest")
+            ax.set_title(title, fontsize=8)
+            ax.set_axis_off()
+    if colours:
+        from matplotlib.patches import Patch
+
+        fig.legend(handles=[Patch(color=colour, label=label) for label, colour in colours],
+                   loc="lower center", ncol=min(5, len(colours)), frameon=False, fontsize=7,
+                   title=f"mask colours ({plain(labels[0], 16)} not shaded)",
+                   title_fontsize=7)
+    fig.suptitle(f"{len(drawn)} images of the {plain(evaluation.get('split') or 'test')} "
+                 "split, true and predicted masks", fontsize=10, y=1 - 0.12 / height,
+                 va="top")
+    return fig
+
 
 
 # ----------------------------------------------------------------------------- reliability

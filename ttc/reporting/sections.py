@@ -68,13 +68,16 @@ TEACHER_KEYS: KeyLabels = (
 TRAIN_KEYS: KeyLabels = (
     ("samples", "train samples"), ("epochs_run", "epochs run"),
     ("epochs_not_run", "epochs not run (early stop)"), ("best_epoch", "best epoch"),
-    ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"), ("seconds", "seconds"),
+    ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"),
+    ("train_pixel_accuracy", "train pixel accuracy"), ("val_mean_iou", "val mean IoU"),
+    ("seconds", "seconds"),
 )
 EXPORT_KEYS: KeyLabels = (
     ("path", "model"), ("opset", "opset"), ("nodes_before_slim", "nodes before slim"),
     ("nodes_after_slim", "nodes after slim"), ("size_bytes", "size (bytes)"),
     ("checker", "onnx.checker"), ("max_abs_diff", "max |onnx - torch|"),
     ("top1_agreement", "top-1 agreement"), ("padding_max_diff", "padding max diff"),
+    ("mask_agreement", "mask agreement (pixels)"), ("resolutions_checked", "resolutions checked"),
     ("seconds", "seconds"),
 )
 QUANTIZE_KEYS: KeyLabels = (
@@ -95,6 +98,7 @@ FP16_KEYS: KeyLabels = (
 )
 INFERENCE_KEYS: KeyLabels = (
     ("model_path", "model"), ("providers_active", "providers"), ("accuracy", "test accuracy"),
+    ("pixel_accuracy", "test pixel accuracy"), ("mean_iou", "test mean IoU"),
     ("batch_size", "batch size"), ("latency_ms_p50", "latency p50 (ms/batch)"),
     ("latency_ms_p95", "latency p95 (ms/batch)"), ("throughput_per_s", "throughput (samples/s)"),
 )
@@ -103,13 +107,17 @@ TTA_KEYS: KeyLabels = (
     ("backend", "views and merge in"), ("plan", "plan"),
     ("accuracy_plain", "test accuracy plain"),
     ("accuracy", "test accuracy TTA"), ("accuracy_val_plain", "val accuracy plain"),
+    ("mean_iou_plain", "test mean IoU plain"), ("mean_iou", "test mean IoU TTA"),
+    ("pixel_accuracy_plain", "test pixel accuracy plain"),
+    ("pixel_accuracy", "test pixel accuracy TTA"),
     ("accuracy_val", "val accuracy TTA"), ("fixed", "fixed (wrong → right)"),
     ("broken", "broken (right → wrong)"), ("cost_ratio", "cost ratio (TTA / plain)"),
     ("triggered_fraction", "triggered"), ("verdict", "verdict"),
 )
 PREDICTIONS_KEYS: KeyLabels = (
-    ("input", "input"), ("output", "output"), ("rows", "rows read"),
-    ("predicted", "rows predicted"), ("failed", "rows failed"),
+    ("input", "input"), ("output", "output"), ("mask_dir", "masks in"),
+    ("overlay_dir", "overlays in"), ("images", "images read"), ("rows", "rows read"),
+    ("predicted", "rows predicted"), ("failed", "rows failed"), ("errors", "images failed"),
     ("errors_path", "errors listed in"), ("labeled", "rows with a label"),
     ("outside_classes", "labels not a class"), ("accuracy", "accuracy"),
     ("rows_per_s", "rows/s end to end"),
@@ -133,7 +141,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("profile", "Profile (ONNX Runtime)", details=format_profile, page="profile",
             summary_after="tta", json_after="engine"),
     Section("evaluation", "Evaluation", details=format_evaluation, page="evaluation",
-            plots=("confusion_matrix", "reliability"), of_input=True),
+            plots=("class_iou", "confusion_matrix", "segmentation_examples", "reliability"),
+            of_input=True),
     Section("calibration", "Calibration", details=format_calibration, page="calibration",
             plots=("reliability", "calibration_shift"), summary_beneath="evaluation",
             of_input=True),
@@ -154,6 +163,10 @@ SECTION: dict[str, Section] = {section.key: section for section in SECTIONS}
 PLOT_CAPTIONS: dict[str, str] = {
     "training_curves": "training curves: loss and accuracy per epoch",
     "confusion_matrix": "confusion matrix (rows: true class, columns: predicted class)",
+    "class_iou": "segmentation: IoU and Dice per class, with the mean IoU and the "
+                 "majority-class baseline's",
+    "segmentation_examples": "segmentation: test images with their true and predicted masks "
+                             "overlaid",
     "reliability": "reliability diagram: accuracy against confidence per bin, without and with "
                    "the temperature",
     "calibration_shift": "calibration under shift: ECE per variant and corruption",

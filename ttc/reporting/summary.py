@@ -47,6 +47,8 @@ SHOWN_CLASSES = 20  # per-class rows in the text summary; more classes: the weak
 
 def format_evaluation(evaluation: dict) -> list[str]:
     """Verdict, baseline, macro figures, the per-class table and the top confusions."""
+    if "mean_iou" in evaluation:
+        return format_segmentation(evaluation)
     lines = [f"  {'verdict':<26} {evaluation['verdict']}",
              f"  {'baseline (majority class)':<26} {fmt(evaluation['baseline_accuracy'])} "
              f"(always {evaluation['baseline_class']!r}, from the {evaluation['baseline_source']})",
@@ -67,6 +69,30 @@ def format_evaluation(evaluation: dict) -> list[str]:
         lines.append("  most frequent confusions (true → predicted):")
         lines += [f"    {_clip(str(c['true']), 28)} → {_clip(str(c['predicted']), 28)}: "
                   f"{c['count']}" for c in evaluation["top_confusions"]]
+    lines += [f"  WARNING: {warning}" for warning in evaluation["warnings"]]
+    return lines
+
+
+def format_segmentation(evaluation: dict) -> list[str]:
+    """A segmenter's: verdict, baseline, pixel figures and per-class IoU and Dice (the weakest
+    SHOWN_CLASSES when there are more)."""
+    lines = [f"  {'verdict':<26} {evaluation['verdict']}",
+             f"  {'baseline (majority class)':<26} mean IoU "
+             f"{fmt(evaluation['baseline_mean_iou'])}, pixel accuracy "
+             f"{fmt(evaluation['baseline_pixel_accuracy'])} (always "
+             f"{evaluation['baseline_class']!r}, from the {evaluation['baseline_source']})",
+             f"  {'pixel accuracy':<26} {fmt(evaluation['pixel_accuracy'])}",
+             f"  {'mean IoU':<26} {fmt(evaluation['mean_iou'])}",
+             f"  {'frequency-weighted IoU':<26} {fmt(evaluation['frequency_weighted_iou'])}"]
+    rows = [{"label": label, **row} for label, row in evaluation["per_class"].items()]
+    title = "class"
+    if len(rows) > SHOWN_CLASSES:
+        rows = sorted(rows, key=lambda r: (r["iou"] if r["iou"] is not None else 2.0))
+        rows, title = rows[:SHOWN_CLASSES], f"class ({SHOWN_CLASSES} lowest IoU of {len(rows)})"
+    width = max(12, min(28, max(len(str(r["label"])) for r in rows)))
+    lines.append(f"  {title:<{width}} {'IoU':>8} {'Dice':>8} {'pixels':>10}")
+    lines += [f"  {_clip(str(r['label']), width):<{width}} {_fixed(r['iou']):>8} "
+              f"{_fixed(r['dice']):>8} {r['pixels']:>10}" for r in rows]
     lines += [f"  WARNING: {warning}" for warning in evaluation["warnings"]]
     return lines
 
@@ -183,8 +209,9 @@ def _fixed(value: Any, digits: int = 4) -> str:
 def format_ttt(ttt: dict) -> list[str]:
     """Accuracy without and with each adaptation method, clean and per corruption."""
     methods = [m for m in ("bn", "tent") if ttt["clean"].get(f"accuracy_{m}") is not None]
+    metric = ttt.get("metric", "accuracy").replace("mean_iou", "mean IoU")
     lines = [f"  method {ttt['method']}, {ttt['mode']}, batches of {ttt['batch_size']}, "
-             f"bn prior {ttt['bn_prior']:g}, tent steps {ttt['iterations']}",
+             f"bn prior {ttt['bn_prior']:g}, tent steps {ttt['iterations']}; {metric}:",
              f"  {'data':<30} {'source':>8}" + "".join(f" {m:>8} {'cost ' + m:>10}"
                                                       for m in methods)]
     rows = [("clean", ttt["clean"])] + [(f"{r['name']} (severity {r['severity']})", r)

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Mapping
 from ttc.inputs.limits import graph_size_problem
 # The typed manifest lives in manifest.py; the other packages import it from here.
 from ttc.serving.manifest import InputSpec, Manifest, as_manifest
-from ttc.tasks.registry import task_of_kind
-from ttc.serving.manifest_schema import MAX_DEPTH, OUTPUT_NAMES, agreement_problem, manifest_problem
+from ttc.tasks.registry import task_for, task_of_kind
+from ttc.serving.manifest_schema import MAX_DEPTH, agreement_problem, manifest_problem
 from ttc.inputs.preprocess import PADDING_ID_KEY, register_hf_tokenizer
 from utils import ConfigError, ExportError, nesting_depth, quoted, sha256_of, staged_files
 
@@ -69,7 +69,8 @@ class BundlePaths:
         """A file the manifest's network or preprocessing needs: "model_def", "tokenizer"."""
         return {"model_def": self.model_def, "tokenizer": self.tokenizer}[key]
 
-    GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble", "pruned", "qat", "pruned_qat")
+    GRAPH_KEYS = ("onnx", "int8", "fp16", "bn", "mc", "ensemble", "tta", "pruned", "qat",
+                  "pruned_qat")
 
     def files(self) -> dict[str, Path]:
         """Every file a bundle may hold, by what it is."""
@@ -86,7 +87,7 @@ class BundlePaths:
 
     def variant(self, key: str) -> Path:
         """The graph file of a variant: "onnx" (fp32), "int8", "fp16", or of an extra graph:
-        "bn" (BatchNorm adaptation), "mc" (MC-dropout), "ensemble"."""
+        "bn" (BatchNorm adaptation), "mc" (MC-dropout), "ensemble", "tta" (a segmenter's TTA)."""
         if key == "onnx":
             return self.onnx
         return self.onnx.with_suffix(f".{key}.onnx")
@@ -225,6 +226,7 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: Manifest, variant: str 
            "bn": f"python export.py --output_model {paths.onnx}",
            "mc": f"python export.py --output_model {paths.onnx}",
            "ensemble": f"python pipeline.py ... --ensemble_size N --output_model {paths.onnx}",
+           "tta": f"python export.py --output_model {paths.onnx} --tta true",
            **{key: f"python pipeline.py ... --prune RATIO --qat true --output_model {paths.onnx}"
               for key in ("pruned", "qat", "pruned_qat")}}[variant]
     if not manifest.files.name(variant) or not expected:
@@ -234,6 +236,7 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: Manifest, variant: str 
                 "mc": "MC-dropout graph (a model without dropout, or a bundle exported before "
                       "MC-dropout existed, has none)",
                 "ensemble": "ensemble graph (train one with --ensemble_size N)",
+                "tta": "segmentation TTA graph (export one with --tta true)",
                 "pruned": "pruned graph (train one with --prune RATIO)",
                 "qat": "quantization-aware int8 graph (train one with --qat true)",
                 "pruned_qat": "pruned int8 graph (train one with --prune RATIO --qat true)"
@@ -339,8 +342,11 @@ def contract_problem(model: Any, manifest: Manifest) -> str | None:
         if want is not None and have is not None and want != have:
             return (f"input {spec.name!r} dimension {position} is {have} in the graph and "
                     f"{want} by the manifest's preprocessing")
-    classes = {o.name: _static_dims(o)[-1] for o in model.graph.output if o.name in OUTPUT_NAMES
-               and len(_static_dims(o)) == 2}
+    # the class axis: last of a classifier's (batch, classes), second of a segmenter's planes
+    class_axis = {2: -1, 4: 1}
+    classes = {o.name: dims[class_axis[len(dims)]] for o in model.graph.output
+               if o.name in ("logits", "probabilities")
+               and len(dims := _static_dims(o)) in class_axis}
     for name, count in classes.items():
         if count is not None and count != manifest.classes:
             return (f"the graph's {name} has {count} classes and the manifest "
@@ -429,8 +435,7 @@ def new_manifest(*, model_type: str, labels: list[str], input_spec: dict, prepro
     """A manifest as training knows it; export (record_export) adds the graphs and their
     hashes, quantization (record_variant) its variants. `calibration`: the temperature fit
     (calibrate.TemperatureFit.manifest_entry), which every exported graph bakes in."""
-    outputs = [{"name": name, "shape": ["batch", len(labels)], "dtype": "float32"}
-               for name in OUTPUT_NAMES]
+    outputs = task_for(model_type).graph_outputs(len(labels))
     return {"format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model_type": model_type, "labels": labels, "input": input_spec, "outputs": outputs,

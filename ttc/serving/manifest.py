@@ -211,14 +211,15 @@ class Compression:
 
 @dataclass(frozen=True)
 class ExtraGraph:
-    """A graph besides model.onnx (bn, mc, ensemble): its file, its averages' temperature,
-    (MC-dropout) the number of passes that temperature was fitted with, and (an ensemble) its
-    members."""
+    """A graph besides model.onnx (bn, mc, ensemble, tta): its file, its averages' temperature,
+    (MC-dropout) the number of passes that temperature was fitted with, (an ensemble) its
+    members, and (a segmenter's TTA) its views."""
 
     file: str | None = None
     temperature: float | None = None
     members: int | None = None
     fitted_passes: int | None = None
+    views: str | None = None  # a segmenter's TTA graph: its views (segment/views.py)
 
     @classmethod
     def from_dict(cls, entry: Any) -> "ExtraGraph | None":
@@ -226,7 +227,8 @@ class ExtraGraph:
             return None
         return cls(file=entry.get("file"), temperature=entry.get("temperature"),
                    members=entry.get("members"),
-                   fitted_passes=_object(entry.get("temperature_fit")).get("passes"))
+                   fitted_passes=_object(entry.get("temperature_fit")).get("passes"),
+                   views=entry.get("views"))
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,7 @@ class ExtraGraphs:
     bn: ExtraGraph | None = None
     mc: ExtraGraph | None = None
     ensemble: ExtraGraph | None = None
+    tta: ExtraGraph | None = None  # a segmenter's views and their merge, in one graph
     listed: bool = False
 
     @classmethod
@@ -244,7 +247,7 @@ class ExtraGraphs:
         listed = isinstance(graphs, dict)
         graphs = _object(graphs)
         return cls(**{key: ExtraGraph.from_dict(graphs.get(key))
-                      for key in ("bn", "mc", "ensemble")}, listed=listed)
+                      for key in ("bn", "mc", "ensemble", "tta")}, listed=listed)
 
 
 @dataclass(frozen=True)

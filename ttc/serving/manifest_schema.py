@@ -25,9 +25,12 @@ Check = Callable[[Any, str], "str | None"]
 MAX_DEPTH = 32  # a manifest nests about 5 levels (architecture.hf_config.id2label)
 MAX_INT = 2**31 - 1  # sizes and ids: what the Rust tokenizer and ONNX Runtime take as int32
 MODEL_KINDS = {task.name: task.kind for task in TASKS}  # model_type → preprocessing.kind
-OUTPUT_NAMES = ("logits", "probabilities")  # every graph's outputs, (batch, classes) float32
+# every graph's outputs, (batch, classes) float32; a segmenter's are (batch, classes, height,
+# width), with the mask (batch, height, width) int64 beside them
+OUTPUT_NAMES = ("logits", "probabilities", "mask")
 HF_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # hf.GRAPH_INPUTS (torch)
 TORCHVISION_ARCHS = task_for("image_classifier").archs[1:]  # the image networks but small_cnn
+SEGMENTER_ARCHS = task_for("image_segmenter").archs[1:]  # torchvision's, beside our unet
 TABLE_FORMATS = FORMAT_NAMES  # a recorded --dataset_format
 
 
@@ -176,6 +179,10 @@ PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
                           "graph_inputs": list_of(text(HF_GRAPH_INPUTS), min_length=1)},
                          required=("sha256", "max_length", "pad_id", "pad_token", "vocab_size",
                                    "graph_inputs")),
+    "segmentation": record({"image_size": list_of(integer(1, MAX_IMAGE_SIDE), length=2),
+                            "channels": either(1, 3), "ignore_index": integer(0, 255),
+                            "mean": list_of(FINITE), "std": list_of(POSITIVE)},
+                           required=("image_size", "channels", "ignore_index")),
     "tabular": record({"columns": list_of(record(
                            {"name": STRING, "type": text(("numeric", "categorical")),
                             "categories": NAMES}, required=("name", "type")), min_length=1),
@@ -206,6 +213,12 @@ NETWORKS = {
                               "small_stem": either(True, False),
                               "normalization": text(("data", "imagenet"))},
                              required=("torchvision", "in_channels", "small_stem")),
+    "UNet": record({"in_channels": either(1, 3), "widths": list_of(SIZE, min_length=2),
+                    "dropout": DROPOUT}, required=("in_channels", "widths")),
+    "TorchvisionSegmenter": record({"arch": text(SEGMENTER_ARCHS), "in_channels": either(1, 3),
+                                    "small_stem": either(True, False),
+                                    "normalization": text(("data", "imagenet"))},
+                                   required=("arch", "in_channels", "small_stem")),
     "UserNetwork": record({"model_def": record({"file": STRING, "factory": IDENTIFIER,
                                                 "sha256": SHA256},
                                                required=("file", "factory", "sha256")),
@@ -255,7 +268,8 @@ EXTRA_GRAPHS = record({
     "mc": record({"temperature": optional(POSITIVE),
                   "temperature_fit": optional(record({"passes": optional(SIZE)}))}),
     "ensemble": record({"members": SIZE, "temperature": optional(POSITIVE)},
-                       required=("members",))})
+                       required=("members",)),
+    "tta": record({"views": STRING}, required=("views",))})
 
 
 def _files_problem(files: Any, name: str) -> str | None:
@@ -361,7 +375,8 @@ def _counts_agree(manifest: dict) -> str | None:
     return None
 
 
-INPUT_FORMS = {"image": ("float32", 4), "text": ("int64", 2), "tabular": ("float32", 2)}
+INPUT_FORMS = {"image": ("float32", 4), "text": ("int64", 2), "tabular": ("float32", 2),
+               "segmentation": ("float32", 4)}
 
 
 def _input_agrees(manifest: dict) -> str | None:
@@ -370,7 +385,7 @@ def _input_agrees(manifest: dict) -> str | None:
     if spec.get("dtype", dtype) != dtype or len(spec["shape"]) != rank:
         return (f"input must be a {dtype} input of {rank} dimensions for {pre['kind']} "
                 f"preprocessing")
-    if pre["kind"] == "image" and any(
+    if pre["kind"] in ("image", "segmentation") and any(
             len(pre.get(key, ())) not in (0, pre["channels"]) for key in ("mean", "std")):
         return f"preprocessing.mean and std must have one value per channel ({pre['channels']})"
     if _preprocessing_form(pre) != HF_TOKENIZER:
@@ -386,7 +401,8 @@ def _input_agrees(manifest: dict) -> str | None:
 # The preprocessing (_preprocessing_form) each network takes; a UserNetwork takes any.
 NETWORK_FORMS = {"SmallCNN": "image", "TorchvisionNet": "image", "TextClassifier": "words",
                  "TextCNN": "words", "TextTransformer": "words", "HFTextNet": HF_TOKENIZER,
-                 "TabularMLP": "tabular", "TabularResMLP": "tabular"}
+                 "TabularMLP": "tabular", "TabularResMLP": "tabular", "UNet": "segmentation",
+                 "TorchvisionSegmenter": "segmentation"}
 
 
 def _network_agrees(manifest: dict) -> str | None:

@@ -238,8 +238,9 @@ def open_session(model: str | bytes, options: ort.SessionOptions, providers: lis
 
 # ----------------------------------------------------------------------------- checking outputs
 
-# The outputs whose last axis holds one value per class: every bundle graph's logits and
-# probabilities, and the passes an MC-dropout or ensemble graph stacks (iterative.PASSES_OUTPUT).
+# The outputs whose class axis holds one value per class (the last axis, a segmenter's second):
+# every bundle graph's logits and probabilities, and the passes an MC-dropout or ensemble graph
+# stacks (iterative.PASSES_OUTPUT).
 CLASS_OUTPUTS = ("logits", "probabilities", "pass_probabilities")
 def expect_classes(session: ort.InferenceSession, classes: int, graph: str) -> None:
     """Check every run of a bundle graph's `session` against the bundle's `classes`: a graph
@@ -266,10 +267,12 @@ def check_classes(session: ort.InferenceSession, output: str, value: object) -> 
     """Refuse a run's `output` whose class axis is not the bundle's (expect_classes)."""
     expected = getattr(session, "bundle_classes", None)
     shape = getattr(value, "shape", None)
-    if expected is None or output not in CLASS_OUTPUTS or not shape or shape[-1] == expected[0]:
+    # the class axis: last, but a segmenter's planes (batch, classes, height, width) have it 2nd
+    axis = 1 if shape is not None and len(shape) == 4 else -1
+    if expected is None or output not in CLASS_OUTPUTS or not shape or shape[axis] == expected[0]:
         return
     classes, graph = expected
-    raise ExportError(f"{graph} computes {shape[-1]} classes in its {output} output and its "
+    raise ExportError(f"{graph} computes {shape[axis]} classes in its {output} output and its "
                       f"manifest has {classes} labels (the graph or the manifest was replaced)",
                       "restore the bundle's files, or re-create the bundle with pipeline.py")
 

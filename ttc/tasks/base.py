@@ -19,6 +19,8 @@ class Parts:
     modules: str  # {the architecture record's name: the nn.Module class it builds}
     # (Tally, labels, train_class_counts, split) -> the report's `evaluation`; a classifier's
     evaluation: str = "ttc.reporting.evaluation:evaluation_section"
+    # (Config, Dataset) -> ttc.nets.program.TrainedModel: the training stage; a classifier's
+    trainer: str = "ttc.nets.program:train_classifier"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,12 @@ class Task:
     input_field: str = "features"  # the DSPy program's input field (text programs take the text)
     image_files: bool = False  # inputs are image files: read from folders (which give the splits,
     # never --val_path/--test_path), decoded within --max_image_memory_mb
+    dense: bool = False  # one prediction per pixel (a segmenter): training, export, evaluation
+    # and batch outputs go through its own code (ttc/tasks/TYPE/), not the classifiers'
+    refused_flags: tuple[str, ...] = ()  # flags it does not take (config: exit 2 when given)
+    guide: str = "cli.md"  # the docs page that says what it takes
+    split_paths: bool = True  # --val_path/--test_path name its validation and test data (an
+    # image classifier's splits come from its folders only)
     reads_lines: bool = False  # --input - (one input per line of stdin)
     augments: bool = False  # --train_augment applies
     hf_archs: bool = False  # --arch hf:NAME (a Hugging Face model) is one of its networks
@@ -77,6 +85,12 @@ class Task:
     def graph_input(self, preprocessing: dict) -> dict:
         """The graph input the manifest promises (its `input`), with the axes that are dynamic."""
         raise NotImplementedError(self.name)
+
+    def graph_outputs(self, num_classes: int) -> list[dict]:
+        """The graph outputs the manifest promises: a classifier's logits and calibrated
+        probabilities, (batch, classes) float32."""
+        return [{"name": name, "shape": ["batch", num_classes], "dtype": "float32"}
+                for name in ("logits", "probabilities")]
 
     def fixed_input_dims(self, preprocessing: dict) -> list[int | None]:
         """The input's dimensions after the batch that the record fixes, which a bundle's graph

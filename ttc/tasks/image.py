@@ -37,4 +37,4 @@ TASK = ImageClassifier(
                        for arch in _TORCHVISION}},
     default_tta="shift:1",
     builtins=("builtin:digits",), input_role="image", input_field="image", image_files=True,
-    augments=True)
+    split_paths=False, augments=True)

@@ -6,6 +6,7 @@ where digits overlap, the later one wins. The same seed writes the same bytes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -13,6 +14,29 @@ CLASS_NAMES = ("background", *(str(d) for d in range(10)))  # mask index: digit 
 STROKE_THRESHOLD = 0.5  # a digit's pixel (in [0, 1]) above this is stroke
 DIGITS_PER_CANVAS = (2, 4)
 SCALE_OF_64 = (12, 28)  # a digit's side, in pixels, on a 64-pixel canvas
+
+
+# --dataset_path builtin:digit_canvases: canvases made in memory (the bench's are larger:
+# bench/segment.py writes 2,000 of 64 pixels)
+BUILTIN = "builtin:digit_canvases"
+BUILTIN_COUNT, BUILTIN_SIZE, BUILTIN_SEED = 1000, 32, 0
+
+
+def digit_canvases(count: int, size: int = 64, seed: int = 0
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`count` canvases of size x size, one at a time: (uint8 pixels, uint8 class indices)."""
+    digits, targets = _digits()
+    rng = np.random.default_rng(seed)
+    sides = digit_sides(size)
+    for _ in range(count):
+        yield draw_canvas(digits, targets, rng, size, sides)
+
+
+def canvas_arrays(count: int, size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The canvases write_digit_canvases writes, as arrays: (count, size, size) uint8 pixels
+    and class indices."""
+    pairs = list(digit_canvases(count, size, seed))
+    return np.stack([p for p, _ in pairs]), np.stack([m for _, m in pairs])
 
 
 def write_digit_canvases(root: Path, count: int, size: int = 64, seed: int = 0) -> Path:
@@ -24,11 +48,7 @@ def write_digit_canvases(root: Path, count: int, size: int = 64, seed: int = 0) 
     root = Path(root)
     for sub in ("images", "masks"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    digits, targets = _digits()
-    rng = np.random.default_rng(seed)
-    sides = digit_sides(size)
-    for index in range(count):
-        image, mask = draw_canvas(digits, targets, rng, size, sides)
+    for index, (image, mask) in enumerate(digit_canvases(count, size, seed)):
         name = f"{index:05d}.png"
         Image.fromarray(image).save(root / "images" / name, format="PNG")
         Image.fromarray(mask).save(root / "masks" / name, format="PNG")

@@ -31,7 +31,9 @@ from ttc.inputs.data import (SPLITS, DataOptions, Dataset, Split, channel_stats,
                              scan_image_headers, assign_splits)
 from ttc.inputs.limits import LIMITS, MIB, check_decoded_images, image_bytes, size_text
 from ttc.inputs.preprocess import decode_image_file, image_files
-from utils import LOG, DataError, first_line, progress, quoted, quoted_sample
+from ttc.tasks.segment.canvases import (BUILTIN, BUILTIN_COUNT, BUILTIN_SEED, BUILTIN_SIZE,
+                                        CLASS_NAMES, canvas_arrays)
+from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
 
 MODEL_TYPE = "image_segmenter"
 KIND = "segmentation"
@@ -128,6 +130,8 @@ def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | Non
     """Find, split and decode a segmentation data set (Parts.reader's contract). With a
     bundle's `preprocessing` and `labels` its image size, channels, ignore index and classes
     are used; otherwise they are derived (the size and channels from the training images)."""
+    if options.path == BUILTIN:
+        return builtin_canvases(options, preprocessing, labels, splits)
     skips = Skips()
     pairs, given, root = list_pairs(options, skips)
     names = list(labels) if labels is not None else read_classes(root)
@@ -154,6 +158,36 @@ def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | Non
                    splits=decoded, counts={s: counts.get(s, 0) for s in SPLITS},
                    given_splits=given, options=options, skipped=skips.paths,
                    dropped=skips.records())
+
+
+def builtin_canvases(options: DataOptions, preprocessing: dict | None,
+                     labels: Sequence[str] | None, splits: Sequence[str]) -> Dataset:
+    """builtin:digit_canvases: BUILTIN_COUNT canvases of BUILTIN_SIZE pixels (canvases.py, made
+    in memory, the same every time), split by --seed and the fractions as a folder is."""
+    size = [BUILTIN_SIZE, BUILTIN_SIZE]
+    if options.image_size and list(options.image_size) != size or options.channels not in (
+            None, 1):
+        raise ConfigError(f"{BUILTIN} is {BUILTIN_SIZE}x{BUILTIN_SIZE} grayscale",
+                          "drop --image_size and --channels (or write canvases of another size "
+                          "with ttc.tasks.segment.canvases.write_digit_canvases)")
+    images, masks = canvas_arrays(BUILTIN_COUNT, BUILTIN_SIZE, BUILTIN_SEED)
+    cut = np.array(assign_splits([""] * len(images), options.val_fraction,
+                                 options.test_fraction, options.seed))
+    decoded = {split: Split(x=(images[cut == split][:, None] / 255.0).astype(np.float32),
+                            y=masks[cut == split].astype(np.int64),
+                            ids=[f"{BUILTIN}#{i}" for i in np.flatnonzero(cut == split)])
+               for split in splits}
+    if preprocessing is None:
+        preprocessing = {"kind": KIND, "image_size": size, "channels": 1, "color_mode": "L",
+                         "resample": "bilinear", "mask_resample": "nearest",
+                         "resize": "bilinear/nearest", "ignore_index": ignore_index_of(options),
+                         "pixel_scale": "8-bit /255", "input_range": [0.0, 1.0],
+                         "layout": "NCHW", "normalization": "in_graph",
+                         **channel_stats(decoded["train"].x)}
+    return Dataset(model_type=MODEL_TYPE, labels=list(labels or CLASS_NAMES),
+                   preprocessing=preprocessing, splits=decoded,
+                   counts={s: int((cut == s).sum()) for s in SPLITS}, given_splits=False,
+                   options=options)
 
 
 def ignore_index_of(options: DataOptions) -> int:

@@ -5,8 +5,9 @@ logits are averaged. As ttach, a view is one small class; unlike ttach's, the vi
 merge are part of the module, so they export to one ONNX graph with dynamic batch, height and
 width.
 
-Views (`--tta_transforms` for segmentation, issue 43): `hflip`, `vflip`, `scale:F[,F...]`
-(each F a factor in (0, 4], e.g. `scale:0.75,1.25`). The identity view is always first.
+Views (`--tta_transforms` for segmentation, read by views.py): `hflip`, `vflip`,
+`scale:F[,F...]` (each F a factor in (0, 4], e.g. `scale:0.75,1.25`). The identity view is
+always first.
 """
 from __future__ import annotations
 
@@ -16,11 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils import ConfigError
-
-MAX_SCALE = 4.0
-VIEW_NAMES = "hflip, vflip, scale:F[,F...] (0 < F <= 4)"
-
+from ttc.tasks.segment.views import parse_view_specs
 
 class Identity(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,35 +57,14 @@ class Rescale(Identity):
         return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
 
 
+VIEWS = {"identity": Identity, "hflip": HorizontalFlip, "vflip": VerticalFlip}
+
+
 def parse_views(spec: str) -> list[Identity]:
-    """`hflip,vflip,scale:0.75,1.25` → the views, the identity first. A bare number after a
-    scale continues it (`scale:0.75,1.25` is two scales)."""
-    views: list[Identity] = [Identity()]
-    scaling = False
-    for word in (w.strip() for w in spec.split(",")):
-        if word in ("hflip", "vflip"):
-            views.append(HorizontalFlip() if word == "hflip" else VerticalFlip())
-            scaling = False
-        elif word.startswith("scale:") or (scaling and word):
-            views.append(Rescale(_factor(word.removeprefix("scale:"), spec)))
-            scaling = True
-        elif word:
-            raise ConfigError(f"--tta_transforms {spec!r}: {word!r} is not a segmentation view",
-                              f"use {VIEW_NAMES}")
-    if len(views) == 1:
-        raise ConfigError(f"--tta_transforms {spec!r} names no view", f"use {VIEW_NAMES}")
-    return views
-
-
-def _factor(text: str, spec: str) -> float:
-    try:
-        factor = float(text)
-    except ValueError:
-        factor = float("nan")
-    if not 0 < factor <= MAX_SCALE or factor == 1:
-        raise ConfigError(f"--tta_transforms {spec!r}: scale {text!r} is not a factor in "
-                          f"(0, {MAX_SCALE:g}] other than 1", "e.g. scale:0.75,1.25")
-    return factor
+    """`hflip,vflip,scale:0.75,1.25` → the views' modules, the identity first (views.py reads
+    the spec)."""
+    return [Rescale(factor) if name == "scale" else VIEWS[name]()
+            for name, factor in parse_view_specs(spec)]
 
 
 class SegmentationTTA(nn.Module):

@@ -1,0 +1,182 @@
+"""`--model_type image_segmenter` through the CLIs (issue 43): one pipeline run on tiny digit
+canvases (training in the DSPy program, export with the mask in the graph, the TTA and BatchNorm
+graphs, mean IoU, TTA and bn under a corruption) whose bundle the other tests read with ONNX
+Runtime; inference.py alone on the test split and on new images (`--input`); train.py and
+export.py alone; and the flags and data a segmenter refuses, each with its exit code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pandas as pd
+import pytest
+from PIL import Image
+
+from conftest import assert_clean_failure, run_cli
+from ttc.tasks.segment.canvases import write_digit_canvases
+from utils import EXIT_DATA, EXIT_USAGE
+
+SIDE = 20
+
+
+@pytest.fixture(scope="module")
+def segment_bundle(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("segment")
+    data = write_digit_canvases(root / "canvases", 80, size=SIDE, seed=0)
+    out = root / "run"
+    model = out / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path", data,
+                  "--epochs", "2", "--batch_size", "16", "--tta", "true", "--ttt", "true",
+                  "--eval_shift", "gaussian_noise", "--output_model", model, "--report_json",
+                  out / "report.json", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"data": data, "dir": out, "model": model, "run": run,
+            "report": json.loads((out / "report.json").read_text())}
+
+
+def session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_the_bundle_holds_the_three_graphs_and_a_segmenter_s_manifest(segment_bundle):
+    folder = segment_bundle["dir"]
+    for name in ("model.onnx", "model.bn.onnx", "model.tta.onnx", "model.pt", "model.json"):
+        assert (folder / name).is_file(), name
+    manifest = json.loads((folder / "model.json").read_text())
+    assert manifest["model_type"] == "image_segmenter"
+    assert manifest["input"]["shape"] == ["batch", 1, "height", "width"]
+    assert [o["name"] for o in manifest["outputs"]] == ["logits", "probabilities", "mask"]
+    assert manifest["outputs"][2]["shape"] == ["batch", "height", "width"]
+    assert manifest["preprocessing"]["ignore_index"] == 255
+    assert manifest["labels"][0] == "background" and len(manifest["labels"]) == 11
+    assert manifest["extra_graphs"]["tta"]["views"] == "hflip"
+    assert sum(manifest["dataset"]["train_class_counts"]) == \
+        segment_bundle["report"]["dataset"]["train"] * SIDE * SIDE  # pixels, no void here
+
+
+@pytest.mark.parametrize("size", [(SIDE, SIDE), (31, 17)])
+def test_the_graph_s_mask_is_the_argmax_of_its_logits_at_any_size(segment_bundle, size):
+    graph = session(segment_bundle["model"])
+    x = np.random.default_rng(0).random((3, 1, *size), dtype=np.float32)
+    logits, probabilities, mask = graph.run(None, {"image": x})
+    assert logits.shape == probabilities.shape == (3, 11, *size)
+    assert mask.shape == (3, *size) and mask.dtype == np.int64
+    assert np.array_equal(mask, logits.argmax(axis=1))
+    assert np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_the_report_scores_pixels(segment_bundle):
+    report = segment_bundle["report"]
+    export, evaluation = report["export"], report["evaluation"]
+    assert export["mask_agreement"] >= 0.9999 and export["max_abs_diff"] < 1e-3
+    assert export["resolutions_checked"] == [f"{SIDE}x{SIDE}", "30x30"]
+    assert 0 <= evaluation["mean_iou"] <= evaluation["pixel_accuracy"] <= 1 or \
+        evaluation["mean_iou"] <= 1
+    assert set(evaluation["per_class"]) == set(json.loads(
+        (segment_bundle["dir"] / "model.json").read_text())["labels"])
+    assert {"iou", "dice", "pixels"} <= set(evaluation["per_class"]["background"])
+    matrix = np.array(evaluation["confusion_matrix"])
+    assert matrix.sum() == evaluation["pixels"] == report["dataset"]["test"] * SIDE * SIDE
+    assert evaluation["pixel_accuracy"] == pytest.approx(np.trace(matrix) / matrix.sum())
+    assert len(evaluation["examples"]) == min(8, report["dataset"]["test"])
+    assert report["inference"]["mean_iou"] == evaluation["mean_iou"]
+    assert report["train"]["val_mean_iou"] == report["train"]["val_accuracy"]
+    tta, ttt = report["tta"], report["ttt"]
+    assert tta["transforms"] == "hflip" and tta["mean_iou_plain"] == evaluation["mean_iou"]
+    assert ttt["metric"] == "mean_iou" and [s["name"] for s in ttt["shifts"]] == \
+        ["gaussian_noise"]
+    assert ttt["clean"]["mean_iou_source"] == pytest.approx(evaluation["mean_iou"])
+    summary = segment_bundle["run"].stderr + (segment_bundle["dir"] / "report.html").read_text()
+    assert "mean IoU" in summary
+
+
+def test_inference_alone_scores_the_same_test_split(segment_bundle):
+    run = run_cli("inference.py", "--model", segment_bundle["model"], "--dataset_path",
+                  segment_bundle["data"], "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert report["evaluation"]["mean_iou"] == segment_bundle["report"]["evaluation"]["mean_iou"]
+    assert report["evaluation"]["confusion_matrix"] == \
+        segment_bundle["report"]["evaluation"]["confusion_matrix"]
+
+
+def test_input_masks_are_the_test_split_s(segment_bundle, tmp_path):
+    """--input on the test split's own files: each mask PNG holds the indices the graph gives
+    those images as the evaluation decoded them."""
+    from ttc.inputs.data import DataOptions
+    from ttc.tasks.segment.data import load_segmentation_dataset
+
+    manifest = json.loads((segment_bundle["dir"] / "model.json").read_text())
+    data = segment_bundle["data"]
+    test = load_segmentation_dataset(
+        DataOptions(path=str(data), model_type="image_segmenter", show_progress=False),
+        preprocessing=manifest["preprocessing"], labels=manifest["labels"],
+        splits=("test",)).test
+    folder = tmp_path / "new"
+    folder.mkdir()
+    for name in test.ids:
+        (folder / name).write_bytes((data / "images" / name).read_bytes())
+    (folder / "broken.png").write_bytes(b"not a png")
+    output = tmp_path / "out" / "preds.parquet"
+    run = run_cli("inference.py", "--model", segment_bundle["model"], "--input", folder,
+                  "--output", output, "--overlay", "true", "--allow_errors", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    expected = session(segment_bundle["model"]).run(["mask"], {"image": test.x})[0]
+    for k, name in enumerate(test.ids):
+        written = np.asarray(Image.open(tmp_path / "out" / "preds_masks" / name))
+        assert np.array_equal(written, expected[k]), name
+        assert (tmp_path / "out" / "preds_overlays" / name).is_file()
+    table = pd.read_parquet(output)
+    assert len(table) == len(test.ids) + 1
+    broken = table[table["id"] == "broken.png"].iloc[0]
+    assert broken["error"] and not broken["mask"]
+    shares = table[table["error"] == ""].filter(like="share_").to_numpy()
+    assert np.allclose(shares.sum(axis=1), 1.0)
+
+
+def test_train_and_export_alone_make_the_same_kind_of_bundle(segment_bundle, tmp_path):
+    model = tmp_path / "alone" / "model.onnx"
+    common = ["--dataset_path", segment_bundle["data"], "--no_progress", "true"]
+    run = run_cli("train.py", "--model_type", "image_segmenter", "--epochs", "1",
+                  "--batch_size", "16", "--output_model", model, *common)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not model.exists() and model.with_suffix(".pt").is_file()
+    run = run_cli("export.py", "--output_model", model, "--tta", "true", "--tta_transforms",
+                  "vflip,scale:0.5", *common)
+    assert run.returncode == 0, run.stderr[-2000:]
+    manifest = json.loads(model.with_suffix(".json").read_text())
+    assert manifest["extra_graphs"]["tta"]["views"] == "vflip,scale:0.5"
+    x = np.random.default_rng(1).random((2, 1, 15, 22), dtype=np.float32)
+    logits, _, mask = session(model.with_suffix(".tta.onnx")).run(None, {"image": x})
+    assert mask.shape == (2, 15, 22) and np.array_equal(mask, logits.argmax(axis=1))
+
+
+@pytest.mark.parametrize("flags, phrase", [
+    (["--quantize", "dynamic"], "--quantize does not apply to an image_segmenter"),
+    (["--ttt", "true", "--ttt_method", "tent"], "adapts by bn"),
+    (["--ttt", "true", "--eval_shift", "shift"], "unknown --eval_shift corruption 'shift'"),
+    (["--eval_shift", "blur"], "add --ttt true"),
+    (["--tta", "true", "--tta_transforms", "rot90"], "not a segmentation view"),
+    (["--ignore_index", "300"], "--ignore_index"),
+])
+def test_flags_a_segmenter_does_not_take_are_refused_before_any_work(tmp_path, flags, phrase):
+    run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path",
+                  "builtin:digit_canvases", "--output_model", tmp_path / "m.onnx", *flags)
+    assert_clean_failure(run, EXIT_USAGE, phrase)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_ignore_index_is_refused_for_a_classifier(tmp_path):
+    run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--ignore_index", "3",
+                  "--output_model", tmp_path / "m.onnx")
+    assert_clean_failure(run, EXIT_USAGE, "--ignore_index", "no masks")
+
+
+def test_a_folder_without_masks_is_a_data_error(tmp_path):
+    (tmp_path / "data" / "images").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "data" / "images" / "a.png")
+    run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path",
+                  tmp_path / "data", "--output_model", tmp_path / "m.onnx")
+    assert_clean_failure(run, EXIT_DATA, "has no masks/ folder")

@@ -1,0 +1,100 @@
+"""A segmenter's numeric check (issue 43, item 3): the exported graph against PyTorch on held-out
+images at the training resolution and at a second one, at batch 1 and a larger batch: the
+largest per-pixel difference of the logits and probabilities (bounded by --validate_atol) and
+the share of pixels whose mask (the graph's argmax) agrees with PyTorch's (bounded by
+MIN_MASK_AGREEMENT: a near-tie between two classes may flip under float rounding, a wrong graph
+flips many). export.py traces the graph (SegmentationGraph, dynamic batch, height and width)
+and writes the bundle; this module decides whether it may."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ttc.tasks.segment.nets import SegmentationGraph
+from utils import ExportError
+
+MIN_MASK_AGREEMENT = 0.9999  # the issue's goal: 99.99 % of the pixels
+SECOND_SCALE = 1.5  # the second resolution checked: the training size times this
+MAX_CHECK_IMAGES = 16  # per resolution: the pixels, not the images, are what is counted
+
+
+@dataclass
+class MaskCheck:
+    """What the check measured, in the fields export.py's NumericCheck has."""
+
+    max_abs_diff: float
+    top1_agreement: float  # the share of pixels whose mask agrees
+    samples: int
+    batch_sizes: list[int]
+    probes: list[str]  # "held_out HxW" per resolution
+    pixels: int = 0
+    mask_disagreements: int = 0
+    resolutions: list[str] = field(default_factory=list)  # "HxW"
+
+
+def second_size(height: int, width: int) -> tuple[int, int]:
+    """The second resolution: SECOND_SCALE times the training size (an odd size stays odd-safe:
+    the networks upsample to their skips' sizes)."""
+    return max(2, round(height * SECOND_SCALE)), max(2, round(width * SECOND_SCALE))
+
+
+def resized(x: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Images resized (bilinear) to `size`, kept in [0, 1]."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return np.ascontiguousarray(x)
+    out = F.interpolate(torch.from_numpy(x), size=size, mode="bilinear", align_corners=False)
+    return np.ascontiguousarray(out.clamp(0, 1).numpy())
+
+
+def probes_at_two_sizes(samples: np.ndarray) -> dict[str, np.ndarray]:
+    """Held-out images at the training size and at the second size."""
+    images = samples[:MAX_CHECK_IMAGES]
+    height, width = images.shape[-2:]
+    second = second_size(height, width)
+    return {f"held_out {height}x{width}": np.ascontiguousarray(images),
+            f"held_out {second[0]}x{second[1]}": resized(images, second)}
+
+
+def compare_segmentation(run: Callable[[np.ndarray], list[np.ndarray]], net: torch.nn.Module,
+                         samples: np.ndarray, atol: float, batch_size: int,
+                         temperature: float = 1.0) -> MaskCheck:
+    """`run` maps a batch to the graph's [logits, probabilities, mask] (an ONNX Runtime
+    session's run). Raises ExportError when a difference passes --validate_atol or the masks
+    agree on fewer than MIN_MASK_AGREEMENT of the pixels."""
+    wrapper = SegmentationGraph(net, temperature).eval()
+    probes = probes_at_two_sizes(samples)
+    batch_sizes = sorted({1, max(2, min(len(samples[:MAX_CHECK_IMAGES]), batch_size))})
+    max_diff, pixels, flips = 0.0, 0, 0
+    for probe in probes.values():
+        with torch.no_grad():
+            expected = [t.numpy() for t in wrapper(torch.from_numpy(probe))]
+        for size in batch_sizes:
+            got = [np.concatenate(parts) for parts in zip(*(
+                run(probe[i:i + size]) for i in range(0, len(probe), size)))]
+            if not all(np.isfinite(g).all() for g in got[:2]):
+                raise ExportError("the segmentation graph produces non-finite outputs on "
+                                  "held-out images; the bundle was not written",
+                                  "retrain with a lower --learning_rate (e.g. 1e-3)")
+            max_diff = max(max_diff, *(float(np.abs(g - e).max())
+                                       for g, e in zip(got[:2], expected[:2])))
+            pixels += got[2].size
+            flips += int((got[2] != expected[2]).sum())
+    agreement = 1.0 - flips / max(1, pixels)
+    check = MaskCheck(max_diff, agreement, len(samples[:MAX_CHECK_IMAGES]), batch_sizes,
+                      list(probes), pixels, flips,
+                      [f"{p.shape[-2]}x{p.shape[-1]}" for p in probes.values()])
+    if not max_diff <= atol:
+        raise ExportError(f"numeric check failed: max |onnx - torch| = {max_diff:.3g} > "
+                          f"--validate_atol {atol:g} over {pixels:,} pixels at "
+                          f"{' and '.join(check.probes)}; the bundle was not written",
+                          "raise --validate_atol if this difference is acceptable")
+    if agreement < MIN_MASK_AGREEMENT:
+        raise ExportError(f"numeric check failed: the graph's mask differs from PyTorch's on "
+                          f"{flips:,} of {pixels:,} pixels ({1 - agreement:.4%}, more than "
+                          f"{1 - MIN_MASK_AGREEMENT:.2%}); the bundle was not written",
+                          "rerun with --log_level DEBUG and report it")
+    return check

@@ -1,0 +1,455 @@
+"""The training stage of semantic segmentation, in the classifier's design (ttc/nets/program.py)
+and much smaller: SegmenterProgram (a dspy.Module whose model is a segmentation network: an
+image in, a mask of class indices out), SegmentationTrainer (a Teleprompter fitting its
+weights: AdamW under the run's schedule, pixel cross-entropy that skips void pixels, no
+augmentation, the best epoch on validation, early stopping), SegmenterSearch (one trainer per
+learning rate and seed, the best kept) and train_segmenter, which hands export a TrainedModel.
+
+Every epoch is scored by dspy.Evaluate on the validation examples (per example: pixel
+accuracy), but the score that picks the epoch and the candidate is the mean IoU of the pixel
+confusion pooled over every validation mask (ttc/tasks/segment/metrics.py): a mean of
+per-image scores weighs a nearly empty image as much as a full one, and pixel accuracy rewards
+answering background everywhere. Importing this module imports torch and dspy.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import dspy
+import numpy as np
+import torch
+import torch.nn.functional as F
+from dspy.teleprompt import Teleprompter
+from torch import nn
+
+from ttc.inputs.data import Dataset, Split
+from ttc.nets.fitting import EarlyStopping, learning_rate_schedule
+from ttc.nets.models import count_parameters
+from ttc.nets.program import (Candidate, CandidateSearch, EpochRecord, TrainedModel,
+                              TrainingDiverged, example_rate, nonfinite_tensors,
+                              recalibrate_batchnorm)
+from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
+from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
+from utils import LOG, TrainingError, progress, raise_if_interrupted, stdout_to_stderr
+
+INPUT_FIELD = "image"
+DEFAULT_ARCH = "unet"
+EVAL_BATCH = 64  # images per forward pass when scoring
+# BatchNorm statistics are re-estimated on at most this many training images after each
+# epoch: an image gives every channel H×W values, so a few hundred images estimate them as
+# well as the classifier's 4,096 (and the pass costs a tenth of an epoch on 2,000 canvases).
+RECALIBRATION_IMAGES = 512
+
+
+# ----------------------------------------------------------------------------- the DSPy program
+
+
+@dataclass
+class ValidationPass:
+    """What SegmenterProgram.batched_for computed besides the masks: the mean pixel
+    cross-entropy over the examples' non-void pixels (None when no example carries a mask)."""
+
+    loss: float | None = None
+    pixels: int = 0
+
+
+class SegmenterProgram(dspy.Module):
+    """A DSPy program whose 'model' is a segmentation network: an image (C, H, W) in [0, 1] in,
+    its mask (H, W) of class indices out, with the names of the classes it holds."""
+
+    def __init__(self, net: nn.Module, labels: Sequence[str],
+                 ignore_index: int = IGNORE_INDEX) -> None:
+        super().__init__()
+        self.net = net
+        self.labels = list(labels)
+        self.ignore_index = ignore_index
+        self._batched: dict[int, np.ndarray] | None = None  # id(image) → mask
+
+    def forward(self, image: np.ndarray) -> dspy.Prediction:
+        mask = self._batched.get(id(image)) if self._batched is not None else None
+        if mask is None:
+            mask = self.predict_masks(np.asarray(image)[None])[0]
+        return dspy.Prediction(mask=mask,
+                               classes=[self.labels[k] for k in np.unique(mask)])
+
+    @contextlib.contextmanager
+    def batched_for(self, examples: Sequence[dspy.Example]) -> Iterator[ValidationPass]:
+        """Within the block, forward() on one of these examples' images (the same object, as
+        dspy.Evaluate passes it) returns the mask computed here in batches, as
+        ClassifierProgram.batched_for does; the first example still runs alone, as a server's
+        single request does. The pass also gives the mean pixel cross-entropy against the
+        examples' true masks (the validation loss at no extra forward pass: a prediction
+        holding every pixel's class probabilities would take classes × 4 bytes a pixel)."""
+        scored = ValidationPass()
+        masks: dict[int, np.ndarray] = {}
+        total = 0.0
+        for start, logits in self._logit_chunks([ex[INPUT_FIELD] for ex in examples]):
+            chunk = examples[start:start + len(logits)]
+            for offset, (example, mask) in enumerate(zip(chunk, logits.argmax(1).numpy())):
+                if start + offset:
+                    masks[id(example[INPUT_FIELD])] = mask
+            truth = [ex.get("mask") for ex in chunk]
+            if all(t is not None for t in truth):
+                target = torch.from_numpy(np.stack(truth).astype(np.int64, copy=False))
+                total += float(F.cross_entropy(logits, target, ignore_index=self.ignore_index,
+                                               reduction="sum"))
+                scored.pixels += int((target != self.ignore_index).sum())
+        scored.loss = total / scored.pixels if scored.pixels else None
+        self._batched = masks
+        try:
+            yield scored
+        finally:
+            self._batched = None
+
+    def predict_masks(self, pixels: np.ndarray, batch_size: int = EVAL_BATCH) -> np.ndarray:
+        """(N, C, H, W) pixels → (N, H, W) int64 class indices, in eval mode."""
+        masks = [logits.argmax(1) for _, logits in self._logit_chunks(pixels, batch_size)]
+        height, width = np.shape(pixels)[-2:]
+        return torch.cat(masks).numpy() if masks else np.zeros((0, height, width), np.int64)
+
+    def _logit_chunks(self, images: Sequence[np.ndarray] | np.ndarray,
+                      batch_size: int = EVAL_BATCH) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, float32 logits of images[start:start + batch_size]) over the images."""
+        self.net.eval()
+        with torch.no_grad():
+            for start in range(0, len(images), batch_size):
+                batch = np.ascontiguousarray(np.stack(images[start:start + batch_size]),
+                                             dtype=np.float32)
+                yield start, self.net(torch.from_numpy(batch)).float()
+
+
+def to_examples(split: Split) -> list[dspy.Example]:
+    """One example per image: `image` (C, H, W) the input, `mask` (H, W) the truth."""
+    return [dspy.Example(**{INPUT_FIELD: x, "mask": y}).with_inputs(INPUT_FIELD)
+            for x, y in zip(split.x, split.y)]
+
+
+@dataclass(frozen=True)
+class PixelAccuracy:
+    """dspy.Evaluate's per-example metric: the share of the mask's non-void pixels predicted
+    right (1.0 for a mask without any)."""
+
+    ignore_index: int = IGNORE_INDEX
+
+    def __call__(self, example: dspy.Example, prediction: dspy.Prediction, trace=None) -> float:
+        truth = np.asarray(example.mask)
+        keep = truth != self.ignore_index
+        if not keep.any():
+            return 1.0
+        return float((np.asarray(prediction.mask)[keep] == truth[keep]).mean())
+
+
+def pooled_confusion(results: Sequence[tuple], num_classes: int,
+                     ignore_index: int = IGNORE_INDEX) -> PixelConfusion:
+    """The pixel confusion of dspy.Evaluate's (example, prediction, score) results, pooled."""
+    confusion = PixelConfusion(num_classes, ignore_index)
+    for example, prediction, _ in results:
+        mask = getattr(prediction, "mask", None)
+        if mask is None:  # Evaluate's stand-in for a forward that failed
+            raise TrainingError("scoring the validation split failed: the segmenter returned "
+                                "no mask for an image", "rerun with --log_level DEBUG")
+        confusion.add(mask, example.mask)
+    return confusion
+
+
+def pooled_miou(results: Sequence[tuple], num_classes: int,
+                ignore_index: int = IGNORE_INDEX) -> float:
+    """Mean IoU over the pooled pixel confusion of dspy.Evaluate's results."""
+    return summary_scores(pooled_confusion(results, num_classes, ignore_index).matrix)[
+        "mean_iou"]
+
+
+def split_miou(net: nn.Module, split: Split, num_classes: int,
+               ignore_index: int = IGNORE_INDEX) -> float:
+    """The network's mean IoU over a split's pooled pixel confusion, in eval mode."""
+    masks = SegmenterProgram(net, [str(k) for k in range(num_classes)],
+                             ignore_index).predict_masks(split.x)
+    matrix = PixelConfusion(num_classes, ignore_index).add(masks, split.y).matrix
+    return summary_scores(matrix)["mean_iou"]
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+class SegmentationTrainer(Teleprompter):
+    """A DSPy optimizer for a segmenter's weights: AdamW with `weight_decay` under the
+    `lr_schedule` (ttc/nets/fitting.py), mean pixel cross-entropy over the non-void pixels, no
+    augmentation, BatchNorm statistics re-estimated on clean training images after each epoch
+    (as the classifier's). Each epoch is scored by dspy.Evaluate on the validation set, by the
+    pooled mean IoU; the best epoch's weights win (ties: the later), and training stops early
+    once neither the validation loss nor the mean IoU has improved for `patience` epochs. A
+    loss or weights that are not finite stop it with TrainingDiverged (exit 4)."""
+
+    def __init__(self, *, epochs: int, batch_size: int, learning_rate: float,
+                 weight_decay: float, seed: int, lr_schedule: str = "auto", patience: int = 0,
+                 ignore_index: int = IGNORE_INDEX, show_progress: bool = True) -> None:
+        super().__init__()
+        self.epochs, self.batch_size = epochs, batch_size
+        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.seed, self.lr_schedule, self.patience = seed, lr_schedule, patience
+        self.ignore_index, self.show_progress = ignore_index, show_progress
+        self.metric = PixelAccuracy(ignore_index)
+        self.history: list[EpochRecord] = []
+        self.best_epoch = 0
+        self.batches_run = 0  # in the current epoch
+        self.initial_loss: float | None = None  # the first batch's, before any update
+
+    def compile(self, student: SegmenterProgram, *, trainset: list[dspy.Example],
+                teacher=None, valset: list[dspy.Example] | None = None,
+                **kwargs) -> SegmenterProgram:
+        program = copy.deepcopy(student)
+        x, y = stack_examples(trainset)
+        devset = valset or trainset
+        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        generator = torch.Generator().manual_seed(self.seed)
+        steps_per_epoch = max(1, len(x) // self.batch_size + (len(x) % self.batch_size > 1))
+        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
+                                      weight_decay=self.weight_decay)
+        schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
+                                          self.lr_schedule, self.learning_rate)
+        best_score, best_state = -1.0, None
+        stopping = EarlyStopping(self.patience)
+        for epoch in range(1, self.epochs + 1):
+            started = time.perf_counter()
+            loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule,
+                                               generator, epoch)
+            order = torch.randperm(len(x), generator=generator)[:RECALIBRATION_IMAGES]
+            recalibrate_batchnorm(program.net, x[order], self.batch_size)
+            self._check_weights(program.net, epoch)
+            with stdout_to_stderr(), program.batched_for(devset) as scored:
+                evaluated = evaluate(program)
+            raise_if_interrupted()
+            score = pooled_miou(evaluated.results, len(program.labels), self.ignore_index)
+            record = EpochRecord(epoch, loss, accuracy, score,
+                                 round(time.perf_counter() - started, 3), scored.loss)
+            self.history.append(record)
+            LOG.info("epoch %d/%d  loss %.4f  train_pixel_acc %.4f  val_miou %.4f  val_loss "
+                     "%.4f  (%.1fs)", epoch, self.epochs, loss, accuracy, score,
+                     math.nan if scored.loss is None else scored.loss, record.seconds)
+            if score >= best_score:  # ties: the later epoch, further into the annealing
+                best_score, self.best_epoch = score, epoch
+                best_state = copy.deepcopy(program.net.state_dict())
+            if stopping.should_stop(record.val_loss, score) and epoch < self.epochs:
+                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
+                         "mean IoU has improved for %d epochs (--patience); keeping epoch %d",
+                         epoch, self.epochs, self.patience, self.best_epoch)
+                break
+        program.net.load_state_dict(best_state)
+        program.net.cpu().eval()
+        return program
+
+    @property
+    def best_record(self) -> EpochRecord:
+        return self.history[self.best_epoch - 1]
+
+    def _check_weights(self, net: nn.Module, epoch: int) -> None:
+        broken = nonfinite_tensors(net)
+        if broken:
+            shown = ", ".join(broken[:3]) + (" ..." if len(broken) > 3 else "")
+            raise TrainingDiverged(epoch, self.batches_run,
+                                   f"the weights became non-finite (in {shown})",
+                                   self.learning_rate, self.seed)
+
+    def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm in
+        DeepLabV3's ASPP pooling branch sees one value per channel and fails on it)."""
+        order = torch.randperm(count, generator=generator)
+        batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
+        if len(batches) > 1 and len(batches[-1]) == 1:
+            batches.pop()
+        return batches
+
+    def _train_epoch(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer,
+                     schedule, generator: torch.Generator, epoch: int) -> tuple[float, float]:
+        """One pass over the training images: (mean pixel loss, pixel accuracy), running,
+        over the non-void pixels, in train mode."""
+        net.train()
+        total_loss, correct, seen = 0.0, 0, 0
+        bar = progress(self._batches(len(x), generator), desc=f"epoch {epoch}/{self.epochs}",
+                       enabled=self.show_progress)
+        for number, batch in enumerate(bar, 1):
+            self.batches_run = number
+            target = y[batch]
+            keep = target != self.ignore_index
+            pixels = int(keep.sum())
+            if not pixels:  # only void pixels: nothing to learn (and a loss of 0/0)
+                schedule.step()
+                continue
+            logits = net(x[batch])
+            loss = F.cross_entropy(logits, target, ignore_index=self.ignore_index)
+            value = loss.detach().item()
+            if self.initial_loss is None:
+                self.initial_loss = value
+            if not math.isfinite(value):
+                bar.close()
+                raise TrainingDiverged(epoch, number, f"the loss became {value}",
+                                       self.learning_rate, self.seed)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total_loss += value * pixels
+            correct += int((logits.detach().argmax(1) == target)[keep].sum())
+            seen += pixels
+            bar.set_postfix(loss=f"{total_loss / seen:.4f}")
+        return (total_loss / seen, correct / seen) if seen else (math.nan, 0.0)
+
+
+def stack_examples(examples: Sequence[dspy.Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The examples' images (N, C, H, W) float32 and masks (N, H, W) int64 as tensors."""
+    x = np.ascontiguousarray(np.stack([ex[INPUT_FIELD] for ex in examples]), dtype=np.float32)
+    y = np.ascontiguousarray(np.stack([ex.mask for ex in examples]), dtype=np.int64)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+class SegmenterSearch(CandidateSearch):
+    """CandidateSearch over segmentation trainers: one SegmentationTrainer per (learning rate,
+    seed), the best kept by the validation mean IoU of its best epoch (ties: the lower
+    validation loss). A diverged candidate is skipped with a WARNING unless it is the only
+    one; the search fails only when all do."""
+
+    def compile(self, student: SegmenterProgram | None = None, *,
+                trainset: list[dspy.Example], teacher=None,
+                valset: list[dspy.Example] | None = None, **kwargs) -> SegmenterProgram:
+        best: tuple[float, float] | None = None
+        best_program = None
+        for index, (learning_rate, seed) in enumerate(self.grid):
+            started = time.perf_counter()
+            if len(self.grid) > 1:
+                LOG.info("candidate %d of %d: learning rate %g, seed %d", index + 1,
+                         len(self.grid), learning_rate, seed)
+            trainer = self.make_trainer(learning_rate, seed)
+            try:
+                program = trainer.compile(self.make_student(seed), trainset=trainset,
+                                          valset=valset)
+            except TrainingDiverged as err:
+                if len(self.grid) == 1:
+                    raise
+                self._skip(index, err)
+                continue
+            record = trainer.best_record
+            loss = math.inf if record.val_loss is None else record.val_loss
+            self.candidates.append(Candidate(index, learning_rate, seed, record.val_accuracy,
+                                             loss, trainer.best_epoch,
+                                             round(time.perf_counter() - started, 3)))
+            if best is None or (record.val_accuracy, -loss) > best:
+                best, best_program = (record.val_accuracy, -loss), program
+                self.chosen, self.chosen_trainer = index, trainer
+        if best_program is None:
+            raise self._all_diverged()
+        if len(self.grid) > 1:
+            chosen = self.chosen_candidate
+            LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val mean IoU "
+                     "%.4f)", chosen.index + 1, len(self.grid), chosen.learning_rate,
+                     chosen.seed, chosen.val_accuracy)
+        return best_program
+
+    def _all_diverged(self) -> TrainingError:
+        first = self.diverged[0]
+        rates = ", ".join(f"{r:g}" for r in dict.fromkeys(d["learning_rate"]
+                                                          for d in self.diverged))
+        return TrainingError(f"training diverged for all {len(self.grid)} candidates "
+                             f"(learning rates {rates}); the first {first['reason']}",
+                             "lower --lr_candidates (e.g. "
+                             f"{example_rate(min(lr for lr, _ in self.grid))})")
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def segmentation_architecture(config, dataset: Dataset) -> dict:
+    """The manifest's architecture record for --arch (default: the U-Net), with the run's
+    dropout where the network takes one (--dropout, or the network's default)."""
+    arch = getattr(config, "arch", None) or DEFAULT_ARCH
+    record = SEGMENTATION_NETWORKS[arch](dataset.preprocessing, len(dataset.labels))
+    dropout = fitting_settings(config)[1]
+    module = SEGMENTATION_MODULES[record["name"]]
+    if dropout is not None and "dropout" in inspect.signature(module).parameters:
+        record["dropout"] = float(dropout)
+    return record
+
+
+def fitting_settings(config) -> tuple[float, float | None]:
+    """(weight decay, dropout): the network's regularisation with the flags over it, or the
+    config's own fields (weight decay 1e-4 when unset) for a config without that method."""
+    if hasattr(config, "regularisation"):
+        chosen = config.regularisation(config.model_type, config.arch, config.model_def)
+        return chosen.weight_decay, chosen.dropout
+    weight_decay = getattr(config, "weight_decay", None)
+    return (1e-4 if weight_decay is None else weight_decay), getattr(config, "dropout", None)
+
+
+def build_segmenter(architecture: dict, preprocessing: dict) -> nn.Module:
+    """The network of an architecture record, normalising by the training split's statistics."""
+    return SEGMENTATION_MODULES[architecture["name"]](
+        **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
+
+
+def train_segmenter(config, dataset: Dataset) -> TrainedModel:
+    """Build the network for this data, wrap it in SegmenterProgram and compile it with
+    SegmenterSearch (one SegmentationTrainer per learning rate and seed; one by default)."""
+    started = time.perf_counter()
+    architecture = segmentation_architecture(config, dataset)
+    ignore_index = int(dataset.preprocessing.get("ignore_index", IGNORE_INDEX))
+    weight_decay = fitting_settings(config)[0]
+
+    def make_student(seed: int) -> SegmenterProgram:
+        torch.manual_seed(seed)
+        return SegmenterProgram(build_segmenter(architecture, dataset.preprocessing),
+                                dataset.labels, ignore_index)
+
+    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
+    LOG.info("training %s (%d parameters) on %d images, validating on %d",
+             architecture.get("arch") or architecture["name"], architecture["num_parameters"],
+             len(dataset.train), len(dataset.val))
+    if len(dataset.val) == 0:
+        LOG.warning("the validation split is empty: the best epoch is chosen on the training "
+                    "split; add data or raise --val_fraction")
+
+    def make_trainer(learning_rate: float, seed: int) -> SegmentationTrainer:
+        return SegmentationTrainer(epochs=config.epochs, batch_size=config.batch_size,
+                                   learning_rate=learning_rate, weight_decay=weight_decay,
+                                   seed=seed, lr_schedule=config.lr_schedule,
+                                   patience=config.patience, ignore_index=ignore_index,
+                                   show_progress=not getattr(config, "no_progress", False))
+
+    search = SegmenterSearch(PixelAccuracy(ignore_index), make_student, make_trainer,
+                             config.learning_rates(),
+                             [config.seed + k for k in range(config.num_candidates)])
+    try:
+        program = search.compile(trainset=to_examples(dataset.train),
+                                 valset=to_examples(dataset.val))
+    except TrainingDiverged as err:  # one candidate only: say which flag set its rate
+        if getattr(config, "lr_candidates", None):
+            err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
+        raise
+    return trained_segmenter(program, search, dataset, architecture, started, config)
+
+
+def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, dataset: Dataset,
+                      architecture: dict, started: float, config) -> TrainedModel:
+    """What training hands to export: the chosen candidate's network and its history;
+    train_accuracy is the training split's mean IoU in eval mode, val_accuracy the best
+    epoch's validation mean IoU (both pooled over the split's pixels)."""
+    trainer, chosen = search.chosen_trainer, search.chosen_candidate
+    train_miou = split_miou(program.net, dataset.train, len(dataset.labels),
+                            program.ignore_index)
+    return TrainedModel(net=program.net, labels=list(dataset.labels), architecture=architecture,
+                        preprocessing=dataset.preprocessing, history=trainer.history,
+                        best_epoch=trainer.best_epoch, train_accuracy=train_miou,
+                        val_accuracy=trainer.best_record.val_accuracy,
+                        seconds=round(time.perf_counter() - started, 3),
+                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
+                        seed=chosen.seed, candidates=search.candidates,
+                        chosen_candidate=search.chosen, diverged_candidates=search.diverged,
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss)
