@@ -185,6 +185,14 @@ def evaluate_dense(config: Config, manifest: Manifest, session: ort.InferenceSes
              "%.0f images/s", ", ".join(result.providers_active), result.pixel_accuracy,
              result.mean_iou, result.latency_ms_p50, config.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
+    if not (config.tta or config.ttt):
+        return
+    if Path(model_path) != BundlePaths.from_model_path(config.output_model).onnx:
+        # TTA's and bn's graphs are fp32: they are compared with the fp32 graph
+        session = create_session(str(require_onnx_in_bundle(
+            BundlePaths.from_model_path(config.output_model), manifest)), config.runtime(),
+            classes=manifest.classes)
+        masks = None
     if config.tta:
         report["tta"] = dense_tta(config, manifest, session, test, masks)
     if config.ttt:
@@ -214,10 +222,10 @@ def dense_ttt(config: Config, manifest: Manifest, session: ort.InferenceSession,
 
 
 def dense_tta(config: Config, manifest: Manifest, session: ort.InferenceSession,
-              test: tuple[np.ndarray, np.ndarray], masks: np.ndarray) -> dict:
+              test: tuple[np.ndarray, np.ndarray], masks: np.ndarray | None) -> dict:
     """--tta for a segmenter: the bundle's TTA graph (model.tta.onnx, its views fixed at
-    export) against model.onnx on the test split."""
-    from ttc.tasks.segment.evaluate import mask_runner, tta_section
+    export) against model.onnx (`session`, whose test masks are `masks` when known)."""
+    from ttc.tasks.segment.evaluate import mask_runner, predict_masks, tta_section
     from ttc.tasks.segment.views import parse_view_specs, views_text
 
     paths = BundlePaths.from_model_path(config.output_model)
@@ -229,6 +237,8 @@ def dense_tta(config: Config, manifest: Manifest, session: ort.InferenceSession,
                     "%s is not used (re-export with them to change the views)", graph.views,
                     config.tta_transforms)
     merged = create_session(str(tta_path), config.runtime(), classes=manifest.classes)
+    if masks is None:
+        masks = predict_masks(mask_runner(session), test[0], config.batch_size)
     section = tta_section(mask_runner(session), mask_runner(merged),
                           graph.views if graph else "", *test, masks, manifest.labels,
                           manifest.preprocessing.spec["ignore_index"], config.batch_size)

@@ -29,6 +29,7 @@ from ttc.serving.runtime import (RuntimeOptions, batches_of, cpu_info, create_se
 from ttc.serving.bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract, write_manifest_section)
 from report import run_with_report
+from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, ExportError, debug_enabled, exit_cli, first_line,
                    native_section, run_cli, scratch_folder, stdout_to_stderr)
 
@@ -87,9 +88,25 @@ class VariantResult:
     op_sets: list[dict] | None = None  # --quantize_ops auto: the op sets tried, as judged
     slower_op_types: list[dict] | None = None  # --profile: where a slower variant's time grew
     cpu: dict | None = None  # the CPU that timed it (runtime.CpuInfo), for CPU providers
+    metric: str = "accuracy"  # what the accuracy* fields hold (a segmenter's: mean_iou)
 
     def report_section(self) -> dict:
         return asdict(self)
+
+
+Metric = Callable[[np.ndarray, np.ndarray], float]  # (probabilities, truth) → a score
+
+
+def variant_metric(manifest) -> tuple[str, Metric]:
+    """What a variant is judged by: accuracy, or for a segmenter the mean IoU of the masks its
+    probabilities give (argmax over the class axis), void pixels left out."""
+    if not task_of_kind(manifest.preprocessing.kind).dense:
+        return "accuracy", accuracy
+    from ttc.tasks.segment.evaluate import probabilities_mean_iou
+
+    ignore_index = manifest.preprocessing.spec["ignore_index"]
+    return "mean_iou", lambda probabilities, y: probabilities_mean_iou(
+        probabilities, y, manifest.classes, ignore_index)
 
 
 def choose_mode(requested: str, model: onnx.ModelProto) -> str:
@@ -305,9 +322,10 @@ class Quantizer:
     it on the validation split against fp32 (timed in turns at --batch_size)."""
 
     def __init__(self, prepared: Path, mode: str, op_types: Sequence[str], feeds: Sequence[dict],
-                 config: Config, val: Split | None, tag: str = "") -> None:
+                 config: Config, val: Split | None, tag: str = "", metric: Metric = accuracy
+                 ) -> None:
         self.prepared, self.mode, self.op_types, self.feeds = prepared, mode, op_types, feeds
-        self.config, self.val, self.tag = config, val, tag
+        self.config, self.val, self.tag, self.metric = config, val, tag, metric
         self._fp32 = None
         self._fp32_val: float | None = None
         self._tries = 0
@@ -333,9 +351,9 @@ class Quantizer:
         x, y = self.val
         if self._fp32 is None:
             self._fp32 = create_session(str(self.prepared), self.config.cpu_runtime())
-            self._fp32_val = accuracy(predict_proba(self._fp32, x, self.config.batch_size), y)
+            self._fp32_val = self.metric(predict_proba(self._fp32, x, self.config.batch_size), y)
         session = create_session(str(int8), self.config.cpu_runtime())
-        score = accuracy(predict_proba(session, x, self.config.batch_size), y)
+        score = self.metric(predict_proba(session, x, self.config.batch_size), y)
         fp32_ms, int8_ms = interleaved_p50_ms([self._fp32, session], x, self.config.batch_size)
         return ExclusionStep(list(excluded), score, self._fp32_val, int8_ms, fp32_ms,
                              within_bound=self._fp32_val - score <= self.config.max_accuracy_drop,
@@ -413,9 +431,10 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
     on_val = result.accuracy_val is not None and result.accuracy_val_fp32 is not None
     drop = (result.accuracy_val_fp32 - result.accuracy_val if on_val
             else result.accuracy_fp32 - result.accuracy)
+    metric = result.metric.replace("mean_iou", "mean IoU")
     if drop > max_drop:
         result.problems.append(f"{label} loses {drop:.3f} {'validation' if on_val else 'test'} "
-                               f"accuracy (more than --max_accuracy_drop {max_drop:g})")
+                               f"{metric} (more than --max_accuracy_drop {max_drop:g})")
     if result.latency_ms_p50 > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
@@ -433,7 +452,7 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
     if not result.problems:
         result.used_for_inference = True
         result.verdict = (f"{label}: {speedup:.2f}x the speed of fp32 at batch "
-                          f"{result.batch_size}, test accuracy {result.accuracy:.4f} vs "
+                          f"{result.batch_size}, test {metric} {result.accuracy:.4f} vs "
                           f"{result.accuracy_fp32:.4f}; inference uses {label}{note}")
     elif force:
         result.used_for_inference = True
@@ -478,22 +497,25 @@ def cpu_note(result: VariantResult) -> str:
 
 def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOptions,
                          x: np.ndarray, y: np.ndarray, batch_size: int,
-                         val: Split | None = None, **fields
+                         val: Split | None = None,
+                         metric: tuple[str, Metric] = ("accuracy", accuracy), **fields
                          ) -> VariantResult:
     """Test accuracy, agreement, difference, size and interleaved p50 latency vs fp32, and the
-    validation accuracies the verdict judges."""
+    validation accuracies the verdict judges (`metric`: what "accuracy" is, by name and how it
+    is computed: variant_metric)."""
+    name, score = metric
     sessions = [create_session(str(fp32_path), runtime), create_session(variant, runtime)]
     if val is not None and len(val[0]):
         fields["accuracy_val_fp32"], fields["accuracy_val"] = (
-            accuracy(predict_proba(s, val[0], batch_size), val[1]) for s in sessions)
+            score(predict_proba(s, val[0], batch_size), val[1]) for s in sessions)
     probs_fp32, probs = (predict_proba(s, x, batch_size) for s in sessions)
     p50_batch = interleaved_p50_ms(sessions, x, batch_size)
     p50_one = interleaved_p50_ms(sessions, x, 1)
     return VariantResult(
         provider=sessions[1].get_providers()[0], size_bytes_fp32=fp32_path.stat().st_size,
         cpu=(cpu_section() if sessions[1].get_providers()[0] == "CPUExecutionProvider" else None),
-        size_bytes=len(variant), accuracy=accuracy(probs, y),
-        accuracy_fp32=accuracy(probs_fp32, y), top1_agreement=top1_agreement(probs, probs_fp32),
+        size_bytes=len(variant), accuracy=score(probs, y), metric=name,
+        accuracy_fp32=score(probs_fp32, y), top1_agreement=top1_agreement(probs, probs_fp32),
         max_abs_diff=float(np.abs(probs - probs_fp32).max()), batch_size=batch_size,
         latency_ms_p50=p50_batch[1], latency_ms_p50_fp32=p50_batch[0],
         latency_ms_p50_batch1=p50_one[1], latency_ms_p50_batch1_fp32=p50_one[0],
@@ -511,6 +533,7 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
     LOG.info("quantizing %s to int8 (%s%s)", paths.onnx.name, mode,
              ", auto" if config.quantize == "auto" else "")
     exclusion = config.exclusion()
+    metric = variant_metric(manifest)
     on_val = val is not None and len(val[0]) > 0
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
@@ -523,7 +546,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
         feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
         trials = []
         for k, op_types in enumerate(candidates):
-            quantizer = Quantizer(prepared, mode, op_types, feeds, config, val, tag=f"_{k}")
+            quantizer = Quantizer(prepared, mode, op_types, feeds, config, val, tag=f"_{k}",
+                                  metric=metric[1])
             trials.append(quantizer_step(mode, lambda: try_op_set(
                 quantizer, manual, auto=exclusion == "auto" and on_val,
                 judge=len(candidates) > 1)))
@@ -532,7 +556,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
         int8_bytes = stamp_contract(onnx.load(str(trial.int8)), manifest).SerializeToString()
     section = trial.exclusion
     result = measure_against_fp32(
-        paths.onnx, int8_bytes, config.cpu_runtime(), *test, config.batch_size, val, mode=mode,
+        paths.onnx, int8_bytes, config.cpu_runtime(), *test, config.batch_size, val,
+        metric=metric, mode=mode,
         requested=config.quantize, path=str(paths.int8), op_types=trial.op_types,
         layers=[row.report_row() for row in trial.layers[:SHOWN_LAYERS]], exclusion=section,
         op_sets=op_sets_section(trials, chosen),
@@ -662,7 +687,8 @@ def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Spl
         half = convert_float_to_float16(onnx.load(str(paths.onnx)), keep_io_types=True)
     data = stamp_contract(half, manifest).SerializeToString()
     result = measure_against_fp32(paths.onnx, data, config.runtime(), *test, config.batch_size,
-                                  val, mode="fp16", requested="fp16", path=str(paths.fp16))
+                                  val, metric=variant_metric(manifest), mode="fp16",
+                                  requested="fp16", path=str(paths.fp16))
     cpu_only = [] if result.provider != "CPUExecutionProvider" else [
         "fp16 is for GPU providers and only CPUExecutionProvider is active here (timings above "
         "are CPU timings)"]

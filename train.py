@@ -139,11 +139,11 @@ def train_section(trained: TrainedModel, dataset: Dataset) -> dict:
     prior = prior_loss(class_counts(dataset.train.y, len(trained.labels)))
     section = {**trained.report_section(),
                "health": training_health(trained, prior, not dense(dataset))}
-    if dense(dataset):  # a segmenter's epochs score validation mean IoU, not accuracy
+    if dense(dataset):  # a segmenter is scored by mean IoU, not accuracy
         section["val_mean_iou"] = section["val_accuracy"]
-        section["train_pixel_accuracy"] = section["train_accuracy"]
-        section["score"] = "val_accuracy is the validation mean IoU; train_accuracy the " \
-                           "training pixel accuracy"
+        section["train_mean_iou"] = section["train_accuracy"]
+        section["metric"] = "mean_iou"  # what val_accuracy and train_accuracy hold; the
+        # history's train_accuracy is the running training pixel accuracy
     if section["health"] and section["health"]["hint"]:
         LOG.warning("%s", section["health"]["hint"])
     return section

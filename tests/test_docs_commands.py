@@ -9,9 +9,9 @@ stand-ins under the same names, and a bundle a page reads before any of its comm
 data, and copied into each checkout that reads it). Three kinds of command do not run as
 written, each by a rule below and not by editing the command:
 - those that cannot run inside a test suite (NOT_RUN, with the reason);
-- training on builtin:digits, a full data set that no stand-in shrinks, runs with `--epochs 2`
-  appended (except README's main command, which runs as written), and a compressing one also
-  with `--prune_steps 1 --qat_epochs 1`;
+- training on builtin:digits or builtin:digit_canvases, full data sets that no stand-in
+  shrinks, runs with `--epochs 2` appended (except README's main command, which runs as
+  written), and a compressing one also with `--prune_steps 1 --qat_epochs 1`;
 - benchmark scripts run with `--quick` appended (their smoke mode, on the stand-in data) for
   a script's first documented command, and with `--check_flags` (parse the flags, stop) for its
   others, which differ in sizes and rounds that --quick overrides anyway.
@@ -98,8 +98,8 @@ def as_run(page: str, command: str) -> str | None:
     if command.startswith(INSTALL):
         command = command[len(INSTALL):]
     words = shlex.split(command)
-    if "builtin:digits" in words and {"pipeline.py", "train.py"} & set(words) and \
-            command != README_MAIN:
+    if {"builtin:digits", "builtin:digit_canvases"} & set(words) and \
+            {"pipeline.py", "train.py"} & set(words) and command != README_MAIN:
         return command + " --epochs 2" + (COMPRESS_SHORT if {"--prune", "--qat"} & set(words)
                                           else "")
     script = bench_script(command)
@@ -175,6 +175,10 @@ def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
     features = customers.drop(columns="churned").head(30)
     features.to_csv(tree / "new_data.csv", index=False)
     features.to_parquet(tree / "rows.parquet", index=False)
+    if "scans" in " ".join(commands):  # a segmenter's ROOT/images + ROOT/masks
+        from ttc.tasks.segment.canvases import write_digit_canvases
+
+        write_digit_canvases(tree / "scans", 40, size=16, seed=0)
     if "hf:tiny_bert" in " ".join(commands):  # transformers is slow to import: only if used
         tiny_hf_model(tree / "tiny_bert", [t for _, t in sms] + [t for t, _ in topic_texts(5)])
 

@@ -29,6 +29,7 @@ def segment_bundle(tmp_path_factory) -> dict:
     model = out / "model.onnx"
     run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path", data,
                   "--epochs", "2", "--batch_size", "16", "--tta", "true", "--ttt", "true",
+                  "--quantize", "static", "--force_quantized", "true",
                   "--eval_shift", "gaussian_noise", "--output_model", model, "--report_json",
                   out / "report.json", "--no_progress", "true")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -82,19 +83,37 @@ def test_the_report_scores_pixels(segment_bundle):
     assert evaluation["pixel_accuracy"] == pytest.approx(np.trace(matrix) / matrix.sum())
     assert len(evaluation["examples"]) == min(8, report["dataset"]["test"])
     assert report["inference"]["mean_iou"] == evaluation["mean_iou"]
+    assert report["inference"]["model_path"].endswith("model.int8.onnx")
     assert report["train"]["val_mean_iou"] == report["train"]["val_accuracy"]
     tta, ttt = report["tta"], report["ttt"]
-    assert tta["transforms"] == "hflip" and tta["mean_iou_plain"] == evaluation["mean_iou"]
+    # TTA and bn are compared with the fp32 graph (the int8 one serves: see below)
+    assert tta["transforms"] == "hflip" and tta["cost_ratio"] > 0
     assert ttt["metric"] == "mean_iou" and [s["name"] for s in ttt["shifts"]] == \
         ["gaussian_noise"]
-    assert ttt["clean"]["mean_iou_source"] == pytest.approx(evaluation["mean_iou"])
+    assert ttt["clean"]["mean_iou_source"] == pytest.approx(tta["mean_iou_plain"])
     summary = segment_bundle["run"].stderr + (segment_bundle["dir"] / "report.html").read_text()
     assert "mean IoU" in summary
 
 
+def test_int8_is_judged_on_mean_iou_and_serves_the_masks(segment_bundle):
+    """--quantize static for a segmenter: judged on validation mean IoU (forced into use here,
+    so the inference stage runs the int8 graph, whose masks it scores)."""
+    report = segment_bundle["report"]
+    quantize = report["quantize"]
+    assert quantize["metric"] == "mean_iou" and "mean IoU" in quantize["verdict"]
+    assert quantize["used_for_inference"] and report["inference"]["model_path"].endswith(
+        "model.int8.onnx")
+    int8 = session(segment_bundle["dir"] / "model.int8.onnx")
+    x = np.random.default_rng(2).random((2, 1, SIDE, SIDE), dtype=np.float32)
+    logits, _, mask = int8.run(None, {"image": x})
+    assert np.array_equal(mask, logits.argmax(axis=1))
+    assert report["evaluation"]["mean_iou"] == pytest.approx(quantize["accuracy"])
+
+
 def test_inference_alone_scores_the_same_test_split(segment_bundle):
+    """The int8 graph the pipeline served (--quantized true), on the same split."""
     run = run_cli("inference.py", "--model", segment_bundle["model"], "--dataset_path",
-                  segment_bundle["data"], "--report_json", "-")
+                  segment_bundle["data"], "--quantized", "true", "--report_json", "-")
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
     assert report["evaluation"]["mean_iou"] == segment_bundle["report"]["evaluation"]["mean_iou"]
@@ -154,7 +173,7 @@ def test_train_and_export_alone_make_the_same_kind_of_bundle(segment_bundle, tmp
 
 
 @pytest.mark.parametrize("flags, phrase", [
-    (["--quantize", "dynamic"], "--quantize does not apply to an image_segmenter"),
+    (["--ensemble_size", "3"], "--ensemble_size does not apply to an image_segmenter"),
     (["--ttt", "true", "--ttt_method", "tent"], "adapts by bn"),
     (["--ttt", "true", "--eval_shift", "shift"], "unknown --eval_shift corruption 'shift'"),
     (["--eval_shift", "blur"], "add --ttt true"),

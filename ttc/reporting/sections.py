@@ -69,7 +69,7 @@ TRAIN_KEYS: KeyLabels = (
     ("samples", "train samples"), ("epochs_run", "epochs run"),
     ("epochs_not_run", "epochs not run (early stop)"), ("best_epoch", "best epoch"),
     ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"),
-    ("train_pixel_accuracy", "train pixel accuracy"), ("val_mean_iou", "val mean IoU"),
+    ("train_mean_iou", "train mean IoU"), ("val_mean_iou", "val mean IoU"),
     ("seconds", "seconds"),
 )
 EXPORT_KEYS: KeyLabels = (
@@ -81,7 +81,7 @@ EXPORT_KEYS: KeyLabels = (
     ("seconds", "seconds"),
 )
 QUANTIZE_KEYS: KeyLabels = (
-    ("mode", "mode"), ("path", "model"), ("size_bytes_fp32", "size fp32 (bytes)"),
+    ("mode", "mode"), ("path", "model"), ("metric", "accuracy is"), ("size_bytes_fp32", "size fp32 (bytes)"),
     ("size_bytes", "size int8 (bytes)"), ("accuracy_val_fp32", "val accuracy fp32"),
     ("accuracy_val", "val accuracy int8"), ("accuracy_fp32", "test accuracy fp32"),
     ("accuracy", "test accuracy int8"), ("top1_agreement", "top-1 agreement"),
@@ -91,7 +91,7 @@ QUANTIZE_KEYS: KeyLabels = (
     ("verdict", "verdict"),
 )
 FP16_KEYS: KeyLabels = (
-    ("path", "model"), ("provider", "provider"), ("size_bytes", "size (bytes)"),
+    ("path", "model"), ("metric", "accuracy is"), ("provider", "provider"), ("size_bytes", "size (bytes)"),
     ("accuracy_fp32", "accuracy fp32"), ("accuracy", "accuracy fp16"),
     ("max_abs_diff", "max |fp16 - fp32|"), ("latency_ms_p50_fp32", "p50 fp32 (ms/batch)"),
     ("latency_ms_p50", "p50 fp16 (ms/batch)"), ("verdict", "verdict"),

@@ -37,15 +37,14 @@ class ImageSegmenter(Task):
 
 
 # What a segmenter does not take (yet): the table and text flags, the classifiers' training
-# extras, compression, the classifiers' test-time methods and their variants.
+# extras, compression, ensembles, Tent and the streams, the iterative methods, Ray.
 REFUSED_FLAGS = (
     "image_column", "text_column", "feature_columns", "label_column", "dataset_format",
     "max_vocab", "max_length", "init_weights", "pretrained", "freeze_epochs", "label_smoothing",
     "max_norm", "model_def", "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size",
-    "ensemble", "quantize", "fp16", "force_quantized", "quantized", "variant", "tta_merge",
-    "tta_threshold", "tta_plan", "ttt_iterations", "ttt_learning_rate", "ttt_reset_every",
-    "ttt_predict", "ttt_guard", "eval_stream", "iterative", "benchmark", "profile", "top_k",
-    "engine")
+    "ensemble", "tta_merge", "tta_threshold", "tta_plan", "ttt_iterations", "ttt_learning_rate",
+    "ttt_reset_every", "ttt_predict", "ttt_guard", "eval_stream", "iterative", "benchmark",
+    "profile", "top_k", "engine")
 _TORCHVISION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large")
 TASK = ImageSegmenter(
     name="image_segmenter", kind="segmentation", archs=("unet", *_TORCHVISION),

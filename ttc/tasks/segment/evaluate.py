@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ttc.serving.runtime import time_runners, whole_batches
-from ttc.tasks.segment.metrics import PixelConfusion, segmentation_scores
+from ttc.tasks.segment.metrics import PixelConfusion, segmentation_scores, summary_scores
 from utils import RuntimeFailure
 
 MaskRunner = Callable[[np.ndarray], np.ndarray]  # a batch (N, C, H, W) → masks (N, H, W)
@@ -31,6 +31,14 @@ def mask_runner(session) -> MaskRunner:
     """An ONNX Runtime session's `mask` output for a batch."""
     name = session.get_inputs()[0].name
     return lambda batch: session.run(["mask"], {name: batch})[0]
+
+
+def probabilities_mean_iou(probabilities: np.ndarray, truth: np.ndarray, num_classes: int,
+                           ignore_index: int) -> float:
+    """The mean IoU of the masks of (N, K, H, W) probabilities (argmax over the class axis)."""
+    masks = probabilities.argmax(axis=1)
+    return summary_scores(confusion_of(masks, truth, num_classes, ignore_index).matrix)[
+        "mean_iou"]
 
 
 def confusion_of(masks: np.ndarray, truth: np.ndarray, num_classes: int,

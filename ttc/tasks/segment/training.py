@@ -19,7 +19,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import dspy
 import numpy as np
