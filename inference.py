@@ -36,7 +36,9 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
     from ttc.serving.batch import BatchOptions, Predictor
+    from ttc.serving.cluster import RayOptions
     from ttc.serving.manifest import Manifest
+    from ttc.tasks.segment.predict import SegmentBatchOptions
 
 
 @dataclass
@@ -304,9 +306,34 @@ def predict_masks(config: Config, paths: BundlePaths, report: dict) -> None:
         input=Path(config.input), output=Path(config.output), mask_dir=config.mask_dir,
         overlay=config.overlay, batch_size=config.batch_size, errors=config.errors,
         allow_errors=config.allow_errors, show_progress=not config.no_progress)
+    if config.engine == "ray":
+        predict_masks_with_ray(config, paths, options, report)
+        return
     manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
     predict_images(options, manifest.preprocessing.spec, list(manifest.labels),
                    mask_runner(session), report)
+
+
+def predict_masks_with_ray(config: Config, paths: BundlePaths, options: SegmentBatchOptions,
+                           report: dict) -> None:
+    """A segmenter's --engine ray (ttc/tasks/segment/cluster.py): chunks of
+    --worker_batch_size images (default --batch_size; rounded up to whole --batch_size
+    batches), segmented by workers that write the masks themselves."""
+    import functools
+
+    from ttc.online.predictor import worker_mask_runner
+    from ttc.tasks.segment.cluster import predict_images_on_ray
+
+    worker_config = ray_worker_config(config)
+    # the workers' session made once here: a bundle or provider that cannot work fails now
+    manifest, session, _ = load_bundle_session(paths, worker_config, input_variant(config))
+    chunk = -(-(config.worker_batch_size or config.batch_size) // config.batch_size) \
+        * config.batch_size
+    ray_options = ray_options_of(config, chunk, session)
+    del session
+    predict_images_on_ray(options, manifest.preprocessing.spec, list(manifest.labels),
+                          functools.partial(worker_mask_runner, worker_config), report,
+                          ray_options)
 
 
 def keeping_first_rows(predict: Predictor, seen: list[np.ndarray], rows: int) -> Predictor:
@@ -324,30 +351,43 @@ def keeping_first_rows(predict: Predictor, seen: list[np.ndarray], rows: int) ->
 
 def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
                      report: dict) -> None:
-    """--engine ray: workers with --num_threads ONNX Runtime intra-op threads each (their
-    num_cpus: Ray's OMP_NUM_THREADS does not reach ONNX Runtime) and one inter-op thread, the
-    bundle read by absolute path."""
-    import dataclasses
+    """--engine ray: workers (ray_worker_config) running the local engine's predictor."""
     import functools
 
-    from ttc.serving.cluster import RayOptions, predict_on_ray
+    from ttc.serving.cluster import predict_on_ray
 
-    threads = config.ray_threads()
-    worker_config = dataclasses.replace(
-        config, intra_op_threads=threads, inter_op_threads=1, no_progress=True,
-        output_model=str(Path(config.output_model).absolute()))
+    worker_config = ray_worker_config(config)
     # the workers' predictor built once here: a bundle, provider or test-time method that cannot
     # work fails now, with its own message, not as a worker that dies at start on the cluster
     manifest, session, model_path = load_bundle_session(paths, worker_config,
                                                         input_variant(config))
     chunk_predictor(worker_config, paths, manifest, session, model_path)
-    gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    ray_options = ray_options_of(config, options.chunk_rows, session)
     del session
     predict_on_ray(options, manifest, functools.partial(worker_predictor, worker_config), report,
-                   RayOptions(None if config.local_ray() else config.ray_address,
-                              config.ray_workers(),
-                              options.chunk_rows, threads, 1.0 if gpu else 0.0,
-                              config.log_level == "DEBUG"))
+                   ray_options)
+
+
+def ray_worker_config(config: Config) -> Config:
+    """A Ray worker's Config: --num_threads ONNX Runtime intra-op threads (its num_cpus: Ray's
+    OMP_NUM_THREADS does not reach ONNX Runtime) and one inter-op thread, no progress bar, the
+    bundle read by absolute path."""
+    import dataclasses
+
+    return dataclasses.replace(config, intra_op_threads=config.ray_threads(), inter_op_threads=1,
+                               no_progress=True,
+                               output_model=str(Path(config.output_model).absolute()))
+
+
+def ray_options_of(config: Config, worker_batch_size: int,
+                   session: ort.InferenceSession) -> RayOptions:
+    """Where and how wide --engine ray runs: a GPU per worker where the session runs on one."""
+    from ttc.serving.cluster import RayOptions
+
+    gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    return RayOptions(None if config.local_ray() else config.ray_address, config.ray_workers(),
+                      worker_batch_size, config.ray_threads(), 1.0 if gpu else 0.0,
+                      config.log_level == "DEBUG")
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -98,7 +98,8 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
         LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation %s with %d "
                  "errors, NLL %.4f → %.4f%s; %s: %s", fit.fitted,
                  " [%.3f, %.3f]" % tuple(fit.interval) if fit.interval else "", fit.method,
-                 fit.samples, "pixels" if dense(dataset) else "samples", fit.errors, fit.nll_before, fit.nll_after,
+                 fit.samples, "pixels" if dense(dataset) else "samples", fit.errors,
+                 fit.nll_before, fit.nll_after,
                  f"; {fit.note}" if fit.note else "",
                  "applied" if fit.applied else "not applied (T = 1)", fit.reason)
     trained.calibration = fit.manifest_entry()
@@ -204,12 +205,17 @@ def overfit_hint(trained: TrainedModel, best, gap: float) -> str | None:
 
 def learning_rate_advice(trained: TrainedModel) -> str:
     from config import HF_LEARNING_RATE, LEARNING_RATE, is_hf_arch
+    from ttc.tasks.registry import task_of_kind
 
     if is_hf_arch(trained.architecture.get("arch")):
         return (f"--lr_candidates {HF_LEARNING_RATE:g},5e-5,1e-4 (fine-tuning a transformer "
                 f"usually works at {HF_LEARNING_RATE:g} to 1e-4)")
+    from ttc.options.training import default_learning_rate
+
+    default = default_learning_rate(trained.architecture.get("arch"),
+                                    task_of_kind(trained.preprocessing["kind"]).name)
     return (f"--lr_candidates 1e-3,{LEARNING_RATE:g},1e-2 (a network trained from scratch "
-            f"usually needs a learning rate around 1e-3; the default is {LEARNING_RATE:g})")
+            f"usually needs a learning rate around 1e-3; the default is {default:g})")
 
 
 def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: TrainedModel,

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from ttc.serving.batch import Predictor as BatchPredictor
     from ttc.serving.manifest import Manifest
+    from ttc.tasks.segment.evaluate import MaskRunner
 
 # --variant → the bundle's file key
 GRAPH_OF = {"fp32": "onnx", "int8": "int8", "fp16": "fp16", "pruned": "pruned", "qat": "qat",
@@ -152,6 +153,16 @@ def worker_predictor(config: Config) -> tuple[BatchPredictor, list[str]]:
     paths = BundlePaths.from_model_path(config.output_model)
     manifest, session, model_path = load_bundle_session(paths, config, input_variant(config))
     return chunk_predictor(config, paths, manifest, session, model_path)
+
+
+def worker_mask_runner(config: Config) -> MaskRunner:
+    """A segmenter's `mask` output in a session of its own, built on a Ray Data worker
+    (ttc/tasks/segment/cluster.py's RunnerFactory): the graph inference.py's local engine runs."""
+    from ttc.tasks.segment.evaluate import mask_runner
+
+    paths = BundlePaths.from_model_path(config.output_model)
+    _, session, _ = load_bundle_session(paths, config, input_variant(config))
+    return mask_runner(session)
 
 
 def join_inputs(parts: list[np.ndarray], pad_id: int) -> np.ndarray:

@@ -59,7 +59,8 @@ class BatchFlags:
                                   "(default 2, or 1 where a local cluster cannot hold 2)",
                                   "batch", type=int, metavar="N", scripts="I")
     worker_batch_size: int | None = opt(None, "--engine ray: rows a worker reads, encodes and "
-                                        "predicts at a time (default: --chunk_rows)", "batch",
+                                        "predicts at a time (default: --chunk_rows; a "
+                                        "segmenter's: --batch_size images)", "batch",
                                         type=int, metavar="N", scripts="I")
 
     def check_batch(self, threads: Callable[[], int], profile: bool, online_ttt: bool,

@@ -17,6 +17,8 @@ from utils import ConfigError
 ARCHS = archs()
 # torchvision networks: --pretrained loads their ImageNet weights.
 TORCHVISION_ARCHS = ARCHS["image_classifier"][1:]
+# a segmenter's torchvision networks: --pretrained loads their ImageNet backbone.
+SEGMENTER_TORCHVISION_ARCHS = ARCHS["image_segmenter"][1:]
 # The peak learning rate when --learning_rate is not given: fine-tuning a pretrained transformer
 # takes the usual 2e-5, training from scratch a hundred times more.
 LEARNING_RATE = 3e-3
@@ -28,8 +30,13 @@ def is_hf_arch(arch: str | None) -> bool:
     return hf_source(arch) is not None
 
 
-def default_learning_rate(arch: str | None) -> float:
-    return HF_LEARNING_RATE if is_hf_arch(arch) else LEARNING_RATE
+def default_learning_rate(arch: str | None, model_type: str | None = None) -> float:
+    """--learning_rate when not given: an hf arch's, else its model type's (Task.learning_rate:
+    a segmenter's), else LEARNING_RATE."""
+    if is_hf_arch(arch):
+        return HF_LEARNING_RATE
+    task = find_task(model_type) if model_type else None
+    return task.learning_rate if task is not None and task.learning_rate else LEARNING_RATE
 
 
 @dataclass
@@ -61,16 +68,18 @@ class TrainingFlags:
                                    "state dict, read with weights_only): tensors load where "
                                    "name and shape match; the report counts loaded, skipped "
                                    "and missing", "training", metavar="PATH", scripts="PT")
-    pretrained: bool = opt(False, "torchvision archs: start from torchvision's ImageNet weights, "
-                           "read from the torch hub cache ($TORCH_HOME/hub/checkpoints; never "
-                           "downloaded)", "training", type=parse_bool, metavar="BOOL",
+    pretrained: bool = opt(False, "torchvision archs: start from torchvision's ImageNet weights "
+                           "(a segmenter's: its MobileNetV3-Large backbone), read from the "
+                           "torch hub cache ($TORCH_HOME/hub/checkpoints; never downloaded)",
+                           "training", type=parse_bool, metavar="BOOL",
                            scripts="PT")
     freeze_epochs: int = opt(0, "train only the classifier head (the last nn.Linear) for the "
                              "first N epochs, then the whole network", "training", type=int,
                              metavar="N", scripts="PT")
     learning_rate: float | None = opt(
-        None, "AdamW peak learning rate of the schedule (--lr_schedule), default 3e-3; for hf: "
-        "archs of linear warm-up (a tenth of the steps) and decay, default 2e-5", "training", type=float, metavar="LR", scripts="PT")
+        None, "AdamW peak learning rate of the schedule (--lr_schedule), default 3e-3 "
+        "(image_segmenter 1e-2); for hf: archs of linear warm-up (a tenth of the steps) and "
+        "decay, default 2e-5", "training", type=float, metavar="LR", scripts="PT")
     train_augment: bool = opt(True, "light random shifts of training images (images only)",
                               "training", type=parse_bool, metavar="BOOL", scripts="PT")
     lr_candidates: str | None = opt(None, "candidate search: comma-separated peak learning "
@@ -93,7 +102,8 @@ class TrainingFlags:
     def check_rates(self) -> None:
         """--learning_rate takes its arch's default when not given; the counts are positive."""
         if self.learning_rate is None:
-            self.learning_rate = default_learning_rate(self.arch)
+            self.learning_rate = default_learning_rate(self.arch,
+                                                       getattr(self, "model_type", None))
         for name in ("epochs", "batch_size", "learning_rate", "num_candidates"):
             positive(name, getattr(self, name))
 
@@ -113,9 +123,9 @@ class TrainingFlags:
         elif self.arch is not None and self.arch not in names:
             bad("arch", self.arch, f"a {model_type} takes one of: {', '.join(names)}, "
                 "or for text hf:NAME_OR_PATH")
-        self._check_network_source()
+        self._check_network_source(model_type)
 
-    def _check_network_source(self) -> None:
+    def _check_network_source(self, model_type: str | None = None) -> None:
         """--model_def, --init_weights, --pretrained and --freeze_epochs."""
         if self.model_def is not None:
             self.model_def_parts()
@@ -123,7 +133,9 @@ class TrainingFlags:
                 raise ConfigError("--model_def and --arch both name the network",
                                   "drop one of them")
         if self.pretrained:
-            if self.arch not in TORCHVISION_ARCHS:
+            if model_type == "image_segmenter":
+                self._check_pretrained_segmenter()
+            elif self.arch not in TORCHVISION_ARCHS:
                 raise ConfigError("--pretrained loads torchvision's ImageNet weights, for "
                                   f"--arch {', '.join(TORCHVISION_ARCHS)}",
                                   "add one of those archs, or use --init_weights PATH")
@@ -132,6 +144,16 @@ class TrainingFlags:
                                   "drop one of them")
         if self.freeze_epochs < 0:
             bad("freeze_epochs", self.freeze_epochs, "use 0 (off) or an epoch count")
+
+    def _check_pretrained_segmenter(self) -> None:
+        """A segmenter's --pretrained loads the ImageNet backbone of a torchvision arch; the
+        U-Net (the default) and a --model_def module have none."""
+        if self.arch not in SEGMENTER_TORCHVISION_ARCHS:
+            network = (f"--model_def {self.model_def}" if self.model_def
+                       else f"--arch {self.arch or ARCHS['image_segmenter'][0]}")
+            raise ConfigError(f"--pretrained loads an ImageNet backbone, for --arch "
+                              f"{', '.join(SEGMENTER_TORCHVISION_ARCHS)}; {network} has none",
+                              "add one of those archs, or drop --pretrained")
 
     def model_def_parts(self) -> tuple[Path, str]:
         """--model_def FILE.py:FACTORY as (file, factory name)."""
@@ -150,8 +172,8 @@ class TrainingFlags:
     def learning_rates(self) -> list[float]:
         """--lr_candidates as floats (default: [--learning_rate], or its default for the arch)."""
         if not self.lr_candidates:
-            return [self.learning_rate if self.learning_rate is not None
-                    else default_learning_rate(self.arch)]
+            return [self.learning_rate if self.learning_rate is not None else
+                    default_learning_rate(self.arch, getattr(self, "model_type", None))]
         rates = []
         for item in filter(None, (p.strip() for p in self.lr_candidates.split(","))):
             try:

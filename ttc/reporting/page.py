@@ -658,7 +658,7 @@ def _render_ttt(data: dict, view: _View) -> list[str]:
                if any(r.get(f"accuracy_{m}") is not None for _, r in rows)]
     head = [f"{k.replace('_', ' ')} {_fmt(data[k])}"
             for k in ("method", "mode", "batch_size", "bn_prior", "iterations", "learning_rate",
-                      "guard", "predict")
+                      "guard", "predict", "metric")
             if data.get(k) is not None]
     parts = [_line(", ".join(head))] if head else []
     if rows:

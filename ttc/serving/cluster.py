@@ -446,10 +446,7 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
         import ray
         import ray.data
 
-        context = ray.data.DataContext.get_current()
-        context.execution_options.preserve_order = True  # rows come back in input order
-        context.enable_progress_bars = False  # ours counts the rows written
-        context.print_on_execution_start = False
+        ordered_data_context()
         # one block stream per part (Ray would otherwise split the blocks to reach its
         # default read parallelism), cut into batches of the worker batch size; as many parts
         # read at a time as there are workers to take them (each read task is a worker process
@@ -465,12 +462,12 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
             num_cpus=ray_options.threads, num_gpus=ray_options.gpus or None)
         # Ray Data restarts a dead actor and retries its tasks (max_restarts and
         # max_task_retries -1 by default), and preserve_order keeps the rows where they were
-        timing = _FirstBatch()
+        timing = FirstBatch()
         stream = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
         run = write_predictions(options, manifest, timing.watch(map(predicted_from, stream)),
                                 report)
     except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
-        raise _unwrapped(err) from None
+        raise unwrapped(err) from None
     finally:
         stop_ray(stream, local=ray_options.address is None)
     report["engine"] = EngineStats(
@@ -482,7 +479,18 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
     return run
 
 
-class _FirstBatch:
+def ordered_data_context() -> None:
+    """Ray Data's settings for a run: rows back in input order, no progress bar of its own
+    (ours counts what is written), nothing printed at the start of an execution."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
+class FirstBatch:
     """Seconds from the start of the run to its first predictions (the pool's start-up)."""
 
     def __init__(self) -> None:
@@ -496,7 +504,7 @@ class _FirstBatch:
             yield item
 
 
-def _unwrapped(err: BaseException) -> BaseException:
+def unwrapped(err: BaseException) -> BaseException:
     """Our own error (a bad row file, a provider that did not start) out of Ray's wrappers,
     whose chain holds it as a cause; any other failure of Ray's as one RuntimeFailure line."""
     import re

@@ -64,6 +64,7 @@ class Task:
     # never --val_path/--test_path), decoded within --max_image_memory_mb
     dense: bool = False  # one prediction per pixel (a segmenter): training, export, evaluation
     # and batch outputs go through its own code (ttc/tasks/TYPE/), not the classifiers'
+    learning_rate: float | None = None  # its default peak learning rate (None: the tool's)
     refused_flags: tuple[str, ...] = ()  # flags it does not take (config: exit 2 when given)
     guide: str = "cli.md"  # the docs page that says what it takes
     split_paths: bool = True  # --val_path/--test_path name its validation and test data (an

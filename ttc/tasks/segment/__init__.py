@@ -37,14 +37,14 @@ class ImageSegmenter(Task):
 
 
 # What a segmenter does not take (yet): the table and text flags, the classifiers' training
-# extras, compression, ensembles, Tent and the streams, the iterative methods, Ray.
+# extras, compression, ensembles, Tent and the streams, the iterative methods.
 REFUSED_FLAGS = (
     "image_column", "text_column", "feature_columns", "label_column", "dataset_format",
-    "max_vocab", "max_length", "init_weights", "pretrained", "freeze_epochs", "label_smoothing",
-    "max_norm", "model_def", "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size",
+    "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing",
+    "max_norm", "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size",
     "ensemble", "tta_merge", "tta_threshold", "tta_plan", "ttt_iterations", "ttt_learning_rate",
     "ttt_reset_every", "ttt_predict", "ttt_guard", "eval_stream", "iterative", "benchmark",
-    "profile", "top_k", "engine")
+    "profile", "top_k")
 _TORCHVISION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large")
 TASK = ImageSegmenter(
     name="image_segmenter", kind="segmentation", archs=("unet", *_TORCHVISION),
@@ -57,6 +57,7 @@ TASK = ImageSegmenter(
     regularisation={"unet": Regularisation(0.1, 1e-4, source="ours"),
                     **{arch: Regularisation(None, 1e-4, source="torchvision's own dropout")
                        for arch in _TORCHVISION}},
-    default_tta="hflip", builtins=("builtin:digit_canvases",), input_role="image", input_field="image",
+    default_tta="hflip", builtins=("builtin:digit_canvases",), input_role="image",
+    input_field="image",
     image_files=True,
-    dense=True, refused_flags=REFUSED_FLAGS, guide="segmentation.md")
+    dense=True, learning_rate=1e-2, refused_flags=REFUSED_FLAGS, guide="segmentation.md")

@@ -59,6 +59,20 @@ def probes_at_two_sizes(samples: np.ndarray) -> dict[str, np.ndarray]:
             f"held_out {second[0]}x{second[1]}": resized(images, second)}
 
 
+def require_input_size(logits: np.ndarray, images: np.ndarray, whose: str) -> None:
+    """Logits (N, K, H, W) at the images' own height and width, or ExportError (exit 4): a
+    network that resizes to a fixed size (a --model_def module's hard-coded nn.Upsample) passes
+    training's check at the training size and fails here, at the second size."""
+    if logits.ndim == 4 and logits.shape[-2:] == images.shape[-2:]:
+        return
+    got = "x".join(map(str, logits.shape[-2:])) if logits.ndim == 4 else str(logits.shape)
+    raise ExportError(f"{whose} logits are {got} for images of {images.shape[-2]}x"
+                      f"{images.shape[-1]}: a segmenter's logits keep the input's height and "
+                      "width at any size; the bundle was not written",
+                      "resize the logits to the input's size in forward, not to a fixed size "
+                      "(e.g. F.interpolate(logits, size=images.shape[-2:], mode=\"bilinear\"))")
+
+
 def compare_segmentation(run: Callable[[np.ndarray], list[np.ndarray]], net: torch.nn.Module,
                          samples: np.ndarray, atol: float, batch_size: int,
                          temperature: float = 1.0) -> MaskCheck:
@@ -72,9 +86,11 @@ def compare_segmentation(run: Callable[[np.ndarray], list[np.ndarray]], net: tor
     for probe in probes.values():
         with torch.no_grad():
             expected = [t.numpy() for t in wrapper(torch.from_numpy(probe))]
+        require_input_size(expected[0], probe, "the network's")
         for size in batch_sizes:
             got = [np.concatenate(parts) for parts in zip(*(
                 run(probe[i:i + size]) for i in range(0, len(probe), size)))]
+            require_input_size(got[0], probe, "the graph's")
             if not all(np.isfinite(g).all() for g in got[:2]):
                 raise ExportError("the segmentation graph produces non-finite outputs on "
                                   "held-out images; the bundle was not written",

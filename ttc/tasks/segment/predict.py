@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -292,6 +292,12 @@ class Predicting:
                 rows[k] = self._written(items[k], resized_mask(mask, size), size)
         return rows  # type: ignore[return-value] - every slot is filled
 
+    def batches(self, chunks: Iterable[Sequence[Listed]]) -> Iterator[list[SummaryRow]]:
+        """Each chunk's rows (Predicting.batch), a stop asked for honoured before each."""
+        for items in chunks:
+            raise_if_interrupted()
+            yield self.batch(items)
+
     def _masks(self, x: np.ndarray) -> np.ndarray:
         masks = np.asarray(self.run(x))
         expected = (x.shape[0], *x.shape[2:])
@@ -418,25 +424,45 @@ def predict_images(options: SegmentBatchOptions, preprocessing: dict, labels: li
     indices. Raises DataError (exit 3) when the input holds no image or none could be
     predicted (the previous summary left as it was), or when some could not without
     --allow_errors (the summary and masks written)."""
+    listed = checked_listing(options, labels)
+    predicting = Predicting(options, preprocessing, len(labels), run)
+    steps = -(-len(listed) // options.batch_size)
+    chunks = progress(batches(listed, options.batch_size), total=steps, desc="segment",
+                      enabled=options.show_progress)
+    tally, section = write_summary(options, labels, predicting.batches(chunks), report)
+    raise_for_errors(options, tally)
+    return section
+
+
+def checked_listing(options: SegmentBatchOptions, labels: Sequence[str]) -> list[Listed]:
+    """The options checked (check_options) and the input's images listed, before any image is
+    read or any file written; no image at all is a DataError (exit 3)."""
     check_options(options, labels)
     listed = listed_images(options.input)
     if not listed:
         raise DataError(f"{options.input} holds no image to segment; {options.output} was "
                         "left as it was", "give an image or a folder of "
                         f"{'/'.join(IMAGE_EXTENSIONS)} files")
+    return listed
+
+
+def write_summary(options: SegmentBatchOptions, labels: Sequence[str],
+                  row_batches: Iterable[Sequence[SummaryRow]], report: dict | None
+                  ) -> tuple[SegmentRun, dict]:
+    """The summary rows, batch after batch in input order, to --output (a temporary file moved
+    into place at the end; left as it was when no image could be predicted, a DataError) and
+    the error rows to --errors; the run's counts and report section (also report["predictions"]
+    when `report` is given). Whatever makes the rows (this process, Ray workers) has written
+    their masks."""
     fmt = options.output.suffix.lower().lstrip(".")
-    predicting = Predicting(options, preprocessing, len(labels), run)
     tally = SegmentRun()
     started = time.perf_counter()
     with atomic_write_stream(options.output, binary=fmt == "parquet") as handle, \
             contextlib.ExitStack() as before_closing:
         writer = SummaryWriter(handle, fmt, labels)
         before_closing.callback(writer.abandon)
-        steps = -(-len(listed) // options.batch_size)
-        for items in progress(batches(listed, options.batch_size), total=steps,
-                              desc="segment", enabled=options.show_progress):
+        for rows in row_batches:
             raise_if_interrupted()
-            rows = predicting.batch(items)
             writer.write(rows)
             tally.add(rows)
         raise_if_interrupted()
@@ -452,13 +478,17 @@ def predict_images(options: SegmentBatchOptions, preprocessing: dict, labels: li
     LOG.info("segmented %d of %d images into %s (%.1f images/s)%s", tally.predicted,
              tally.images, options.mask_dir, section["images_per_second"] or 0.0,
              f", {tally.errors} failed" if tally.errors else "")
+    return tally, section
+
+
+def raise_for_errors(options: SegmentBatchOptions, tally: SegmentRun) -> None:
+    """Error rows without --allow_errors: a DataError (exit 3) once everything is written."""
     if tally.errors and not options.allow_errors:
         where = (f"listed in {options.errors}" if options.errors
                  else "add --errors PATH to list them")
         raise DataError(f"{tally.errors} of {tally.images} images could not be segmented "
                         f"({where}); the other masks are in {options.mask_dir}",
                         "fix those images, or pass --allow_errors true")
-    return section
 
 
 def _fail_without_predictions(tally: SegmentRun, options: SegmentBatchOptions) -> None:

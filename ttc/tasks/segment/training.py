@@ -30,13 +30,16 @@ from torch import nn
 
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.fitting import EarlyStopping, learning_rate_schedule
-from ttc.nets.models import count_parameters
+from ttc.nets.models import UserNetwork, count_parameters, user_architecture
 from ttc.nets.program import (Candidate, CandidateSearch, EpochRecord, TrainedModel,
                               TrainingDiverged, example_rate, nonfinite_tensors,
                               recalibrate_batchnorm)
+from ttc.nets.transfer import Transfer
 from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
-from utils import LOG, TrainingError, progress, raise_if_interrupted, stdout_to_stderr
+from ttc.tasks.segment.pretrained import init_backbone, require_backbone_file
+from utils import (LOG, ConfigError, TrainingError, progress, raise_if_interrupted,
+                   stdout_to_stderr)
 
 INPUT_FIELD = "image"
 DEFAULT_ARCH = "unet"
@@ -368,15 +371,54 @@ class SegmenterSearch(CandidateSearch):
 
 
 def segmentation_architecture(config, dataset: Dataset) -> dict:
-    """The manifest's architecture record for --arch (default: the U-Net), with the run's
-    dropout where the network takes one (--dropout, or the network's default)."""
+    """The manifest's architecture record: --model_def's network (the bundle keeps its file), or
+    --arch's (default: the U-Net) with the run's dropout where the network takes one
+    (--dropout, or the network's default); --pretrained switches a torchvision network to
+    ImageNet's normalisation, once its backbone weights are found (exit 3 before training)."""
+    if getattr(config, "model_def", None):
+        path, factory = config.model_def_parts()
+        return user_architecture(path.resolve(), factory, dataset.preprocessing,
+                                 len(dataset.labels))
     arch = getattr(config, "arch", None) or DEFAULT_ARCH
     record = SEGMENTATION_NETWORKS[arch](dataset.preprocessing, len(dataset.labels))
     dropout = fitting_settings(config)[1]
     module = SEGMENTATION_MODULES[record["name"]]
     if dropout is not None and "dropout" in inspect.signature(module).parameters:
         record["dropout"] = float(dropout)
+    if getattr(config, "pretrained", False):
+        require_backbone_file(arch)
+        record["normalization"] = "imagenet"
     return record
+
+
+def starting_weights(config, net: nn.Module) -> Transfer | None:
+    """--pretrained: the ImageNet backbone into a freshly built torchvision segmenter."""
+    if getattr(config, "pretrained", False):
+        return init_backbone(net, config.arch)
+    return None
+
+
+def check_segmenter_output(net: nn.Module, dataset: Dataset, config) -> None:
+    """A --model_def network must map a batch of training images (N, C, H, W) to logits
+    (N, classes, H, W): one per class and pixel, at the input's height and width (a forward
+    that fails is the user's error, exit 2, as anywhere: models.user_code)."""
+    if not getattr(config, "model_def", None) or len(dataset.train) == 0:
+        return
+    sample = torch.from_numpy(np.ascontiguousarray(dataset.train.x[:2], dtype=np.float32))
+    with torch.no_grad():
+        logits = net.eval()(sample)
+    expected = (len(sample), len(dataset.labels), *sample.shape[-2:])
+    if not torch.is_tensor(logits) or tuple(logits.shape) != expected:
+        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
+        raise ConfigError(f"--model_def {config.model_def}: forward returned {shape} for a "
+                          f"batch of {tuple(sample.shape)}; expected {expected} (one logit per "
+                          "class and pixel, at the input's height and width)",
+                          "return logits of shape (batch, num_classes, height, width): resize "
+                          "them to the input's size, e.g. F.interpolate(logits, "
+                          "size=images.shape[-2:], mode=\"bilinear\")")
+    if not logits.is_floating_point():
+        raise ConfigError(f"--model_def {config.model_def}: forward returned {logits.dtype} "
+                          "logits; expected floating point", "return float logits")
 
 
 def fitting_settings(config) -> tuple[float, float | None]:
@@ -390,8 +432,10 @@ def fitting_settings(config) -> tuple[float, float | None]:
 
 
 def build_segmenter(architecture: dict, preprocessing: dict) -> nn.Module:
-    """The network of an architecture record, normalising by the training split's statistics."""
-    return SEGMENTATION_MODULES[architecture["name"]](
+    """The network of an architecture record, normalising by the training split's statistics
+    (a --model_def network: UserNetwork around the module its factory returns)."""
+    modules = {**SEGMENTATION_MODULES, "UserNetwork": UserNetwork}
+    return modules[architecture["name"]](
         **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
 
 
@@ -403,12 +447,19 @@ def train_segmenter(config, dataset: Dataset) -> TrainedModel:
     ignore_index = int(dataset.preprocessing.get("ignore_index", IGNORE_INDEX))
     weight_decay = fitting_settings(config)[0]
 
+    transfers: list[Transfer] = []
+
     def make_student(seed: int) -> SegmenterProgram:
         torch.manual_seed(seed)
-        return SegmenterProgram(build_segmenter(architecture, dataset.preprocessing),
-                                dataset.labels, ignore_index)
+        net = build_segmenter(architecture, dataset.preprocessing)
+        transfer = starting_weights(config, net)
+        if transfer is not None and not transfers:
+            transfers.append(transfer)
+        return SegmenterProgram(net, dataset.labels, ignore_index)
 
-    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
+    first = make_student(config.seed).net
+    check_segmenter_output(first, dataset, config)
+    architecture["num_parameters"] = count_parameters(first)
     LOG.info("training %s (%d parameters) on %d images, validating on %d",
              architecture.get("arch") or architecture["name"], architecture["num_parameters"],
              len(dataset.train), len(dataset.val))
@@ -433,11 +484,13 @@ def train_segmenter(config, dataset: Dataset) -> TrainedModel:
         if getattr(config, "lr_candidates", None):
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
-    return trained_segmenter(program, search, dataset, architecture, started, config)
+    return trained_segmenter(program, search, dataset, architecture, started, config,
+                             transfers[0] if transfers else None)
 
 
 def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, dataset: Dataset,
-                      architecture: dict, started: float, config) -> TrainedModel:
+                      architecture: dict, started: float, config,
+                      transfer: Transfer | None = None) -> TrainedModel:
     """What training hands to export: the chosen candidate's network and its history;
     train_accuracy is the training split's mean IoU in eval mode, val_accuracy the best
     epoch's validation mean IoU (both pooled over the split's pixels)."""
@@ -452,4 +505,5 @@ def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, datase
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss)
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
+                        transfer=transfer)
