@@ -203,22 +203,38 @@ def evaluate_dense(config: Config, manifest: Manifest, session: ort.InferenceSes
 
 def dense_ttt(config: Config, manifest: Manifest, session: ort.InferenceSession,
               test: tuple[np.ndarray, np.ndarray]) -> dict:
-    """--ttt for a segmenter: bn through the bundle's adaptation graph (model.bn.onnx), on the
-    test split and on each --eval_shift corruption of it (ttc/tasks/segment/adapt.py)."""
+    """--ttt for a segmenter: bn and/or tent through the bundle's adaptation graph
+    (model.bn.onnx), on the test split and on each --eval_shift corruption of it
+    (ttc/tasks/segment/adapt.py)."""
     import onnx
 
-    from ttc.tasks.segment.adapt import dense_ttt_section
+    from ttc.tasks.segment.adapt import adapted_runner, dense_ttt_section, tent_runner
     from ttc.tasks.segment.evaluate import mask_runner
-    from ttc.testtime.ttt import AdaptationGraph
+    from ttc.testtime.ttt import AdaptationGraph, Tent
 
     paths = BundlePaths.from_model_path(config.output_model)
     path = require_onnx_in_bundle(paths, manifest, "bn")
     graph = AdaptationGraph(onnx.load(str(path)), lambda model: create_session(
         model, config.runtime(), classes=manifest.classes, source=path))
-    section = dense_ttt_section(graph, mask_runner(session), *test, manifest.labels,
+    methods = ("bn", "tent") if config.ttt_method == "all" else (config.ttt_method,)
+    adapted = {}
+    if "bn" in methods:
+        adapted["bn"] = adapted_runner(graph, config.ttt_bn_prior)
+    if "tent" in methods:
+        tent = Tent(manifest, paths.weights, graph.layers, config.ttt_learning_rate,
+                    config.ttt_iterations, config.num_threads, config.trust_model_code,
+                    filter_unreliable=config.ttt_guard == "filter")
+        adapted["tent"] = tent_runner(graph, tent, config.ttt_predict == "before")
+    settings = {"method": config.ttt_method, "bn_prior": config.ttt_bn_prior,
+                "iterations": config.ttt_iterations, "learning_rate": config.ttt_learning_rate,
+                "guard": config.ttt_guard if "tent" in methods else None,
+                "predict": config.ttt_predict if "tent" in methods else None}
+    section = dense_ttt_section(mask_runner(session), adapted, *test, manifest.labels,
                                 manifest.preprocessing.spec, config.batch_size,
-                                config.ttt_bn_prior, config.shift_names("segmentation"),
-                                config.shift_severity, config.seed)
+                                config.shift_names("segmentation"), config.shift_severity,
+                                config.seed, settings)
+    if "tent" in methods:  # EATA's filter: pixels, not batches, are left out
+        section.update(resets={"tent": 0}, skipped={"tent": 0}, filtered_pixels=tent.filtered)
     LOG.info("test-time training: %s", section["verdict"])
     return section
 

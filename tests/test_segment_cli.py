@@ -110,6 +110,23 @@ def test_int8_is_judged_on_mean_iou_and_serves_the_masks(segment_bundle):
     assert report["evaluation"]["mean_iou"] == pytest.approx(quantize["accuracy"])
 
 
+def test_tent_minimises_pixel_entropy_beside_bn(segment_bundle):
+    """--ttt_method all: bn and tent (entropy over each pixel's classes, EATA's pixel filter),
+    each scored by mean IoU next to the source graph on the same corrupted images."""
+    run = run_cli("inference.py", "--model", segment_bundle["model"], "--dataset_path",
+                  segment_bundle["data"], "--ttt", "true", "--ttt_method", "all",
+                  "--eval_shift", "contrast", "--batch_size", "8", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    ttt = json.loads(run.stdout)["ttt"]
+    assert ttt["method"] == "all" and ttt["guard"] == "filter" and ttt["predict"] == "after"
+    for row in (ttt["clean"], *ttt["shifts"]):
+        assert {"mean_iou_source", "mean_iou_bn", "mean_iou_tent"} <= set(row)
+        assert 0 <= row["mean_iou_tent"] <= 1 and row["cost_ratio_tent"] > 0
+    assert ttt["clean"]["mean_iou_source"] == pytest.approx(
+        segment_bundle["report"]["ttt"]["clean"]["mean_iou_source"])
+    assert "tent" in ttt["verdict"]
+
+
 def test_inference_alone_scores_the_same_test_split(segment_bundle):
     """The int8 graph the pipeline served (--quantized true), on the same split."""
     run = run_cli("inference.py", "--model", segment_bundle["model"], "--dataset_path",
@@ -174,7 +191,7 @@ def test_train_and_export_alone_make_the_same_kind_of_bundle(segment_bundle, tmp
 
 @pytest.mark.parametrize("flags, phrase", [
     (["--ensemble_size", "3"], "--ensemble_size does not apply to an image_segmenter"),
-    (["--ttt", "true", "--ttt_method", "tent"], "adapts by bn"),
+    (["--ttt", "true", "--ttt_mode", "online"], "each batch on its own"),
     (["--ttt", "true", "--eval_shift", "shift"], "unknown --eval_shift corruption 'shift'"),
     (["--eval_shift", "blur"], "add --ttt true"),
     (["--tta", "true", "--tta_transforms", "rot90"], "not a segmentation view"),

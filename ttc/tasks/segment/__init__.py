@@ -40,10 +40,9 @@ class ImageSegmenter(Task):
 # extras, compression, ensembles, Tent and the streams, the iterative methods.
 REFUSED_FLAGS = (
     "image_column", "text_column", "feature_columns", "label_column", "dataset_format",
-    "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing",
-    "max_norm", "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size",
-    "ensemble", "tta_merge", "tta_threshold", "tta_plan", "ttt_iterations", "ttt_learning_rate",
-    "ttt_reset_every", "ttt_predict", "ttt_guard", "eval_stream", "iterative", "benchmark",
+    "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing", "max_norm",
+    "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta_merge",
+    "tta_threshold", "tta_plan", "ttt_reset_every", "eval_stream", "iterative", "benchmark",
     "profile", "top_k")
 _TORCHVISION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large")
 TASK = ImageSegmenter(

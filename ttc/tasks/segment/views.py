@@ -40,9 +40,10 @@ def check_segmenter_flags(config) -> None:
     of this module's kinds; test-time training by bn, episodic; --eval_shift with --ttt."""
     if config.tta or config.tta_transforms:
         parse_view_specs(config.tta_transforms)
-    if config.ttt and config.ttt_method != "bn":
-        raise ConfigError(f"--ttt_method {config.ttt_method}: a segmenter adapts by bn "
-                          "(BatchNorm statistics) only", "use --ttt_method bn")
+    if config.ttt and config.ttt_guard == "reset":
+        raise ConfigError("--ttt_guard reset watches a batch's class mix, which a segmenter's "
+                          "batches do not have", "use --ttt_guard filter (EATA's pixel "
+                          "filter for tent) or none")
     if config.ttt and config.ttt_mode != "episodic":
         raise ConfigError("--ttt_mode online: a segmenter adapts each batch on its own",
                           "use --ttt_mode episodic")
