@@ -815,8 +815,10 @@ def tta(report: dict) -> Figure | None:
     fixed, broken = number(section_tta.get("fixed")), number(section_tta.get("broken"))
     if fixed is None and broken is None:
         return None
+    dense = "mean_iou" in section_tta  # a segmenter's: pixels, and mean IoU
+    keys = (("test", "mean_iou"),) if dense else (("test", "accuracy"), ("val", "accuracy_val"))
     pairs = [(split, number(section_tta.get(f"{key}_plain")), number(section_tta.get(key)))
-             for split, key in (("test", "accuracy"), ("val", "accuracy_val"))]
+             for split, key in keys]
     pairs = [(split, a, b) for split, a, b in pairs if a is not None and b is not None]
     fig = new_figure(7.0 if pairs else 3.6, 3.0)
     place(fig, left=0.6, right=0.2, bottom=0.6, top=0.3, gap=0.9)
@@ -832,7 +834,7 @@ def tta(report: dict) -> Figure | None:
     ax.set_xticks(range(len(bars)), [name for name, _, _ in bars])
     ax.set_xlim(-0.7, len(bars) - 0.3)
     ax.set_ylim(0, max([v for _, v, _ in bars] + [1]) * 1.2)
-    ax.set_ylabel("test samples")
+    ax.set_ylabel("test pixels" if dense else "test samples")
     ax.grid(axis="x", visible=False)
     net = (fixed or 0) - (broken or 0)
     ax.set_title(f"TTA changes (net {net:+g})")
@@ -850,8 +852,9 @@ def tta(report: dict) -> Figure | None:
         ax.set_yticks(range(len(pairs)), [split for split, _, _ in pairs])
         ax.set_ylim(-0.6, len(pairs) - 0.4)
         ax.margins(x=0.3)
-        ax.set_xlabel("accuracy")
-        ax.set_title("Accuracy without and with TTA")
+        metric = "mean IoU" if dense else "accuracy"
+        ax.set_xlabel(metric)
+        ax.set_title(f"{metric[0].upper()}{metric[1:]} without and with TTA")
         ax.legend(loc="lower right", frameon=False, fontsize=7)
     return fig
 
