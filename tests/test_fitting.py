@@ -206,7 +206,9 @@ def test_every_network_s_dropout_default_reaches_its_layers():
 
     records = {"image": {"kind": "image", "image_size": [8, 8], "channels": 1},
                "text": {"kind": "text", "vocab_size": 50, "max_length": 16},
-               "tabular": {"kind": "tabular", "feature_names": ["a", "b"]}}
+               "tabular": {"kind": "tabular", "feature_names": ["a", "b"]},
+               "segmentation": {"kind": "segmentation", "image_size": [16, 16], "channels": 1,
+                                "ignore_index": 255}}
     checked = 0
     for task in TASKS:
         for arch, defaults in task.regularisation.items():
@@ -218,4 +220,4 @@ def test_every_network_s_dropout_default_reaches_its_layers():
                          if isinstance(m, torch.nn.Dropout)}
                 assert rates == {defaults.dropout if wanted is None else wanted}, arch
                 checked += 1
-    assert checked == 12  # small_cnn, bag, cnn, transformer, mlp, resmlp; default and given
+    assert checked == 14  # small_cnn, bag, cnn, transformer, mlp, resmlp, unet; default, given
