@@ -188,6 +188,16 @@ def nonfinite_tensors(net: nn.Module) -> list[str]:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
 
 
+def require_finite_weights(net: nn.Module, epoch: int, batch: int, learning_rate: float,
+                           seed: int) -> None:
+    """TrainingDiverged (exit 4) when a weight of `net` is NaN or infinite."""
+    broken = nonfinite_tensors(net)
+    if broken:
+        shown = ", ".join(broken[:3]) + (" ..." if len(broken) > 3 else "")
+        raise TrainingDiverged(epoch, batch, f"the weights became non-finite (in {shown})",
+                               learning_rate, seed)
+
+
 def _sample_name(ident: str) -> str:
     """A split's sample id as a user finds it: a table row `PATH:INDEX` (0-based) becomes
     `NAME row N`, numbered like inference.py's row ids (1 = the first data row, header
@@ -368,12 +378,7 @@ class WeightTrainer(Teleprompter):
 
     def _check_weights(self, net: nn.Module, epoch: int) -> None:
         """Once per epoch (after the BatchNorm statistics are re-estimated) and at the end."""
-        broken = nonfinite_tensors(net)
-        if broken:
-            shown = ", ".join(broken[:3]) + (" ..." if len(broken) > 3 else "")
-            raise TrainingDiverged(epoch, self.batches_run,
-                                   f"the weights became non-finite (in {shown})",
-                                   self.learning_rate, self.seed)
+        require_finite_weights(net, epoch, self.batches_run, self.learning_rate, self.seed)
 
     @staticmethod
     def _stack(program: ClassifierProgram, examples: list[dspy.Example]
@@ -469,12 +474,12 @@ class CandidateSearch(Teleprompter):
         self.chosen = 0
         self.chosen_trainer: WeightTrainer | None = None
 
+    score_name = "accuracy"  # what `score` measures, for the log
+
     def compile(self, student: ClassifierProgram | None = None, *, trainset: list[dspy.Example],
                 teacher=None, valset: list[dspy.Example] | None = None,
                 **kwargs) -> ClassifierProgram:
         devset = valset or trainset
-        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
-                                 display_progress=False, max_errors=1)
         best: tuple[float, float] | None = None
         best_program = None
         for index, (learning_rate, seed) in enumerate(self.grid):
@@ -491,10 +496,7 @@ class CandidateSearch(Teleprompter):
                     raise
                 self._skip(index, err)
                 continue
-            with stdout_to_stderr(), program.batched_for(devset):
-                score = evaluate(program).score / 100.0
-            raise_if_interrupted()
-            loss = validation_loss(program, devset)
+            score, loss = self.score(program, trainer, devset)
             self.candidates.append(Candidate(index, learning_rate, seed, score, loss,
                                              trainer.best_epoch,
                                              round(time.perf_counter() - started, 3)))
@@ -511,10 +513,21 @@ class CandidateSearch(Teleprompter):
                                 f"{example_rate(min(lr for lr, _ in self.grid))})")
         if len(self.grid) > 1:
             chosen = self.chosen_candidate
-            LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val accuracy "
+            LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val %s "
                      "%.4f)", chosen.index + 1, len(self.grid), chosen.learning_rate, chosen.seed,
-                     chosen.val_accuracy)
+                     self.score_name, chosen.val_accuracy)
         return best_program
+
+    def score(self, program: ClassifierProgram, trainer: WeightTrainer,
+              devset: list[dspy.Example]) -> tuple[float, float]:
+        """(the compiled program's dspy.Evaluate score on the validation set, its validation
+        loss)."""
+        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        with stdout_to_stderr(), program.batched_for(devset):
+            score = evaluate(program).score / 100.0
+        raise_if_interrupted()
+        return score, validation_loss(program, devset)
 
     @property
     def chosen_candidate(self) -> Candidate:

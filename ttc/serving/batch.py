@@ -574,6 +574,21 @@ def top_classes(probabilities: np.ndarray, top_k: int) -> tuple[np.ndarray, np.n
     return order, probabilities[rows[:, None], order].astype(np.float64).round(6)
 
 
+def abandon_parquet(writer) -> None:
+    """Let go of an unfinished Parquet file (a pyarrow ParquetWriter, or None) while its handle
+    is still open (the temporary file is removed next). Left open, pyarrow's
+    ParquetWriter.__del__ would write the footer to the closed handle after the run's last line,
+    and print an "Exception ignored" traceback. A no-op after close()."""
+    if writer is None or not writer.is_open:
+        return
+    try:
+        writer.close()
+    except Exception as err:  # noqa: BLE001 - the file is discarded either way
+        LOG.debug("closing an abandoned Parquet writer: %s", err)
+    finally:
+        writer.is_open = False  # pyarrow's __del__ closes only a writer still open
+
+
 class PredictionWriter:
     """Rows to CSV, JSONL or Parquet (by the output's extension) in an open temporary file, a
     chunk at a time through whole columns (a Python loop over rows cost more than the model).
@@ -670,18 +685,7 @@ class PredictionWriter:
             self.parquet.close()
 
     def abandon(self) -> None:
-        """Let go of an unfinished Parquet file while its handle is still open (the temporary
-        file is removed next). Left open, pyarrow's ParquetWriter.__del__ would write the footer
-        to the closed handle after the run's last line, and print an "Exception ignored"
-        traceback. A no-op after close()."""
-        if self.parquet is None or not self.parquet.is_open:
-            return
-        try:
-            self.parquet.close()
-        except Exception as err:  # noqa: BLE001 - the file is discarded either way
-            LOG.debug("closing an abandoned Parquet writer: %s", err)
-        finally:
-            self.parquet.is_open = False  # pyarrow's __del__ closes only a writer still open
+        abandon_parquet(self.parquet)
 
 
 # ----------------------------------------------------------------------------- running

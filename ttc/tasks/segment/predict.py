@@ -28,8 +28,8 @@ import numpy as np
 
 from ttc.inputs.preprocess import decode_image_file
 from ttc.inputs.tables import IMAGE_EXTENSIONS
-from ttc.serving.batch import (folder_images, neutralised, printable_name, utf8_name,
-                               write_errors)
+from ttc.serving.batch import (abandon_parquet, folder_images, neutralised, printable_name,
+                               utf8_name, write_errors)
 from ttc.tasks.segment.masks import PALETTE_CLASSES, class_shares, write_mask, write_overlay
 from utils import (LOG, ConfigError, DataError, ExportError, atomic_write_stream, first_line,
                    inside, progress, raise_if_interrupted, same_file, unwritable)
@@ -401,15 +401,7 @@ class SummaryWriter:
             self.parquet.close()
 
     def abandon(self) -> None:
-        """Let go of an unfinished Parquet file (see batch.PredictionWriter.abandon)."""
-        if self.parquet is None or not self.parquet.is_open:
-            return
-        try:
-            self.parquet.close()
-        except Exception as err:  # noqa: BLE001 - the file is discarded either way
-            LOG.debug("closing an abandoned Parquet writer: %s", err)
-        finally:
-            self.parquet.is_open = False
+        abandon_parquet(self.parquet)
 
 
 # ----------------------------------------------------------------------------- the run

@@ -31,9 +31,9 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.fitting import EarlyStopping, learning_rate_schedule
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
-from ttc.nets.program import (Candidate, CandidateSearch, EpochRecord, TrainedModel,
-                              TrainingDiverged, example_rate, nonfinite_tensors,
-                              recalibrate_batchnorm)
+from ttc.nets.program import (CandidateSearch, EpochRecord, TrainedModel,
+                              TrainingDiverged, example_rate, recalibrate_batchnorm,
+                              require_finite_weights)
 from ttc.nets.transfer import Transfer
 from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
@@ -253,12 +253,7 @@ class SegmentationTrainer(Teleprompter):
         return self.history[self.best_epoch - 1]
 
     def _check_weights(self, net: nn.Module, epoch: int) -> None:
-        broken = nonfinite_tensors(net)
-        if broken:
-            shown = ", ".join(broken[:3]) + (" ..." if len(broken) > 3 else "")
-            raise TrainingDiverged(epoch, self.batches_run,
-                                   f"the weights became non-finite (in {shown})",
-                                   self.learning_rate, self.seed)
+        require_finite_weights(net, epoch, self.batches_run, self.learning_rate, self.seed)
 
     def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
         """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm in
@@ -321,50 +316,14 @@ class SegmenterSearch(CandidateSearch):
     validation loss). A diverged candidate is skipped with a WARNING unless it is the only
     one; the search fails only when all do."""
 
-    def compile(self, student: SegmenterProgram | None = None, *,
-                trainset: list[dspy.Example], teacher=None,
-                valset: list[dspy.Example] | None = None, **kwargs) -> SegmenterProgram:
-        best: tuple[float, float] | None = None
-        best_program = None
-        for index, (learning_rate, seed) in enumerate(self.grid):
-            started = time.perf_counter()
-            if len(self.grid) > 1:
-                LOG.info("candidate %d of %d: learning rate %g, seed %d", index + 1,
-                         len(self.grid), learning_rate, seed)
-            trainer = self.make_trainer(learning_rate, seed)
-            try:
-                program = trainer.compile(self.make_student(seed), trainset=trainset,
-                                          valset=valset)
-            except TrainingDiverged as err:
-                if len(self.grid) == 1:
-                    raise
-                self._skip(index, err)
-                continue
-            record = trainer.best_record
-            loss = math.inf if record.val_loss is None else record.val_loss
-            self.candidates.append(Candidate(index, learning_rate, seed, record.val_accuracy,
-                                             loss, trainer.best_epoch,
-                                             round(time.perf_counter() - started, 3)))
-            if best is None or (record.val_accuracy, -loss) > best:
-                best, best_program = (record.val_accuracy, -loss), program
-                self.chosen, self.chosen_trainer = index, trainer
-        if best_program is None:
-            raise self._all_diverged()
-        if len(self.grid) > 1:
-            chosen = self.chosen_candidate
-            LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val mean IoU "
-                     "%.4f)", chosen.index + 1, len(self.grid), chosen.learning_rate,
-                     chosen.seed, chosen.val_accuracy)
-        return best_program
+    score_name = "mean IoU"
 
-    def _all_diverged(self) -> TrainingError:
-        first = self.diverged[0]
-        rates = ", ".join(f"{r:g}" for r in dict.fromkeys(d["learning_rate"]
-                                                          for d in self.diverged))
-        return TrainingError(f"training diverged for all {len(self.grid)} candidates "
-                             f"(learning rates {rates}); the first {first['reason']}",
-                             "lower --lr_candidates (e.g. "
-                             f"{example_rate(min(lr for lr, _ in self.grid))})")
+    def score(self, program: SegmenterProgram, trainer: SegmentationTrainer,
+              devset: list[dspy.Example]) -> tuple[float, float]:
+        """The best epoch's validation mean IoU and loss (its weights are the program's: no
+        second pass over the validation images)."""
+        record = trainer.best_record
+        return record.val_accuracy, math.inf if record.val_loss is None else record.val_loss
 
 
 # ----------------------------------------------------------------------------- the stage
