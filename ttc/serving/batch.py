@@ -691,9 +691,17 @@ class PredictionWriter:
 # ----------------------------------------------------------------------------- running
 
 
+# How long a closed prefetch waits for its thread to leave native code (a stop ends a
+# session.run at its next node, and a read at its next batch)
+PREFETCH_JOIN_SECONDS = 10.0
+
+
 def prefetched(chunks, depth: int = 2):
     """Read and encode the next chunks in a thread while the model runs on this one (ONNX
-    Runtime releases the GIL); the reader's errors are raised here."""
+    Runtime releases the GIL); the reader's errors are raised here. Closing the generator (an
+    error, an interrupt: predict_input closes it) stops the thread and waits for it: a thread
+    left inside ONNX Runtime or Arrow while the interpreter exits ends the process with
+    "terminate called without an active exception" (SIGABRT, seen on a Ctrl-C under load)."""
     import queue
     import threading
 
@@ -701,24 +709,42 @@ def prefetched(chunks, depth: int = 2):
     # the default 5 ms after each session.run (SMS texts at batch 256: 18k → 26k rows/s).
     sys.setswitchinterval(0.0001)
     items: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
+    done, stop = object(), threading.Event()
+
+    def put(item) -> bool:
+        """Queue `item` unless the consumer has gone (then False)."""
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for chunk in chunks:
-                items.put(chunk)
-            items.put(done)
+                if not put(chunk):
+                    return
+            put(done)
         except BaseException as err:  # noqa: BLE001 - handed to the consumer
-            items.put(err)
+            put(err)
+        finally:
+            getattr(chunks, "close", lambda: None)()  # a prefetch of its own stops here too
 
-    threading.Thread(target=produce, daemon=True).start()
-    while True:
-        item = items.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = items.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(PREFETCH_JOIN_SECONDS)
 
 
 @dataclass
@@ -774,7 +800,12 @@ def predict_input(options: BatchOptions, manifest: Manifest, predict: Predictor,
     predicted = (predict_chunk(chunk, predict) for chunk in chunks)
     if all(Path(path).suffix.lower() == ".parquet" for path in (options.input, options.output)):
         predicted = prefetched(predicted)
-    return write_predictions(options, manifest, predicted, report)
+    try:
+        return write_predictions(options, manifest, predicted, report)
+    finally:  # stop the threads before anything else runs (see prefetched)
+        predicted.close()
+        with contextlib.suppress(ValueError):  # still iterated by a thread that did not stop
+            chunks.close()
 
 
 def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iterator[Predicted],
