@@ -170,6 +170,20 @@ def assert_clean_failure(run: Run, code: int, *phrases: str) -> None:
         assert phrase in lines[0], lines[0]
 
 
+def chromium_screenshot(page: Path, shot: Path, width: int, height: int) -> None:
+    """Headless Chromium draws `page` into the PNG `shot` at width x height (.ci/run installs
+    it: apt-get install chromium)."""
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed: .ci/run installs it (apt-get install chromium)"
+    run = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={shot.parent / 'chromium-profile'}",
+         "--hide-scrollbars", f"--window-size={width},{height}", f"--screenshot={shot}",
+         page.as_uri()], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and shot.is_file(), run.stderr[-3000:]
+
+
 def digits_images(classes: tuple[int, ...], per_class: int, size: int = 16):
     """Real handwritten digits (scikit-learn's bundled set) as 8-bit grayscale PIL images."""
     from PIL import Image

@@ -4,8 +4,6 @@ the page drawn by headless Chromium to a screenshot that shows its plots."""
 from __future__ import annotations
 
 import base64
-import shutil
-import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import chromium_screenshot
 from ttc.reporting.page import render_page, write_page
 from ttc.reporting.sections import PREDICTION_KEYS, SUMMARY_KEYS
 
@@ -418,21 +417,12 @@ def test_write_page_writes_the_rendered_page_atomically(full, tmp_path):
 
 
 def test_chromium_draws_the_page_with_its_plots(full, tmp_path):
-    chromium = shutil.which("chromium")
-    assert chromium, ("chromium is not installed: .ci/run installs it "
-                      "(apt-get install chromium)")
     report, plots = full
     page = tmp_path / "report.html"
     write_page(report, plots, page)
     shot = tmp_path / "shot.png"
     width, height = 1280, 7500  # the whole page, plots included
-    run = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars",
-         f"--window-size={width},{height}", f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and shot.is_file(), run.stderr[-3000:]
+    chromium_screenshot(page, shot, width, height)
     image = Image.open(shot).convert("RGB")
     assert image.size == (width, height)
     pixels = np.asarray(image).reshape(-1, 3).astype(np.int32)

@@ -11,14 +11,13 @@ import copy
 import html
 import io
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import chromium_screenshot
 from ttc.reporting import plots
 from ttc.reporting.page import render_page, write_page
 from ttc.reporting.sections import PREDICTION_KEYS, SUMMARY_KEYS
@@ -217,9 +216,6 @@ def solid_png(colour: tuple[int, int, int]) -> str:
 
 
 def test_chromium_draws_the_example_pictures(report, tmp_path):
-    chromium = shutil.which("chromium")
-    assert chromium, ("chromium is not installed: .ci/run installs it "
-                      "(apt-get install chromium)")
     coloured = copy.deepcopy(report)
     for example in coloured["evaluation"]["examples"]:
         example.update({key: solid_png(colour) for key, colour in PICTURE_COLOURS.items()})
@@ -227,13 +223,7 @@ def test_chromium_draws_the_example_pictures(report, tmp_path):
     write_page(coloured, {}, page, SUMMARY_KEYS, PREDICTION_KEYS)
     shot = tmp_path / "shot.png"
     width, height = 1280, 3500
-    run = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars",
-         f"--window-size={width},{height}", f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and shot.is_file(), run.stderr[-3000:]
+    chromium_screenshot(page, shot, width, height)
     pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3).astype(np.int32)
     # every picture drawn at about 96 x 69 CSS pixels (a 28 x 20 PNG scaled up)
     expected = IMAGES * 96 * 69
