@@ -3,6 +3,7 @@ learning-rate schedule, early stopping and the max-norm constraint. Each is smal
 its own numbers (ttc/options/fitting.py holds the flags and the networks' defaults)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,24 @@ class EarlyStopping:
         self.best_accuracy = max(self.best_accuracy, val_accuracy)
         self.epochs_without_improvement = 0 if improved else self.epochs_without_improvement + 1
         return self.epochs_without_improvement >= self.patience
+
+
+class BestEpoch:
+    """The best epoch's weights so far by the validation score (ties go to the later epoch,
+    further into the annealing), and early stopping on it and the validation loss
+    (EarlyStopping): what every trainer's epoch loop keeps."""
+
+    def __init__(self, patience: int) -> None:
+        self.score, self.epoch = -1.0, 0
+        self.state: dict | None = None
+        self.stopping = EarlyStopping(patience)
+
+    def keep(self, net: nn.Module, epoch: int, score: float, val_loss: float | None) -> bool:
+        """Keep `net`'s weights if `score` is the best so far; whether training should stop."""
+        if score >= self.score:
+            self.score, self.epoch = score, epoch
+            self.state = copy.deepcopy(net.state_dict())
+        return self.stopping.should_stop(val_loss, score)
 
 
 @torch.no_grad()

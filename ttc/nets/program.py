@@ -28,7 +28,7 @@ from config import Config
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
 from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
-from ttc.nets.fitting import EarlyStopping, learning_rate_schedule, restrict_row_norms
+from ttc.nets.fitting import BestEpoch, learning_rate_schedule, restrict_row_norms
 from ttc.options.fitting import Recipe
 from ttc.nets.transfer import (Transfer, head_name, head_parameters, init_from_file,
                                init_from_pretrained, require_pretrained_file)
@@ -316,8 +316,7 @@ class WeightTrainer(Teleprompter):
                                           self.fine_tune)
         program.net.to(self.device)
         max_shift = max(1, round(min(x.shape[2:]) / 8)) if self.augment else 0
-        best_score, best_state = -1.0, None
-        stopping = EarlyStopping(self.recipe.patience)
+        best = BestEpoch(self.recipe.patience)
         self.bounded = self._max_norm_layer(program.net)
         for epoch in range(1, self.epochs + 1):
             started = time.perf_counter()
@@ -337,15 +336,14 @@ class WeightTrainer(Teleprompter):
             self.history.append(record)
             LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
                      self.epochs, loss, accuracy, score, record.seconds)
-            if score >= best_score:  # ties: the later epoch, further into the annealing
-                best_score, self.best_epoch = score, epoch
-                best_state = copy.deepcopy(program.net.state_dict())
-            if stopping.should_stop(record.val_loss, score) and epoch < self.epochs:
+            stop = best.keep(program.net, epoch, score, record.val_loss)
+            self.best_epoch = best.epoch
+            if stop and epoch < self.epochs:
                 LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
                          "accuracy has improved for %d epochs (--patience); keeping epoch %d",
                          epoch, self.epochs, self.recipe.patience, self.best_epoch)
                 break
-        program.net.load_state_dict(best_state)
+        program.net.load_state_dict(best.state)
         program.net.cpu().eval()
         self._check_weights(program.net, self.best_epoch)
         return program

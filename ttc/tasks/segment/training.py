@@ -29,7 +29,7 @@ from dspy.teleprompt import Teleprompter
 from torch import nn
 
 from ttc.inputs.data import Dataset, Split
-from ttc.nets.fitting import EarlyStopping, learning_rate_schedule
+from ttc.nets.fitting import BestEpoch, learning_rate_schedule
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
 from ttc.nets.program import (CandidateSearch, EpochRecord, TrainedModel,
                               TrainingDiverged, example_rate, recalibrate_batchnorm,
@@ -217,8 +217,7 @@ class SegmentationTrainer(Teleprompter):
                                       weight_decay=self.weight_decay)
         schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
                                           self.lr_schedule, self.learning_rate)
-        best_score, best_state = -1.0, None
-        stopping = EarlyStopping(self.patience)
+        best = BestEpoch(self.patience)
         for epoch in range(1, self.epochs + 1):
             started = time.perf_counter()
             loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule,
@@ -236,15 +235,14 @@ class SegmentationTrainer(Teleprompter):
             LOG.info("epoch %d/%d  loss %.4f  train_pixel_acc %.4f  val_miou %.4f  val_loss "
                      "%.4f  (%.1fs)", epoch, self.epochs, loss, accuracy, score,
                      math.nan if scored.loss is None else scored.loss, record.seconds)
-            if score >= best_score:  # ties: the later epoch, further into the annealing
-                best_score, self.best_epoch = score, epoch
-                best_state = copy.deepcopy(program.net.state_dict())
-            if stopping.should_stop(record.val_loss, score) and epoch < self.epochs:
+            stop = best.keep(program.net, epoch, score, record.val_loss)
+            self.best_epoch = best.epoch
+            if stop and epoch < self.epochs:
                 LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
                          "mean IoU has improved for %d epochs (--patience); keeping epoch %d",
                          epoch, self.epochs, self.patience, self.best_epoch)
                 break
-        program.net.load_state_dict(best_state)
+        program.net.load_state_dict(best.state)
         program.net.cpu().eval()
         return program
 
