@@ -65,7 +65,12 @@ def test_the_graph_s_mask_is_the_argmax_of_its_logits_at_any_size(segment_bundle
     assert logits.shape == probabilities.shape == (3, 11, *size)
     assert mask.shape == (3, *size) and mask.dtype == np.int64
     assert np.array_equal(mask, logits.argmax(axis=1))
-    assert np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    calibration = json.loads(Path(segment_bundle["model"]).with_suffix(".json").read_text()
+                             ).get("calibration") or {}
+    temperature = calibration.get("temperature", 1.0)
+    scaled = logits / temperature  # the graph's softmax over the class axis, written out
+    expected = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    assert np.allclose(probabilities, expected / expected.sum(axis=1, keepdims=True), atol=1e-6)
 
 
 def test_the_report_scores_pixels(segment_bundle):

@@ -586,8 +586,17 @@ class WithProbabilities(nn.Module):
 
 def calibrated_softmax(logits: torch.Tensor, temperature: float, dim: int = -1) -> torch.Tensor:
     """softmax(logits / T) over the classes' axis `dim` (a segmenter's: 1); at T = 1 no
-    division, so an uncalibrated graph has no Div node."""
-    return torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=dim)
+    division, so an uncalibrated graph has no Div node.
+
+    Exported over an axis that is not the last, it is written as exp(z - max) / sum: ONNX
+    Runtime's CPU Softmax transposes a non-last axis to the end and back, and took 400 µs on
+    (1, 11, 64, 64) logits against 95 µs for the decomposed form (1 thread, 26 November 2026);
+    eager PyTorch keeps its own fused kernel."""
+    scaled = logits if temperature == 1.0 else logits / temperature
+    if torch.onnx.is_in_onnx_export() and dim not in (-1, logits.dim() - 1):
+        exponentials = torch.exp(scaled - scaled.amax(dim=dim, keepdim=True))
+        return exponentials / exponentials.sum(dim=dim, keepdim=True)
+    return torch.softmax(scaled, dim=dim)
 
 
 # Each model type's modules (its entry's parts.modules): a manifest's architecture["name"] → the
