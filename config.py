@@ -33,7 +33,7 @@ from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, Traini
                                   is_hf_arch)
 from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
-from ttc.tasks.registry import task_for
+from ttc.tasks.registry import TASKS, task_for
 from utils import ConfigError, DataError, check_paths
 
 if TYPE_CHECKING:
@@ -66,7 +66,11 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
     def validate(self) -> "Config":
         """Check every value, stage by stage; raise ConfigError (exit 2) naming the flag and
         the fix. The order is the order the checks have always fired in (a run with several
-        bad flags reports the same one first), which interleaves a few stages' checks."""
+        bad flags reports the same one first), which interleaves a few stages' checks. A flag
+        the named --model_type does not take is refused first (a bundle's script refuses them
+        once its manifest names the type: validate_tta)."""
+        if "model_type" in self.names():
+            self.refuse_flags_for(self.model_type)
         self.check_data()
         self.check_memory()  # the three allocation bounds are checked together
         self.check_text_length()
@@ -136,8 +140,15 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
         task = task_for(model_type)
         defaults = {f.name: f.default for f in fields(self)}
         named = getattr(self, "given", frozenset(self.names()))
-        given = [name for name in task.refused_flags
+        owner = {name: other for other in TASKS if other is not task for name in other.own_flags}
+        given = [name for name in (*task.refused_flags, *owner)
                  if name in named and getattr(self, name) != defaults[name]]
+        if given and given[0] in owner:  # a flag of one other type: name it
+            other = owner[given[0]]
+            raise ConfigError(f"--{given[0]} is for {'an' if other.name[0] in 'aeiou' else 'a'} "
+                              f"{other.name}, not "
+                              f"{'an' if model_type[0] in 'aeiou' else 'a'} {model_type}",
+                              f"drop it, or use --model_type {other.name} (docs/{other.guide})")
         if given:
             flags = ", ".join(f"--{name}" for name in given[:4])
             verb, them = ("does", "it") if len(given) == 1 else ("do", "them")
@@ -179,7 +190,7 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
         return outputs
 
     READ_FLAGS = ("dataset_path", "val_path", "test_path", "unlabeled_path", "input",
-                  "init_weights", "model_def")
+                  "init_weights", "model_def", "annotations")
     WRITE_FLAGS = ("output", "errors", "report_json")
 
     def files_read_and_written(self) -> tuple[dict[str, Path], dict[str, Path]]:

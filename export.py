@@ -65,10 +65,10 @@ class ExportResult:
     size_bytes: int
     seconds: float
     fusion: dict | None = None  # the hf graph ONNX Runtime's transformer fusion made (model.onnx)
-    dense: dict | None = None  # a segmenter's check: mask agreement, pixels, resolutions
+    own_check: dict | None = None  # a segmenter's or detector's own figures (masks, boxes)
 
     def report_section(self) -> dict:
-        return {**(self.dense or {}), "path": str(self.paths.onnx), "opset": self.opset,
+        return {**(self.own_check or {}), "path": str(self.paths.onnx), "opset": self.opset,
                 "nodes_before_slim": self.nodes_before_slim,
                 "nodes_after_slim": self.nodes_after_slim,
                 "max_abs_diff": self.check.max_abs_diff, "checker": "passed",
@@ -434,6 +434,8 @@ def export_bundle(config: Config, net: torch.nn.Module, manifest: Manifest | dic
     temperature = manifest.temperature
     if task_of_kind(manifest.preprocessing.kind).dense:
         return export_dense_bundle(config, net, manifest, draft, samples, paths, started)
+    if manifest.preprocessing.kind == "detection":
+        return export_detection_bundle(config, net, manifest, draft, samples, paths, started)
     traced = trace_graphs(net, export_example(samples, spec), config.opset, spec, output_names,
                           temperature)
     exported = traced.deployable
@@ -499,9 +501,10 @@ def export_dense_bundle(config: Config, net: torch.nn.Module, manifest: Manifest
                           nodes_after_slim=len(slimmed.graph.node), check=check,
                           atol=config.validate_atol, size_bytes=slimmed.ByteSize(),
                           seconds=round(time.perf_counter() - started, 3))
-    result.dense = {"mask_agreement": masks.top1_agreement, "pixels_checked": masks.pixels,
-                    "mask_disagreements": masks.mask_disagreements,
-                    "resolutions_checked": masks.resolutions}
+    result.own_check = {"mask_agreement": masks.top1_agreement,
+                        "pixels_checked": masks.pixels,
+                        "mask_disagreements": masks.mask_disagreements,
+                        "resolutions_checked": masks.resolutions}
     unoptimised = fold_constants(export_graph(
         net, samples[:2], config.opset, spec, manifest.output_names, optimize=False,
         temperature=temperature, wrapper=SegmentationGraph(net, temperature)))
@@ -511,6 +514,53 @@ def export_dense_bundle(config: Config, net: torch.nn.Module, manifest: Manifest
     if config.tta:
         extras["tta"] = segmentation_tta_graph(config, net, samples, manifest)
     write_bundle(slimmed, net, result, {k: v for k, v in extras.items() if v is not None})
+    return result
+
+
+def export_detection_bundle(config: Config, net: torch.nn.Module, manifest: Manifest,
+                            draft: dict, samples: np.ndarray, paths: BundlePaths,
+                            started: float) -> ExportResult:
+    """A detector's bundle: the network, its decoding and class-aware NMS in one graph
+    (ttc/tasks/detect/nms.py: padded boxes, scores, labels and num_detections, with dynamic
+    batch, height and width), slimmed, checked, and compared with PyTorch's detections at batch
+    sizes 1, 4 and 8 and two image sizes (ttc/tasks/detect/export.py). The NMS settings it
+    bakes are recorded in the manifest's preprocessing.nms."""
+    from ttc.tasks.detect.evaluate import detection_runner
+    from ttc.tasks.detect.export import compare_detections, nms_settings
+    from ttc.tasks.detect.nms import export_detector
+
+    nms = nms_settings(config, draft["preprocessing"])
+    draft["preprocessing"]["nms"] = nms.record()
+    manifest = as_manifest(draft)
+    try:
+        exported = export_detector(net, samples[:2], config.opset, nms.iou_threshold,
+                                   nms.score_threshold, nms.max_detections)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ExportError(f"torch.onnx.export failed at opset {config.opset}: "
+                          f"{first_line(err)}", "rerun with --log_level DEBUG") from err
+    slimmed = slim_graph(exported)
+    check_graph(slimmed)
+    session = create_session(slimmed.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    check = compare_detections(detection_runner(session), net, samples, nms,
+                               config.validate_atol)
+    LOG.info("export ok: %d → %d nodes after onnxslim; %d detections equal to PyTorch's "
+             "(IoU ≥ %.4f, scores within %.2g) at batch %s and %s", len(exported.graph.node),
+             len(slimmed.graph.node), check.detections, check.min_matched_iou,
+             check.max_abs_diff, ", ".join(map(str, check.batch_sizes)),
+             " and ".join(check.resolutions))
+    numeric = NumericCheck(check.max_abs_diff, check.top1_agreement, check.samples,
+                           check.batch_sizes, check.probes)
+    result = ExportResult(paths=paths, manifest=manifest, draft=draft, opset=config.opset,
+                          nodes_before_slim=len(exported.graph.node),
+                          nodes_after_slim=len(slimmed.graph.node), check=numeric,
+                          atol=config.validate_atol, size_bytes=slimmed.ByteSize(),
+                          seconds=round(time.perf_counter() - started, 3))
+    result.own_check = {"detections_checked": check.detections,
+                        "min_matched_iou": check.min_matched_iou,
+                        "count_mismatches": check.count_mismatches,
+                        "resolutions_checked": check.resolutions, "nms": nms.record()}
+    write_bundle(slimmed, net, result, {})
     return result
 
 
@@ -793,7 +843,7 @@ def export_section(result: ExportResult) -> dict:
         "samples_checked": result.check.samples, "batch_sizes_checked": result.check.batch_sizes,
         "probes": result.check.probes, "padding_max_diff": result.check.padding_max_diff,
         "validate_atol": result.atol, "size_bytes": result.size_bytes, "seconds": result.seconds,
-        "fusion": result.fusion, **(result.dense or {})}
+        "fusion": result.fusion, **(result.own_check or {})}
 
 
 # ----------------------------------------------------------------------------- compressed variants

@@ -142,6 +142,9 @@ def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
     if task_of_kind(manifest.preprocessing.kind).dense:
         evaluate_dense(config, manifest, session, model_path, test, report)
         return
+    if manifest.preprocessing.kind == "detection":
+        evaluate_detector(config, manifest, session, model_path, test, report)
+        return
     result, probabilities = evaluate(session, *test, config, model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
@@ -199,6 +202,22 @@ def evaluate_dense(config: Config, manifest: Manifest, session: ort.InferenceSes
         report["tta"] = dense_tta(config, manifest, session, test, masks)
     if config.ttt:
         report["ttt"] = dense_ttt(config, manifest, session, test)
+
+
+def evaluate_detector(config: Config, manifest: Manifest, session: ort.InferenceSession,
+                      model_path: Path, test: tuple[np.ndarray, np.ndarray],
+                      report: dict) -> None:
+    """A detector's inference stage: the test split's detections in ONNX Runtime (NMS in the
+    graph), scored with COCO's metrics (ttc/tasks/detect/evaluate.py), and its latency."""
+    from ttc.tasks.detect.evaluate import run_test_split
+
+    result, report["evaluation"], _ = run_test_split(
+        session, str(model_path), *test, manifest.labels, manifest.dataset.train_class_counts,
+        config.batch_size)
+    LOG.info("inference on %s: mAP@[.5:.95] %.4f, mAP@.5 %.4f, p50 %.3f ms/batch of %d, "
+             "%.0f images/s", ", ".join(result.providers_active), result.map, result.map50,
+             result.latency_ms_p50, config.batch_size, result.throughput_per_s)
+    report["inference"] = result.report_section()
 
 
 def dense_ttt(config: Config, manifest: Manifest, session: ort.InferenceSession,
@@ -291,6 +310,9 @@ def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
     if task_of_kind(manifest.preprocessing.kind).dense:
         predict_masks(config, paths, report)
         return
+    if manifest.preprocessing.kind == "detection":
+        predict_detections(config, paths, report)
+        return
     chunk_rows = config.worker_batch_size or config.chunk_rows
     if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
         chunk_rows = -(-chunk_rows // config.batch_size) * config.batch_size
@@ -328,6 +350,22 @@ def predict_masks(config: Config, paths: BundlePaths, report: dict) -> None:
     manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
     predict_images(options, manifest.preprocessing.spec, list(manifest.labels),
                    mask_runner(session), report)
+
+
+def predict_detections(config: Config, paths: BundlePaths, report: dict) -> None:
+    """An object detector's --input: one row per box (or a COCO results JSON) at --output, and
+    each image with its boxes drawn with --overlay true (ttc/tasks/detect/predict.py)."""
+    from ttc.tasks.detect.evaluate import detection_runner
+    from ttc.tasks.detect.predict import DetectBatchOptions, predict_detections_input
+
+    options = DetectBatchOptions(
+        input=Path(config.input), output=Path(config.output), output_format=config.output_format,
+        min_score=config.min_score, overlay=config.overlay, batch_size=config.batch_size,
+        errors=config.errors, allow_errors=config.allow_errors,
+        show_progress=not config.no_progress)
+    manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
+    predict_detections_input(options, manifest.preprocessing.spec, list(manifest.labels),
+                             detection_runner(session), report)
 
 
 def predict_masks_with_ray(config: Config, paths: BundlePaths, options: SegmentBatchOptions,

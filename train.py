@@ -7,6 +7,7 @@ model.onnx. pipeline.py runs both in one process.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Sequence
 
 from config import Config, build_parser, start_cli
@@ -89,6 +90,8 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
 
     if config.calibrate == "none":
         fit = no_fit("--calibrate none")
+    elif scored_by(dataset) == "map":
+        fit = no_fit("a detector's box scores are not temperature-scaled (COCO mAP ranks them)")
     elif len(dataset.val) == 0:
         fit = no_fit("the validation split is empty: no temperature can be fitted")
         LOG.warning("calibration: %s", fit.note)
@@ -111,6 +114,13 @@ def dense(dataset: Dataset) -> bool:
     from ttc.tasks.registry import task_of_kind
 
     return task_of_kind(dataset.preprocessing["kind"]).dense
+
+
+def scored_by(dataset: Dataset) -> str:
+    """What train_accuracy and val_accuracy hold: a classifier's accuracy, a segmenter's mean
+    IoU, a detector's COCO mAP@[.5:.95]."""
+    return {"segmentation": "mean_iou", "detection": "map"}.get(
+        dataset.preprocessing["kind"], "accuracy")
 
 
 def validation_scores(config: Config, trained: TrainedModel, dataset: Dataset):
@@ -137,14 +147,18 @@ OVERFIT_GAP = 0.10
 def train_section(trained: TrainedModel, dataset: Dataset) -> dict:
     """The report's `train`, with its health: a WARNING and a hint when the network barely
     learned."""
-    prior = prior_loss(class_counts(dataset.train.y, len(trained.labels)))
+    metric = scored_by(dataset)
+    # a detector's loss is no cross-entropy over classes: no class-share prior to compare with
+    prior = (math.inf if metric == "map"
+             else prior_loss(class_counts(dataset.train.y, len(trained.labels))))
     section = {**trained.report_section(),
-               "health": training_health(trained, prior, not dense(dataset))}
-    if dense(dataset):  # a segmenter is scored by mean IoU, not accuracy
-        section["val_mean_iou"] = section["val_accuracy"]
-        section["train_mean_iou"] = section["train_accuracy"]
-        section["metric"] = "mean_iou"  # what val_accuracy and train_accuracy hold; the
-        # history's train_accuracy is the running training pixel accuracy
+               "health": training_health(trained, prior, metric == "accuracy")}
+    if metric != "accuracy":  # a segmenter is scored by mean IoU, a detector by mAP
+        section[f"val_{metric}"] = section["val_accuracy"]
+        section[f"train_{metric}"] = section["train_accuracy"]
+        section["metric"] = metric  # what val_accuracy and train_accuracy hold; the history's
+        # train_accuracy is the running training pixel accuracy (a segmenter's) or the box
+        # recall at IoU 0.5 on 256 training images (a detector's)
     if section["health"] and section["health"]["hint"]:
         LOG.warning("%s", section["health"]["hint"])
     return section
@@ -274,7 +288,8 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
 
 
 def type_of_program(dataset: Dataset) -> str:
-    return "SegmenterProgram" if dense(dataset) else "ClassifierProgram"
+    return {"mean_iou": "SegmenterProgram", "map": "DetectorProgram"}.get(scored_by(dataset),
+                                                                          "ClassifierProgram")
 
 
 def compression_entry(trained: TrainedModel, paths: BundlePaths | None) -> dict:
@@ -301,6 +316,10 @@ def class_counts(y, num_classes: int) -> list[int]:
     pixels per class (void pixels, beyond the classes, left out)."""
     import numpy as np
 
+    if getattr(y, "dtype", None) == object:  # a detector's: one (k, 5) box array per image
+        flat = np.concatenate([np.asarray(b).reshape(-1, 5)[:, 0] for b in y] or [[]]
+                              ).astype(np.int64)
+        return np.bincount(flat[flat < num_classes], minlength=num_classes).tolist()
     flat = np.asarray(y, np.int64).ravel()
     return np.bincount(flat[flat < num_classes], minlength=num_classes).tolist()
 

@@ -56,6 +56,7 @@ class DataOptions:
     test_fraction: float = 0.15
     seed: int = 0
     ignore_index: int | None = None  # a segmenter's void pixels (None: 255)
+    annotations: str | None = None  # a detector's COCO JSON (not recorded: a location)
     show_progress: bool = True
 
     # What a bundle records so that export.py and inference.py find and split the data again.
@@ -87,17 +88,20 @@ class DataOptions:
         _require_builtin_of_its_kind(path, recorded.get("model_type"))
         for split in ("val", "test"):
             _require_split_path(recorded, split, split_paths.get(split))
+        _require_annotations(recorded, split_paths.get("annotations"))
         task = find_task(recorded.get("model_type"))
         if task is not None and not task.split_paths and any(split_paths.values()):
             raise ConfigError("--val_path and --test_path are for text and tabular tables; "
                               "images take their splits from folders",
                               "drop them: an image folder's val/ and test/ subfolders are used")
         return cls(path=path, show_progress=show_progress, **kept,
-                   val_path=split_paths.get("val"), test_path=split_paths.get("test"))
+                   val_path=split_paths.get("val"), test_path=split_paths.get("test"),
+                   annotations=split_paths.get("annotations"))
 
     def to_manifest(self) -> dict:
         return {"path": _absolute(self.path), **{k: getattr(self, k) for k in self.RECORDED},
-                "val_path": _absolute(self.val_path), "test_path": _absolute(self.test_path)}
+                "val_path": _absolute(self.val_path), "test_path": _absolute(self.test_path),
+                **({"annotations": _absolute(self.annotations)} if self.annotations else {})}
 
 
 BUILTIN_NAMES = tuple(builtin_datasets())  # every builtin: data set (ttc/tasks)
@@ -133,6 +137,17 @@ def _require_split_path(recorded: dict, split: str, given: str | None) -> None:
                           f"{quoted(where, 80)} (--{split}_path), and this tool does not read a "
                           "path a bundle names on its own",
                           f"pass --{split}_path PATH (with --dataset_path) to name it")
+
+
+def _require_annotations(recorded: dict, given: str | None) -> None:
+    """A detector trained on COCO annotations (--annotations): the user names the JSON again,
+    as a separate split file (the recorded path is never read)."""
+    where = recorded.get("annotations")
+    if where and not given:
+        raise ConfigError(f"the bundle was trained on the COCO annotations {quoted(where, 80)} "
+                          "(--annotations), and this tool does not read a path a bundle names "
+                          "on its own", "pass --annotations PATH (with --dataset_path) to name "
+                          "them")
 
 
 def _absolute(path: str | None) -> str | None:
@@ -191,7 +206,9 @@ class Dataset:
                    "val": self.counts["val"], "test": self.counts["test"],
                    "given_splits": self.given_splits,
                    "skipped_images": len(self.skipped) if task_for(self.model_type).image_files
-                   else None, "dropped_rows": sum(d["count"] for d in self.dropped),
+                   else None,
+                   # a detector's clipped boxes and background images are counted, and kept
+                   "dropped_rows": sum(d["count"] for d in self.dropped if not d.get("kept")),
                    "dropped_reasons": self.dropped}
         section.update(task_of_kind(self.preprocessing["kind"]).report_sizes(self.preprocessing))
         return section
@@ -243,8 +260,10 @@ def bundle_data_options(manifest: BundleRecord, path: str | None, show_progress:
 
 
 def split_paths_of(config) -> dict[str, str | None]:
-    """--val_path and --test_path as bundle_data_options takes them."""
-    return {"val": config.val_path, "test": config.test_path}
+    """--val_path, --test_path (and a detector's --annotations) as bundle_data_options takes
+    them."""
+    return {"val": config.val_path, "test": config.test_path,
+            "annotations": getattr(config, "annotations", None)}
 
 
 def load_bundle_dataset(manifest: BundleRecord, path: str | None, splits: Sequence[str],

@@ -14,6 +14,7 @@ from utils import ConfigError
 
 ENGINES = ("local", "ray")
 OUTPUT_FORMATS = (".csv", ".jsonl", ".parquet")
+DETECTION_FORMATS = ("rows", "coco")  # --output_format: an object_detector's output
 RAY_FLAGS = ("ray_address", "num_workers", "worker_batch_size")
 RAY_ADDRESS_HINT = "expected host:port, auto or local (e.g. 10.0.0.5:6379, the head node's port)"
 
@@ -26,7 +27,8 @@ class BatchFlags:
                             "stdin",
                             "batch", metavar="INPUT", scripts="I")
     output: str | None = opt(None, "where --input's predictions go: .csv, .jsonl or .parquet "
-                             "(written to a temporary file, moved into place at the end)",
+                             "(written to a temporary file, moved into place at the end; "
+                             "--output_format coco: .json)",
                              "batch",
                              metavar="PATH", scripts="I")
     errors: str | None = opt(None, "list the rows that could not be predicted (id, reason) in "
@@ -38,8 +40,20 @@ class BatchFlags:
                                "--output, OUTPUT-STEM_masks)", "batch", metavar="DIR",
                                scripts="I")
     overlay: bool = opt(False, "image_segmenter --input: also write each image with its mask "
-                        "overlaid in colour (beside the masks, OUTPUT-STEM_overlays)", "batch",
+                        "overlaid in colour (beside the masks, OUTPUT-STEM_overlays); "
+                        "object_detector: with its boxes drawn (beside --output, "
+                        "OUTPUT-STEM_overlays)", "batch",
                         type=parse_bool, metavar="BOOL", scripts="I")
+    output_format: str = opt("rows", "object_detector --input: rows (one per box: image, label, "
+                             "class_index, score, x1, y1, x2, y2 in the image's own pixels, in "
+                             "--output .csv, .jsonl or .parquet) or coco (a COCO results JSON "
+                             "list at --output .json, with its images' ids and file names in "
+                             "OUTPUT-STEM_images.json)", "batch", choices=DETECTION_FORMATS,
+                             scripts="I")
+    min_score: float = opt(0.0, "object_detector --input: write only the boxes scored at least "
+                           "this (the graph's --score_threshold, fixed at export, dropped the "
+                           "lower ones already)", "batch", type=float, metavar="SCORE",
+                           scripts="I")
     top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
                      "batch", type=int, metavar="K", scripts="IS")
     chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "
@@ -70,8 +84,16 @@ class BatchFlags:
         by the runtime checks, after these; `profile` and `online_ttt` are refused on Ray."""
         positive("top_k", self.top_k)
         positive("chunk_rows", self.chunk_rows)
-        if self.output and Path(self.output).suffix.lower() not in OUTPUT_FORMATS:
-            bad("output", self.output, "give a path ending in .csv, .jsonl or .parquet")
+        if not 0 <= self.min_score <= 1:
+            bad("min_score", self.min_score, "use a value from 0 to 1")
+        coco = self.output_format == "coco"
+        if self.output and Path(self.output).suffix.lower() not in (
+                (".json",) if coco else OUTPUT_FORMATS):
+            bad("output", self.output, "--output_format coco writes a COCO results JSON: give "
+                "a path ending in .json" if coco else
+                "give a path ending in .csv, .jsonl or .parquet" + (
+                    " (.json is an object_detector's --output_format coco)"
+                    if Path(self.output).suffix.lower() == ".json" else ""))
         if self.input and not self.output:
             raise ConfigError("--input needs --output", "add --output preds.csv")
         if not serving:  # serve.py checks its engine itself (ServeFlags.check_serve)

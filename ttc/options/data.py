@@ -62,6 +62,10 @@ class DataFlags:
                                    "left out of the loss and the metrics (default 255, as "
                                    "Pascal VOC)", "data", type=int, metavar="INDEX",
                                    scripts="PT")
+    annotations: str | None = opt(None, "object_detector: a COCO instances JSON for the images "
+                                  "in --dataset_path (default: YOLO labels, "
+                                  "ROOT/labels/*.txt)", "data", metavar="PATH",
+                                  scripts="PTEQI")
     max_vocab: int = opt(20000, "text: vocabulary size (word unigrams and bigrams seen at least "
                          "twice in training, most frequent first)", "data", type=int, metavar="N",
                              scripts="PT")

@@ -78,8 +78,8 @@ class TrainingFlags:
                              metavar="N", scripts="PT")
     learning_rate: float | None = opt(
         None, "AdamW peak learning rate of the schedule (--lr_schedule), default 3e-3 "
-        "(image_segmenter 1e-2); for hf: archs of linear warm-up (a tenth of the steps) and "
-        "decay, default 2e-5", "training", type=float, metavar="LR", scripts="PT")
+        "(image_segmenter 1e-2, object_detector 4e-3); for hf: archs of linear warm-up (a "
+        "tenth of the steps) and decay, default 2e-5", "training", type=float, metavar="LR", scripts="PT")
     train_augment: bool = opt(True, "light random shifts of training images (images only)",
                               "training", type=parse_bool, metavar="BOOL", scripts="PT")
     lr_candidates: str | None = opt(None, "candidate search: comma-separated peak learning "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ttc.reporting.sections import PLOT_CAPTIONS, SECTION, SECTIONS, KeyLabels, Section
+from ttc.reporting.summary import detector_training, shown_keys
 from utils import atomic_write_text
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -40,7 +41,19 @@ SEGMENTATION_KEYS = [("split", "split"), ("pixels", "pixels"),
                      ("baseline_pixel_accuracy", "baseline pixel accuracy"),
                      ("baseline_class", "baseline class (always answered)"),
                      ("baseline_source", "baseline counted on")]
+# a detector's evaluation (ttc/tasks/detect/metrics.py): COCO's figures over the test boxes
+DETECTION_KEYS = [("split", "split"), ("images", "images"), ("instances", "true boxes"),
+                  ("detections", "detections"), ("map", "mAP@[.5:.95]"), ("map50", "mAP@.5"),
+                  ("map75", "mAP@.75"), ("recall_100", "recall@100 (AR)"),
+                  ("map_small", "mAP small (< 32²)"), ("map_medium", "mAP medium"),
+                  ("map_large", "mAP large (≥ 96²)"),
+                  ("baseline_map", "baseline mAP (an empty detector)")]
 EXAMPLE_SIDE = 96  # CSS pixels: the longer side of an example picture on the page
+DETECTION_EXAMPLE_SIDE = 192  # a detector's: its boxes' class names legible
+# an example's pictures: (its key, the caption under it)
+SEGMENTATION_PICTURES = (("image", "image"), ("truth", "true mask"),
+                         ("predicted", "predicted mask"))
+DETECTION_PICTURES = (("truth", "true boxes"), ("predicted", "predicted boxes"))
 # an example's picture as the report holds it; anything else is not put in an <img>
 PNG_DATA_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/]+={0,2}")
 # the calibration section's before/after rows: (key prefix of `_before` and `_after`, label)
@@ -324,6 +337,8 @@ def _headline(report: dict, sections: Sequence[str]) -> _Html:
                  ("pixel accuracy", evaluation.get("pixel_accuracy")),
                  ("mean Dice", evaluation.get("mean_dice")),
                  ("baseline mean IoU", evaluation.get("baseline_mean_iou"))]
+    elif _detector(evaluation):
+        stats = _detection_stats(evaluation)
     cells = "".join(f'<div class="stat"><span class="v">{_esc(_fmt(v))}</span>'
                     f'<span class="k">{_esc(k)}</span></div>' for k, v in stats if v is not None)
     if cells:
@@ -360,8 +375,22 @@ def _render_dataset(data: dict, view: _View) -> list[str]:
     return parts
 
 
+def _detector(evaluation: dict) -> bool:
+    """A detector's evaluation: scored by COCO's mAP."""
+    return evaluation.get("metric") == "map"
+
+
+def _detection_stats(evaluation: dict) -> list[tuple[str, Any]]:
+    """The headline's figures of a detector: mAP, mAP@.5 and @.75, recall, the baseline's."""
+    split = evaluation.get("split") or "test"
+    return [(f"{split} mAP@[.5:.95]", evaluation.get("map")), ("mAP@.5", evaluation.get("map50")),
+            ("mAP@.75", evaluation.get("map75")), ("recall@100", evaluation.get("recall_100")),
+            ("baseline mAP (empty detector)", evaluation.get("baseline_map"))]
+
+
 def _render_train(data: dict, view: _View) -> list[str]:
-    parts = [_kv_table(_pairs(data, view.keys, view.section.own_tables))]
+    keys = shown_keys(data, view.keys) if view.keys is not None else None
+    parts = [_kv_table(_pairs(data, keys, view.section.own_tables))]
     health = _dict(data.get("health"))
     if health:
         if health.get("loss_start") is not None and health.get("loss_end") is not None:
@@ -380,7 +409,7 @@ def _render_train(data: dict, view: _View) -> list[str]:
                  c.get("best_epoch"), c.get("seconds"),
                  "kept" if c.get("index") == chosen else "") for c in candidates]
         parts += ["<h3>Candidates</h3>",
-                  _table(["candidate", "learning rate", "seed", "val accuracy", "val loss",
+                  _table(["candidate", "learning rate", "seed", _score_names(data)[1], "val loss",
                           "best epoch", "seconds", ""], rows,
                          row_classes=["kept" if r[-1] else "" for r in rows])]
     diverged = [d for d in data.get("diverged_candidates") or [] if isinstance(d, dict)]
@@ -403,9 +432,12 @@ def _render_train(data: dict, view: _View) -> list[str]:
 
 def _score_names(train: dict) -> list[str]:
     """What a history's train_accuracy and val_accuracy are: a segmenter's training pixel
-    accuracy and validation mean IoU."""
+    accuracy and validation mean IoU; a detector's training box recall at IoU .5 (on part of
+    the training split) and validation mAP@[.5:.95]."""
     if train.get("val_mean_iou") is not None:
         return ["train pixel accuracy", "val mean IoU"]
+    if detector_training(train):
+        return ["train box recall@.5", "val mAP"]
     return ["train accuracy", "val accuracy"]
 
 
@@ -438,6 +470,8 @@ def _render_evaluation(data: dict, view: _View) -> list[str]:
     section shows it); a segmenter's: _render_segmentation."""
     if "mean_iou" in data:
         return _render_segmentation(data, view)
+    if _detector(data):
+        return _render_detection(data, view)
     parts = [_kv_table(_pairs(data, view.keys if view.keys is not None else EVALUATION_KEYS))]
     tables = []
     per_class = [r for r in data.get("per_class") or [] if isinstance(r, dict)]
@@ -488,41 +522,103 @@ def _segmentation_table(per_class: Any) -> _Html:
                                                 "predicted pixels"], rows))
 
 
-def _example_img(url: Any, size: Any, caption: str) -> str:
-    """One picture of an example as an <img> (its longer side EXAMPLE_SIDE CSS pixels, drawn
-    as squares), or its caption alone where the report holds no PNG data URL."""
+def _example_img(url: Any, size: Any, caption: str, side: int = EXAMPLE_SIDE) -> str:
+    """One picture of an example as an <img> (its longer side `side` CSS pixels, drawn as
+    squares), or its caption alone where the report holds no PNG data URL."""
     if not isinstance(url, str) or not PNG_DATA_URL.fullmatch(url):
         return f"<figure><figcaption>{_esc(caption)}: not shown</figcaption></figure>"
     height, width = size if isinstance(size, list) and len(size) == 2 \
         and all(_is_number(v) and v > 0 for v in size) else (1, 1)
-    scale = EXAMPLE_SIDE / max(height, width)
+    scale = side / max(height, width)
     return (f'<figure><img src="{url}" alt="{_esc(caption)}" '
             f'width="{max(1, round(width * scale))}" height="{max(1, round(height * scale))}">'
             f"<figcaption>{_esc(caption)}</figcaption></figure>")
 
 
-def _examples_grid(examples: Any) -> _Html:
-    """Test images of a segmenter, one block each: the image, it with the true mask and with
-    the predicted mask overlaid, under its index and pixel accuracy. The pictures go in <img>
-    only (their data URLs are never text on the page)."""
+def _segmentation_title(example: dict) -> str:
+    """A segmenter's example: its index and pixel accuracy."""
+    index, accuracy = example.get("index"), example.get("pixel_accuracy")
+    title = f"example {_fmt(index)}" if index is not None else "example"
+    if _is_number(accuracy):
+        title += f" · pixel accuracy {accuracy:.3f}"
+    return title
+
+
+def _detection_title(example: dict) -> str:
+    """A detector's example: its index and how many boxes are true and drawn as predicted."""
+    index = example.get("index")
+    title = f"example {_fmt(index)}" if index is not None else "example"
+    counts = [f"{_fmt(example[key])} {name}" for key, name in
+              (("true_boxes", "true"), ("predicted_boxes", "predicted"))
+              if _is_number(example.get(key))]
+    return " · ".join([title, ", ".join(counts)]) if counts else title
+
+
+def _examples_grid(examples: Any, pictures: Sequence[tuple[str, str]] = SEGMENTATION_PICTURES,
+                   title: Callable[[dict], str] = _segmentation_title,
+                   side: int = EXAMPLE_SIDE) -> _Html:
+    """Test images, one block each: its `pictures` ((key, caption): a segmenter's image, true
+    and predicted mask overlaid; a detector's true and predicted boxes drawn) under its
+    `title`. The pictures go in <img> only (their data URLs are never text on the page)."""
     blocks = []
     for example in examples if isinstance(examples, list) else []:
         if not isinstance(example, dict):
             continue
-        index, accuracy = example.get("index"), example.get("pixel_accuracy")
-        title = f"example {_fmt(index)}" if index is not None else "example"
-        if _is_number(accuracy):
-            title += f" · pixel accuracy {accuracy:.3f}"
         size = example.get("size")
-        pictures = "".join(_example_img(example.get(key), size, caption) for key, caption in
-                           (("image", "image"), ("truth", "true mask"),
-                            ("predicted", "predicted mask")))
-        blocks.append(f'<div class="example"><h4>{_esc(title)}</h4>'
-                      f'<div class="trio">{pictures}</div></div>')
+        shown = "".join(_example_img(example.get(key), size, caption, side)
+                        for key, caption in pictures)
+        blocks.append(f'<div class="example"><h4>{_esc(title(example))}</h4>'
+                      f'<div class="trio">{shown}</div></div>')
     if not blocks:
         return _Html("")
     return _Html(f"<h3>{_esc(f'Examples ({len(blocks)} test images)')}</h3>"
                  '<div class="examples">' + "".join(blocks) + "</div>")
+
+
+def _warnings(data: dict) -> _Html:
+    """A section's warnings as a list, nothing without any."""
+    warnings = [w for w in data.get("warnings") or [] if w]
+    if not warnings:
+        return _Html("")
+    items = "".join(f"<li>{_esc(w)}</li>" for w in warnings)
+    return _Html(f'<div class="warnings"><strong>Warnings</strong><ul>{items}</ul></div>')
+
+
+def _detection_table(per_class: Any) -> _Html:
+    """A detector's per-class rows: AP@[.5:.95], AP@.5, AP@.75 (a dash for a class without a
+    true box), true boxes and detections."""
+    rows = [(row.get("label"), _score(row.get("ap")), _score(row.get("ap50")),
+             _score(row.get("ap75")), row.get("instances"), row.get("detections"))
+            for row in per_class if isinstance(row, dict)] if isinstance(per_class, list) else []
+    if not rows:
+        return _Html("")
+    return _Html("<h3>Per class</h3>" + _table(["class", "AP@[.5:.95]", "AP@.5", "AP@.75",
+                                                "true boxes", "detections"], rows))
+
+
+def _render_detection(data: dict, view: _View) -> list[str]:
+    """A detector's evaluation: COCO's figures and the empty detector's, the verdict and
+    warnings, AP per class, the examples with their true and predicted boxes drawn, then its
+    plots (per-class AP, the precision/recall curves)."""
+    parts: list[str] = [_kv_table(_pairs(data, DETECTION_KEYS))]
+    if data.get("verdict"):
+        parts.append(_labelled_line("verdict", data["verdict"]))
+    parts += [_warnings(data), _detection_table(data.get("per_class")),
+              _examples_grid(data.get("examples"), DETECTION_PICTURES, _detection_title,
+                             DETECTION_EXAMPLE_SIDE), view.figures()]
+    return parts
+
+
+def _render_export(data: dict, view: _View) -> list[str]:
+    """The key/value rows; a detector's NMS settings in a line of their own."""
+    parts = _render_keys(data, view)
+    nms = _dict(data.get("nms"))
+    if nms:
+        parts.insert(1, _labelled_line(
+            "NMS in the graph", f"class-aware, suppress at IoU > {_fmt(nms.get('iou_threshold'))}"
+            f", keep score > {_fmt(nms.get('score_threshold'))}, at most "
+            f"{_fmt(nms.get('max_detections'))} detections per image"))
+    return parts
 
 
 def _render_segmentation(data: dict, view: _View) -> list[str]:

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration,
                                    format_compression, format_dropped,
-                                   format_engine, format_evaluation, format_iterative,
-                                   format_profile, format_quantize_details, format_training,
-                                   format_ttt)
+                                   format_engine, format_evaluation, format_export,
+                                   format_iterative, format_profile, format_quantize_details,
+                                   format_training, format_ttt)
 
 Formatter = Callable[[Any], list[str]]
 
@@ -70,6 +70,7 @@ TRAIN_KEYS: KeyLabels = (
     ("epochs_not_run", "epochs not run (early stop)"), ("best_epoch", "best epoch"),
     ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"),
     ("train_mean_iou", "train mean IoU"), ("val_mean_iou", "val mean IoU"),
+    ("train_map", "train mAP@[.5:.95]"), ("val_map", "val mAP@[.5:.95]"),
     ("seconds", "seconds"),
 )
 EXPORT_KEYS: KeyLabels = (
@@ -78,7 +79,8 @@ EXPORT_KEYS: KeyLabels = (
     ("checker", "onnx.checker"), ("max_abs_diff", "max |onnx - torch|"),
     ("top1_agreement", "top-1 agreement"), ("padding_max_diff", "padding max diff"),
     ("mask_agreement", "mask agreement (pixels)"), ("resolutions_checked", "resolutions checked"),
-    ("seconds", "seconds"),
+    ("detections_checked", "detections checked"), ("min_matched_iou", "min matched IoU"),
+    ("count_mismatches", "images with another count"), ("seconds", "seconds"),
 )
 QUANTIZE_KEYS: KeyLabels = (
     ("mode", "mode"), ("path", "model"), ("metric", "accuracy is"), ("size_bytes_fp32", "size fp32 (bytes)"),
@@ -99,6 +101,7 @@ FP16_KEYS: KeyLabels = (
 INFERENCE_KEYS: KeyLabels = (
     ("model_path", "model"), ("providers_active", "providers"), ("accuracy", "test accuracy"),
     ("pixel_accuracy", "test pixel accuracy"), ("mean_iou", "test mean IoU"),
+    ("map", "test mAP@[.5:.95]"), ("map50", "test mAP@.5"),
     ("batch_size", "batch size"), ("latency_ms_p50", "latency p50 (ms/batch)"),
     ("latency_ms_p95", "latency p95 (ms/batch)"), ("throughput_per_s", "throughput (samples/s)"),
 )
@@ -132,7 +135,7 @@ SECTIONS: tuple[Section, ...] = (
             plots=("training_curves",),
             own_tables=frozenset({"candidates", "chosen_candidate", "diverged_candidates",
                                   "history", "health"})),
-    Section("export", "ONNX export", EXPORT_KEYS),
+    Section("export", "ONNX export", EXPORT_KEYS, format_export, page="export"),
     Section("quantize", "Quantization", QUANTIZE_KEYS, format_quantize_details, page="quantize"),
     Section("fp16", "FP16", FP16_KEYS),
     Section("compression", "Compression (pruning, quantization-aware training)",
@@ -141,7 +144,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("profile", "Profile (ONNX Runtime)", details=format_profile, page="profile",
             summary_after="tta", json_after="engine"),
     Section("evaluation", "Evaluation", details=format_evaluation, page="evaluation",
-            plots=("class_iou", "confusion_matrix", "segmentation_examples", "reliability"),
+            plots=("class_iou", "class_ap", "pr_curve", "confusion_matrix",
+                   "segmentation_examples", "reliability"),
             of_input=True),
     Section("calibration", "Calibration", details=format_calibration, page="calibration",
             plots=("reliability", "calibration_shift"), summary_beneath="evaluation",
@@ -167,6 +171,10 @@ PLOT_CAPTIONS: dict[str, str] = {
                  "majority-class baseline's",
     "segmentation_examples": "segmentation: test images with their true and predicted masks "
                              "overlaid",
+    "class_ap": "detection: AP@[.5:.95] and AP@.5 per class, with the mAP and the empty "
+                "detector's",
+    "pr_curve": "detection: precision against recall at IoU 0.5, over all classes and per "
+                "class",
     "reliability": "reliability diagram: accuracy against confidence per bin, without and with "
                    "the temperature",
     "calibration_shift": "calibration under shift: ECE per variant and corruption",

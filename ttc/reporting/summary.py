@@ -21,7 +21,26 @@ def fmt(value: Any) -> str:
 
 def format_keys(data: dict, keys: KeyLabels) -> list[str]:
     """A section's labelled rows, one per key of `keys` that has a value."""
-    return [f"  {label:<26} {fmt(data[key])}" for key, label in keys if data.get(key) is not None]
+    return [f"  {label:<26} {fmt(data[key])}" for key, label in shown_keys(data, keys)
+            if data.get(key) is not None]
+
+
+# a detector's training section holds its mAP under the classifiers' accuracy keys too, for the
+# stages that read those; its own keys (val_map, train_map) show it under its name
+MAP_ALIASES = frozenset({"train_accuracy", "val_accuracy"})
+
+
+def detector_training(train: dict) -> bool:
+    """A detector's training section: its scores are mAP (val_map), not accuracies."""
+    return train.get("val_map") is not None or train.get("metric") == "map"
+
+
+def shown_keys(data: dict, keys: KeyLabels) -> KeyLabels:
+    """`keys` less the accuracy keys of a detector's training section, which repeat its mAP
+    under a name that is not."""
+    if not isinstance(data, dict) or data.get("val_map") is None:
+        return keys
+    return [(key, label) for key, label in keys if key not in MAP_ALIASES]
 
 
 def format_dropped(dataset: dict) -> list[str]:
@@ -38,7 +57,8 @@ def format_training(train: dict) -> list[str]:
     if (train.get("health") or {}).get("hint"):
         lines.append(f"  {'hint':<26} {train['health']['hint']}")
     if train.get("candidates"):
-        lines += format_candidates(train["candidates"], train["chosen_candidate"])
+        lines += format_candidates(train["candidates"], train["chosen_candidate"],
+                                   "val mAP" if detector_training(train) else "val acc")
     return lines
 
 
@@ -49,6 +69,8 @@ def format_evaluation(evaluation: dict) -> list[str]:
     """Verdict, baseline, macro figures, the per-class table and the top confusions."""
     if "mean_iou" in evaluation:
         return format_segmentation(evaluation)
+    if evaluation.get("metric") == "map":
+        return format_detection(evaluation)
     lines = [f"  {'verdict':<26} {evaluation['verdict']}",
              f"  {'baseline (majority class)':<26} {fmt(evaluation['baseline_accuracy'])} "
              f"(always {evaluation['baseline_class']!r}, from the {evaluation['baseline_source']})",
@@ -97,13 +119,57 @@ def format_segmentation(evaluation: dict) -> list[str]:
     return lines
 
 
+DETECTION_FIGURES = (("map", "mAP@[.5:.95]"), ("map50", "mAP@.5"), ("map75", "mAP@.75"),
+                     ("recall_100", "recall@100 (AR)"), ("map_small", "mAP small (< 32²)"),
+                     ("map_medium", "mAP medium"), ("map_large", "mAP large (≥ 96²)"))
+
+
+def format_detection(evaluation: dict) -> list[str]:
+    """A detector's: verdict, the empty detector's mAP as the baseline, COCO's figures, and
+    per class AP, AP@.5, AP@.75, true and detected boxes (the lowest SHOWN_CLASSES APs when
+    there are more)."""
+    lines = [f"  {'verdict':<26} {evaluation['verdict']}",
+             f"  {'baseline (empty detector)':<26} mAP "
+             f"{fmt(evaluation.get('baseline_map', 0.0))} (finds nothing)"]
+    lines += [f"  {label:<26} {fmt(evaluation[key])}" for key, label in DETECTION_FIGURES
+              if evaluation.get(key) is not None]
+    lines.append(f"  {'boxes':<26} {evaluation.get('instances')} true in "
+                 f"{evaluation.get('images')} images, {evaluation.get('detections')} detected")
+    rows = list(evaluation.get("per_class") or [])
+    title = "class"
+    if len(rows) > SHOWN_CLASSES:
+        ranked = sorted(rows, key=lambda r: 2.0 if r["ap"] is None else r["ap"])
+        rows, title = ranked[:SHOWN_CLASSES], f"class ({SHOWN_CLASSES} lowest AP of {len(rows)})"
+    if rows:
+        width = max(12, min(28, max(len(str(r["label"])) for r in rows)))
+        lines.append(f"  {title:<{width}} {'AP':>8} {'AP@.5':>8} {'AP@.75':>8} {'boxes':>8} "
+                     f"{'detected':>9}")
+        lines += [f"  {_clip(str(r['label']), width):<{width}} {_fixed(r['ap']):>8} "
+                  f"{_fixed(r['ap50']):>8} {_fixed(r['ap75']):>8} {r['instances']:>8} "
+                  f"{r['detections']:>9}" for r in rows]
+    lines += [f"  WARNING: {warning}" for warning in evaluation.get("warnings") or []]
+    return lines
+
+
+def format_export(export: dict) -> list[str]:
+    """A detector's export check beyond the key rows: the NMS the graph runs."""
+    nms = export.get("nms")
+    if not isinstance(nms, dict):
+        return []
+    return [f"  {'NMS in the graph':<26} class-aware, suppress at IoU > "
+            f"{fmt(nms.get('iou_threshold'))}, keep score > {fmt(nms.get('score_threshold'))}, "
+            f"at most {nms.get('max_detections')} detections per image"]
+
+
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def format_candidates(candidates: list[dict], chosen: int) -> list[str]:
-    """The candidate search: every candidate's validation score, the kept one marked."""
-    lines = [f"  {'candidate':<11} {'lr':>8} {'seed':>5} {'val acc':>8} {'val loss':>9} "
+def format_candidates(candidates: list[dict], chosen: int, score: str = "val acc"
+                      ) -> list[str]:
+    """The candidate search: every candidate's validation score (`score` names it), the kept
+    one marked."""
+    lines = [f"  {'candidate':<11} {'lr':>8} {'seed':>5} {score:>8} {'val loss':>9} "
              f"{'best epoch':>10} {'seconds':>8}"]
     for c in candidates:
         mark = " <- kept" if c["index"] == chosen else ""

@@ -26,8 +26,9 @@ MAX_DEPTH = 32  # a manifest nests about 5 levels (architecture.hf_config.id2lab
 MAX_INT = 2**31 - 1  # sizes and ids: what the Rust tokenizer and ONNX Runtime take as int32
 MODEL_KINDS = {task.name: task.kind for task in TASKS}  # model_type → preprocessing.kind
 # every graph's outputs, (batch, classes) float32; a segmenter's are (batch, classes, height,
-# width), with the mask (batch, height, width) int64 beside them
-OUTPUT_NAMES = ("logits", "probabilities", "mask")
+# width), with the mask (batch, height, width) int64 beside them; a detector's are its padded
+# detections (ttc/tasks/detect: DETECTION_OUTPUTS)
+OUTPUT_NAMES = ("logits", "probabilities", "mask", "boxes", "scores", "labels", "num_detections")
 HF_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # hf.GRAPH_INPUTS (torch)
 TORCHVISION_ARCHS = task_for("image_classifier").archs[1:]  # the image networks but small_cnn
 SEGMENTER_ARCHS = task_for("image_segmenter").archs[1:]  # torchvision's, beside our unet
@@ -147,6 +148,8 @@ SIZE, COUNT = integer(1), integer(0)
 TEXT_LENGTH = integer(1, MAX_TEXT_LENGTH)  # token ids a text may become (limits.py)
 DROPOUT = number(0, 1)
 FINITE, POSITIVE = number(), number(0, above=True)
+FRACTION = number(0, 1)
+MAX_DETECTIONS = 10_000  # a detector's padded rows per image (--max_detections)
 SHA256 = _must("a sha256 hex digest", _is_sha256)
 IDENTIFIER = _must("a Python name", lambda v: isinstance(v, str) and v.isidentifier())
 AXIS = _must("a size (an integer from 1) or an axis name",
@@ -183,6 +186,14 @@ PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
                             "channels": either(1, 3), "ignore_index": integer(0, 255),
                             "mean": list_of(FINITE), "std": list_of(POSITIVE)},
                            required=("image_size", "channels", "ignore_index")),
+    "detection": record({"image_size": list_of(integer(1, MAX_IMAGE_SIDE), length=2),
+                         "channels": either(1, 3), "mean": list_of(FINITE),
+                         "std": list_of(POSITIVE),
+                         "nms": record({"iou_threshold": FRACTION, "score_threshold": FRACTION,
+                                        "max_detections": integer(1, MAX_DETECTIONS)},
+                                       required=("iou_threshold", "score_threshold",
+                                                 "max_detections"))},
+                        required=("image_size", "channels")),
     "tabular": record({"columns": list_of(record(
                            {"name": STRING, "type": text(("numeric", "categorical")),
                             "categories": NAMES}, required=("name", "type")), min_length=1),
@@ -219,6 +230,9 @@ NETWORKS = {
                                     "small_stem": either(True, False),
                                     "normalization": text(("data", "imagenet"))},
                                    required=("arch", "in_channels", "small_stem")),
+    "CenterNet": record({"in_channels": either(1, 3), "widths": list_of(SIZE, min_length=2),
+                         "head_width": SIZE, "dropout": DROPOUT},
+                        required=("in_channels", "widths")),
     "UserNetwork": record({"model_def": record({"file": STRING, "factory": IDENTIFIER,
                                                 "sha256": SHA256},
                                                required=("file", "factory", "sha256")),
@@ -237,7 +251,8 @@ NOT_ARCHITECTURE = ("mean", "std", "median", "pretrained")  # build_model's own 
 DATASET = record({
     "path": optional(STRING), "model_type": text(tuple(MODEL_KINDS)),
     **{key: optional(STRING) for key in ("image_column", "text_column", "feature_columns",
-                                         "label_column", "val_path", "test_path")},
+                                         "label_column", "val_path", "test_path",
+                                         "annotations")},
     "dataset_format": optional(text(TABLE_FORMATS)),
     "has_header": optional(text(("auto", "true", "false"))),
     "val_fraction": number(0, 1), "test_fraction": number(0, 1), "seed": integer(0, 2**64 - 1),
@@ -376,7 +391,7 @@ def _counts_agree(manifest: dict) -> str | None:
 
 
 INPUT_FORMS = {"image": ("float32", 4), "text": ("int64", 2), "tabular": ("float32", 2),
-               "segmentation": ("float32", 4)}
+               "segmentation": ("float32", 4), "detection": ("float32", 4)}
 
 
 def _input_agrees(manifest: dict) -> str | None:
@@ -385,7 +400,7 @@ def _input_agrees(manifest: dict) -> str | None:
     if spec.get("dtype", dtype) != dtype or len(spec["shape"]) != rank:
         return (f"input must be a {dtype} input of {rank} dimensions for {pre['kind']} "
                 f"preprocessing")
-    if pre["kind"] in ("image", "segmentation") and any(
+    if pre["kind"] in ("image", "segmentation", "detection") and any(
             len(pre.get(key, ())) not in (0, pre["channels"]) for key in ("mean", "std")):
         return f"preprocessing.mean and std must have one value per channel ({pre['channels']})"
     if _preprocessing_form(pre) != HF_TOKENIZER:
@@ -402,7 +417,7 @@ def _input_agrees(manifest: dict) -> str | None:
 NETWORK_FORMS = {"SmallCNN": "image", "TorchvisionNet": "image", "TextClassifier": "words",
                  "TextCNN": "words", "TextTransformer": "words", "HFTextNet": HF_TOKENIZER,
                  "TabularMLP": "tabular", "TabularResMLP": "tabular", "UNet": "segmentation",
-                 "TorchvisionSegmenter": "segmentation"}
+                 "TorchvisionSegmenter": "segmentation", "CenterNet": "detection"}
 
 
 def _network_agrees(manifest: dict) -> str | None:

@@ -66,6 +66,7 @@ class Task:
     # and batch outputs go through its own code (ttc/tasks/TYPE/), not the classifiers'
     learning_rate: float | None = None  # its default peak learning rate (None: the tool's)
     refused_flags: tuple[str, ...] = ()  # flags it does not take (config: exit 2 when given)
+    own_flags: tuple[str, ...] = ()  # flags no other type takes (config: exit 2 for the others)
     guide: str = "cli.md"  # the docs page that says what it takes
     split_paths: bool = True  # --val_path/--test_path name its validation and test data (an
     # image classifier's splits come from its folders only)

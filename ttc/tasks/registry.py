@@ -4,10 +4,10 @@ its Parts reference) and a line here. Its manifest records are the one other pla
 untrusted, so every schema it is checked against stays in serving/manifest_schema.py."""
 from __future__ import annotations
 
-from ttc.tasks import image, segment, tabular, text
+from ttc.tasks import detect, image, segment, tabular, text
 from ttc.tasks.base import Task
 
-TASKS: tuple[Task, ...] = (image.TASK, text.TASK, tabular.TASK, segment.TASK)
+TASKS: tuple[Task, ...] = (image.TASK, text.TASK, tabular.TASK, segment.TASK, detect.TASK)
 _BY_NAME = {task.name: task for task in TASKS}
 _BY_KIND = {task.kind: task for task in TASKS}
 

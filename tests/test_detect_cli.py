@@ -1,0 +1,176 @@
+"""`--model_type object_detector` through the CLIs (issue 44): one pipeline run on tiny digit
+canvases in COCO format (training in the DSPy program, export with decoding and NMS in the
+graph, COCO mAP) whose bundle the other tests read with ONNX Runtime; inference.py alone on the
+test split and on new images (`--input`); train.py and export.py alone; and the flags and data
+a detector refuses, each with its exit code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pandas as pd
+import pytest
+from PIL import Image
+
+from conftest import assert_clean_failure, run_cli
+from ttc.tasks.detect.canvases import write_coco_canvases, write_yolo_canvases
+from utils import EXIT_DATA, EXIT_USAGE
+
+SIDE = 32
+OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
+
+
+@pytest.fixture(scope="module")
+def detect_bundle(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("detect")
+    images, annotations = root / "images", root / "instances.json"
+    write_coco_canvases(images, annotations, 80, size=SIDE, seed=0)
+    out = root / "run"
+    model = out / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", images,
+                  "--annotations", annotations, "--epochs", "2", "--batch_size", "16",
+                  "--max_detections", "20", "--output_model", model, "--report_json",
+                  out / "report.json", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"images": images, "annotations": annotations, "dir": out, "model": model,
+            "run": run, "report": json.loads((out / "report.json").read_text())}
+
+
+def session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_the_manifest_records_the_graph_s_contract_and_its_nms(detect_bundle):
+    manifest = json.loads((detect_bundle["dir"] / "model.json").read_text())
+    assert manifest["model_type"] == "object_detector"
+    assert [o["name"] for o in manifest["outputs"]] == OUTPUTS
+    assert manifest["input"]["shape"] == ["batch", 1, "height", "width"]
+    assert manifest["preprocessing"]["nms"] == {"iou_threshold": 0.5, "score_threshold": 0.05,
+                                                "max_detections": 20}
+    assert manifest["labels"] == [str(d) for d in range(10)]
+    assert manifest["dataset"]["annotations"] == str(detect_bundle["annotations"].resolve())
+
+
+@pytest.mark.parametrize("batch,size", [(1, (SIDE, SIDE)), (3, (45, 38))])
+def test_the_graph_returns_padded_sorted_detections_at_any_batch_and_size(detect_bundle, batch,
+                                                                          size):
+    x = np.random.default_rng(0).random((batch, 1, *size), dtype=np.float32)
+    boxes, scores, labels, counts = session(detect_bundle["model"]).run(OUTPUTS, {"image": x})
+    assert boxes.shape == (batch, 20, 4) and boxes.dtype == np.float32
+    assert scores.shape == labels.shape == (batch, 20) and labels.dtype == np.int64
+    assert counts.shape == (batch,) and counts.dtype == np.int64
+    for i, n in enumerate(counts):
+        assert 0 <= n <= 20
+        assert np.all(np.diff(scores[i, :n]) <= 0) and np.all(scores[i, :n] > 0.05)
+        assert np.all((labels[i, :n] >= 0) & (labels[i, :n] < 10))
+        assert np.all(labels[i, n:] == -1) and not boxes[i, n:].any() and not scores[i, n:].any()
+        height, width = size
+        assert np.all(boxes[i, :n, 0::2] >= 0) and np.all(boxes[i, :n, 0::2] <= width)
+        assert np.all(boxes[i, :n, 1::2] >= 0) and np.all(boxes[i, :n, 1::2] <= height)
+
+
+def test_the_report_scores_boxes_with_coco_metrics(detect_bundle):
+    report = detect_bundle["report"]
+    export, evaluation = report["export"], report["evaluation"]
+    assert export["min_matched_iou"] >= 0.99 and export["count_mismatches"] == 0
+    assert export["resolutions_checked"] == [f"{SIDE}x{SIDE}", "48x48"]
+    assert export["nms"]["max_detections"] == 20
+    assert 0.0 <= evaluation["map"] <= evaluation["map50"] <= 1.0
+    assert evaluation["baseline_map"] == 0.0 and evaluation["verdict"]
+    assert [row["label"] for row in evaluation["per_class"]] == [str(d) for d in range(10)]
+    assert sum(row["instances"] for row in evaluation["per_class"]) == evaluation["instances"]
+    assert len(evaluation["examples"]) == min(8, report["dataset"]["test"])
+    assert report["train"]["metric"] == "map" and "val_map" in report["train"]
+    assert report["calibration"] is None or "temperature" not in (report["calibration"] or {})
+    assert "mAP@[.5:.95]" in detect_bundle["run"].stdout
+
+
+def test_inference_alone_scores_the_same_test_split(detect_bundle, tmp_path):
+    run = run_cli("inference.py", "--output_model", detect_bundle["model"], "--dataset_path",
+                  detect_bundle["images"], "--annotations", detect_bundle["annotations"],
+                  "--report_json", tmp_path / "r.json", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    alone = json.loads((tmp_path / "r.json").read_text())["evaluation"]
+    assert alone["map"] == pytest.approx(detect_bundle["report"]["evaluation"]["map"])
+    assert alone["instances"] == detect_bundle["report"]["evaluation"]["instances"]
+
+
+def test_a_coco_bundle_needs_its_annotations_named_again(detect_bundle):
+    run = run_cli("inference.py", "--output_model", detect_bundle["model"], "--dataset_path",
+                  detect_bundle["images"])
+    assert_clean_failure(run, EXIT_USAGE, "--annotations")
+
+
+def test_input_rows_are_the_graph_s_detections_scaled_to_each_image(detect_bundle, tmp_path):
+    folder = tmp_path / "new"
+    folder.mkdir()
+    for name in sorted(p.name for p in detect_bundle["images"].iterdir())[:6]:
+        picture = Image.open(detect_bundle["images"] / name)
+        picture.resize((SIDE * 2, SIDE)).save(folder / name)  # twice as wide as trained
+    out = tmp_path / "dets.jsonl"
+    run = run_cli("inference.py", "--output_model", detect_bundle["model"], "--input", folder,
+                  "--output", out, "--overlay", "true", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = pd.read_json(out, lines=True)
+    graph = session(detect_bundle["model"])
+    for name in sorted(p.name for p in folder.iterdir()):
+        pixels = np.asarray(Image.open(folder / name).convert("L").resize((SIDE, SIDE),
+                            Image.Resampling.BILINEAR), np.float32)[None, None] / 255.0
+        boxes, scores, labels, counts = graph.run(OUTPUTS, {"image": pixels})
+        mine = rows[rows["image"] == name].sort_values("score", ascending=False)
+        assert len(mine) == counts[0]
+        assert np.allclose(mine[["x1", "x2"]].to_numpy(), boxes[0, :counts[0], 0::2] * 2,
+                           atol=1e-3)
+        assert np.allclose(mine[["y1", "y2"]].to_numpy(), boxes[0, :counts[0], 1::2], atol=1e-3)
+        assert mine["class_index"].tolist() == labels[0, :counts[0]].tolist()
+    assert len(list((tmp_path / "dets_overlays").iterdir())) == 6
+    assert "predictions:" in run.stdout
+
+
+def test_train_and_export_alone_bake_export_s_nms_thresholds(tmp_path):
+    data = write_yolo_canvases(tmp_path / "yolo", 40, size=24, seed=1)
+    model = tmp_path / "run" / "model.onnx"
+    trained = run_cli("train.py", "--model_type", "object_detector", "--dataset_path", data,
+                      "--epochs", "1", "--batch_size", "16", "--output_model", model,
+                      "--no_progress", "true")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert not model.exists()
+    exported = run_cli("export.py", "--dataset_path", data, "--output_model", model,
+                       "--iou_threshold", "0.3", "--max_detections", "7", "--no_progress",
+                       "true")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    manifest = json.loads(model.with_suffix(".json").read_text())
+    assert manifest["preprocessing"]["nms"] == {"iou_threshold": 0.3, "score_threshold": 0.05,
+                                                "max_detections": 7}
+    boxes = session(model).run(["boxes"], {"image": np.zeros((2, 1, 24, 24), np.float32)})[0]
+    assert boxes.shape == (2, 7, 4)
+
+
+@pytest.mark.parametrize("flags,phrase", [
+    (["--tta", "true"], "--tta"), (["--quantize", "static"], "--quantize"),
+    (["--ignore_index", "3"], "--ignore_index"), (["--engine", "ray"], "--engine")])
+def test_flags_a_detector_does_not_take_are_refused_before_any_work(tmp_path, flags, phrase):
+    run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path",
+                  "builtin:digit_boxes", "--output_model", tmp_path / "m.onnx", *flags)
+    assert_clean_failure(run, EXIT_USAGE, phrase)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("flags", [["--iou_threshold", "0.3"], ["--annotations", "x.json"]])
+def test_a_detector_s_flags_are_refused_for_a_classifier(tmp_path, flags):
+    run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", *flags, "--output_model",
+                  tmp_path / "m.onnx")
+    assert_clean_failure(run, EXIT_USAGE, flags[0], "object_detector")
+
+
+def test_a_folder_without_any_usable_image_is_a_data_error(tmp_path):
+    root = tmp_path / "yolo"
+    (root / "images").mkdir(parents=True)
+    (root / "labels").mkdir()
+    (root / "images" / "a.png").write_bytes(b"not a png")
+    (root / "labels" / "a.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", root,
+                  "--output_model", tmp_path / "m.onnx")
+    assert_clean_failure(run, EXIT_DATA)

@@ -1,0 +1,414 @@
+"""The training stage of object detection, in the segmenter's design (ttc/tasks/segment/
+training.py): DetectorProgram (a dspy.Module whose model is a detector: an image in, its boxes,
+scores and classes out, after the same NMS the exported graph runs), DetectionTrainer (a
+Teleprompter fitting its weights: AdamW under the run's schedule, the detector's own loss
+(nets.detection_loss), no augmentation, the best epoch on validation, early stopping),
+DetectorSearch (one trainer per learning rate and seed, the best kept) and train_detector, which
+hands export a TrainedModel.
+
+Every epoch is scored by dspy.Evaluate on the validation examples (per example: the share of
+its true boxes found at IoU 0.5 by a box of their class, 1.0 for an image without any), but the
+score that picks the epoch and the candidate is COCO's mAP@[.5:.95] over every validation
+detection (metrics.detection_metrics, pycocotools): a mean of per-image scores weighs an image of
+one digit as much as one of five, and ignores the ranking that AP rewards. Importing this module
+imports torch and dspy.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import dspy
+import numpy as np
+import torch
+from dspy.teleprompt import Teleprompter
+from torch import nn
+
+from ttc.inputs.data import Dataset, Split
+from ttc.nets.fitting import BestEpoch, learning_rate_schedule
+from ttc.nets.models import count_parameters
+from ttc.nets.program import (CandidateSearch, EpochRecord, TrainedModel, TrainingDiverged,
+                              example_rate, recalibrate_batchnorm, require_finite_weights)
+from ttc.tasks.detect.metrics import detection_metrics
+from ttc.tasks.detect.nets import (DETECTION_MODULES, DETECTION_NETWORKS, detection_loss,
+                                   detection_targets)
+from ttc.tasks.detect.nms import detect
+from utils import LOG, TrainingError, progress, raise_if_interrupted, stdout_to_stderr
+
+INPUT_FIELD = "image"
+DEFAULT_ARCH = "centernet"
+EVAL_BATCH = 64  # images per forward pass when scoring
+RECALIBRATION_IMAGES = 512  # BatchNorm statistics re-estimated on these (the segmenter's)
+MATCH_IOU = 0.5  # the per-example metric's: a true box is found at this IoU
+TRAIN_RECALL_IMAGES = 256  # training images the history's train_accuracy is measured on
+
+
+@dataclass(frozen=True)
+class NmsSettings:
+    """The post-processing the exported graph bakes in (--iou_threshold, --score_threshold,
+    --max_detections), which validation runs too: the epoch is chosen on what will ship."""
+
+    iou_threshold: float = 0.5
+    score_threshold: float = 0.05
+    max_detections: int = 100
+
+    @classmethod
+    def from_config(cls, config) -> "NmsSettings":
+        return cls(*(getattr(config, name, getattr(cls, name))
+                     for name in ("iou_threshold", "score_threshold", "max_detections")))
+
+    @classmethod
+    def from_preprocessing(cls, preprocessing: dict) -> "NmsSettings":
+        return cls(**preprocessing["nms"]) if "nms" in preprocessing else cls()
+
+    def record(self) -> dict:
+        return {"iou_threshold": self.iou_threshold, "score_threshold": self.score_threshold,
+                "max_detections": self.max_detections}
+
+
+Detections = tuple[np.ndarray, np.ndarray, np.ndarray]  # boxes (M, 4), scores (M,), labels (M,)
+
+
+# ----------------------------------------------------------------------------- the DSPy program
+
+
+class DetectorProgram(dspy.Module):
+    """A DSPy program whose 'model' is a detector: an image (C, H, W) in [0, 1] in, its
+    detections (boxes xyxy in its pixels, scores, class indices, and the classes' names) out,
+    after the NMS that export puts in the graph."""
+
+    def __init__(self, net: nn.Module, labels: Sequence[str], nms: NmsSettings) -> None:
+        super().__init__()
+        self.net = net
+        self.labels = list(labels)
+        self.nms = nms
+        self._batched: dict[int, Detections] | None = None  # id(image) → detections
+
+    def forward(self, image: np.ndarray) -> dspy.Prediction:
+        found = self._batched.get(id(image)) if self._batched is not None else None
+        if found is None:
+            found = self.predict(np.asarray(image)[None])[0]
+        boxes, scores, labels = found
+        # not `labels`: a dspy.Prediction's labels() is a method of its own
+        return dspy.Prediction(boxes=boxes, scores=scores, class_ids=labels,
+                               classes=[self.labels[k] for k in labels])
+
+    @contextlib.contextmanager
+    def batched_for(self, examples: Sequence[dspy.Example]) -> Iterator[list[float]]:
+        """Within the block, forward() on one of these examples' images returns the detections
+        computed here in batches (the first example still runs alone, as a server's single
+        request does). The yielded list receives the mean validation loss, computed in the
+        same pass, when every example carries its boxes."""
+        images = [ex[INPUT_FIELD] for ex in examples]
+        found = self.predict(np.stack(images)) if images else []
+        self._batched = {id(image): f for n, (image, f) in enumerate(zip(images, found)) if n}
+        loss: list[float] = []
+        if examples and all(ex.get("boxes") is not None for ex in examples):
+            loss.append(self.mean_loss(np.stack(images), [ex.boxes for ex in examples]))
+        try:
+            yield loss
+        finally:
+            self._batched = None
+
+    def predict(self, pixels: np.ndarray, batch_size: int = EVAL_BATCH) -> list[Detections]:
+        """(N, C, H, W) pixels → per image (boxes, scores, labels), padding rows removed, in
+        eval mode."""
+        self.net.eval()
+        found: list[Detections] = []
+        with torch.no_grad():
+            for start in range(0, len(pixels), batch_size):
+                batch = torch.from_numpy(np.ascontiguousarray(pixels[start:start + batch_size],
+                                                              dtype=np.float32))
+                boxes, scores, labels, count = (t.numpy() for t in detect(
+                    self.net, batch, self.nms.iou_threshold, self.nms.score_threshold,
+                    self.nms.max_detections))
+                found.extend((boxes[i, :n], scores[i, :n], labels[i, :n])
+                             for i, n in enumerate(count))
+        return found
+
+    def mean_loss(self, pixels: np.ndarray, boxes: Sequence[np.ndarray],
+                  batch_size: int = EVAL_BATCH) -> float:
+        """The detector's loss over these images, in eval mode, weighted by batch size."""
+        self.net.eval()
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, len(pixels), batch_size):
+                batch = torch.from_numpy(np.ascontiguousarray(pixels[start:start + batch_size],
+                                                              dtype=np.float32))
+                targets = detection_targets(boxes[start:start + batch_size], len(self.labels),
+                                            tuple(batch.shape[-2:]))
+                total += float(detection_loss(self.net(batch), targets)[0]) * len(batch)
+        return total / max(1, len(pixels))
+
+
+def to_examples(split: Split) -> list[dspy.Example]:
+    """One example per image: `image` (C, H, W) the input, `boxes` (k, 5) the truth."""
+    return [dspy.Example(**{INPUT_FIELD: x, "boxes": y}).with_inputs(INPUT_FIELD)
+            for x, y in zip(split.x, split.y)]
+
+
+def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of every box in `a` (n, 4) with every box in `b` (m, 4), xyxy."""
+    low = np.maximum(a[:, None, :2], b[None, :, :2])
+    high = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(high - low, 0, None), axis=2)
+    area = lambda boxes: np.prod(np.clip(boxes[:, 2:] - boxes[:, :2], 0, None), axis=1)  # noqa: E731
+    return inter / np.maximum(area(a)[:, None] + area(b)[None, :] - inter, 1e-9)
+
+
+@dataclass(frozen=True)
+class BoxRecall:
+    """dspy.Evaluate's per-example metric: the share of the image's true boxes that a detected
+    box of their class overlaps by IoU ≥ 0.5 (1.0 for an image without any)."""
+
+    iou: float = MATCH_IOU
+
+    def __call__(self, example: dspy.Example, prediction: dspy.Prediction, trace=None) -> float:
+        truth = np.asarray(example.boxes, dtype=np.float32).reshape(-1, 5)
+        if not len(truth):
+            return 1.0
+        boxes = np.asarray(prediction.boxes, dtype=np.float32).reshape(-1, 4)
+        labels = np.asarray(prediction.class_ids).reshape(-1)
+        overlaps = box_iou(truth[:, 1:], boxes) if len(boxes) else np.zeros((len(truth), 0))
+        same = truth[:, :1].astype(np.int64) == labels[None, :]
+        return float(((overlaps >= self.iou) & same).any(axis=1).mean())
+
+
+def pooled_map(results: Sequence[tuple], labels: Sequence[str]) -> float:
+    """COCO mAP@[.5:.95] over dspy.Evaluate's (example, prediction, score) results."""
+    predictions, truths = [], []
+    for example, prediction, _ in results:
+        if getattr(prediction, "boxes", None) is None:  # Evaluate's stand-in for a failure
+            raise TrainingError("scoring the validation split failed: the detector returned "
+                                "no boxes for an image", "rerun with --log_level DEBUG")
+        predictions.append((prediction.boxes, prediction.scores, prediction.class_ids))
+        truths.append(example.boxes)
+    return float(detection_metrics(predictions, truths, labels)["map"])
+
+
+def split_map(program: DetectorProgram, split: Split) -> float:
+    """The program's COCO mAP@[.5:.95] over a split, in eval mode."""
+    return float(detection_metrics(program.predict(split.x), list(split.y),
+                                   program.labels)["map"])
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+class DetectionTrainer(Teleprompter):
+    """A DSPy optimizer for a detector's weights: AdamW with `weight_decay` under the
+    `lr_schedule` (ttc/nets/fitting.py), the detector's loss, no augmentation (a flipped digit
+    is another shape), BatchNorm statistics re-estimated on training images after each epoch.
+    Each epoch is scored by dspy.Evaluate on the validation set, by COCO mAP; the best epoch's
+    weights win, and training stops early once neither the validation loss nor the mAP has
+    improved for `patience` epochs. A loss or weights that are not finite stop it with
+    TrainingDiverged (exit 4)."""
+
+    def __init__(self, *, epochs: int, batch_size: int, learning_rate: float,
+                 weight_decay: float, seed: int, lr_schedule: str = "auto", patience: int = 0,
+                 show_progress: bool = True) -> None:
+        super().__init__()
+        self.epochs, self.batch_size = epochs, batch_size
+        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.seed, self.lr_schedule, self.patience = seed, lr_schedule, patience
+        self.show_progress = show_progress
+        self.metric = BoxRecall()
+        self.history: list[EpochRecord] = []
+        self.best_epoch = 0
+        self.batches_run = 0  # in the current epoch
+        self.initial_loss: float | None = None  # the first batch's, before any update
+
+    def compile(self, student: DetectorProgram, *, trainset: list[dspy.Example],
+                teacher=None, valset: list[dspy.Example] | None = None,
+                **kwargs) -> DetectorProgram:
+        program = copy.deepcopy(student)
+        x = torch.from_numpy(np.ascontiguousarray(
+            np.stack([ex[INPUT_FIELD] for ex in trainset]), dtype=np.float32))
+        boxes = [ex.boxes for ex in trainset]
+        devset = valset or trainset
+        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        generator = torch.Generator().manual_seed(self.seed)
+        steps_per_epoch = len(self._batches(len(x), torch.Generator().manual_seed(0)))
+        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
+                                      weight_decay=self.weight_decay)
+        schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
+                                          self.lr_schedule, self.learning_rate)
+        best = BestEpoch(self.patience)
+        for epoch in range(1, self.epochs + 1):
+            started = time.perf_counter()
+            loss = self._train_epoch(program, x, boxes, optimizer, schedule, generator, epoch)
+            order = torch.randperm(len(x), generator=generator)[:RECALIBRATION_IMAGES]
+            recalibrate_batchnorm(program.net, x[order], self.batch_size)
+            require_finite_weights(program.net, epoch, self.batches_run, self.learning_rate,
+                                   self.seed)
+            with stdout_to_stderr(), program.batched_for(devset) as val_loss:
+                evaluated = evaluate(program)
+            raise_if_interrupted()
+            score = pooled_map(evaluated.results, program.labels)
+            record = EpochRecord(epoch, loss, self._train_recall(program, trainset), score,
+                                 round(time.perf_counter() - started, 3),
+                                 val_loss[0] if val_loss else None)
+            self.history.append(record)
+            LOG.info("epoch %d/%d  loss %.4f  train_recall@.5 %.4f  val_map %.4f  val_loss "
+                     "%.4f  (%.1fs)", epoch, self.epochs, loss, record.train_accuracy, score,
+                     math.nan if record.val_loss is None else record.val_loss, record.seconds)
+            stop = best.keep(program.net, epoch, score, record.val_loss)
+            self.best_epoch = best.epoch
+            if stop and epoch < self.epochs:
+                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
+                         "mAP has improved for %d epochs (--patience); keeping epoch %d",
+                         epoch, self.epochs, self.patience, self.best_epoch)
+                break
+        program.net.load_state_dict(best.state)
+        program.net.cpu().eval()
+        return program
+
+    @property
+    def best_record(self) -> EpochRecord:
+        return self.history[self.best_epoch - 1]
+
+    def _train_recall(self, program: DetectorProgram, trainset: list[dspy.Example]) -> float:
+        """The history's train_accuracy: the mean box recall at IoU 0.5 (BoxRecall) of the
+        first TRAIN_RECALL_IMAGES training images, in eval mode after the epoch."""
+        sample = trainset[:TRAIN_RECALL_IMAGES]
+        found = program.predict(np.stack([ex[INPUT_FIELD] for ex in sample]))
+        return float(np.mean([self.metric(ex, dspy.Prediction(boxes=f[0], class_ids=f[2]))
+                              for ex, f in zip(sample, found)])) if sample else 0.0
+
+    def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm)."""
+        order = torch.randperm(count, generator=generator)
+        batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
+        if len(batches) > 1 and len(batches[-1]) == 1:
+            batches.pop()
+        return batches
+
+    def _train_epoch(self, program: DetectorProgram, x: torch.Tensor, boxes: list[np.ndarray],
+                     optimizer, schedule, generator: torch.Generator, epoch: int) -> float:
+        """One pass over the training images: the mean loss per image, in train mode."""
+        net = program.net.train()
+        total, seen = 0.0, 0
+        bar = progress(self._batches(len(x), generator), desc=f"epoch {epoch}/{self.epochs}",
+                       enabled=self.show_progress)
+        for number, batch in enumerate(bar, 1):
+            self.batches_run = number
+            images = x[batch]
+            targets = detection_targets([boxes[i] for i in batch.tolist()],
+                                        len(program.labels), tuple(images.shape[-2:]))
+            loss, _ = detection_loss(net(images), targets)
+            value = loss.detach().item()
+            if self.initial_loss is None:
+                self.initial_loss = value
+            if not math.isfinite(value):
+                bar.close()
+                raise TrainingDiverged(epoch, number, f"the loss became {value}",
+                                       self.learning_rate, self.seed)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total += value * len(batch)
+            seen += len(batch)
+            bar.set_postfix(loss=f"{total / seen:.4f}")
+        return total / seen if seen else math.nan
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+class DetectorSearch(CandidateSearch):
+    """CandidateSearch over detection trainers: one DetectionTrainer per (learning rate, seed),
+    the best kept by the validation mAP of its best epoch (ties: the lower validation loss)."""
+
+    score_name = "mAP"
+
+    def score(self, program: DetectorProgram, trainer: DetectionTrainer,
+              devset: list[dspy.Example]) -> tuple[float, float]:
+        record = trainer.best_record
+        return record.val_accuracy, math.inf if record.val_loss is None else record.val_loss
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def detection_architecture(config, dataset: Dataset) -> dict:
+    """The manifest's architecture record of --arch (default: our CenterNet)."""
+    arch = getattr(config, "arch", None) or DEFAULT_ARCH
+    return DETECTION_NETWORKS[arch](dataset.preprocessing, len(dataset.labels))
+
+
+def build_detector(architecture: dict, preprocessing: dict) -> nn.Module:
+    """The network of an architecture record, normalising by the training split's statistics."""
+    return DETECTION_MODULES[architecture["name"]](
+        **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
+
+
+def weight_decay_of(config) -> float:
+    if hasattr(config, "regularisation"):
+        return config.regularisation(config.model_type, config.arch, None).weight_decay
+    weight_decay = getattr(config, "weight_decay", None)
+    return 1e-4 if weight_decay is None else weight_decay
+
+
+def train_detector(config, dataset: Dataset) -> TrainedModel:
+    """Build the detector for this data, wrap it in DetectorProgram and compile it with
+    DetectorSearch (one DetectionTrainer per learning rate and seed; one by default). The NMS
+    settings go into the preprocessing record, which the manifest keeps and export bakes."""
+    started = time.perf_counter()
+    nms = NmsSettings.from_config(config)
+    dataset.preprocessing = {**dataset.preprocessing, "nms": nms.record()}
+    architecture = detection_architecture(config, dataset)
+
+    def make_student(seed: int) -> DetectorProgram:
+        torch.manual_seed(seed)
+        return DetectorProgram(build_detector(architecture, dataset.preprocessing),
+                               dataset.labels, nms)
+
+    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
+    LOG.info("training %s (%d parameters) on %d images (%d boxes), validating on %d",
+             architecture.get("arch") or architecture["name"], architecture["num_parameters"],
+             len(dataset.train), sum(len(b) for b in dataset.train.y), len(dataset.val))
+    if len(dataset.val) == 0:
+        LOG.warning("the validation split is empty: the best epoch is chosen on the training "
+                    "split; add data or raise --val_fraction")
+
+    def make_trainer(learning_rate: float, seed: int) -> DetectionTrainer:
+        return DetectionTrainer(epochs=config.epochs, batch_size=config.batch_size,
+                                learning_rate=learning_rate,
+                                weight_decay=weight_decay_of(config), seed=seed,
+                                lr_schedule=config.lr_schedule, patience=config.patience,
+                                show_progress=not getattr(config, "no_progress", False))
+
+    search = DetectorSearch(BoxRecall(), make_student, make_trainer, config.learning_rates(),
+                            [config.seed + k for k in range(config.num_candidates)])
+    try:
+        program = search.compile(trainset=to_examples(dataset.train),
+                                 valset=to_examples(dataset.val))
+    except TrainingDiverged as err:
+        if getattr(config, "lr_candidates", None):
+            err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
+        raise
+    return trained_detector(program, search, dataset, architecture, started, config)
+
+
+def trained_detector(program: DetectorProgram, search: DetectorSearch, dataset: Dataset,
+                     architecture: dict, started: float, config) -> TrainedModel:
+    """What training hands to export: the chosen candidate's network and its history;
+    train_accuracy is the training split's COCO mAP in eval mode, val_accuracy the best
+    epoch's validation mAP."""
+    trainer, chosen = search.chosen_trainer, search.chosen_candidate
+    return TrainedModel(net=program.net, labels=list(dataset.labels), architecture=architecture,
+                        preprocessing=dataset.preprocessing, history=trainer.history,
+                        best_epoch=trainer.best_epoch, train_accuracy=split_map(program,
+                                                                                dataset.train),
+                        val_accuracy=trainer.best_record.val_accuracy,
+                        seconds=round(time.perf_counter() - started, 3),
+                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
+                        seed=chosen.seed, candidates=search.candidates,
+                        chosen_candidate=search.chosen, diverged_candidates=search.diverged,
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss)
