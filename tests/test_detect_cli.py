@@ -174,3 +174,25 @@ def test_a_folder_without_any_usable_image_is_a_data_error(tmp_path):
     run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", root,
                   "--output_model", tmp_path / "m.onnx")
     assert_clean_failure(run, EXIT_DATA)
+
+
+def test_the_guide_s_python_snippet_reads_the_graph(detect_bundle, tmp_path):
+    """docs/detection.md's "Calling the graph from another program", run as written beside a
+    bundle and an image of the names it uses."""
+    page = (Path(__file__).parents[1] / "docs" / "detection.md").read_text(encoding="utf-8")
+    snippet = page.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "runs" / "shelves").mkdir(parents=True)
+    for name in ("model.onnx", "model.json"):
+        (tmp_path / "runs" / "shelves" / name).symlink_to(detect_bundle["dir"] / name)
+    first = sorted(detect_bundle["images"].iterdir())[0]
+    (tmp_path / "shelf.png").write_bytes(first.read_bytes())
+    (tmp_path / "snippet.py").write_text(snippet, encoding="utf-8")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count = session(detect_bundle["model"]).run(["num_detections"], {"image": np.asarray(
+        Image.open(first).convert("L"), np.float32)[None, None] / 255.0})[0][0]
+    assert len(done.stdout.splitlines()) == count

@@ -9,8 +9,8 @@ stand-ins under the same names, and a bundle a page reads before any of its comm
 data, and copied into each checkout that reads it). Three kinds of command do not run as
 written, each by a rule below and not by editing the command:
 - those that cannot run inside a test suite (NOT_RUN, with the reason);
-- training on builtin:digits or builtin:digit_canvases, full data sets that no stand-in
-  shrinks, runs with `--epochs 2` appended (except README's main command, which runs as
+- training on builtin:digits, builtin:digit_canvases or builtin:digit_boxes, full data sets
+  that no stand-in shrinks, runs with `--epochs 2` appended (except README's main command, which runs as
   written), and a compressing one also with `--prune_steps 1 --qat_epochs 1`;
 - benchmark scripts run with `--quick` appended (their smoke mode, on the stand-in data) for
   a script's first documented command, and with `--check_flags` (parse the flags, stop) for its
@@ -98,7 +98,7 @@ def as_run(page: str, command: str) -> str | None:
     if command.startswith(INSTALL):
         command = command[len(INSTALL):]
     words = shlex.split(command)
-    if {"builtin:digits", "builtin:digit_canvases"} & set(words) and \
+    if {"builtin:digits", "builtin:digit_canvases", "builtin:digit_boxes"} & set(words) and \
             {"pipeline.py", "train.py"} & set(words) and command != README_MAIN:
         return command + " --epochs 2" + (COMPRESS_SHORT if {"--prune", "--qat"} & set(words)
                                           else "")
@@ -179,6 +179,12 @@ def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
         from ttc.tasks.segment.canvases import write_digit_canvases
 
         write_digit_canvases(tree / "scans", 40, size=16, seed=0)
+    if "shelves" in " ".join(commands):  # a detector's YOLO folder, and its COCO annotations
+        from ttc.tasks.detect.canvases import write_coco_canvases, write_yolo_canvases
+
+        write_yolo_canvases(tree / "shelves", 40, size=24, seed=0)
+        write_coco_canvases(tree / "shelves" / "images", tree / "instances.json", 40, size=24,
+                            seed=0)
     if "hf:tiny_bert" in " ".join(commands):  # transformers is slow to import: only if used
         tiny_hf_model(tree / "tiny_bert", [t for _, t in sms] + [t for t, _ in topic_texts(5)])
 
@@ -198,6 +204,8 @@ STAND_IN_RUNS = {
     "runs/x/report.json": "python pipeline.py --model_type tabular_classifier --dataset_path "
                           "customers.csv --label_column churned --output_model "
                           "runs/x/model.onnx --report_json runs/x/report.json --epochs 3",
+    "runs/shelves/model.onnx": "python pipeline.py --model_type object_detector --dataset_path "
+                               "shelves --output_model runs/shelves/model.onnx",
     "cron/2026-11-23.json": "mkdir -p cron && cp runs/x/report.json cron/2026-11-23.json",
     # ensemble members: one --seed (one split, one normalisation), other learning rates
     **{f"runs/{name}/model.onnx": f"python pipeline.py --dataset_path builtin:digits "
