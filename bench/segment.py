@@ -3,7 +3,8 @@ pipeline.py on digit canvases, its bundle checked and timed here, one table of g
 
     python bench/segment.py [--canvases 2000] [--size 64] [--epochs 18] [--learning_rate 1e-2]
                             [--batch_size 32] [--archs unet,lraspp_mobilenet_v3_large]
-                            [--tta_transforms hflip] [--runs 200] [--out DIR] [--quick]
+                            [--tta_transforms hflip] [--runs 200] [--out DIR] [--reexport]
+                            [--quick]
 
 The data: --canvases canvases of --size pixels written by
 ttc.tasks.segment.canvases.write_digit_canvases (scikit-learn's digits, 11 classes; seed 0, the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -252,9 +254,32 @@ def check_bundle(folder: Path, data: Path, args: argparse.Namespace) -> dict:
             "graph_ms": tta.percentile_ms(1, 50), "loop_agreement": loop_agreement}
 
 
+def reexport(arch: str, data: Path, folder: Path, args: argparse.Namespace
+             ) -> tuple[dict | None, float, str]:
+    """--reexport: the bundle trained by an earlier run, exported again by this checkout's
+    export.py (with its TTA graph); the training figures stay those of that run's report."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, str(REPO / "export.py"), "--dataset_path", str(data),
+                           "--output_model", str(folder / "model.onnx"), "--tta", "true",
+                           "--tta_transforms", args.tta_transforms, "--num_threads",
+                           str(args.threads), "--no_progress", "true"],
+                          capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        return None, 0.0, f"export.py failed (exit {done.returncode}): {lines[-1]}"
+    LOG_REEXPORT.append(f"{arch}: re-exported in {time.perf_counter() - started:.1f} s")
+    return json.loads((folder / "report.json").read_text()), math.nan, ""
+
+
+LOG_REEXPORT: list[str] = []
+
+
 def measure(arch: str, data: Path, out: Path, args: argparse.Namespace) -> Measured | Failed:
     folder = out / arch
-    report, seconds, error = train(arch, data, folder, args)
+    if args.reexport and (folder / "model.pt").is_file():
+        report, seconds, error = reexport(arch, data, folder, args)
+    else:
+        report, seconds, error = train(arch, data, folder, args)
     if report is None:
         return Failed(arch, error)
     own = check_bundle(folder, data, args)
@@ -380,6 +405,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
         print(f"{arch}: {r.error}" if isinstance(r, Failed) else
               f"{arch}: trained in {r.train_seconds:.1f} s (pipeline.py {r.pipeline_seconds:.1f}"
               f" s in all), test mean IoU {r.test_mean_iou:.4f}", flush=True)
+    for line in LOG_REEXPORT:
+        print(line, flush=True)
     (out / "figures.json").write_text(json.dumps([vars(r) for r in results], indent=1) + "\n")
     print_figures([r for r in results if isinstance(r, Measured)])
     print_goals(results, args)
@@ -406,6 +433,10 @@ def main() -> None:
                         help="test images the batch-1 turns cycle through")
     parser.add_argument("--out", help=f"where the bundles go (default: {DEFAULT_OUT}; with "
                         "--quick a temporary folder)")
+    parser.add_argument("--reexport", action="store_true",
+                        help="do not train an arch whose bundle is already in --out: export it "
+                        "again with this checkout's export.py and redo this script's checks "
+                        "(the training figures stay the earlier run's)")
     add_quick_flag(parser)
     args = parser.parse_args()
     if args.quick:
