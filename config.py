@@ -127,6 +127,10 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
             from ttc.tasks.segment.views import check_segmenter_flags
 
             check_segmenter_flags(self)
+        elif task_for(model_type).kind == "detection":
+            from ttc.tasks.detect.flags import check_detector_flags
+
+            check_detector_flags(self)
         elif self.tta or self.tta_transforms:
             from ttc.testtime.tta import parse_transform_specs
 

@@ -12,7 +12,7 @@ import copy
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -560,8 +560,76 @@ def export_detection_bundle(config: Config, net: torch.nn.Module, manifest: Mani
                         "min_matched_iou": check.min_matched_iou,
                         "count_mismatches": check.count_mismatches,
                         "resolutions_checked": check.resolutions, "nms": nms.record()}
-    write_bundle(slimmed, net, result, {})
+    adaptation = detection_adaptation_graph(config, net, samples, nms,
+                                            detection_runner(session))
+    extras = {"bn": adaptation} if adaptation else {}
+    if config.tta:
+        extras["tta"] = detection_tta_graph(config, net, samples, nms)
+    write_bundle(slimmed, net, result, extras)
     return result
+
+
+def detection_adaptation_graph(config: Config, net: torch.nn.Module, samples: np.ndarray, nms,
+                               deployed: Callable) -> ExtraGraph | None:
+    """A detector's graph for --ttt bn (model.bn.onnx): the candidates exported unoptimised and
+    constant-folded, so that the BatchNormalization nodes survive, with the same NMS appended;
+    its detections checked against the deployable graph's (`deployed`) on held-out images.
+    None for a network without BatchNorm."""
+    from ttc.tasks.detect.evaluate import detection_runner
+    from ttc.tasks.detect.export import MAX_CHECK_IMAGES, max_score_diff
+    from ttc.tasks.detect.nms import append_nms, export_candidates
+
+    candidates = fold_constants(export_candidates(net, samples[:2], config.opset,
+                                                  optimize=False))
+    if not any(n.op_type == "BatchNormalization" for n in candidates.graph.node):
+        return None
+    graph = append_nms(candidates, nms.iou_threshold, nms.score_threshold, nms.max_detections)
+    check_graph(graph)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    diff = max_score_diff(detection_runner(session), deployed,
+                          np.ascontiguousarray(samples[:MAX_CHECK_IMAGES]),
+                          "BatchNorm adaptation graph")
+    _require_close(diff, "BatchNorm adaptation graph", config)
+    layers = sum(n.op_type == "BatchNormalization" for n in graph.graph.node)
+    LOG.info("adaptation graph: %d BatchNorm layers kept, max score diff to the exported graph "
+             "%.2g", layers, diff)
+    return ExtraGraph(graph, {"purpose": "test-time training: BatchNorm nodes kept "
+                              "(unoptimised export, constant-folded, not slimmed), the same NMS",
+                              "batchnorm_layers": layers, "max_abs_diff": diff})
+
+
+def detection_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
+                        nms) -> ExtraGraph:
+    """--tta for a detector: its views (--tta_transforms, default the TASK entry's) with their
+    boxes mapped back and fused inside one graph (model.tta.onnx: ttc/tasks/detect/tta.py and
+    fusion.py), checked against the same computation in PyTorch and numpy at batch sizes 1,
+    4 and 8 and two image sizes, as model.onnx is."""
+    from ttc.tasks.detect.evaluate import detection_runner
+    from ttc.tasks.detect.export import compare_detections
+    from ttc.tasks.detect.flags import detector_views
+    from ttc.tasks.detect.fusion import append_fusion
+    from ttc.tasks.detect.tta import (default_settings, export_view_candidates,
+                                      parse_box_views, tta_reference)
+
+    views_text = detector_views(config.tta_transforms)
+    views = parse_box_views(views_text)
+    settings = default_settings(nms, len(views))
+    candidates = export_view_candidates(net, views, samples[:2], config.opset)
+    graph = append_fusion(slim_graph(candidates), len(views), settings)
+    check_graph(graph)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    check = compare_detections(detection_runner(session), net, samples, nms,
+                               config.validate_atol, tta_reference(net, views, settings))
+    LOG.info("TTA graph (%s, box fusion at IoU %.2f) ok: %d detections equal to PyTorch's and "
+             "numpy's (IoU ≥ %.4f, scores within %.2g)", views_text, settings.fusion_iou,
+             check.detections, check.min_matched_iou, check.max_abs_diff)
+    return ExtraGraph(graph, {"views": views_text, "fusion": settings.record(),
+                              "max_abs_diff": check.max_abs_diff,
+                              "detections_checked": check.detections,
+                              "min_matched_iou": check.min_matched_iou,
+                              "resolutions_checked": check.resolutions})
 
 
 def segmentation_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
@@ -955,14 +1023,17 @@ def bundle_compressed_nets(manifest: Manifest, paths: BundlePaths, net: torch.nn
 
 
 def require_tta_graph_applies(config: Config, manifest: Manifest) -> None:
-    """export.py --tta writes a segmenter's TTA graph; a classifier's TTA is built at inference."""
+    """export.py --tta writes a segmenter's or a detector's TTA graph; a classifier's TTA is
+    built at inference."""
     if not (config.tta or config.tta_transforms):
         return
-    if not task_of_kind(manifest.preprocessing.kind).dense:
+    kind = manifest.preprocessing.kind
+    if not (task_of_kind(kind).dense or kind == "detection"):
         from utils import ConfigError
 
-        raise ConfigError(f"export.py --tta writes an image_segmenter's TTA graph, and this "
-                          f"bundle is an {manifest.model_type}", "drop --tta here: inference.py "
+        raise ConfigError(f"export.py --tta writes an image_segmenter's or an "
+                          f"object_detector's TTA graph, and this bundle is an "
+                          f"{manifest.model_type}", "drop --tta here: inference.py "
                           "--tta true runs a classifier's TTA")
     config.validate_tta(manifest.model_type)
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ttc.serving.batch import BatchOptions, Predictor
     from ttc.serving.cluster import RayOptions
     from ttc.serving.manifest import Manifest
+    from ttc.tasks.detect.predict import DetectBatchOptions
     from ttc.tasks.segment.predict import SegmentBatchOptions
 
 
@@ -211,13 +212,73 @@ def evaluate_detector(config: Config, manifest: Manifest, session: ort.Inference
     graph), scored with COCO's metrics (ttc/tasks/detect/evaluate.py), and its latency."""
     from ttc.tasks.detect.evaluate import run_test_split
 
-    result, report["evaluation"], _ = run_test_split(
+    result, report["evaluation"], found = run_test_split(
         session, str(model_path), *test, manifest.labels, manifest.dataset.train_class_counts,
         config.batch_size)
     LOG.info("inference on %s: mAP@[.5:.95] %.4f, mAP@.5 %.4f, p50 %.3f ms/batch of %d, "
              "%.0f images/s", ", ".join(result.providers_active), result.map, result.map50,
              result.latency_ms_p50, config.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
+    if config.tta:
+        plain_model = Path(model_path) == BundlePaths.from_model_path(config.output_model).onnx
+        report["tta"] = detector_tta(config, manifest, test, found if plain_model else None)
+    if config.ttt:
+        report["ttt"] = detector_ttt(config, manifest, test)
+
+
+def detector_tta(config: Config, manifest: Manifest, test: tuple[np.ndarray, np.ndarray],
+                 found: list | None) -> dict:
+    """--tta for a detector: the bundle's TTA graph (model.tta.onnx, its views and box fusion
+    fixed at export) against model.onnx (whose test detections are `found` when known), with
+    exact WBF of the same views' detections beside (ttc/tasks/detect/evaluate.py)."""
+    import onnx
+
+    from ttc.tasks.detect.evaluate import detection_runner, tta_section
+    from ttc.tasks.detect.flags import detector_views
+    from ttc.tasks.detect.fusion import graph_settings, inner_runner, with_inner_outputs
+
+    paths = BundlePaths.from_model_path(config.output_model)
+    graph = manifest.extra_graphs.tta
+    tta_path = require_onnx_in_bundle(paths, manifest, "tta")
+    if config.tta_transforms and graph is not None \
+            and detector_views(config.tta_transforms) != graph.views:
+        LOG.warning("the bundle's TTA graph has the views %s (fixed at export); --tta_transforms "
+                    "%s is not used (re-export with them to change the views)", graph.views,
+                    config.tta_transforms)
+    model = onnx.load(str(tta_path))
+    settings = graph_settings(model)
+    plain = create_session(str(require_onnx_in_bundle(paths, manifest)), config.runtime())
+    merged = create_session(str(tta_path), config.runtime())
+    inner = create_session(with_inner_outputs(model).SerializeToString(), config.runtime(),
+                           source=tta_path)
+    section = tta_section(detection_runner(plain), detection_runner(merged),
+                          inner_runner(inner, settings), graph.views if graph else "", *test,
+                          manifest.labels, config.batch_size, settings.record(), found)
+    LOG.info("%s", section["verdict"])
+    return section
+
+
+def detector_ttt(config: Config, manifest: Manifest, test: tuple[np.ndarray, np.ndarray]) -> dict:
+    """--ttt for a detector: bn through the bundle's adaptation graph (model.bn.onnx, its fp32
+    candidates and the same NMS), against model.onnx, on the test split and on each
+    --eval_shift corruption of it (ttc/tasks/detect/adapt.py)."""
+    import onnx
+
+    from ttc.tasks.detect.adapt import adaptation_graph, adapted_runner, detection_ttt_section
+    from ttc.tasks.detect.evaluate import detection_runner
+
+    paths = BundlePaths.from_model_path(config.output_model)
+    path = require_onnx_in_bundle(paths, manifest, "bn")
+    graph = adaptation_graph(onnx.load(str(path)), lambda model: create_session(
+        model, config.runtime(), source=path))
+    source = create_session(str(require_onnx_in_bundle(paths, manifest)), config.runtime())
+    section = detection_ttt_section(
+        detection_runner(source), {"bn": adapted_runner(graph, config.ttt_bn_prior)}, *test,
+        manifest.labels, manifest.preprocessing.spec, config.batch_size,
+        config.shift_names("detection"), config.shift_severity, config.seed,
+        {"method": "bn", "bn_prior": config.ttt_bn_prior})
+    LOG.info("test-time training: %s", section["verdict"])
+    return section
 
 
 def dense_ttt(config: Config, manifest: Manifest, session: ort.InferenceSession,
@@ -363,9 +424,34 @@ def predict_detections(config: Config, paths: BundlePaths, report: dict) -> None
         min_score=config.min_score, overlay=config.overlay, batch_size=config.batch_size,
         errors=config.errors, allow_errors=config.allow_errors,
         show_progress=not config.no_progress)
+    if config.engine == "ray":
+        predict_detections_with_ray(config, paths, options, report)
+        return
     manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
     predict_detections_input(options, manifest.preprocessing.spec, list(manifest.labels),
                              detection_runner(session), report)
+
+
+def predict_detections_with_ray(config: Config, paths: BundlePaths,
+                                options: DetectBatchOptions, report: dict) -> None:
+    """A detector's --engine ray (ttc/tasks/detect/cluster.py): chunks of
+    --worker_batch_size images (default --batch_size; rounded up to whole --batch_size
+    batches), detected by workers that write the overlays themselves."""
+    import functools
+
+    from ttc.online.predictor import worker_detection_runner
+    from ttc.tasks.detect.cluster import predict_detections_on_ray
+
+    worker_config = ray_worker_config(config)
+    # the workers' session made once here: a bundle or provider that cannot work fails now
+    manifest, session, _ = load_bundle_session(paths, worker_config, input_variant(config))
+    chunk = -(-(config.worker_batch_size or config.batch_size) // config.batch_size) \
+        * config.batch_size
+    ray_options = ray_options_of(config, chunk, session)
+    del session
+    predict_detections_on_ray(options, manifest.preprocessing.spec, list(manifest.labels),
+                              functools.partial(worker_detection_runner, worker_config), report,
+                              ray_options)
 
 
 def predict_masks_with_ray(config: Config, paths: BundlePaths, options: SegmentBatchOptions,

@@ -88,25 +88,58 @@ class VariantResult:
     op_sets: list[dict] | None = None  # --quantize_ops auto: the op sets tried, as judged
     slower_op_types: list[dict] | None = None  # --profile: where a slower variant's time grew
     cpu: dict | None = None  # the CPU that timed it (runtime.CpuInfo), for CPU providers
-    metric: str = "accuracy"  # what the accuracy* fields hold (a segmenter's: mean_iou)
+    metric: str = "accuracy"  # what the accuracy* fields hold (segmenter: mean_iou; detector: map)
+    test_metrics: dict | None = None  # other test figures, int8's and fp32's (a detector's map50)
 
     def report_section(self) -> dict:
         return asdict(self)
 
 
 Metric = Callable[[np.ndarray, np.ndarray], float]  # (probabilities, truth) → a score
+# How verdicts name a metric
+METRIC_WORDS = {"accuracy": "accuracy", "mean_iou": "mean IoU", "map": "mAP@[.5:.95]",
+                "map50": "mAP@.5"}
 
 
-def variant_metric(manifest) -> tuple[str, Metric]:
-    """What a variant is judged by: accuracy, or for a segmenter the mean IoU of the masks its
-    probabilities give (argmax over the class axis), void pixels left out."""
+class ProbabilityScorer:
+    """What a variant is judged by, for graphs whose output is "probabilities" (classifiers,
+    segmenters): `metric` of the probabilities; agreement: top-1 (per pixel for a segmenter);
+    difference: the largest of |p - p_fp32|. A detector's counterpart, with the same methods:
+    ttc/tasks/detect/quantize.py's DetectionScorer."""
+
+    def __init__(self, name: str = "accuracy", metric: Metric = accuracy) -> None:
+        self.name, self.metric = name, metric
+
+    def runner(self, session) -> Callable[[np.ndarray], np.ndarray]:
+        return session_runner(session)
+
+    def predict(self, session, x: np.ndarray, batch_size: int) -> np.ndarray:
+        return predict_proba(session, x, batch_size)
+
+    def evaluate(self, probabilities: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """The judged figure first (by `name`), then any other."""
+        return {self.name: self.metric(probabilities, y)}
+
+    def compare(self, probabilities: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+        return (top1_agreement(probabilities, reference),
+                float(np.abs(probabilities - reference).max()))
+
+
+def variant_scorer(manifest) -> ProbabilityScorer:
+    """What a variant is judged by: accuracy; for a segmenter the mean IoU of the masks its
+    probabilities give (argmax over the class axis), void pixels left out; for a detector
+    COCO's mAP@[.5:.95] of its detections (ttc/tasks/detect/quantize.py)."""
+    if manifest.preprocessing.kind == "detection":
+        from ttc.tasks.detect.quantize import DetectionScorer
+
+        return DetectionScorer(manifest.labels)  # type: ignore[return-value]
     if not task_of_kind(manifest.preprocessing.kind).dense:
-        return "accuracy", accuracy
+        return ProbabilityScorer()
     from ttc.tasks.segment.evaluate import probabilities_mean_iou
 
     ignore_index = manifest.preprocessing.spec["ignore_index"]
-    return "mean_iou", lambda probabilities, y: probabilities_mean_iou(
-        probabilities, y, manifest.classes, ignore_index)
+    return ProbabilityScorer("mean_iou", lambda probabilities, y: probabilities_mean_iou(
+        probabilities, y, manifest.classes, ignore_index))
 
 
 def choose_mode(requested: str, model: onnx.ModelProto) -> str:
@@ -227,14 +260,35 @@ def resolve_op_types(requested: str, mode: str, present: set[str]) -> list[str]:
 
 def prepare_graph(src: Path, folder: Path, mode: str) -> Path:
     """The graph quantization starts from (its node names are what --quantize_exclude and the
-    diagnosis use): shape inference and optimisation; for dynamic, constant Gemms as MatMul."""
+    diagnosis use): shape inference and optimisation, unnamed nodes named; for dynamic,
+    constant Gemms as MatMul."""
     prepared = folder / "prepared.onnx"
     prepare_for_quantization(src, prepared)
+    graph = onnx.load(str(prepared))
+    changed = name_unnamed_nodes(graph)
     if mode == "dynamic":
-        graph = onnx.load(str(prepared))
-        if gemm_to_matmul(graph):
-            onnx.save_model(graph, str(prepared))
+        changed += gemm_to_matmul(graph)
+    if changed:
+        onnx.save_model(graph, str(prepared))
     return prepared
+
+
+def name_unnamed_nodes(model: onnx.ModelProto) -> int:
+    """Name each unnamed node after its first output (the nodes a detector's append_nms wrote:
+    "nms/selected", ..., "boxes"), so that nodes_to_exclude and the diagnosis can name it; in
+    place. Returns how many were named."""
+    taken = {node.name for node in model.graph.node if node.name}
+    named = 0
+    for k, node in enumerate(model.graph.node):
+        if node.name:
+            continue
+        name = node.output[0] if node.output and node.output[0] else f"{node.op_type}_{k}"
+        while name in taken:
+            name += "_node"
+        node.name = name
+        taken.add(name)
+        named += 1
+    return named
 
 
 def quantize_prepared(prepared: Path, dst: Path, mode: str, op_types: Sequence[str],
@@ -318,14 +372,16 @@ class ExclusionStep:
 
 
 class Quantizer:
-    """Quantize one prepared graph with different nodes excluded, diagnose each result and judge
-    it on the validation split against fp32 (timed in turns at --batch_size)."""
+    """Quantize one prepared graph with different nodes excluded (besides `fixed`, the nodes
+    always kept in float: a detector's head and NMS), diagnose each result and judge it on the
+    validation split against fp32 (timed in turns at --batch_size)."""
 
     def __init__(self, prepared: Path, mode: str, op_types: Sequence[str], feeds: Sequence[dict],
-                 config: Config, val: Split | None, tag: str = "", metric: Metric = accuracy
-                 ) -> None:
+                 config: Config, val: Split | None, tag: str = "",
+                 scorer: ProbabilityScorer | None = None, fixed: Sequence[str] = ()) -> None:
         self.prepared, self.mode, self.op_types, self.feeds = prepared, mode, op_types, feeds
-        self.config, self.val, self.tag, self.metric = config, val, tag, metric
+        self.config, self.val, self.tag = config, val, tag
+        self.scorer, self.fixed = scorer or ProbabilityScorer(), list(fixed)
         self._fp32 = None
         self._fp32_val: float | None = None
         self._tries = 0
@@ -333,8 +389,8 @@ class Quantizer:
     def quantize(self, exclude: Sequence[str]) -> Path:
         self._tries += 1
         dst = self.prepared.with_name(f"int8{self.tag}_{self._tries}.onnx")
-        return quantize_prepared(self.prepared, dst, self.mode, self.op_types, exclude,
-                                 self.feeds, self.config)
+        return quantize_prepared(self.prepared, dst, self.mode, self.op_types,
+                                 [*self.fixed, *exclude], self.feeds, self.config)
 
     def diagnose(self, int8: Path) -> list[LayerError]:
         """The layers, worst first; none (and a WARNING) where the diagnosis itself fails: it
@@ -345,16 +401,22 @@ class Quantizer:
             LOG.warning("could not diagnose the int8 layers: %s", first_line(err))
             return []
 
-    def judge_step(self, int8: Path, excluded: Sequence[str]) -> ExclusionStep:
-        """Validation accuracy and p50 at --batch_size against fp32 (the prepared graph)."""
+    def val_score(self, session) -> float:
         assert self.val is not None
         x, y = self.val
+        found = self.scorer.predict(session, x, self.config.batch_size)
+        return self.scorer.evaluate(found, y)[self.scorer.name]
+
+    def judge_step(self, int8: Path, excluded: Sequence[str]) -> ExclusionStep:
+        """Validation score and p50 at --batch_size against fp32 (the prepared graph)."""
+        assert self.val is not None
         if self._fp32 is None:
             self._fp32 = create_session(str(self.prepared), self.config.cpu_runtime())
-            self._fp32_val = self.metric(predict_proba(self._fp32, x, self.config.batch_size), y)
+            self._fp32_val = self.val_score(self._fp32)
         session = create_session(str(int8), self.config.cpu_runtime())
-        score = self.metric(predict_proba(session, x, self.config.batch_size), y)
-        fp32_ms, int8_ms = interleaved_p50_ms([self._fp32, session], x, self.config.batch_size)
+        score = self.val_score(session)
+        fp32_ms, int8_ms = interleaved_p50_ms([self._fp32, session], self.val[0],
+                                              self.config.batch_size, self.scorer.runner)
         return ExclusionStep(list(excluded), score, self._fp32_val, int8_ms, fp32_ms,
                              within_bound=self._fp32_val - score <= self.config.max_accuracy_drop,
                              faster=int8_ms * MIN_SPEEDUP <= fp32_ms)
@@ -415,11 +477,12 @@ def search_outcome(steps: Sequence[ExclusionStep], excluded: Sequence[str]) -> s
             "excluded nodes found within the bound")
 
 
-def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int) -> list[float]:
-    """p50 ms per batch of `batch_size` for each session, timed in turns on the same (whole)
-    batches."""
+def interleaved_p50_ms(sessions: Sequence, x: np.ndarray, batch_size: int,
+                       runner: Callable = session_runner) -> list[float]:
+    """p50 ms per batch of `batch_size` for each session (run by `runner(session)`), timed in
+    turns on the same (whole) batches."""
     batches = whole_batches(batches_of(x, batch_size, graph_padding_id(sessions[0])), batch_size)
-    timings = time_runners([session_runner(s) for s in sessions], batches, TIMED_RUNS)
+    timings = time_runners([runner(s) for s in sessions], batches, TIMED_RUNS)
     return [timings.percentile_ms(k, 50) for k in range(len(sessions))]
 
 
@@ -431,10 +494,13 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
     on_val = result.accuracy_val is not None and result.accuracy_val_fp32 is not None
     drop = (result.accuracy_val_fp32 - result.accuracy_val if on_val
             else result.accuracy_fp32 - result.accuracy)
-    metric = result.metric.replace("mean_iou", "mean IoU")
+    metric = METRIC_WORDS.get(result.metric, result.metric)
     if drop > max_drop:
+        score, fp32 = ((result.accuracy_val, result.accuracy_val_fp32) if on_val
+                       else (result.accuracy, result.accuracy_fp32))
         result.problems.append(f"{label} loses {drop:.3f} {'validation' if on_val else 'test'} "
-                               f"{metric} (more than --max_accuracy_drop {max_drop:g})")
+                               f"{metric} ({score:.4f} vs {fp32:.4f} for fp32; more than "
+                               f"--max_accuracy_drop {max_drop:g})")
     if result.latency_ms_p50 > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
@@ -453,7 +519,8 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
         result.used_for_inference = True
         result.verdict = (f"{label}: {speedup:.2f}x the speed of fp32 at batch "
                           f"{result.batch_size}, test {metric} {result.accuracy:.4f} vs "
-                          f"{result.accuracy_fp32:.4f}; inference uses {label}{note}")
+                          f"{result.accuracy_fp32:.4f}{other_metrics_note(result)}; inference "
+                          f"uses {label}{note}")
     elif force:
         result.used_for_inference = True
         result.verdict = f"{'; '.join(result.problems)}; inference uses {label} (--force_quantized)"
@@ -461,6 +528,14 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
         outcome = (f"inference does not use {label}" if result.mode not in ("static", "dynamic")
                    else "inference uses fp32 (--force_quantized true to use int8 anyway)")
         result.verdict = f"{'; '.join(result.problems)}; {outcome}"
+
+
+def other_metrics_note(result: VariantResult) -> str:
+    """' (mAP@.5 0.9312 vs 0.9355)': the variant's other test figures beside fp32's, or ''."""
+    others = result.test_metrics or {}
+    pairs = [f"{METRIC_WORDS.get(name, name)} {value:.4f} vs {others[name + '_fp32']:.4f}"
+             for name, value in others.items() if name + "_fp32" in others]
+    return f" ({', '.join(pairs)})" if pairs else ""
 
 
 def variant_label(mode: str) -> str:
@@ -497,76 +572,68 @@ def cpu_note(result: VariantResult) -> str:
 
 def measure_against_fp32(fp32_path: Path, variant: bytes, runtime: RuntimeOptions,
                          x: np.ndarray, y: np.ndarray, batch_size: int,
-                         val: Split | None = None,
-                         metric: tuple[str, Metric] = ("accuracy", accuracy), **fields
-                         ) -> VariantResult:
-    """Test accuracy, agreement, difference, size and interleaved p50 latency vs fp32, and the
-    validation accuracies the verdict judges (`metric`: what "accuracy" is, by name and how it
-    is computed: variant_metric)."""
-    name, score = metric
+                         val: Split | None = None, scorer: ProbabilityScorer | None = None,
+                         **fields) -> VariantResult:
+    """Test score, agreement, difference, size and interleaved p50 latency vs fp32, and the
+    validation scores the verdict judges (`scorer`: what "accuracy" is, by name, and how the
+    graphs' outputs are computed, scored and compared: variant_scorer; accuracy by default)."""
+    scorer = scorer or ProbabilityScorer()
     sessions = [create_session(str(fp32_path), runtime), create_session(variant, runtime)]
     if val is not None and len(val[0]):
         fields["accuracy_val_fp32"], fields["accuracy_val"] = (
-            score(predict_proba(s, val[0], batch_size), val[1]) for s in sessions)
-    probs_fp32, probs = (predict_proba(s, x, batch_size) for s in sessions)
-    p50_batch = interleaved_p50_ms(sessions, x, batch_size)
-    p50_one = interleaved_p50_ms(sessions, x, 1)
+            scorer.evaluate(scorer.predict(s, val[0], batch_size), val[1])[scorer.name]
+            for s in sessions)
+    outputs_fp32, outputs = (scorer.predict(s, x, batch_size) for s in sessions)
+    scores_fp32, scores = (scorer.evaluate(o, y) for o in (outputs_fp32, outputs))
+    others = {f"{name}{suffix}": figures[name] for name in scores if name != scorer.name
+              for suffix, figures in (("", scores), ("_fp32", scores_fp32))}
+    agreement, difference = scorer.compare(outputs, outputs_fp32)
+    p50_batch = interleaved_p50_ms(sessions, x, batch_size, scorer.runner)
+    p50_one = interleaved_p50_ms(sessions, x, 1, scorer.runner)
     return VariantResult(
         provider=sessions[1].get_providers()[0], size_bytes_fp32=fp32_path.stat().st_size,
         cpu=(cpu_section() if sessions[1].get_providers()[0] == "CPUExecutionProvider" else None),
-        size_bytes=len(variant), accuracy=score(probs, y), metric=name,
-        accuracy_fp32=score(probs_fp32, y), top1_agreement=top1_agreement(probs, probs_fp32),
-        max_abs_diff=float(np.abs(probs - probs_fp32).max()), batch_size=batch_size,
+        size_bytes=len(variant), accuracy=scores[scorer.name], metric=scorer.name,
+        accuracy_fp32=scores_fp32[scorer.name], top1_agreement=agreement,
+        max_abs_diff=difference, batch_size=batch_size,
         latency_ms_p50=p50_batch[1], latency_ms_p50_fp32=p50_batch[0],
         latency_ms_p50_batch1=p50_one[1], latency_ms_p50_batch1_fp32=p50_one[0],
-        used_for_inference=False, verdict="", **fields)
+        used_for_inference=False, verdict="", test_metrics=others or None, **fields)
 
 
 def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val: Split | None,
                     test: Split) -> VariantResult:
-    """Quantize (excluding nodes as --quantize_exclude says), diagnose the layers, judge on the
-    validation split, report test accuracy, time against fp32, write model.int8.onnx."""
+    """Quantize (excluding nodes as --quantize_exclude says; a detector's head and NMS always),
+    diagnose the layers, judge on the validation split, report the test score, time against
+    fp32, write model.int8.onnx."""
     manifest = read_manifest(paths)
     require_onnx_in_bundle(paths, manifest)
     source = onnx.load(str(paths.onnx))
     mode = choose_mode(config.quantize, source)
     LOG.info("quantizing %s to int8 (%s%s)", paths.onnx.name, mode,
              ", auto" if config.quantize == "auto" else "")
-    exclusion = config.exclusion()
-    metric = variant_metric(manifest)
-    on_val = val is not None and len(val[0]) > 0
+    scorer = variant_scorer(manifest)
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
-        graph = onnx.load(str(prepared))
-        candidates = op_set_candidates(config.op_set(), mode,
-                                       {n.op_type for n in graph.graph.node})
-        candidates = candidates if on_val else candidates[:1]  # nothing to judge them on
-        manual = [] if exclusion == "auto" else list(exclusion)
-        require_known_nodes(manual, graph, sorted({t for c in candidates for t in c}))
         feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
-        trials = []
-        for k, op_types in enumerate(candidates):
-            quantizer = Quantizer(prepared, mode, op_types, feeds, config, val, tag=f"_{k}",
-                                  metric=metric[1])
-            trials.append(quantizer_step(mode, lambda: try_op_set(
-                quantizer, manual, auto=exclusion == "auto" and on_val,
-                judge=len(candidates) > 1)))
-        chosen = choose_op_set(trials)
+        trials, chosen = quantize_trials(config, prepared, mode, feeds, val, scorer,
+                                         manifest.preprocessing.kind == "detection")
         trial = trials[chosen]
         int8_bytes = stamp_contract(onnx.load(str(trial.int8)), manifest).SerializeToString()
     section = trial.exclusion
     result = measure_against_fp32(
         paths.onnx, int8_bytes, config.cpu_runtime(), *test, config.batch_size, val,
-        metric=metric, mode=mode,
+        scorer=scorer, mode=mode,
         requested=config.quantize, path=str(paths.int8), op_types=trial.op_types,
         layers=[row.report_row() for row in trial.layers[:SHOWN_LAYERS]], exclusion=section,
         op_sets=op_sets_section(trials, chosen),
         calibration=None if mode == "dynamic" else {
             "method": config.calibration_method, "source": "train split",
             "samples": min(config.calibration_size, len(train_x))})
-    nodes = onnx.load_from_string(int8_bytes).graph.node
-    problems = [] if any(n.op_type in QUANTIZED_OPS for n in nodes) else [
+    int8_graph = onnx.load_from_string(int8_bytes)
+    problems = [] if any(n.op_type in QUANTIZED_OPS for n in int8_graph.graph.node) else [
         f"{mode} quantization found nothing to quantize in this graph"]
+    problems += head_problems(int8_graph, section.get("kept_float"))
     steps = section.get("steps") or []
     if len(steps) > 1 and not (steps[-1]["within_bound"] and steps[-1]["faster"]):
         problems.append(f"auto exclusion {section['outcome']}")
@@ -577,6 +644,50 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
     record_variant(paths, manifest, "int8", int8_bytes, result.report_section())
     return result
+
+
+def quantize_trials(config: Config, prepared: Path, mode: str, feeds: Sequence[dict],
+                    val: Split | None, scorer: ProbabilityScorer, detector: bool
+                    ) -> tuple[list[OpSetTrial], int]:
+    """Each op set of --quantize_ops quantized (with the nodes of --quantize_exclude, or those
+    it searches for, kept fp32; a detector's head and NMS kept float besides: see
+    ttc/tasks/detect/quantize.py), diagnosed and, where there is a choice, judged. Returns the
+    trials and the index of the chosen one."""
+    exclusion = config.exclusion()
+    on_val = val is not None and len(val[0]) > 0
+    graph = onnx.load(str(prepared))
+    candidates = op_set_candidates(config.op_set(), mode, {n.op_type for n in graph.graph.node})
+    candidates = candidates if on_val else candidates[:1]  # nothing to judge them on
+    manual = [] if exclusion == "auto" else list(exclusion)
+    require_known_nodes(manual, graph, sorted({t for c in candidates for t in c}))
+    parts = None
+    if detector:
+        from ttc.tasks.detect.quantize import graph_parts, kept_float_section
+
+        parts = graph_parts(graph)
+    trials = []
+    for k, op_types in enumerate(candidates):
+        quantizer = Quantizer(prepared, mode, op_types, feeds, config, val, tag=f"_{k}",
+                              scorer=scorer, fixed=parts.kept_float() if parts else ())
+        trial = quantizer_step(mode, lambda: try_op_set(
+            quantizer, manual, auto=exclusion == "auto" and on_val, judge=len(candidates) > 1))
+        if parts is not None:
+            kept = kept_float_section(parts, graph, op_types)
+            trial.exclusion.update(kept_float=kept,
+                                   excluded=[*kept["quantizable"], *trial.exclusion["excluded"]])
+        trials.append(trial)
+    return trials, choose_op_set(trials)
+
+
+def head_problems(int8: onnx.ModelProto, kept_float: dict | None) -> list[str]:
+    """A detector's: the nodes meant to stay float (head, NMS) that int8 quantized anyway."""
+    if not kept_float:
+        return []
+    from ttc.tasks.detect.quantize import float_violations
+
+    wrong = float_violations(int8, [*kept_float["head"], *kept_float["postprocessing"]])
+    return [f"int8 quantized {len(wrong)} node(s) of the head or NMS meant to stay float: "
+            f"{', '.join(wrong[:5])}"] if wrong else []
 
 
 @dataclass
@@ -687,7 +798,7 @@ def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Spl
         half = convert_float_to_float16(onnx.load(str(paths.onnx)), keep_io_types=True)
     data = stamp_contract(half, manifest).SerializeToString()
     result = measure_against_fp32(paths.onnx, data, config.runtime(), *test, config.batch_size,
-                                  val, metric=variant_metric(manifest), mode="fp16",
+                                  val, scorer=variant_scorer(manifest), mode="fp16",
                                   requested="fp16", path=str(paths.fp16))
     cpu_only = [] if result.provider != "CPUExecutionProvider" else [
         "fp16 is for GPU providers and only CPUExecutionProvider is active here (timings above "

@@ -28,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python serve.py --model runs/sms/model.onnx --port 8000\n"
                "  curl -s localhost:8000/predict -d '{\"instances\": [{\"text\": \"hi\"}]}'")
     config = start_cli(parser, argv)
+    refuse_unserved_model_types(config)
     if config.engine == "ray":
         from ttc.online.ray_serve import serve_on_ray
 
@@ -35,6 +36,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ttc.online.app import serve
 
     return serve(config)
+
+
+def refuse_unserved_model_types(config) -> None:
+    """The server's endpoints answer a classifier's classes; a segmenter's masks and a
+    detector's boxes have no endpoint yet: one line and exit 2, before the port opens."""
+    from ttc.serving.bundle import BundlePaths, read_manifest
+    from utils import ConfigError
+
+    manifest = read_manifest(BundlePaths.from_model_path(config.output_model))
+    if manifest.preprocessing.kind in ("segmentation", "detection"):
+        raise ConfigError(f"serve.py serves classifiers, and this bundle is an "
+                          f"{manifest.model_type} (no endpoint returns masks or boxes yet)",
+                          "run inference.py --input on its images instead")
 
 
 if __name__ == "__main__":

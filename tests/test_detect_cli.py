@@ -31,7 +31,9 @@ def detect_bundle(tmp_path_factory) -> dict:
     model = out / "model.onnx"
     run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", images,
                   "--annotations", annotations, "--epochs", "2", "--batch_size", "16",
-                  "--max_detections", "20", "--output_model", model, "--report_json",
+                  "--max_detections", "20", "--ttt", "true", "--eval_shift", "contrast",
+                  "--tta", "true",
+                  "--output_model", model, "--report_json",
                   out / "report.json", "--no_progress", "true")
     assert run.returncode == 0, run.stderr[-3000:]
     return {"images": images, "annotations": annotations, "dir": out, "model": model,
@@ -85,6 +87,39 @@ def test_the_report_scores_boxes_with_coco_metrics(detect_bundle):
     assert report["train"]["metric"] == "map" and "val_map" in report["train"]
     assert report["calibration"] is None or "temperature" not in (report["calibration"] or {})
     assert "mAP@[.5:.95]" in detect_bundle["run"].stdout
+
+
+def test_bn_adapts_through_the_bundle_s_batchnorm_graph_under_a_corruption(detect_bundle):
+    folder = detect_bundle["dir"]
+    bn = session(folder / "model.bn.onnx")
+    assert [o.name for o in bn.get_outputs()] == OUTPUTS
+    manifest = json.loads((folder / "model.json").read_text())
+    assert manifest["extra_graphs"]["bn"]["batchnorm_layers"] > 0
+    ttt = detect_bundle["report"]["ttt"]
+    assert ttt["method"] == "bn" and ttt["metric"] == "map"
+    assert [row["name"] for row in ttt["shifts"]] == ["contrast"]
+    for row in (ttt["clean"], ttt["shifts"][0]):
+        assert 0.0 <= row["map_source"] <= row["map50_source"] <= 1.0
+        assert 0.0 <= row["map_bn"] <= row["map50_bn"] <= 1.0
+    assert "mAP@.5" in ttt["verdict"]
+
+
+def test_tta_fuses_the_default_views_in_one_graph_and_reports_the_map_change(detect_bundle):
+    folder = detect_bundle["dir"]
+    tta = session(folder / "model.tta.onnx")
+    assert [o.name for o in tta.get_outputs()] == OUTPUTS
+    boxes = tta.run(["boxes"], {"image": np.zeros((3, 1, SIDE, 40), np.float32)})[0]
+    assert boxes.shape == (3, 20, 4)
+    graph = json.loads((folder / "model.json").read_text())["extra_graphs"]["tta"]
+    assert graph["views"] == "scale:0.75,scale:1.25"
+    assert graph["fusion"]["fusion_iou"] == 0.55 and graph["min_matched_iou"] >= 0.99
+    section = detect_bundle["report"]["tta"]
+    assert section["transforms"] == graph["views"] and section["views"] == 3
+    assert section["map_plain"] == detect_bundle["report"]["evaluation"]["map"]
+    for key in ("map", "map50", "map_wbf", "map50_wbf", "map_plain", "map50_plain"):
+        assert 0.0 <= section[key] <= 1.0
+    assert section["cost_ratio"] > 0 and "mAP@[.5:.95]" in section["verdict"]
+    assert "test mAP@[.5:.95] TTA" in detect_bundle["run"].stdout
 
 
 def test_inference_alone_scores_the_same_test_split(detect_bundle, tmp_path):
@@ -149,8 +184,11 @@ def test_train_and_export_alone_bake_export_s_nms_thresholds(tmp_path):
 
 
 @pytest.mark.parametrize("flags,phrase", [
-    (["--tta", "true"], "--tta"), (["--quantize", "static"], "--quantize"),
-    (["--ignore_index", "3"], "--ignore_index"), (["--engine", "ray"], "--engine")])
+    (["--tta_merge", "max"], "--tta_merge"), (["--fp16", "true"], "--fp16"),
+    (["--tta", "true", "--tta_transforms", "rot90"], "'rot90' is not a detection view"),
+    (["--ignore_index", "3"], "--ignore_index"),
+    (["--ttt", "true", "--ttt_method", "tent"], "--ttt_method tent"),
+    (["--eval_shift", "blur"], "add --ttt true")])
 def test_flags_a_detector_does_not_take_are_refused_before_any_work(tmp_path, flags, phrase):
     run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path",
                   "builtin:digit_boxes", "--output_model", tmp_path / "m.onnx", *flags)
@@ -196,3 +234,15 @@ def test_the_guide_s_python_snippet_reads_the_graph(detect_bundle, tmp_path):
     count = session(detect_bundle["model"]).run(["num_detections"], {"image": np.asarray(
         Image.open(first).convert("L"), np.float32)[None, None] / 255.0})[0][0]
     assert len(done.stdout.splitlines()) == count
+
+
+def test_the_server_refuses_a_detector_before_its_port_opens(detect_bundle):
+    run = run_cli("serve.py", "--model", detect_bundle["model"], "--port", "1")
+    assert_clean_failure(run, EXIT_USAGE, "serve.py serves classifiers", "object_detector")
+
+
+def test_tta_and_ttt_on_new_images_are_refused_not_ignored(detect_bundle, tmp_path):
+    run = run_cli("inference.py", "--model", detect_bundle["model"], "--input",
+                  detect_bundle["images"], "--output", tmp_path / "d.csv", "--tta", "true")
+    assert_clean_failure(run, EXIT_USAGE, "--input", "--tta")
+    assert not (tmp_path / "d.csv").exists()

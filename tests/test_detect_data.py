@@ -384,6 +384,6 @@ def test_the_builtin_and_the_annotations_flag_s_model_type(tmp_path):
                for script in ("pipeline", "train", "export", "quantize", "inference"))
     config = Config()
     config.annotations = str(tmp_path / "a.json")
-    with pytest.raises(ConfigError, match="--annotations does not apply"):
+    with pytest.raises(ConfigError, match="--annotations is for an object_detector"):
         config.refuse_flags_for("image_classifier")
     config.refuse_flags_for("object_detector")

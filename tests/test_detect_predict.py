@@ -381,7 +381,7 @@ def test_the_flags_are_checked_and_refused_for_other_model_types():
     detector_flags = config("--output", "d.json", "--output_format", "coco", "--min_score", "0.5")
     detector_flags.refuse_flags_for("object_detector")
     for model_type in ("image_classifier", "image_segmenter"):
-        with pytest.raises(ConfigError, match="--output_format, --min_score do not apply"):
+        with pytest.raises(ConfigError, match="--output_format is for an object_detector"):
             detector_flags.refuse_flags_for(model_type)
 
 

@@ -123,6 +123,9 @@ CORRUPTIONS: dict[str, dict[str, Corruption]] = {
     # a segmenter's: the photometric ones (a geometric shift would move pixels off their masks)
     "segmentation": {"gaussian_noise": gaussian_noise, "contrast": contrast, "blur": blur,
                      "brightness": brightness},
+    # a detector's: the photometric ones too (a geometric shift would move objects off their boxes)
+    "detection": {"gaussian_noise": gaussian_noise, "contrast": contrast, "blur": blur,
+                  "brightness": brightness},
     "tabular": {"feature_noise": feature_noise, "feature_scale": feature_scale},
     "text": {"unknown_tokens": unknown_tokens, "token_deletion": token_deletion},
 }

@@ -2,8 +2,9 @@
 
 ClassifierProgram (a dspy.Module whose model is a torch network), WeightTrainer (a Teleprompter
 that fits its weights: AdamW under a schedule that follows the run's length, the best epoch on
-validation, early stopping), CandidateSearch (one WeightTrainer per learning rate and seed, the
-best kept by dspy.Evaluate), and the checks that
+validation, early stopping), ImageTrainer (the segmenter's and the detector's trainers' common
+part), CandidateSearch (one WeightTrainer per learning rate and seed, the best kept by
+dspy.Evaluate), and the checks that
 stop a training run whose data or weights are not finite. train.py and pipeline.py call
 train_classifier; importing this module imports torch and dspy.
 """
@@ -427,6 +428,150 @@ class WeightTrainer(Teleprompter):
             seen += len(batch)
             bar.set_postfix(loss=f"{total_loss / seen:.4f}")
         return total_loss / seen, correct / seen
+
+
+# BatchNorm statistics are re-estimated on at most this many training images after each epoch
+# of an ImageTrainer: an image gives every channel H×W values, so a few hundred images estimate
+# them as well as the classifier's 4,096 (and the pass costs a tenth of an epoch on 2,000
+# canvases).
+DENSE_RECALIBRATION_IMAGES = 512
+
+
+class ImageTrainer(Teleprompter):
+    """What the segmenter's and the detector's trainers share (ttc/tasks/*/training.py): AdamW
+    with `weight_decay` under the `lr_schedule` (ttc/nets/fitting.py) over shuffled batches,
+    BatchNorm statistics re-estimated on DENSE_RECALIBRATION_IMAGES training images after each
+    epoch, each epoch scored by dspy.Evaluate on the validation set, the best epoch's weights
+    kept and early stopping (BestEpoch); a loss or weights that are not finite stop it with
+    TrainingDiverged (exit 4). A subclass stacks its examples (_stack), trains an epoch
+    (_train_epoch, stepping through _step), scores validation (_scored) and says what the
+    history's train_accuracy is (_train_accuracy); `train_metric`, `val_metric` and
+    `score_name` name them in the log."""
+
+    train_metric = "train_acc"
+    val_metric = "val_score"
+    score_name = "score"
+
+    def __init__(self, metric: Callable, *, epochs: int, batch_size: int,
+                 learning_rate: float, weight_decay: float, seed: int, lr_schedule: str = "auto",
+                 patience: int = 0, show_progress: bool = True) -> None:
+        super().__init__()
+        self.epochs, self.batch_size = epochs, batch_size
+        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.seed, self.lr_schedule, self.patience = seed, lr_schedule, patience
+        self.show_progress = show_progress
+        self.metric = metric
+        self.history: list[EpochRecord] = []
+        self.best_epoch = 0
+        self.batches_run = 0  # in the current epoch
+        self.initial_loss: float | None = None  # the first batch's, before any update
+
+    def compile(self, student: dspy.Module, *, trainset: list[dspy.Example], teacher=None,
+                valset: list[dspy.Example] | None = None, **kwargs) -> dspy.Module:
+        program = copy.deepcopy(student)
+        x, y = self._stack(trainset)
+        devset = valset or trainset
+        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
+                                 display_progress=False, max_errors=1)
+        generator = torch.Generator().manual_seed(self.seed)
+        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
+                                      weight_decay=self.weight_decay)
+        schedule = learning_rate_schedule(optimizer, self.epochs * self._steps_per_epoch(len(x)),
+                                          self.lr_schedule, self.learning_rate)
+        best = BestEpoch(self.patience)
+        for epoch in range(1, self.epochs + 1):
+            started = time.perf_counter()
+            loss, running = self._train_epoch(program, x, y, optimizer, schedule, generator,
+                                              epoch)
+            order = torch.randperm(len(x), generator=generator)[:DENSE_RECALIBRATION_IMAGES]
+            recalibrate_batchnorm(program.net, x[order], self.batch_size)
+            require_finite_weights(program.net, epoch, self.batches_run, self.learning_rate,
+                                   self.seed)
+            with stdout_to_stderr(), program.batched_for(devset) as validation:
+                evaluated = evaluate(program)
+            raise_if_interrupted()
+            score, val_loss = self._scored(program, evaluated.results, validation)
+            record = EpochRecord(epoch, loss, self._train_accuracy(program, trainset, running),
+                                 score, round(time.perf_counter() - started, 3), val_loss)
+            self.history.append(record)
+            self._log_epoch(record)
+            stop = best.keep(program.net, epoch, score, val_loss)
+            self.best_epoch = best.epoch
+            if stop and epoch < self.epochs:
+                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
+                         "%s has improved for %d epochs (--patience); keeping epoch %d",
+                         epoch, self.epochs, self.score_name, self.patience, self.best_epoch)
+                break
+        program.net.load_state_dict(best.state)
+        program.net.cpu().eval()
+        return program
+
+    @property
+    def best_record(self) -> EpochRecord:
+        return self.history[self.best_epoch - 1]
+
+    def _log_epoch(self, record: EpochRecord) -> None:
+        LOG.info("epoch %d/%d  loss %.4f  %s %.4f  %s %.4f  val_loss %.4f  (%.1fs)",
+                 record.epoch, self.epochs, record.loss, self.train_metric,
+                 record.train_accuracy, self.val_metric, record.val_accuracy,
+                 math.nan if record.val_loss is None else record.val_loss, record.seconds)
+
+    def _steps_per_epoch(self, count: int) -> int:
+        """The optimizer steps of an epoch over `count` images (the schedule's length)."""
+        return max(1, count // self.batch_size + (count % self.batch_size > 1))
+
+    def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm fails
+        on it: DeepLabV3's ASPP pooling branch sees one value per channel)."""
+        order = torch.randperm(count, generator=generator)
+        batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
+        if len(batches) > 1 and len(batches[-1]) == 1:
+            batches.pop()
+        return batches
+
+    def _epoch_bar(self, count: int, generator: torch.Generator, epoch: int):
+        """An epoch's batches (_batches) under its progress bar."""
+        return progress(self._batches(count, generator), desc=f"epoch {epoch}/{self.epochs}",
+                        enabled=self.show_progress)
+
+    def _step(self, loss: torch.Tensor, optimizer, schedule, bar, epoch: int,
+              number: int) -> float:
+        """One optimizer step on batch `number`'s loss, then the schedule's; the loss's value
+        (the run's first kept as initial_loss). A loss that is not finite closes the bar and
+        stops training with TrainingDiverged."""
+        value = loss.detach().item()
+        if self.initial_loss is None:
+            self.initial_loss = value
+        if not math.isfinite(value):
+            bar.close()
+            raise TrainingDiverged(epoch, number, f"the loss became {value}",
+                                   self.learning_rate, self.seed)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        return value
+
+    def _stack(self, examples: list[dspy.Example]) -> tuple[torch.Tensor, object]:
+        """The training examples' images (N, C, H, W) float32 and their targets."""
+        raise NotImplementedError
+
+    def _train_epoch(self, program: dspy.Module, x: torch.Tensor, y, optimizer, schedule,
+                     generator: torch.Generator, epoch: int) -> tuple[float, float | None]:
+        """One pass over the training images in train mode: the mean loss, and a running
+        training accuracy (None where _train_accuracy measures it after the epoch)."""
+        raise NotImplementedError
+
+    def _scored(self, program: dspy.Module, results: Sequence[tuple], validation
+                ) -> tuple[float, float | None]:
+        """The epoch's validation score and loss, from dspy.Evaluate's results and what
+        program.batched_for yielded."""
+        raise NotImplementedError
+
+    def _train_accuracy(self, program: dspy.Module, trainset: list[dspy.Example],
+                        running: float | None) -> float:
+        """The history's train_accuracy: the epoch's running accuracy."""
+        return running
 
 
 def evaluated_loss(results: Sequence[tuple], labels: Sequence[str]) -> float | None:

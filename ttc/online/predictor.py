@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from ttc.serving.batch import Predictor as BatchPredictor
     from ttc.serving.manifest import Manifest
+    from ttc.tasks.detect.evaluate import DetectionRunner
     from ttc.tasks.segment.evaluate import MaskRunner
 
 # --variant → the bundle's file key
@@ -163,6 +164,17 @@ def worker_mask_runner(config: Config) -> MaskRunner:
     paths = BundlePaths.from_model_path(config.output_model)
     _, session, _ = load_bundle_session(paths, config, input_variant(config))
     return mask_runner(session)
+
+
+def worker_detection_runner(config: Config) -> DetectionRunner:
+    """A detector's detections (padding removed) in a session of its own, built on a Ray Data
+    worker (ttc/tasks/detect/cluster.py's RunnerFactory): the graph inference.py's local engine
+    runs."""
+    from ttc.tasks.detect.evaluate import detection_runner
+
+    paths = BundlePaths.from_model_path(config.output_model)
+    _, session, _ = load_bundle_session(paths, config, input_variant(config))
+    return detection_runner(session)
 
 
 def join_inputs(parts: list[np.ndarray], pad_id: int) -> np.ndarray:

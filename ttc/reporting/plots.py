@@ -788,7 +788,7 @@ def ttt_shifts(report: dict) -> Figure | None:
     fig, ax = grouped_bars([name for name, _ in groups], series)
     ax.set_ylim(0, 1.0)
     metric = ttt.get("metric") if isinstance(ttt.get("metric"), str) else "accuracy"
-    ax.set_ylabel(metric.replace("mean_iou", "mean IoU"))
+    ax.set_ylabel({"mean_iou": "mean IoU", "map": "mAP@[.5:.95]"}.get(metric, metric))
     details = [plain(ttt["mode"])] if isinstance(ttt.get("mode"), str) else []
     if len(severities) == 1:  # none at all without --eval_shift: the clean split alone
         details.append(f"severity {next(iter(severities)):g}")

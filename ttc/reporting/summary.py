@@ -275,9 +275,11 @@ def _fixed(value: Any, digits: int = 4) -> str:
 def format_ttt(ttt: dict) -> list[str]:
     """Accuracy without and with each adaptation method, clean and per corruption."""
     methods = [m for m in ("bn", "tent") if ttt["clean"].get(f"accuracy_{m}") is not None]
-    metric = ttt.get("metric", "accuracy").replace("mean_iou", "mean IoU")
+    metric = {"mean_iou": "mean IoU", "map": "mAP@[.5:.95]"}.get(ttt.get("metric", "accuracy"),
+                                                                  ttt.get("metric", "accuracy"))
+    steps = f", tent steps {ttt['iterations']}" if "tent" in methods else ""
     lines = [f"  method {ttt['method']}, {ttt['mode']}, batches of {ttt['batch_size']}, "
-             f"bn prior {ttt['bn_prior']:g}, tent steps {ttt['iterations']}; {metric}:",
+             f"bn prior {ttt['bn_prior']:g}{steps}; {metric}:",
              f"  {'data':<30} {'source':>8}" + "".join(f" {m:>8} {'cost ' + m:>10}"
                                                       for m in methods)]
     rows = [("clean", ttt["clean"])] + [(f"{r['name']} (severity {r['severity']})", r)

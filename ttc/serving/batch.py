@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -688,6 +689,59 @@ class PredictionWriter:
         abandon_parquet(self.parquet)
 
 
+class RecordWriter:
+    """Records (one dict a row, in `columns`' order) to CSV, JSONL or Parquet (by `fmt`) in an
+    open temporary file, a batch at a time: strings in CSV neutralised and None an empty cell;
+    Parquet in row groups of PARQUET_GROUP_ROWS under schema(). For outputs of a few rows per
+    image (the segmenter's summary, the detector's boxes), where a loop over rows costs little
+    next to the model."""
+
+    PARQUET_GROUP_ROWS = 65536
+
+    def __init__(self, handle, fmt: str, columns: Sequence[str]) -> None:
+        self.handle, self.fmt = handle, fmt
+        self.parquet = None
+        self.pending: list[dict] = []
+        if fmt == "csv":
+            csv.writer(handle).writerow(columns)
+
+    def schema(self):
+        """The Parquet schema of the records (pyarrow)."""
+        raise NotImplementedError
+
+    def write_records(self, records: Sequence[dict]) -> None:
+        if self.fmt == "csv":
+            csv.writer(self.handle).writerows(
+                [neutralised(v) if isinstance(v, str) else ("" if v is None else v)
+                 for v in record.values()] for record in records)
+        elif self.fmt == "jsonl":
+            self.handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                      for r in records))
+        else:
+            self.pending += records
+            if len(self.pending) >= self.PARQUET_GROUP_ROWS:
+                self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = self.schema()
+        if self.parquet is None:
+            self.parquet = pq.ParquetWriter(self.handle, schema)
+        if self.pending:
+            self.parquet.write_table(pa.Table.from_pylist(self.pending, schema=schema))
+            self.pending = []
+
+    def close(self) -> None:
+        if self.fmt == "parquet":
+            self._flush()
+            self.parquet.close()
+
+    def abandon(self) -> None:
+        abandon_parquet(self.parquet)
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -863,12 +917,8 @@ def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iter
     LOG.info("predicted %d of %d rows into %s (%.0f rows/s)%s", run.predicted, run.rows,
              options.output, run.predicted / max(run.seconds, 1e-9),
              f", {run.failed} failed" if run.failed else "")
-    if run.failed and not options.allow_errors:
-        where = (f"listed in {options.errors}" if options.errors
-                 else "add --errors PATH to list them")
-        raise DataError(f"{run.failed} of {run.rows} rows could not be predicted ({where}); the "
-                        f"other predictions are in {options.output}",
-                        "fix those rows, or pass --allow_errors true")
+    raise_for_error_rows(options, run.failed, run.rows, "rows", "predicted",
+                         f"the other predictions are in {options.output}")
     return run
 
 
@@ -877,11 +927,36 @@ def _fail_without_predictions(run: BatchRun, options: BatchOptions,
     if run.rows == 0:
         raise DataError(f"{options.input} has no rows to predict; {options.output} was left "
                         "as it was", "check the input (a header alone is no rows)")
+    fail_without_predictions(options, run.rows, "rows", "predicted", error_rows,
+                             "fix those rows")
+
+
+def errors_hint(errors: str | Path | None) -> str:
+    """Where a run's error rows are, for its failure's message: --errors, or the flag to give."""
+    return f"listed in {errors}" if errors else "add --errors PATH to list them"
+
+
+def raise_for_error_rows(options, failed: int, total: int, unit: str, verb: str,
+                         elsewhere: str) -> None:
+    """`failed` error rows of `total` without --allow_errors: a DataError (exit 3) once
+    everything is written ("2 of 9 images could not be segmented (...); `elsewhere`").
+    `options`: a run's (BatchOptions, or an image model's), with errors and allow_errors."""
+    if failed and not options.allow_errors:
+        raise DataError(f"{failed} of {total} {unit} could not be {verb} "
+                        f"({errors_hint(options.errors)}); {elsewhere}",
+                        f"fix those {unit}, or pass --allow_errors true")
+
+
+def fail_without_predictions(options, total: int, unit: str, verb: str,
+                             error_rows: Sequence[tuple[str, str]], hint: str) -> None:
+    """None of `total` rows predicted: the error rows to --errors, and a DataError (exit 3),
+    raised while the output's temporary file is open (the previous output stays as it was).
+    `options`: a run's (BatchOptions, or an image model's), with input, output and errors."""
     if options.errors:
-        write_errors(options.errors, error_rows)
-    where = f"listed in {options.errors}" if options.errors else "add --errors PATH to list them"
-    raise DataError(f"none of the {run.rows} rows of {options.input} could be predicted "
-                    f"({where}); {options.output} was left as it was", "fix those rows")
+        write_errors(str(options.errors), error_rows)
+    raise DataError(f"none of the {total} {unit} of {options.input} could be {verb} "
+                    f"({errors_hint(options.errors)}); {options.output} was left as it was",
+                    hint)
 
 
 def write_errors(path: str, rows: Sequence[tuple[str, str]]) -> None:

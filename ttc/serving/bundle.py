@@ -236,7 +236,7 @@ def require_onnx_in_bundle(paths: BundlePaths, manifest: Manifest, variant: str 
                 "mc": "MC-dropout graph (a model without dropout, or a bundle exported before "
                       "MC-dropout existed, has none)",
                 "ensemble": "ensemble graph (train one with --ensemble_size N)",
-                "tta": "segmentation TTA graph (export one with --tta true)",
+                "tta": "TTA graph (a segmenter's or a detector's: export one with --tta true)",
                 "pruned": "pruned graph (train one with --prune RATIO)",
                 "qat": "quantization-aware int8 graph (train one with --qat true)",
                 "pruned_qat": "pruned int8 graph (train one with --prune RATIO --qat true)"

@@ -36,7 +36,7 @@ import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -276,8 +276,10 @@ class AdaptationGraph:
     BatchNorm, as always); one without, by affine_norm_model (tent adapts LayerNorm/GroupNorm,
     bn does not apply: `not_applicable` says why)."""
 
-    def __init__(self, model: onnx.ModelProto, make_session: Callable[[bytes], object]) -> None:
+    def __init__(self, model: onnx.ModelProto, make_session: Callable[[bytes], object],
+                 primary: Sequence[str] = ("probabilities",)) -> None:
         self.source = model
+        self.primary = list(primary)  # the graph's own outputs run returns (a detector's four)
         self.batchnorm = any(n.op_type == "BatchNormalization" for n in model.graph.node)
         if self.batchnorm:
             rewritten, self.layers = adaptation_model(model)
@@ -286,8 +288,8 @@ class AdaptationGraph:
         self.session = make_session(rewritten.SerializeToString())
         self.feed = model_feeder(model)
         self.pad_id = graph_padding_id(model)
-        self.outputs = ["probabilities"] + [n for layer in self.layers if self.batchnorm
-                                            for n in (layer.adapted_mean, layer.adapted_var)]
+        self.outputs = self.primary + [n for layer in self.layers if self.batchnorm
+                                       for n in (layer.adapted_mean, layer.adapted_var)]
 
     @property
     def normalisation(self) -> str:
@@ -318,12 +320,19 @@ class AdaptationGraph:
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(probabilities, {stored-statistic name: adapted value}) for one batch; without
         BatchNorm there are no statistics and `prior` is ignored."""
+        outputs, stats = self.run_outputs(x, prior, params)
+        return outputs[0], stats
+
+    def run_outputs(self, x: np.ndarray, prior: float, params: dict[str, np.ndarray]
+                    ) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        """(the `primary` outputs, {stored-statistic name: adapted value}) for one batch."""
         feed = {**self.feed(x), **params}
         if self.batchnorm:
             feed[PRIOR] = np.array([prior], np.float32)
-        probabilities, *stats = self.session.run(self.outputs, feed)
+        results = self.session.run(self.outputs, feed)
+        primary, stats = results[:len(self.primary)], results[len(self.primary):]
         names = [n for layer in self.layers if self.batchnorm for n in (layer.mean, layer.var)]
-        return probabilities, dict(zip(names, stats))
+        return primary, dict(zip(names, stats))
 
 
 class Tent:

@@ -2,7 +2,9 @@
 entries) and, beside it, its own code: data readers for YOLO and COCO layouts (data.py), the
 bench's and the builtin's digit canvases (canvases.py), the detector (nets.py), decoding and NMS
 in the graph (nms.py), COCO metrics (metrics.py), weighted box fusion (wbf.py), training
-(training.py), export (export.py), evaluation (evaluate.py) and batch prediction (predict.py)."""
+(training.py), export (export.py), evaluation (evaluate.py), batch prediction (predict.py, and on
+Ray cluster.py), bn test-time training (adapt.py), int8 with the head and NMS in float
+(quantize.py) and in-graph TTA (tta.py, fusion.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,16 +42,14 @@ class ObjectDetector(Task):
 
 
 # What a detector does not take (yet): the table and text flags, the classifiers' training
-# extras, compression, ensembles, the streams and the iterative methods, and the test-time
-# compute and int8 that issue 44 adds after this first cut.
+# extras, compression, fp16, ensembles, the streams, the iterative methods, the classifiers'
+# TTA merges and plans, and the networks of others (torchvision's, --model_def).
 REFUSED_FLAGS = (
     "image_column", "text_column", "feature_columns", "label_column", "dataset_format",
     "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing", "max_norm",
-    "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta",
-    "tta_transforms", "tta_merge", "tta_threshold", "tta_plan", "ttt", "ttt_method",
-    "ttt_reset_every", "eval_stream", "eval_shift", "iterative", "benchmark", "profile",
-    "top_k", "quantize", "fp16", "ignore_index", "model_def", "pretrained", "mask_dir",
-    "engine")
+    "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta_merge",
+    "tta_threshold", "tta_plan", "ttt_reset_every", "eval_stream", "iterative", "benchmark",
+    "profile", "top_k", "fp16", "ignore_index", "model_def", "pretrained", "mask_dir")
 TASK = ObjectDetector(
     name="object_detector", kind="detection", archs=("centernet",),
     parts=Parts(reader="ttc.tasks.detect.data:load_detection_dataset",
@@ -61,6 +61,7 @@ TASK = ObjectDetector(
     regularisation={"centernet": Regularisation(0.0, 1e-4, source="ours")},
     builtins=("builtin:digit_boxes",), input_role="image", input_field="image",
     image_files=True, learning_rate=4e-3, refused_flags=REFUSED_FLAGS,
+    default_tta="scale:0.75,1.25",  # the views of --tta without --tta_transforms (detection.md)
     own_flags=("annotations", "iou_threshold", "score_threshold", "max_detections",
                "output_format", "min_score"),
     guide="detection.md")

@@ -22,14 +22,12 @@ ConfigError (exit 2) for a layout that is neither format. No torch here.
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import Sequence
 
 import numpy as np
 
-from ttc.inputs.data import (SPLITS, DataOptions, Dataset, ImageItem, Split, assign_splits,
-                             channel_stats, scan_image_headers)
-from ttc.inputs.limits import LIMITS, MIB, check_decoded_images, image_bytes, size_text
+from ttc.inputs.data import SPLITS, DataOptions, Dataset, ImageItem, Split, channel_stats
+from ttc.inputs.limits import image_bytes
 from ttc.inputs.preprocess import decode_image_file
 from ttc.tasks.detect.canvases import (BUILTIN, BUILTIN_COUNT, BUILTIN_SEED, BUILTIN_SIZE,
                                        CLASS_NAMES, digit_box_canvases)
@@ -37,7 +35,10 @@ from ttc.tasks.detect.coco import list_coco
 from ttc.tasks.detect.tally import (CLIPPED, EDGE_SLACK, OUTSIDE, SIZE_MISMATCH,
                                     UNREADABLE_IMAGE, Item, Skip, Tally)
 from ttc.tasks.detect.yolo import LAYOUT_HINT, list_yolo
-from utils import LOG, ConfigError, DataError, first_line, progress
+from ttc.tasks.segment.data import (builtin_splits, check_builtin_options, check_bundle_size,
+                                    cut_missing_splits, decoded_image_size, refuse_over_memory,
+                                    split_counts, training_size)
+from utils import LOG, DataError, first_line, progress
 
 MODEL_TYPE = "object_detector"
 KIND = "detection"
@@ -58,19 +59,15 @@ def load_detection_dataset(options: DataOptions, *, preprocessing: dict | None =
     if derived:
         preprocessing = derive_preprocessing(items, options)
         require_memory_for(preprocessing, kept, options)
-    else:  # the bundle's image size, whatever it claims, times the user's images
-        check_decoded_images(preprocessing, kept, f"the {' and '.join(splits)} split"
-                             + ("s" if len(splits) > 1 else ""))
+    else:
+        check_bundle_size(preprocessing, kept, splits)
     decoded = {split: decode_split([i for i in items if i.split == split], preprocessing,
                                    tally, options, split) for split in splits}
     _require_images_left(decoded, tally, options)
     if derived and "train" in decoded:
         preprocessing = dict(preprocessing, **channel_stats(decoded["train"].x))
-    counts = Counter(item.split for item in items)
-    for split, data in decoded.items():
-        counts[split] = len(data)
     return Dataset(model_type=MODEL_TYPE, labels=names, preprocessing=preprocessing,
-                   splits=decoded, counts={s: counts.get(s, 0) for s in SPLITS},
+                   splits=decoded, counts=split_counts(items, decoded),
                    given_splits=bool(given), options=options,
                    skipped=tally.skipped, dropped=tally.records())
 
@@ -89,12 +86,7 @@ def list_items(options: DataOptions, labels: Sequence[str] | None, tally: Tally
         raise DataError(f"no usable images in {options.path}"
                         + (f": {tally.summary()}" if tally.count() else ": no image files"),
                         "check --annotations' file_names" if annotations else LAYOUT_HINT)
-    main = [item for item in items if item.split == "train"]
-    missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in given}
-    cut = assign_splits([""] * len(main), missing.get("val", 0.0), missing.get("test", 0.0),
-                        options.seed)
-    for item, split in zip(main, cut):
-        item.split = split
+    cut_missing_splits([item for item in items if item.split == "train"], given, options)
     return items, names if names is not None else index_names(items, options.path), given
 
 
@@ -120,13 +112,8 @@ def derive_preprocessing(items: list[Item], options: DataOptions) -> dict:
     train = [ImageItem(source=item.image, label="") for item in items if item.split == "train"]
     if not train:
         raise DataError(f"the training split of {options.path} has no image", LAYOUT_HINT)
-    data_size, data_channels = scan_image_headers(train)
-    height, width = options.image_size or data_size
-    channels = options.channels or data_channels
-    if (height, width) != tuple(data_size):
-        LOG.info("training at %dx%d (the most common image size is %dx%d)", height, width,
-                 data_size[0], data_size[1])
-    return preprocessing_record([int(height), int(width)], int(channels),
+    height, width, channels = training_size(train, options)
+    return preprocessing_record([height, width], channels,
                                 "by image mode: 8-bit /255, 16-bit /65535 (docs/data.md)")
 
 
@@ -142,14 +129,8 @@ def require_memory_for(preprocessing: dict, count: int, options: DataOptions) ->
     """Refuse (exit 3) images that, decoded at the training size, would take more than
     --max_image_memory_mb: the size comes from the data, so a folder of large photographs is
     refused before any decoding, with the size to set."""
-    height, width = preprocessing["image_size"]
-    need = count * image_bytes(preprocessing)
-    if need > LIMITS.max_image_memory_mb * MIB:
-        raise DataError(
-            f"the {count} images of {options.path} at {height}x{width} would take "
-            f"{size_text(need)} decoded, over --max_image_memory_mb "
-            f"{LIMITS.max_image_memory_mb}",
-            "train at a smaller size (--image_size HEIGHT WIDTH) or raise --max_image_memory_mb")
+    refuse_over_memory(count * image_bytes(preprocessing), f"{count} images", preprocessing,
+                       options)
 
 
 def decode_split(items: list[Item], preprocessing: dict, tally: Tally, options: DataOptions,
@@ -176,7 +157,7 @@ def decode_split(items: list[Item], preprocessing: dict, tally: Tally, options: 
 def decode_item(item: Item, preprocessing: dict, tally: Tally) -> tuple[np.ndarray, np.ndarray]:
     """One image → ((C, H, W) float32 pixels, (k, 5) float32 boxes) at the training size;
     raises Skip with the reason it cannot be used. Clipped and vanished boxes are counted."""
-    size = _image_size(item)
+    size = decoded_image_size(item.image)
     if item.declared is not None and item.declared != size:
         raise Skip(SIZE_MISMATCH, f"the file is {size[1]}x{size[0]}, the record says "
                    f"{item.declared[1]}x{item.declared[0]}")
@@ -207,23 +188,6 @@ def place_boxes(item: Item, size: tuple[int, int], target: Sequence[int],
     return np.concatenate([boxes[:, :1], corners], axis=1)[~empty].astype(np.float32)
 
 
-def _image_size(item: Item) -> tuple[int, int]:
-    """(height, width) as the decoder sees the image (after its EXIF orientation)."""
-    import warnings
-
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(item.image) as img:
-                width, height = img.size
-                turned = img.getexif().get(0x0112) in (5, 6, 7, 8)  # Orientation: a quarter turn
-    except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
-        raise Skip(UNREADABLE_IMAGE, first_line(err)) from err
-    return (width, height) if turned else (height, width)
-
-
 def _require_images_left(decoded: dict[str, Split], tally: Tally, options: DataOptions) -> None:
     """Exit 3 when no training image (or no test image) is left, or no training box."""
     reasons = f" ({tally.count()} counted: {tally.summary()})" if tally.count() else ""
@@ -247,14 +211,10 @@ def builtin_boxes(options: DataOptions, preprocessing: dict | None,
     """builtin:digit_boxes: BUILTIN_COUNT canvases of BUILTIN_SIZE pixels (canvases.py, made in
     memory, the same every time), split by --seed and the fractions as a folder is."""
     size = [BUILTIN_SIZE, BUILTIN_SIZE]
-    if options.image_size and list(options.image_size) != size or options.channels not in (
-            None, 1):
-        raise ConfigError(f"{BUILTIN} is {BUILTIN_SIZE}x{BUILTIN_SIZE} grayscale",
-                          "drop --image_size and --channels (or write canvases of another size "
-                          "with ttc.tasks.detect.canvases.write_yolo_canvases)")
+    check_builtin_options(options, BUILTIN, BUILTIN_SIZE,
+                          "ttc.tasks.detect.canvases.write_yolo_canvases")
     images, boxes = digit_box_canvases(BUILTIN_COUNT, BUILTIN_SIZE, BUILTIN_SEED)
-    cut = np.array(assign_splits([""] * len(images), options.val_fraction,
-                                 options.test_fraction, options.seed))
+    cut = builtin_splits(options, len(images))
     decoded = {}
     for split in splits:
         chosen = np.flatnonzero(cut == split)

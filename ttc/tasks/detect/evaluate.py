@@ -101,6 +101,58 @@ def run_test_split(session, model_path: str, x: np.ndarray, y: Sequence[np.ndarr
     return result, evaluation, found
 
 
+def tta_section(plain: DetectionRunner, merged: DetectionRunner,
+                fused_and_exact: Callable[[np.ndarray], tuple[list[Detections],
+                                                              list[Detections]]],
+                views: str, x: np.ndarray, y: Sequence[np.ndarray], labels: Sequence[str],
+                batch_size: int, fusion: dict, plain_found: Sequence[Detections] | None = None
+                ) -> dict:
+    """The TTA graph (`merged`) against the plain one on the test split: mAP@[.5:.95] and
+    mAP@.5 of each, and of exact weighted box fusion (wbf.py) of the same views' detections
+    (`fused_and_exact`: a batch → the graph's fused detections and exact WBF's, from the TTA
+    graph's inner tensors: fusion.inner_runner), and the cost (both graphs timed in turns at
+    `batch_size`); the verdict says plainly when TTA does not help."""
+    if plain_found is None:
+        plain_found = predict_detections(plain, x, batch_size)
+    fused: list[Detections] = []
+    exact: list[Detections] = []
+    for batch in batches(x, batch_size):
+        got, wbf = fused_and_exact(batch)
+        fused += got
+        exact += wbf
+    scores = {name: detection_metrics(list(found), list(y), list(labels))
+              for name, found in (("plain", plain_found), ("tta", fused), ("wbf", exact))}
+    timed = whole_batches(batches(x, batch_size), batch_size)
+    timings = time_runners([plain, merged], timed, max(10, len(timed)), min_seconds=0)
+    cost = timings.percentile_ms(1, 50) / max(timings.percentile_ms(0, 50), 1e-9)
+    section = {"transforms": views, "views": 1 + len(views.split(",")), "backend": "graph",
+               "plan": "graph", "fusion": fusion.get("rule"),
+               "fusion_iou": fusion.get("fusion_iou"),
+               **{f"{key}{suffix}": scores[name][key] for key in ("map", "map50")
+                  for name, suffix in (("plain", "_plain"), ("tta", ""), ("wbf", "_wbf"))},
+               "latency_ms_p50_plain": timings.percentile_ms(0, 50),
+               "latency_ms_p50": timings.percentile_ms(1, 50), "cost_ratio": round(cost, 3)}
+    section["verdict"] = tta_verdict(section)
+    return section
+
+
+def tta_verdict(section: dict) -> str:
+    """Whether TTA helped, in mAP@[.5:.95] (and mAP@.5), at what cost; how far exact WBF is."""
+    views, cost = section["transforms"], section["cost_ratio"]
+    gain = section["map"] - section["map_plain"]
+    gain50 = section["map50"] - section["map50_plain"]
+    exact = (f"; exact WBF of the same views' detections: mAP@[.5:.95] "
+             f"{section['map_wbf']:.4f}, mAP@.5 {section['map50_wbf']:.4f}")
+    if gain > 0:
+        return (f"TTA ({views}) raised test mAP@[.5:.95] by {gain:+.4f} (mAP@.5 {gain50:+.4f}) "
+                f"at {cost:.1f}x the plain graph's latency{exact}")
+    mirror = (" (hflip mirrors objects whose side matters, e.g. digits)"
+              if "hflip" in views.split(",") else "")
+    return (f"TTA ({views}) did not help{mirror}: test mAP@[.5:.95] {gain:+.4f} (mAP@.5 "
+            f"{gain50:+.4f}) at {cost:.1f}x the plain graph's latency; serve the plain "
+            f"graph{exact}")
+
+
 def draw_boxes(image: np.ndarray, boxes: np.ndarray, classes: Sequence[int],
                labels: Sequence[str], colour: tuple[int, int, int],
                scores: np.ndarray | None = None):

@@ -72,17 +72,20 @@ def matched(got: Detections, expected: Detections) -> tuple[float, float] | None
 
 
 def compare_detections(run: Callable[[np.ndarray], list[Detections]], net: torch.nn.Module,
-                       samples: np.ndarray, nms: NmsSettings, atol: float) -> DetectionCheck:
-    """`run` maps a batch to the graph's detections per image (evaluate.detection_runner).
-    Raises ExportError (exit 4) when an image's detections differ in number, a box matches
-    with IoU < MIN_MATCHED_IOU or a score differs by more than `atol`."""
+                       samples: np.ndarray, nms: NmsSettings, atol: float,
+                       reference: Callable[[np.ndarray], list[Detections]] | None = None
+                       ) -> DetectionCheck:
+    """`run` maps a batch to the graph's detections per image (evaluate.detection_runner);
+    `reference` a batch to the expected ones (default: eager_detections; the TTA graph's:
+    tta.tta_reference). Raises ExportError (exit 4) when an image's detections differ in
+    number, a box matches with IoU < MIN_MATCHED_IOU or a score differs by more than `atol`."""
     probes = probes_at_two_sizes(samples)
     sizes = [s for s in CHECK_BATCH_SIZES if s <= len(samples[:MAX_CHECK_IMAGES])] or [1]
     check = DetectionCheck(0.0, 1.0, len(samples[:MAX_CHECK_IMAGES]), sizes, list(probes),
                            resolutions=[f"{p.shape[-2]}x{p.shape[-1]}" for p in probes.values()])
     images_ok = images_seen = 0
     for name, probe in probes.items():
-        expected = eager_detections(net, probe, nms)
+        expected = reference(probe) if reference else eager_detections(net, probe, nms)
         for size in sizes:
             got = [d for i in range(0, len(probe), size) for d in run(probe[i:i + size])]
             for k, (g, e) in enumerate(zip(got, expected)):
@@ -98,6 +101,23 @@ def compare_detections(run: Callable[[np.ndarray], list[Detections]], net: torch
     check.top1_agreement = images_ok / max(1, images_seen)
     require_close(check, atol)
     return check
+
+
+def max_score_diff(run: Callable[[np.ndarray], list[Detections]],
+                   reference: Callable[[np.ndarray], list[Detections]], images: np.ndarray,
+                   what: str) -> float:
+    """The largest score difference between two graphs' matched detections of the same images
+    (a second graph of the bundle against the deployable one); ExportError (exit 4) when an
+    image's detections differ in number or a box matches with IoU < MIN_MATCHED_IOU."""
+    worst = 0.0
+    for k, (got, expected) in enumerate(zip(run(images), reference(images))):
+        result = matched(got, expected)
+        if result is None or result[0] < MIN_MATCHED_IOU:
+            raise ExportError(f"the {what} finds other detections than the exported graph on "
+                              f"held-out image {k}; the bundle was not written",
+                              "rerun with --log_level DEBUG and report it")
+        worst = max(worst, result[1])
+    return worst
 
 
 def raise_mismatch(probe: str, batch_size: int, index: int, got: Detections,

@@ -15,7 +15,7 @@ PyTorch.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import onnx
@@ -219,15 +219,18 @@ def _without_stack_traces(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def export_candidates(net: nn.Module, example: torch.Tensor | np.ndarray,
-                      opset: int) -> onnx.ModelProto:
+                      opset: int, optimize: bool = True, wrapper: nn.Module | None = None,
+                      output_names: Sequence[str] = CANDIDATE_OUTPUTS) -> onnx.ModelProto:
     """DetectionCandidates(net) traced by torch.onnx.export (dynamo) with dynamic batch, height
     and width: input "image", outputs candidate_boxes and candidate_scores. The example's batch
-    must be 2 or more (a batch of 1 would be fixed into the graph)."""
+    must be 2 or more (a batch of 1 would be fixed into the graph). `optimize` False keeps the
+    BatchNormalization nodes (the adaptation graph's export). `wrapper` (with its
+    `output_names`) replaces DetectionCandidates(net): the TTA graph's views (tta.py)."""
     example = torch.as_tensor(np.ascontiguousarray(example), dtype=torch.float32)
     if example.ndim != 4 or example.shape[0] < 2:
         raise ExportError(f"the example batch must be (N >= 2, C, H, W), not "
                           f"{tuple(example.shape)}")
-    wrapper = DetectionCandidates(net).eval()
+    wrapper = DetectionCandidates(net).eval() if wrapper is None else wrapper
     dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height", min=2),
             3: torch.export.Dim("width", min=2)}
     try:
@@ -235,8 +238,8 @@ def export_candidates(net: nn.Module, example: torch.Tensor | np.ndarray,
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 wrapper, (example,), input_names=[INPUT_NAME],
-                output_names=list(CANDIDATE_OUTPUTS), dynamic_shapes=(dims,),
-                opset_version=opset, external_data=False, dynamo=True, optimize=True)
+                output_names=list(output_names), dynamic_shapes=(dims,),
+                opset_version=opset, external_data=False, dynamo=True, optimize=optimize)
     except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",

@@ -10,33 +10,32 @@ detection_runner: per image its boxes, scores and class indices, padding removed
 boxes, clipped to the model's input, scaled back to the image's own size (x by W0/W, y by H0/H;
 the size after its EXIF orientation, as decode_image_file sees it). Boxes scored below
 --min_score are left out. Memory stays bounded by one batch: nothing is held for the whole
-folder but the list of its paths. The listing, the sizes, the EXIF handling, the error reasons
-and the overlay folder are the segmenter's (ttc/tasks/segment/predict.py); the outputs are
-written to temporary files moved into place at the end, the overlays atomically one by one. An
+folder but the list of its paths. The listing, the sizes, the EXIF handling, the error reasons,
+the overlay folder, the batches and the counts are the segmenter's (ttc/tasks/segment/predict.py:
+predicted_batch, write_results); the outputs are written to temporary files moved into place at
+the end, the overlays atomically one by one. An
 unreadable image is an error row (batch.py's conventions: counted, listed in --errors, a failed
 run without --allow_errors). numpy and Pillow (pyarrow for Parquet) only: no torch here.
 """
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from ttc.inputs.preprocess import decode_image_file
 from ttc.inputs.tables import IMAGE_EXTENSIONS
-from ttc.serving.batch import abandon_parquet, neutralised, utf8_name, write_errors
+from ttc.serving.batch import RecordWriter, raise_for_error_rows, utf8_name
 from ttc.tasks.detect.evaluate import (PREDICTED_COLOUR, DetectionRunner, Detections, draw_on,
                                        rgb_picture)
-from ttc.tasks.segment.predict import (Listed, batches, default_overlay_dir, listed_images,
-                                       original_pixels, original_size, unreadable)
+from ttc.tasks.segment.predict import (ImageBatchOptions, ImageRun, Listed, default_overlay_dir,
+                                       listed_images, original_pixels, predicted_batch,
+                                       predicted_batches, unreadable, write_results)
 from utils import (LOG, ConfigError, DataError, ExportError, atomic_write, atomic_write_stream,
-                   inside, progress, raise_if_interrupted, same_file, unwritable)
+                   inside, same_file, unwritable)
 
 ROW_FORMATS = (".csv", ".jsonl", ".parquet")
 OUTPUT_FORMATS = ("rows", "coco")
@@ -55,22 +54,11 @@ def images_json_path(output: Path) -> Path:
 
 
 @dataclass
-class DetectBatchOptions:
-    """What a detector's --input path takes from the Config."""
+class DetectBatchOptions(ImageBatchOptions):
+    """What a detector's --input path takes from the Config (the segmenter's and its own)."""
 
-    input: Path
-    output: Path
     output_format: str = "rows"  # rows: one row per box (--output .csv/.jsonl/.parquet); coco
     min_score: float = 0.0
-    overlay: bool = False
-    batch_size: int = 16
-    errors: Path | None = None
-    allow_errors: bool = False
-    show_progress: bool = True
-
-    def __post_init__(self) -> None:
-        self.input, self.output = Path(self.input), Path(self.output)
-        self.errors = None if self.errors is None else Path(self.errors)
 
     @property
     def overlay_dir(self) -> Path | None:
@@ -99,28 +87,20 @@ class ImageDetections:
 
 
 @dataclass
-class DetectRun:
-    """The counts of a run, for its report section."""
+class DetectRun(ImageRun):
+    """The counts of a run, for its report section (the images': ImageRun's)."""
 
     classes: int
-    images: int = 0
-    predicted: int = 0
-    errors: int = 0
     boxes: int = 0
     without_detections: int = 0
     boxes_per_class: np.ndarray | None = None
-    error_rows: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, results: Sequence[ImageDetections]) -> None:
         if self.boxes_per_class is None:
             self.boxes_per_class = np.zeros(self.classes, np.int64)
         for result in results:
-            self.images += 1
-            if result.error:
-                self.errors += 1
-                self.error_rows.append((result.id, result.error))
+            if not self.counted(result.id, result.error):
                 continue
-            self.predicted += 1
             self.boxes += len(result.scores)
             self.without_detections += len(result.scores) == 0
             self.boxes_per_class += np.bincount(result.classes, minlength=self.classes)
@@ -279,33 +259,16 @@ class Predicting:
 
     def batch(self, items: Sequence[Listed]) -> list[ImageDetections]:
         """One batch: decoded, predicted in one call, each image's boxes scaled back to its
-        size (and its overlay written); results in input order."""
-        results: list[ImageDetections | None] = [None] * len(items)
-        pixels, kept, sizes = [], [], []
-        for k, item in enumerate(items):
-            if item.error:
-                results[k] = ImageDetections(item.id, error=item.error)
-                continue
-            try:
-                decoded = decode_image_file(item.path, self.preprocessing)
-                size = original_size(item.path)
-            except Exception as err:  # noqa: BLE001 - any decoder failure is this row's error
-                results[k] = ImageDetections(item.id, error=unreadable(err, item.path))
-                continue
-            pixels.append(decoded)
-            sizes.append(size)
-            kept.append(k)
-        if kept:
-            x = np.stack(pixels).astype(np.float32, copy=False)
-            for k, found, size in zip(kept, self._detections(x), sizes):
-                results[k] = self._result(items[k], found, x.shape[-2:], size)
-        return results  # type: ignore[return-value] - every slot is filled
+        size (and its overlay written); results in input order (the segmenter's
+        predicted_batch)."""
+        return predicted_batch(items, self.preprocessing,
+                               lambda item, error: ImageDetections(item.id, error=error),
+                               self._predicted)
 
-    def batches(self, chunks: Iterable[Sequence[Listed]]) -> Iterator[list[ImageDetections]]:
-        """Each chunk's results (Predicting.batch), a stop asked for honoured before each."""
-        for items in chunks:
-            raise_if_interrupted()
-            yield self.batch(items)
+    def _predicted(self, x: np.ndarray, items: list[Listed], sizes: list[tuple[int, int]]
+                   ) -> list[ImageDetections]:
+        return [self._result(item, found, x.shape[-2:], size)
+                for item, found, size in zip(items, self._detections(x), sizes)]
 
     def _detections(self, x: np.ndarray) -> list[Detections]:
         found = list(self.run(x))
@@ -338,20 +301,15 @@ def _rounded(value: float, decimals: int) -> float:
     return round(float(value), decimals)
 
 
-class RowWriter:
+class RowWriter(RecordWriter):
     """--output_format rows: one row per box to CSV, JSONL or Parquet (by the output's suffix)
     in an open temporary file: image, label, class_index, score (6 decimals), x1, y1, x2, y2
     (the image's own pixels, 4 decimals), error (""). An image that could not be predicted is
     one row with its reason in `error` and the other cells empty (CSV) or null."""
 
-    PARQUET_GROUP_ROWS = 65536
-
     def __init__(self, handle, fmt: str, labels: Sequence[str]) -> None:
-        self.handle, self.fmt, self.labels = handle, fmt, list(labels)
-        self.parquet = None
-        self.pending: list[dict] = []
-        if fmt == "csv":
-            csv.writer(handle).writerow(COLUMNS)
+        super().__init__(handle, fmt, COLUMNS)
+        self.labels = list(labels)
 
     def _records(self, result: ImageDetections) -> list[dict]:
         if result.error:
@@ -362,41 +320,16 @@ class RowWriter:
                     for name, v in zip(("x1", "y1", "x2", "y2"), box)}, "error": ""}
                 for box, s, c in zip(result.boxes, result.scores, result.classes)]
 
-    def write(self, results: Sequence[ImageDetections], first_index: int) -> None:
-        records = [record for result in results for record in self._records(result)]
-        if self.fmt == "csv":
-            csv.writer(self.handle).writerows(
-                [neutralised(v) if isinstance(v, str) else ("" if v is None else v)
-                 for v in record.values()] for record in records)
-        elif self.fmt == "jsonl":
-            self.handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                      for r in records))
-        else:
-            self.pending += records
-            if len(self.pending) >= self.PARQUET_GROUP_ROWS:
-                self._flush()
+    def write(self, results: Sequence[ImageDetections]) -> None:
+        self.write_records([record for result in results for record in self._records(result)])
 
-    def _flush(self) -> None:
+    def schema(self):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        schema = pa.schema([("image", pa.string()), ("label", pa.string()),
-                            ("class_index", pa.int64()), ("score", pa.float64()),
-                            *((name, pa.float64()) for name in ("x1", "y1", "x2", "y2")),
-                            ("error", pa.string())])
-        if self.parquet is None:
-            self.parquet = pq.ParquetWriter(self.handle, schema)
-        if self.pending:
-            self.parquet.write_table(pa.Table.from_pylist(self.pending, schema=schema))
-            self.pending = []
-
-    def close(self) -> None:
-        if self.fmt == "parquet":
-            self._flush()
-            self.parquet.close()
-
-    def abandon(self) -> None:
-        abandon_parquet(self.parquet)
+        return pa.schema([("image", pa.string()), ("label", pa.string()),
+                          ("class_index", pa.int64()), ("score", pa.float64()),
+                          *((name, pa.float64()) for name in ("x1", "y1", "x2", "y2")),
+                          ("error", pa.string())])
 
 
 class CocoWriter:
@@ -408,7 +341,8 @@ class CocoWriter:
     image's index in the sorted listing (0, 1, ...; the results' image_id), "file_name" its id
     in the rows format (its path relative to --input); an image that could not be predicted
     has "error" (its reason) in place of its size. category_id is class_index + 1: COCO's
-    ids start at 1, and the categories list names each."""
+    ids start at 1, and the categories list names each. `entries`: the images written so far
+    (the next one's id)."""
 
     def __init__(self, handle, images, labels: Sequence[str]) -> None:
         self.handle, self.images = handle, images
@@ -418,9 +352,9 @@ class CocoWriter:
         images.write('{"categories": ' + json.dumps(categories, ensure_ascii=False)
                      + ',\n "images": [')
 
-    def write(self, results: Sequence[ImageDetections], first_index: int) -> None:
+    def write(self, results: Sequence[ImageDetections]) -> None:
         entries, found = [], []
-        for image_id, result in enumerate(results, start=first_index):
+        for image_id, result in enumerate(results, start=self.entries):
             entry = {"id": image_id, "file_name": result.id}
             entry.update({"error": result.error} if result.error
                          else {"height": result.height, "width": result.width})
@@ -465,10 +399,8 @@ def predict_detections_input(options: DetectBatchOptions, preprocessing: dict,
     left as it was), or when some could not without --allow_errors (the output written)."""
     listed = checked_listing(options, labels)
     predicting = Predicting(options, preprocessing, list(labels), run)
-    steps = -(-len(listed) // options.batch_size)
-    chunks = progress(batches(listed, options.batch_size), total=steps, desc="detect",
-                      enabled=options.show_progress)
-    tally = write_detections(options, labels, predicting.batches(chunks), report)
+    tally = write_detections(
+        options, labels, predicted_batches(listed, options, "detect", predicting.batch), report)
     raise_for_errors(options, tally)
 
 
@@ -480,11 +412,8 @@ def _open_writer(stack: contextlib.ExitStack, options: DetectBatchOptions,
     handle = stack.enter_context(atomic_write_stream(options.output, binary=fmt == "parquet"))
     if options.images_json is not None:
         images = stack.enter_context(atomic_write_stream(options.images_json))
-        writer: RowWriter | CocoWriter = CocoWriter(handle, images, labels)
-    else:
-        writer = RowWriter(handle, fmt, labels)
-    stack.callback(writer.abandon)  # an interrupt, an error: let go before the files go
-    return writer
+        return CocoWriter(handle, images, labels)
+    return RowWriter(handle, fmt, labels)
 
 
 def write_detections(options: DetectBatchOptions, labels: Sequence[str],
@@ -496,23 +425,10 @@ def write_detections(options: DetectBatchOptions, labels: Sequence[str],
     --errors; the run's counts (its section in report["predictions"] when `report` is given).
     Whatever makes the results (this process, Ray workers) has written their overlays."""
     tally = DetectRun(len(labels))
-    started = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        writer = _open_writer(stack, options, labels)
-        for results in result_batches:
-            raise_if_interrupted()
-            writer.write(results, tally.images)
-            tally.add(results)
-        raise_if_interrupted()
-        if tally.predicted == 0:  # raised inside the block: the previous output stays
-            _fail_without_predictions(tally, options)
-        writer.close()
-    seconds = time.perf_counter() - started
-    if options.errors is not None:
-        write_errors(str(options.errors), tally.error_rows)
-    section = report_section(options, labels, tally, seconds)
-    if report is not None:
-        report["predictions"] = section
+    section = write_results(options, lambda stack: _open_writer(stack, options, labels),
+                            result_batches, tally, "predicted",
+                            lambda seconds: report_section(options, labels, tally, seconds),
+                            report)
     LOG.info("found %d boxes in %d of %d images into %s (%.1f images/s)%s", tally.boxes,
              tally.predicted, tally.images, options.output, section["images_per_second"] or 0.0,
              f", {tally.errors} failed" if tally.errors else "")
@@ -521,21 +437,8 @@ def write_detections(options: DetectBatchOptions, labels: Sequence[str],
 
 def raise_for_errors(options: DetectBatchOptions, tally: DetectRun) -> None:
     """Error rows without --allow_errors: a DataError (exit 3) once everything is written."""
-    if tally.errors and not options.allow_errors:
-        where = (f"listed in {options.errors}" if options.errors
-                 else "add --errors PATH to list them")
-        raise DataError(f"{tally.errors} of {tally.images} images could not be predicted "
-                        f"({where}); the other detections are in {options.output}",
-                        "fix those images, or pass --allow_errors true")
-
-
-def _fail_without_predictions(tally: DetectRun, options: DetectBatchOptions) -> None:
-    if options.errors is not None:
-        write_errors(str(options.errors), tally.error_rows)
-    where = f"listed in {options.errors}" if options.errors else "add --errors PATH to list them"
-    raise DataError(f"none of the {tally.images} images of {options.input} could be predicted "
-                    f"({where}); {options.output} was left as it was",
-                    "check that they are images Pillow can open")
+    raise_for_error_rows(options, tally.errors, tally.images, "images", "predicted",
+                         f"the other detections are in {options.output}")
 
 
 def report_section(options: DetectBatchOptions, labels: Sequence[str], tally: DetectRun,
@@ -547,10 +450,7 @@ def report_section(options: DetectBatchOptions, labels: Sequence[str], tally: De
             "output_format": options.output_format,
             "images_json": None if options.images_json is None else str(options.images_json),
             "overlay_dir": None if options.overlay_dir is None else str(options.overlay_dir),
-            "min_score": options.min_score,
-            "images": tally.images, "predicted": tally.predicted, "errors": tally.errors,
-            "errors_path": None if options.errors is None else str(options.errors),
+            "min_score": options.min_score, **tally.counts(options.errors),
             "boxes": tally.boxes, "images_without_detections": tally.without_detections,
             "boxes_per_class": {label: int(n) for label, n in zip(labels, per_class)},
-            "seconds": round(seconds, 3),
-            "images_per_second": round(tally.predicted / seconds, 1) if seconds else None}
+            **tally.rate(seconds)}

@@ -8,12 +8,14 @@ its file), a box left out, a box clipped or an image kept as background-only (re
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ttc.tasks.segment.data import Skip  # noqa: F401 - the readers' (yolo.py, coco.py), from here
+from ttc.tasks.segment.data import ReasonCounts, with_article
+from ttc.tasks.segment.data import data_folder as existing_folder
 from utils import LOG, ConfigError, DataError, first_line
 
 SHOWN = 10  # names a record lists
@@ -69,60 +71,32 @@ class Item:
 
 
 @dataclass
-class Tally:
+class Tally(ReasonCounts):
     """The bad input, counted: `skipped` the image files left out (Dataset.skipped), and one
-    record per file and reason (Dataset.dropped), as segment's Skips."""
+    record per file and reason (Dataset.dropped), as segment's Skips (ReasonCounts: the
+    summary, the records and their WARNINGs). An image that cannot be used raises Skip (the
+    segmenter's) with its reason."""
 
     skipped: list[str] = field(default_factory=list)
-    names: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-    details: dict[tuple[str, str], str] = field(default_factory=dict)
+    shown = SHOWN
 
     def add(self, where: str | Path, reason: str, name: str, detail: str = "",
             image: Path | str | None = None) -> None:
         """Count `name` under (where, reason); `image`: the image file (or record) left out."""
-        key = (str(where), reason)
-        self.names.setdefault(key, []).append(name)
+        self._count(where, reason, name, detail, name)
         if image is not None:
             self.skipped.append(str(image))
-        if detail:
-            self.details.setdefault(key, f"{name}: {detail}")
 
     def count(self, reason: str | None = None) -> int:
         return sum(len(names) for (_, why), names in self.names.items()
                    if reason is None or why == reason)
 
-    def summary(self) -> str:
-        """'3 with an unreadable image, 1 with a zero-area box' (every file together)."""
-        totals: Counter = Counter()
-        for (_, reason), names in self.names.items():
-            totals[reason] += len(names)
-        return ", ".join(f"{n} with {_a(reason)}" for reason, n in totals.most_common())
+    def _warn(self, where: str, reason: str, names: list[str], first: str, detail: str) -> None:
+        LOG.warning("%s: %d with %s (%s)%s", where, len(names), with_article(reason), first,
+                    detail)
 
-    def records(self) -> list[dict]:
-        """One record per file and reason, each with one WARNING naming the first few."""
-        out = []
-        for (where, reason), names in self.names.items():
-            first = names[:SHOWN]
-            more = f" and {len(names) - len(first)} more" if len(names) > len(first) else ""
-            said = self.details.get((where, reason))
-            detail = f" (first: {said})" if said else ""
-            LOG.warning("%s: %d with %s (%s%s)%s", where, len(names), _a(reason),
-                        ", ".join(first), more, detail)
-            out.append({"file": where, "reason": reason, "count": len(names),
-                        "first_rows": first, "kept": reason in KEPT})
-        return out
-
-
-class Skip(Exception):
-    """An image that cannot be used, and why."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+    def _record(self, where: str, reason: str, names: list[str], first: list[str]) -> dict:
+        return {**super()._record(where, reason, names, first), "kept": reason in KEPT}
 
 
 def read_bounded(path: Path, limit: int, what: str, hint: str) -> str:
@@ -149,10 +123,5 @@ def size_words(limit: int) -> str:
 def data_folder(path: str | Path, what: str, hint: str) -> Path:
     """A folder the user names: DataError (exit 3) when it does not exist, ConfigError (exit 2)
     when it is not a folder (a detector reads a folder of images)."""
-    folder = Path(path)
-    if not folder.exists():
-        raise DataError(f"{what} {folder} does not exist", "check the path")
-    if not folder.is_dir():
-        raise ConfigError(f"{what} {folder} is not a folder; object_detector reads a folder of "
-                          "images", hint)
-    return folder
+    return existing_folder(path, what, "object_detector reads a folder of images", hint,
+                           ConfigError)

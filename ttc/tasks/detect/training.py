@@ -16,7 +16,6 @@ imports torch and dspy.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -25,24 +24,21 @@ from typing import Iterator, Sequence
 import dspy
 import numpy as np
 import torch
-from dspy.teleprompt import Teleprompter
 from torch import nn
 
 from ttc.inputs.data import Dataset, Split
-from ttc.nets.fitting import BestEpoch, learning_rate_schedule
 from ttc.nets.models import count_parameters
-from ttc.nets.program import (CandidateSearch, EpochRecord, TrainedModel, TrainingDiverged,
-                              example_rate, recalibrate_batchnorm, require_finite_weights)
+from ttc.nets.program import (CandidateSearch, ImageTrainer, TrainedModel, TrainingDiverged,
+                              example_rate)
 from ttc.tasks.detect.metrics import detection_metrics
 from ttc.tasks.detect.nets import (DETECTION_MODULES, DETECTION_NETWORKS, detection_loss,
                                    detection_targets)
 from ttc.tasks.detect.nms import detect
-from utils import LOG, TrainingError, progress, raise_if_interrupted, stdout_to_stderr
+from utils import LOG, TrainingError
 
 INPUT_FIELD = "image"
 DEFAULT_ARCH = "centernet"
 EVAL_BATCH = 64  # images per forward pass when scoring
-RECALIBRATION_IMAGES = 512  # BatchNorm statistics re-estimated on these (the segmenter's)
 MATCH_IOU = 0.5  # the per-example metric's: a true box is found at this IoU
 TRAIN_RECALL_IMAGES = 256  # training images the history's train_accuracy is measured on
 
@@ -199,80 +195,42 @@ def split_map(program: DetectorProgram, split: Split) -> float:
 # ----------------------------------------------------------------------------- the optimizer
 
 
-class DetectionTrainer(Teleprompter):
-    """A DSPy optimizer for a detector's weights: AdamW with `weight_decay` under the
-    `lr_schedule` (ttc/nets/fitting.py), the detector's loss, no augmentation (a flipped digit
-    is another shape), BatchNorm statistics re-estimated on training images after each epoch.
-    Each epoch is scored by dspy.Evaluate on the validation set, by COCO mAP; the best epoch's
-    weights win, and training stops early once neither the validation loss nor the mAP has
-    improved for `patience` epochs. A loss or weights that are not finite stop it with
-    TrainingDiverged (exit 4)."""
+class DetectionTrainer(ImageTrainer):
+    """A DSPy optimizer for a detector's weights (program.ImageTrainer: AdamW with
+    `weight_decay` under the `lr_schedule`, BatchNorm statistics re-estimated on training images
+    after each epoch; the best epoch, early stopping): the detector's loss, no augmentation (a
+    flipped digit is another shape). Each epoch is scored by dspy.Evaluate on the validation
+    set, by COCO mAP; the best epoch's weights win, and training stops early once neither the
+    validation loss nor the mAP has improved for `patience` epochs. A loss or weights that are
+    not finite stop it with TrainingDiverged (exit 4)."""
+
+    train_metric = "train_recall@.5"
+    val_metric = "val_map"
+    score_name = "mAP"
 
     def __init__(self, *, epochs: int, batch_size: int, learning_rate: float,
                  weight_decay: float, seed: int, lr_schedule: str = "auto", patience: int = 0,
                  show_progress: bool = True) -> None:
-        super().__init__()
-        self.epochs, self.batch_size = epochs, batch_size
-        self.learning_rate, self.weight_decay = learning_rate, weight_decay
-        self.seed, self.lr_schedule, self.patience = seed, lr_schedule, patience
-        self.show_progress = show_progress
-        self.metric = BoxRecall()
-        self.history: list[EpochRecord] = []
-        self.best_epoch = 0
-        self.batches_run = 0  # in the current epoch
-        self.initial_loss: float | None = None  # the first batch's, before any update
+        super().__init__(BoxRecall(), epochs=epochs, batch_size=batch_size,
+                         learning_rate=learning_rate, weight_decay=weight_decay, seed=seed,
+                         lr_schedule=lr_schedule, patience=patience,
+                         show_progress=show_progress)
 
-    def compile(self, student: DetectorProgram, *, trainset: list[dspy.Example],
-                teacher=None, valset: list[dspy.Example] | None = None,
-                **kwargs) -> DetectorProgram:
-        program = copy.deepcopy(student)
+    def _stack(self, examples: list[dspy.Example]) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """The images (N, C, H, W) float32 and each one's (k, 5) boxes."""
         x = torch.from_numpy(np.ascontiguousarray(
-            np.stack([ex[INPUT_FIELD] for ex in trainset]), dtype=np.float32))
-        boxes = [ex.boxes for ex in trainset]
-        devset = valset or trainset
-        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
-                                 display_progress=False, max_errors=1)
-        generator = torch.Generator().manual_seed(self.seed)
-        steps_per_epoch = len(self._batches(len(x), torch.Generator().manual_seed(0)))
-        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
-                                      weight_decay=self.weight_decay)
-        schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
-                                          self.lr_schedule, self.learning_rate)
-        best = BestEpoch(self.patience)
-        for epoch in range(1, self.epochs + 1):
-            started = time.perf_counter()
-            loss = self._train_epoch(program, x, boxes, optimizer, schedule, generator, epoch)
-            order = torch.randperm(len(x), generator=generator)[:RECALIBRATION_IMAGES]
-            recalibrate_batchnorm(program.net, x[order], self.batch_size)
-            require_finite_weights(program.net, epoch, self.batches_run, self.learning_rate,
-                                   self.seed)
-            with stdout_to_stderr(), program.batched_for(devset) as val_loss:
-                evaluated = evaluate(program)
-            raise_if_interrupted()
-            score = pooled_map(evaluated.results, program.labels)
-            record = EpochRecord(epoch, loss, self._train_recall(program, trainset), score,
-                                 round(time.perf_counter() - started, 3),
-                                 val_loss[0] if val_loss else None)
-            self.history.append(record)
-            LOG.info("epoch %d/%d  loss %.4f  train_recall@.5 %.4f  val_map %.4f  val_loss "
-                     "%.4f  (%.1fs)", epoch, self.epochs, loss, record.train_accuracy, score,
-                     math.nan if record.val_loss is None else record.val_loss, record.seconds)
-            stop = best.keep(program.net, epoch, score, record.val_loss)
-            self.best_epoch = best.epoch
-            if stop and epoch < self.epochs:
-                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
-                         "mAP has improved for %d epochs (--patience); keeping epoch %d",
-                         epoch, self.epochs, self.patience, self.best_epoch)
-                break
-        program.net.load_state_dict(best.state)
-        program.net.cpu().eval()
-        return program
+            np.stack([ex[INPUT_FIELD] for ex in examples]), dtype=np.float32))
+        return x, [ex.boxes for ex in examples]
 
-    @property
-    def best_record(self) -> EpochRecord:
-        return self.history[self.best_epoch - 1]
+    def _steps_per_epoch(self, count: int) -> int:
+        return len(self._batches(count, torch.Generator().manual_seed(0)))
 
-    def _train_recall(self, program: DetectorProgram, trainset: list[dspy.Example]) -> float:
+    def _scored(self, program: DetectorProgram, results: Sequence[tuple],
+                validation: list[float]) -> tuple[float, float | None]:
+        return pooled_map(results, program.labels), validation[0] if validation else None
+
+    def _train_accuracy(self, program: DetectorProgram, trainset: list[dspy.Example],
+                        running: float | None) -> float:
         """The history's train_accuracy: the mean box recall at IoU 0.5 (BoxRecall) of the
         first TRAIN_RECALL_IMAGES training images, in eval mode after the epoch."""
         sample = trainset[:TRAIN_RECALL_IMAGES]
@@ -280,42 +238,25 @@ class DetectionTrainer(Teleprompter):
         return float(np.mean([self.metric(ex, dspy.Prediction(boxes=f[0], class_ids=f[2]))
                               for ex, f in zip(sample, found)])) if sample else 0.0
 
-    def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
-        """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm)."""
-        order = torch.randperm(count, generator=generator)
-        batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
-        if len(batches) > 1 and len(batches[-1]) == 1:
-            batches.pop()
-        return batches
-
     def _train_epoch(self, program: DetectorProgram, x: torch.Tensor, boxes: list[np.ndarray],
-                     optimizer, schedule, generator: torch.Generator, epoch: int) -> float:
-        """One pass over the training images: the mean loss per image, in train mode."""
+                     optimizer, schedule, generator: torch.Generator,
+                     epoch: int) -> tuple[float, None]:
+        """One pass over the training images: the mean loss per image, in train mode (the
+        training recall is measured after the epoch)."""
         net = program.net.train()
         total, seen = 0.0, 0
-        bar = progress(self._batches(len(x), generator), desc=f"epoch {epoch}/{self.epochs}",
-                       enabled=self.show_progress)
+        bar = self._epoch_bar(len(x), generator, epoch)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
             images = x[batch]
             targets = detection_targets([boxes[i] for i in batch.tolist()],
                                         len(program.labels), tuple(images.shape[-2:]))
             loss, _ = detection_loss(net(images), targets)
-            value = loss.detach().item()
-            if self.initial_loss is None:
-                self.initial_loss = value
-            if not math.isfinite(value):
-                bar.close()
-                raise TrainingDiverged(epoch, number, f"the loss became {value}",
-                                       self.learning_rate, self.seed)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
+            value = self._step(loss, optimizer, schedule, bar, epoch, number)
             total += value * len(batch)
             seen += len(batch)
             bar.set_postfix(loss=f"{total / seen:.4f}")
-        return total / seen if seen else math.nan
+        return (total / seen if seen else math.nan), None
 
 
 # ----------------------------------------------------------------------------- the search

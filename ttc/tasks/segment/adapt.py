@@ -15,7 +15,8 @@ corruption. bn runs in ONNX Runtime only; tent imports torch."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -25,6 +26,24 @@ from ttc.tasks.segment.metrics import summary_scores
 from ttc.testtime.ttt import AdaptationGraph, Tent
 
 METRIC = "mean_iou"  # what the section's accuracy_* cells hold (the classifiers': accuracy)
+
+
+@dataclass(frozen=True)
+class EpisodicScores:
+    """What an image model's episodic `ttt` section holds of a pass's figures: `metric` the one
+    its accuracy_* cells repeat, `figures` those each row keeps per method, and `compared` the
+    one the verdict compares, by its name `compared_name`."""
+
+    metric: str
+    figures: tuple[str, ...]
+    compared: str
+    compared_name: str
+
+
+SCORES = EpisodicScores(METRIC, ("mean_iou", "pixel_accuracy"), "mean_iou", "mean IoU")
+# A runner (a segmenter's MaskRunner, a detector's DetectionRunner) and images → (its figures
+# over them, seconds)
+ScoredPass = Callable[[Callable, np.ndarray], tuple[dict, float]]
 
 
 def adapted_runner(graph: AdaptationGraph, prior: float) -> MaskRunner:
@@ -53,17 +72,18 @@ def scored_pass(run: MaskRunner, x: np.ndarray, y: np.ndarray, num_classes: int,
     return summary_scores(confusion_of(masks, y, num_classes, ignore_index).matrix), seconds
 
 
-def data_row(source: MaskRunner, adapted: dict[str, MaskRunner], x: np.ndarray, y: np.ndarray,
-             num_classes: int, ignore_index: int, batch_size: int) -> dict:
-    """Mean IoU and pixel accuracy of the source graph and of each method's (`adapted`), with
-    each method's cost against the source pass."""
-    before, plain_seconds = scored_pass(source, x, y, num_classes, ignore_index, batch_size)
-    row = {"accuracy_source": before[METRIC], "mean_iou_source": before["mean_iou"],
-           "pixel_accuracy_source": before["pixel_accuracy"]}
+def data_row(score: ScoredPass, source: Callable, adapted: dict[str, Callable], x: np.ndarray,
+             scores: EpisodicScores) -> dict:
+    """The figures (`scores`) of the source graph's pass over the images `x` and of each
+    method's (`adapted`), with each method's cost against the source pass. `score`: a runner's
+    figures and seconds over images."""
+    before, plain_seconds = score(source, x)
+    row = {"accuracy_source": before[scores.metric],
+           **{f"{name}_source": before[name] for name in scores.figures}}
     for method, run in adapted.items():
-        after, seconds = scored_pass(run, x, y, num_classes, ignore_index, batch_size)
-        row.update({f"accuracy_{method}": after[METRIC], f"mean_iou_{method}": after["mean_iou"],
-                    f"pixel_accuracy_{method}": after["pixel_accuracy"],
+        after, seconds = score(run, x)
+        row.update({f"accuracy_{method}": after[scores.metric],
+                    **{f"{name}_{method}": after[name] for name in scores.figures},
                     f"cost_ratio_{method}": round(seconds / max(plain_seconds, 1e-9), 3)})
     return row
 
@@ -84,23 +104,38 @@ def dense_ttt_section(source: MaskRunner, adapted: dict[str, MaskRunner], x: np.
     verdict. `adapted`: each method's runner (bn: adapted_runner, tent: tent_runner);
     `settings`: the section's method, bn_prior, iterations, learning_rate, guard, predict."""
     ignore_index, classes = preprocessing["ignore_index"], len(labels)
-    clean = data_row(source, adapted, x, y, classes, ignore_index, batch_size)
+    return episodic_section(
+        lambda run, images: scored_pass(run, images, y, classes, ignore_index, batch_size),
+        source, adapted, x, preprocessing, shifts, severity, seed, batch_size, settings, SCORES)
+
+
+def episodic_section(score: ScoredPass, source: Callable, adapted: dict[str, Callable],
+                     x: np.ndarray, preprocessing: dict, shifts: Sequence[str], severity: int,
+                     seed: int, batch_size: int, settings: dict, scores: EpisodicScores) -> dict:
+    """An image model's episodic `ttt` section (a segmenter's, a detector's): a data_row on
+    the clean images and on each corruption of them (`shifts` at `severity`, seeded), their
+    mean, and the verdict. `score`: a runner's figures and seconds over images."""
+    clean = data_row(score, source, adapted, x, scores)
     rows = [{"name": name, "severity": severity,
-             **data_row(source, adapted, corrupt(x, name, severity, preprocessing, seed), y,
-                        classes, ignore_index, batch_size)} for name in shifts]
-    section = {**settings, "mode": "episodic", "batch_size": batch_size, "metric": METRIC,
-               "clean": clean, "shifts": rows, "mean_shifted": mean_row(rows)}
-    section["verdict"] = verdict(clean, section["mean_shifted"], list(adapted))
+             **data_row(score, source, adapted, corrupt(x, name, severity, preprocessing, seed),
+                        scores)} for name in shifts]
+    section = {**settings, "mode": "episodic", "batch_size": batch_size,
+               "metric": scores.metric, "clean": clean, "shifts": rows,
+               "mean_shifted": mean_row(rows)}
+    section["verdict"] = verdict(clean, section["mean_shifted"], list(adapted), scores)
     return section
 
 
-def verdict(clean: dict, shifted: dict | None, methods: Sequence[str]) -> str:
+def verdict(clean: dict, shifted: dict | None, methods: Sequence[str],
+            scores: EpisodicScores = SCORES) -> str:
     parts = []
     for method in methods:
         for name, row in (("the corruptions (mean)", shifted), ("clean images", clean)):
             if row is None:
                 continue
-            before, after = row["mean_iou_source"], row[f"mean_iou_{method}"]
-            parts.append(f"{method} {'raised' if after > before else 'did not raise'} mean IoU "
-                         f"on {name} ({before:.4f} → {after:.4f}, {after - before:+.4f})")
+            before = row[f"{scores.compared}_source"]
+            after = row[f"{scores.compared}_{method}"]
+            parts.append(f"{method} {'raised' if after > before else 'did not raise'} "
+                         f"{scores.compared_name} on {name} ({before:.4f} → {after:.4f}, "
+                         f"{after - before:+.4f})")
     return "; ".join(parts)

@@ -21,7 +21,8 @@ import dataclasses
 import json
 from copy import copy
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from utils import LOG, progress
 
 RunnerFactory = Callable[[], Runner]  # picklable; run once on each worker
 MAX_BLOCKS = 1024  # the chunks' table in at most this many blocks (one chunk per map call)
+Tally = TypeVar("Tally")  # what a run's writer returns: its counts (images, errors)
 
 
 # ----------------------------------------------------------------------------- chunks
@@ -78,12 +80,23 @@ def columns_of(rows: Sequence[SummaryRow], classes: int) -> dict:
             "error": np.array([r.error for r in rows], dtype=object)}
 
 
-def counted(row_batches: Iterator[list[SummaryRow]], update: Callable[[int], object]
-            ) -> Iterator[list[SummaryRow]]:
+def counted(row_batches: Iterator[list], update: Callable[[int], object]) -> Iterator[list]:
     """The row batches, each one's images counted (the progress bar's images)."""
     for rows in row_batches:
         update(len(rows))
         yield rows
+
+
+def predicted_chunks(predicting, batch: dict) -> list:
+    """A worker's input batch (chunk_rows' tables) predicted by `predicting` (a segmenter's or
+    a detector's predict.Predicting) a --batch_size batch at a time: each image's result, in
+    order."""
+    results: list = []
+    for text in batch["listing"]:
+        chunk = listing_of(str(text))
+        for items in batches(chunk, predicting.options.batch_size):
+            results += predicting.batch(items)
+    return results
 
 
 # ----------------------------------------------------------------------------- workers
@@ -100,12 +113,7 @@ class SegmentWorker:
         self.predicting = Predicting(options, preprocessing, classes, make_runner())
 
     def __call__(self, batch: dict) -> dict:
-        rows: list[SummaryRow] = []
-        for text in batch["listing"]:
-            chunk = listing_of(str(text))
-            for items in batches(chunk, self.predicting.options.batch_size):
-                rows += self.predicting.batch(items)
-        return columns_of(rows, self.predicting.classes)
+        return columns_of(predicted_chunks(self.predicting, batch), self.predicting.classes)
 
 
 def on_workers(options: SegmentBatchOptions) -> SegmentBatchOptions:
@@ -128,6 +136,35 @@ def predict_images_on_ray(options: SegmentBatchOptions, preprocessing: dict, lab
     the graph sees are the local engine's); the report's `predictions` and `engine` sections.
     The paths are checked and the images listed before the cluster starts."""
     listed = checked_listing(options, labels)
+    job = RayJob(SegmentWorker, (make_runner, on_workers(options), preprocessing, len(labels),
+                                 copy(LIMITS)), rows_from,
+                 lambda row_batches: write_summary(options, labels, row_batches, report)[0],
+                 "segment", "masks")
+    tally = run_on_ray(job, listed, options.show_progress, ray_options, report)
+    raise_for_errors(options, tally)
+    return report["predictions"]
+
+
+@dataclass
+class RayJob(Generic[Tally]):
+    """What run_on_ray spreads out: the actor (its class and its constructor's arguments), what
+    one of its output batches holds (`results_from`: the images' results), and `write`, which
+    writes the results in input order and stores the report's `predictions` (the run's counts
+    back: images, errors); `desc` the progress bar's, `results` what the log calls them."""
+
+    worker: type
+    worker_args: tuple
+    results_from: Callable[[dict], list]
+    write: Callable[[Iterator[list]], Tally]
+    desc: str
+    results: str
+
+
+def run_on_ray(job: RayJob[Tally], listed: Sequence[Listed], show_progress: bool,
+               ray_options: RayOptions, report: dict) -> Tally:
+    """The listed images predicted by `job` on `ray_options.workers` Ray actors, chunks of
+    `ray_options.worker_batch_size` images each (chunk_rows), and written by it in input order;
+    the report's `engine` section beside its `predictions`. Returns what job.write returned."""
     listed = [dataclasses.replace(item, path=item.path.absolute()) for item in listed]
     chunks = chunk_rows(listed, ray_options.worker_batch_size)
     stream = None
@@ -137,28 +174,25 @@ def predict_images_on_ray(options: SegmentBatchOptions, preprocessing: dict, lab
 
         ordered_data_context()
         # one chunk per map call (batch_size 1), whatever blocks the table is cut into; Ray
-        # Data restarts a dead actor and retries its tasks, whose masks are rewritten whole
+        # Data restarts a dead actor and retries its tasks, whose files are rewritten whole
         dataset = ray.data.from_items(chunks, override_num_blocks=min(len(chunks), MAX_BLOCKS))
         dataset = dataset.map_batches(
-            SegmentWorker, fn_constructor_args=(make_runner, on_workers(options), preprocessing,
-                                                len(labels), copy(LIMITS)),
-            batch_size=1, batch_format="numpy",
+            job.worker, fn_constructor_args=job.worker_args, batch_size=1, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=ray_options.workers),
             num_cpus=ray_options.threads, num_gpus=ray_options.gpus or None)
         timing = FirstBatch()
         stream = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
-        with progress(total=len(listed), desc="segment", enabled=options.show_progress) as bar:
-            row_batches = counted(map(rows_from, stream), bar.update)
-            tally, section = write_summary(options, labels, timing.watch(row_batches), report)
+        with progress(total=len(listed), desc=job.desc, enabled=show_progress) as bar:
+            tally = job.write(timing.watch(counted(map(job.results_from, stream), bar.update)))
     except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
         raise unwrapped(err) from None
     finally:
         stop_ray(stream, local=ray_options.address is None)
+    section = report["predictions"]
     report["engine"] = EngineStats(
         "ray", address, ray_options.workers, ray_options.threads, ray_options.worker_batch_size,
         round(start_seconds, 3), timing.seconds, tally.images, tally.errors,
         section["images_per_second"], section["seconds"]).report_section()
-    LOG.info("ray: %d workers, cluster start %.1f s, first masks after %.1f s",
-             ray_options.workers, start_seconds, timing.seconds or 0.0)
-    raise_for_errors(options, tally)
-    return section
+    LOG.info("ray: %d workers, cluster start %.1f s, first %s after %.1f s",
+             ray_options.workers, start_seconds, job.results, timing.seconds or 0.0)
+    return tally

@@ -23,7 +23,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Collection, Sequence
 
 import numpy as np
 
@@ -45,6 +45,7 @@ MAX_CLASSES_FILE_BYTES = 1 << 20
 SHOWN_FILES = 10  # files a skip record names
 LAYOUT_HINT = ("lay it out as ROOT/images/NAME.png and ROOT/masks/NAME.png (a PNG of class "
                "indices with the image's file stem), with an optional ROOT/classes.txt")
+FOLDER_READ = f"{MODEL_TYPE} reads a folder of images/ and masks/"
 
 # Why a pair is skipped (the records' `reason`, counted per reason).
 NO_MASK = "image without a mask"
@@ -70,54 +71,80 @@ class Pair:
 
 
 @dataclass
-class Skips:
-    """The pairs left out, with their reasons: `paths` (Dataset.skipped) and one record per
-    folder and reason (Dataset.dropped, in the shape of the classifier's dropped rows)."""
+class ReasonCounts:
+    """Bad input counted by reason: the names counted per (file or folder, reason), and the
+    first detail said of each; one record per key (Dataset.dropped, in the shape of the
+    classifier's dropped rows), each with one WARNING (_warn) naming the first `shown`. The
+    segmenter's Skips and the detector's Tally (ttc/tasks/detect/tally.py)."""
 
-    paths: list[str] = field(default_factory=list)
     names: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     details: dict[tuple[str, str], str] = field(default_factory=dict)
+    shown: ClassVar[int] = SHOWN_FILES
+
+    def _count(self, where: str | Path, reason: str, name: str, detail: str,
+               said: str) -> None:
+        """Count `name` under (where, reason); `detail`, said of `said`, if it is the first."""
+        key = (str(where), reason)
+        self.names.setdefault(key, []).append(name)
+        if detail:
+            self.details.setdefault(key, f"{said}: {detail}")
+
+    def summary(self) -> str:
+        """'3 with an all-void mask, 1 with an unreadable image' (every file together)."""
+        totals: Counter = Counter()
+        for (_, reason), names in self.names.items():
+            totals[reason] += len(names)
+        return ", ".join(f"{n} with {with_article(reason)}" for reason, n in
+                         totals.most_common())
+
+    def records(self) -> list[dict]:
+        """One record per file and reason, each with one WARNING naming the first few."""
+        out = []
+        for (where, reason), names in self.names.items():
+            first = names[:self.shown]
+            more = f" and {len(names) - len(first)} more" if len(names) > len(first) else ""
+            said = self.details.get((where, reason))
+            self._warn(where, reason, names, ", ".join(first) + more,
+                       f" (first: {said})" if said else "")
+            out.append(self._record(where, reason, names, first))
+        return out
+
+    def _warn(self, where: str, reason: str, names: list[str], first: str, detail: str) -> None:
+        raise NotImplementedError
+
+    def _record(self, where: str, reason: str, names: list[str], first: list[str]) -> dict:
+        return {"file": where, "reason": reason, "count": len(names), "first_rows": first}
+
+
+@dataclass
+class Skips(ReasonCounts):
+    """The pairs left out, with their reasons: `paths` (Dataset.skipped) and one record per
+    folder and reason (Dataset.dropped)."""
+
+    paths: list[str] = field(default_factory=list)
 
     def add(self, root: Path, reason: str, path: Path, detail: str = "") -> None:
-        key = (str(root), reason)
         self.paths.append(str(path))
-        self.names.setdefault(key, []).append(path.relative_to(root).as_posix())
-        if detail:
-            self.details.setdefault(key, f"{path.name}: {detail}")
+        self._count(root, reason, path.relative_to(root).as_posix(), detail, path.name)
 
     def count(self) -> int:
         return len(self.paths)
 
-    def summary(self) -> str:
-        """'3 with an all-void mask, 1 with an unreadable image' (every folder together)."""
-        totals: Counter = Counter()
-        for (_, reason), names in self.names.items():
-            totals[reason] += len(names)
-        return ", ".join(f"{n} with {_a(reason)}" for reason, n in totals.most_common())
-
-    def records(self) -> list[dict]:
-        """One record per folder and reason, each with one WARNING naming the first files."""
-        out = []
-        for (root, reason), names in self.names.items():
-            first = names[:SHOWN_FILES]
-            more = f" and {len(names) - len(first)} more" if len(names) > len(first) else ""
-            said = self.details.get((root, reason))
-            detail = f" (first: {said})" if said else ""
-            LOG.warning("skipped %d image/mask pairs of %s with %s (%s%s)%s", len(names), root,
-                        _a(reason), ", ".join(first), more, detail)
-            out.append({"file": root, "reason": reason, "count": len(names), "first_rows": first})
-        return out
+    def _warn(self, where: str, reason: str, names: list[str], first: str, detail: str) -> None:
+        LOG.warning("skipped %d image/mask pairs of %s with %s (%s)%s", len(names), where,
+                    with_article(reason), first, detail)
 
 
-class _Skip(Exception):
-    """A pair that cannot be used, and why."""
+class Skip(Exception):
+    """An image (a pair) that cannot be used, and why."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.reason, self.detail = reason, detail
 
 
-def _a(noun: str) -> str:
+def with_article(noun: str) -> str:
+    """'an unreadable image', 'a zero-area box'."""
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
@@ -139,10 +166,8 @@ def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | Non
     if derived:
         preprocessing = derive_preprocessing(pairs, options)
         require_memory_for(preprocessing, sum(p.split in splits for p in pairs), options)
-    else:  # the bundle's image size, whatever it claims, times the user's images
-        kept = sum(p.split in splits for p in pairs)
-        check_decoded_images(preprocessing, kept, f"the {' and '.join(splits)} split"
-                             + ("s" if len(splits) > 1 else ""))
+    else:
+        check_bundle_size(preprocessing, sum(p.split in splits for p in pairs), splits)
     decoded = {split: decode_split([p for p in pairs if p.split == split], preprocessing,
                                    None if names is None else len(names), skips, options, split)
                for split in splits}
@@ -151,13 +176,25 @@ def load_segmentation_dataset(options: DataOptions, *, preprocessing: dict | Non
         names = index_names(decoded, preprocessing["ignore_index"], options.path)
     if derived and "train" in decoded:
         preprocessing = dict(preprocessing, **channel_stats(decoded["train"].x))
-    counts = Counter(p.split for p in pairs)
+    return Dataset(model_type=MODEL_TYPE, labels=names, preprocessing=preprocessing,
+                   splits=decoded, counts=split_counts(pairs, decoded), given_splits=given,
+                   options=options, skipped=skips.paths, dropped=skips.records())
+
+
+def check_bundle_size(preprocessing: dict, kept: int, splits: Sequence[str]) -> None:
+    """The bundle's image size, whatever it claims, times the user's `kept` images of `splits`:
+    refused (exit 3) over --max_image_memory_mb (limits.check_decoded_images)."""
+    check_decoded_images(preprocessing, kept, f"the {' and '.join(splits)} split"
+                         + ("s" if len(splits) > 1 else ""))
+
+
+def split_counts(listed: Sequence, decoded: dict[str, Split]) -> dict[str, int]:
+    """Dataset.counts: the images of each split, as decoded where it was (else as listed:
+    each listed item's `split`)."""
+    counts = Counter(item.split for item in listed)
     for split, data in decoded.items():
         counts[split] = len(data)
-    return Dataset(model_type=MODEL_TYPE, labels=names, preprocessing=preprocessing,
-                   splits=decoded, counts={s: counts.get(s, 0) for s in SPLITS},
-                   given_splits=given, options=options, skipped=skips.paths,
-                   dropped=skips.records())
+    return {s: counts.get(s, 0) for s in SPLITS}
 
 
 def builtin_canvases(options: DataOptions, preprocessing: dict | None,
@@ -165,14 +202,10 @@ def builtin_canvases(options: DataOptions, preprocessing: dict | None,
     """builtin:digit_canvases: BUILTIN_COUNT canvases of BUILTIN_SIZE pixels (canvases.py, made
     in memory, the same every time), split by --seed and the fractions as a folder is."""
     size = [BUILTIN_SIZE, BUILTIN_SIZE]
-    if options.image_size and list(options.image_size) != size or options.channels not in (
-            None, 1):
-        raise ConfigError(f"{BUILTIN} is {BUILTIN_SIZE}x{BUILTIN_SIZE} grayscale",
-                          "drop --image_size and --channels (or write canvases of another size "
-                          "with ttc.tasks.segment.canvases.write_digit_canvases)")
+    check_builtin_options(options, BUILTIN, BUILTIN_SIZE,
+                          "ttc.tasks.segment.canvases.write_digit_canvases")
     images, masks = canvas_arrays(BUILTIN_COUNT, BUILTIN_SIZE, BUILTIN_SEED)
-    cut = np.array(assign_splits([""] * len(images), options.val_fraction,
-                                 options.test_fraction, options.seed))
+    cut = builtin_splits(options, len(images))
     decoded = {split: Split(x=(images[cut == split][:, None] / 255.0).astype(np.float32),
                             y=masks[cut == split].astype(np.int64),
                             ids=[f"{BUILTIN}#{i}" for i in np.flatnonzero(cut == split)])
@@ -190,6 +223,23 @@ def builtin_canvases(options: DataOptions, preprocessing: dict | None,
                    options=options)
 
 
+def check_builtin_options(options: DataOptions, builtin: str, side: int, writer: str) -> None:
+    """A builtin data set is `side`x`side` grayscale: --image_size or --channels asking for
+    another is a ConfigError (exit 2); `writer` makes canvases of another size."""
+    if options.image_size and list(options.image_size) != [side, side] or options.channels \
+            not in (None, 1):
+        raise ConfigError(f"{builtin} is {side}x{side} grayscale",
+                          "drop --image_size and --channels (or write canvases of another size "
+                          f"with {writer})")
+
+
+def builtin_splits(options: DataOptions, count: int) -> np.ndarray:
+    """The split of each of a builtin set's `count` canvases: by --seed and the fractions, as a
+    folder's (assign_splits, one class)."""
+    return np.array(assign_splits([""] * count, options.val_fraction, options.test_fraction,
+                                  options.seed))
+
+
 def ignore_index_of(options: DataOptions) -> int:
     """--ignore_index where DataOptions carries it, else 255."""
     value = getattr(options, "ignore_index", None)
@@ -202,35 +252,42 @@ def ignore_index_of(options: DataOptions) -> int:
 def list_pairs(options: DataOptions, skips: Skips) -> tuple[list[Pair], bool, Path]:
     """Every image/mask pair with its split, whether splits were given, and the main root.
     Unpaired files go to `skips`."""
-    root = _folder(options.path, "dataset path")
+    root = data_folder(options.path, "dataset path", FOLDER_READ, LAYOUT_HINT)
     roots = {"train": root}
     if (root / "train").is_dir() and not (root / "images").is_dir():
         roots = {s: root / s for s in SPLITS if (root / s).is_dir()}
     for split in ("val", "test"):
         extra = getattr(options, f"{split}_path", None)
         if extra:
-            roots[split] = _folder(extra, f"--{split}_path")
+            roots[split] = data_folder(extra, f"--{split}_path", FOLDER_READ, LAYOUT_HINT)
     pairs = [pair for split, where in roots.items() for pair in pairs_in(where, split, skips)]
     if not pairs:
         raise DataError(f"no image/mask pairs in {root}"
                         + (f": {skips.summary()}" if skips.count() else ": no image files"),
                         "a mask has its image's file stem; " + LAYOUT_HINT)
-    main = [p for p in pairs if p.split == "train"]
-    missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in roots}
-    cut = assign_splits([""] * len(main), missing.get("val", 0.0), missing.get("test", 0.0),
-                        options.seed)
-    for pair, split in zip(main, cut):
-        pair.split = split
+    cut_missing_splits([p for p in pairs if p.split == "train"], roots, options)
     return pairs, len(roots) > 1, root
 
 
-def _folder(path: str | Path, what: str) -> Path:
+def cut_missing_splits(main: Sequence, given: Collection[str], options: DataOptions) -> None:
+    """The splits not `given` (val, test) cut from the training items `main` with the seeded
+    fractions (assign_splits, one class): each item's `split` set."""
+    missing = {s: getattr(options, f"{s}_fraction") for s in ("val", "test") if s not in given}
+    cut = assign_splits([""] * len(main), missing.get("val", 0.0), missing.get("test", 0.0),
+                        options.seed)
+    for item, split in zip(main, cut):
+        item.split = split
+
+
+def data_folder(path: str | Path, what: str, reads: str, hint: str,
+                error: type[DataError] | type[ConfigError] = DataError) -> Path:
+    """A folder the user names: DataError (exit 3) when it does not exist, `error` when it is
+    not a folder (`reads`: what the model type reads)."""
     folder = Path(path)
     if not folder.exists():
         raise DataError(f"{what} {folder} does not exist", "check the path")
     if not folder.is_dir():
-        raise DataError(f"{what} {folder} is not a folder; {MODEL_TYPE} reads a folder of "
-                        "images/ and masks/", LAYOUT_HINT)
+        raise error(f"{what} {folder} is not a folder; {reads}", hint)
     return folder
 
 
@@ -309,10 +366,16 @@ def require_memory_for(preprocessing: dict, count: int, options: DataOptions) ->
     folder of large photographs is refused before any decoding, with the size to set."""
     height, width = preprocessing["image_size"]
     need = count * (image_bytes(preprocessing) + height * width * np.dtype(np.int64).itemsize)
-    limit = LIMITS.max_image_memory_mb * MIB
-    if need > limit:
+    refuse_over_memory(need, f"{count} image/mask pairs", preprocessing, options)
+
+
+def refuse_over_memory(need: int, what: str, preprocessing: dict, options: DataOptions) -> None:
+    """`need` bytes for `what` ("12 image/mask pairs") decoded at the training size: over
+    --max_image_memory_mb a DataError (exit 3), with the size to set."""
+    height, width = preprocessing["image_size"]
+    if need > LIMITS.max_image_memory_mb * MIB:
         raise DataError(
-            f"the {count} image/mask pairs of {options.path} at {height}x{width} would take "
+            f"the {what} of {options.path} at {height}x{width} would take "
             f"{size_text(need)} decoded, over --max_image_memory_mb "
             f"{LIMITS.max_image_memory_mb}",
             "train at a smaller size (--image_size HEIGHT WIDTH) or raise "
@@ -327,18 +390,26 @@ def derive_preprocessing(pairs: list[Pair], options: DataOptions) -> dict:
     if not train:
         raise DataError(f"the training split of {options.path} has no image/mask pairs",
                         LAYOUT_HINT)
+    height, width, channels = training_size(train, options)
+    return {"kind": KIND, "image_size": [height, width], "channels": channels,
+            "color_mode": "L" if channels == 1 else "RGB", "resample": "bilinear",
+            "mask_resample": "nearest", "resize": "bilinear/nearest",
+            "ignore_index": ignore_index_of(options),
+            "pixel_scale": "by image mode: 8-bit /255, 16-bit /65535 (docs/data.md)",
+            "input_range": [0.0, 1.0], "layout": "NCHW", "normalization": "in_graph"}
+
+
+def training_size(train: list[ImageItem], options: DataOptions) -> tuple[int, int, int]:
+    """(height, width, channels) by the classifier's rules: the most common size of the
+    training images (or --image_size); 1 channel when every one is grayscale, else 3 (or
+    --channels)."""
     data_size, data_channels = scan_image_headers(train)
     height, width = options.image_size or data_size
     channels = options.channels or data_channels
     if (height, width) != tuple(data_size):
         LOG.info("training at %dx%d (the most common image size is %dx%d)", height, width,
                  data_size[0], data_size[1])
-    return {"kind": KIND, "image_size": [int(height), int(width)], "channels": int(channels),
-            "color_mode": "L" if channels == 1 else "RGB", "resample": "bilinear",
-            "mask_resample": "nearest", "resize": "bilinear/nearest",
-            "ignore_index": ignore_index_of(options),
-            "pixel_scale": "by image mode: 8-bit /255, 16-bit /65535 (docs/data.md)",
-            "input_range": [0.0, 1.0], "layout": "NCHW", "normalization": "in_graph"}
+    return int(height), int(width), int(channels)
 
 
 def decode_split(pairs: list[Pair], preprocessing: dict, num_classes: int | None, skips: Skips,
@@ -353,7 +424,7 @@ def decode_split(pairs: list[Pair], preprocessing: dict, num_classes: int | None
     for pair in progress(pairs, desc=f"decode {split}", enabled=options.show_progress):
         try:
             x[len(ids)], y[len(ids)] = decode_pair(pair, preprocessing, num_classes)
-        except _Skip as skip:
+        except Skip as skip:
             skips.add(pair.root, skip.reason, pair.image, skip.detail)
             continue
         ids.append(pair.name)
@@ -363,31 +434,32 @@ def decode_split(pairs: list[Pair], preprocessing: dict, num_classes: int | None
 def decode_pair(pair: Pair, preprocessing: dict,
                 num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     """One pair → ((C, H, W) float32 pixels, (H, W) uint8 indices) at the training size;
-    raises _Skip with the reason it cannot be used."""
+    raises Skip with the reason it cannot be used."""
     ignore = preprocessing["ignore_index"]
     height, width = preprocessing["image_size"]
-    size = _image_size(pair.image)
+    size = decoded_image_size(pair.image)
     mask = read_mask(pair.mask)
     if mask.shape != size:
-        raise _Skip(SIZE_MISMATCH, f"mask {mask.shape[1]}x{mask.shape[0]}, image "
+        raise Skip(SIZE_MISMATCH, f"mask {mask.shape[1]}x{mask.shape[0]}, image "
                     f"{size[1]}x{size[0]}")
     if num_classes is not None:
         beyond = (mask >= num_classes) & (mask != ignore)
         if beyond.any():
-            raise _Skip(BEYOND_CLASSES, f"index {int(mask[beyond].max())} of {num_classes} "
+            raise Skip(BEYOND_CLASSES, f"index {int(mask[beyond].max())} of {num_classes} "
                         "classes")
     mask = resize_mask(mask, height, width)
     if (mask == ignore).all():
-        raise _Skip(ALL_VOID)
+        raise Skip(ALL_VOID)
     try:
         pixels = decode_image_file(pair.image, preprocessing)
     except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
-        raise _Skip(UNREADABLE_IMAGE, first_line(err)) from err
+        raise Skip(UNREADABLE_IMAGE, first_line(err)) from err
     return pixels, mask
 
 
-def _image_size(path: Path) -> tuple[int, int]:
-    """(height, width) as the decoder sees the image (after its EXIF orientation)."""
+def decoded_image_size(path: Path) -> tuple[int, int]:
+    """(height, width) as the decoder sees the image (after its EXIF orientation); Skip
+    (UNREADABLE_IMAGE) when Pillow cannot read it."""
     from PIL import Image
 
     try:
@@ -397,7 +469,7 @@ def _image_size(path: Path) -> tuple[int, int]:
                 width, height = img.size
                 turned = img.getexif().get(0x0112) in (5, 6, 7, 8)  # Orientation: a quarter turn
     except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
-        raise _Skip(UNREADABLE_IMAGE, first_line(err)) from err
+        raise Skip(UNREADABLE_IMAGE, first_line(err)) from err
     return (width, height) if turned else (height, width)
 
 
@@ -411,13 +483,13 @@ def read_mask(path: Path) -> np.ndarray:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as img:
                 if img.mode not in MASK_MODES:
-                    raise _Skip(MASK_MODE, f"mode {quoted(img.mode)}")
+                    raise Skip(MASK_MODE, f"mode {quoted(img.mode)}")
                 img = ImageOps.exif_transpose(img) or img
                 return np.asarray(img, dtype=np.uint8).copy()
-    except _Skip:
+    except Skip:
         raise
     except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
-        raise _Skip(UNREADABLE_MASK, first_line(err)) from err
+        raise Skip(UNREADABLE_MASK, first_line(err)) from err
 
 
 def resize_mask(mask: np.ndarray, height: int, width: int) -> np.ndarray:

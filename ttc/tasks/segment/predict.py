@@ -16,20 +16,18 @@ Parquet) only: inference's path imports no torch.
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from ttc.inputs.preprocess import decode_image_file
 from ttc.inputs.tables import IMAGE_EXTENSIONS
-from ttc.serving.batch import (abandon_parquet, folder_images, neutralised, printable_name,
-                               utf8_name, write_errors)
+from ttc.serving.batch import (RecordWriter, fail_without_predictions, folder_images,
+                               printable_name, raise_for_error_rows, utf8_name, write_errors)
 from ttc.tasks.segment.masks import PALETTE_CLASSES, class_shares, write_mask, write_overlay
 from utils import (LOG, ConfigError, DataError, ExportError, atomic_write_stream, first_line,
                    inside, progress, raise_if_interrupted, same_file, unwritable)
@@ -39,6 +37,7 @@ MASK_SUFFIX = ".png"
 EXIF_ORIENTATION = 0x0112
 TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 Runner = Callable[[np.ndarray], np.ndarray]
+Result = TypeVar("Result")  # one image's outcome: a segmenter's SummaryRow, a detector's boxes
 
 
 def default_mask_dir(output: Path) -> Path:
@@ -55,12 +54,13 @@ def default_overlay_dir(output: Path) -> Path:
 
 
 @dataclass
-class SegmentBatchOptions:
-    """What a segmenter's --input path takes from the Config."""
+class ImageBatchOptions:
+    """What an image model's --input path takes from the Config: what every one has (input and
+    output, then these keyword-only), its own fields after `output` in a subclass."""
 
     input: Path
     output: Path
-    mask_dir: Path | None = None  # None: default_mask_dir(output)
+    _: KW_ONLY
     overlay: bool = False
     batch_size: int = 16
     errors: Path | None = None
@@ -69,9 +69,19 @@ class SegmentBatchOptions:
 
     def __post_init__(self) -> None:
         self.input, self.output = Path(self.input), Path(self.output)
+        self.errors = None if self.errors is None else Path(self.errors)
+
+
+@dataclass
+class SegmentBatchOptions(ImageBatchOptions):
+    """What a segmenter's --input path takes from the Config."""
+
+    mask_dir: Path | None = None  # None: default_mask_dir(output)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.mask_dir = (default_mask_dir(self.output) if self.mask_dir is None
                          else Path(self.mask_dir))
-        self.errors = None if self.errors is None else Path(self.errors)
 
     @property
     def overlay_dir(self) -> Path | None:
@@ -102,26 +112,51 @@ class SummaryRow:
     error: str = ""
 
 
-@dataclass
-class SegmentRun:
-    """The counts of a run, for its report section."""
+@dataclass(kw_only=True)
+class ImageRun:
+    """What every image model's --input run counts (its model's own counts in a subclass):
+    the images, those predicted, those that failed and their (id, reason) rows."""
 
     images: int = 0
     predicted: int = 0
     errors: int = 0
-    share_sums: np.ndarray | None = None
     error_rows: list[tuple[str, str]] = field(default_factory=list)
+
+    def counted(self, id: str, error: str) -> bool:
+        """One image counted; whether it was predicted (else its error row is kept)."""
+        self.images += 1
+        if error:
+            self.errors += 1
+            self.error_rows.append((id, error))
+            return False
+        self.predicted += 1
+        return True
+
+    def add(self, results: Sequence) -> None:
+        raise NotImplementedError
+
+    def counts(self, errors: Path | None) -> dict:
+        """The report section's counts (`errors`: the --errors file)."""
+        return {"images": self.images, "predicted": self.predicted, "errors": self.errors,
+                "errors_path": None if errors is None else str(errors)}
+
+    def rate(self, seconds: float) -> dict:
+        """The report section's time and images predicted per second."""
+        return {"seconds": round(seconds, 3),
+                "images_per_second": round(self.predicted / seconds, 1) if seconds else None}
+
+
+@dataclass
+class SegmentRun(ImageRun):
+    """The counts of a run, for its report section."""
+
+    share_sums: np.ndarray | None = None
 
     def add(self, rows: Sequence[SummaryRow]) -> None:
         for row in rows:
-            self.images += 1
-            if row.error:
-                self.errors += 1
-                self.error_rows.append((row.id, row.error))
-                continue
-            self.predicted += 1
-            self.share_sums = row.shares.copy() if self.share_sums is None \
-                else self.share_sums + row.shares
+            if self.counted(row.id, row.error):
+                self.share_sums = row.shares.copy() if self.share_sums is None \
+                    else self.share_sums + row.shares
 
 
 # ----------------------------------------------------------------------------- checks
@@ -220,6 +255,19 @@ def batches(items: Sequence[Listed], size: int) -> Iterator[Sequence[Listed]]:
         yield items[start:start + size]
 
 
+def predicted_batches(listed: Sequence[Listed], options: ImageBatchOptions, desc: str,
+                      predict: Callable[[Sequence[Listed]], list[Result]]
+                      ) -> Iterator[list[Result]]:
+    """The listed images' results a --batch_size batch at a time (`predict`: one batch's, in
+    input order) under a progress bar (`desc`), a stop asked for honoured before each batch."""
+    steps = -(-len(listed) // options.batch_size)
+    chunks = progress(batches(listed, options.batch_size), total=steps, desc=desc,
+                      enabled=options.show_progress)
+    for items in chunks:
+        raise_if_interrupted()
+        yield predict(items)
+
+
 # ----------------------------------------------------------------------------- images
 
 
@@ -259,6 +307,36 @@ def unreadable(err: BaseException, path: Path) -> str:
 # ----------------------------------------------------------------------------- predicting
 
 
+def predicted_batch(items: Sequence[Listed], preprocessing: dict,
+                    failed: Callable[[Listed, str], Result],
+                    predict: Callable[[np.ndarray, list[Listed], list[tuple[int, int]]],
+                                      list[Result]]) -> list[Result]:
+    """One batch's results in input order. Each image is decoded as the model was trained
+    (decode_image_file) and its own size read (original_size); one listed with an error, or
+    that does not decode, is `failed(item, reason)`. The others go to `predict` in one call:
+    (their pixels stacked, float32 (n, C, H, W); their items; their sizes) → their results."""
+    results: list[Result | None] = [None] * len(items)
+    pixels, kept, sizes = [], [], []
+    for k, item in enumerate(items):
+        if item.error:
+            results[k] = failed(item, item.error)
+            continue
+        try:
+            decoded = decode_image_file(item.path, preprocessing)
+            size = original_size(item.path)
+        except Exception as err:  # noqa: BLE001 - any decoder failure is this row's error
+            results[k] = failed(item, unreadable(err, item.path))
+            continue
+        pixels.append(decoded)
+        sizes.append(size)
+        kept.append(k)
+    if kept:
+        x = np.stack(pixels).astype(np.float32, copy=False)
+        for k, result in zip(kept, predict(x, [items[k] for k in kept], sizes)):
+            results[k] = result
+    return results  # type: ignore[return-value] - every slot is filled
+
+
 @dataclass
 class Predicting:
     """What each batch needs: the options, the model's preprocessing, its class count and run."""
@@ -270,33 +348,15 @@ class Predicting:
 
     def batch(self, items: Sequence[Listed]) -> list[SummaryRow]:
         """One batch: decoded, predicted in one call, each mask resized back and written; rows
-        in input order."""
-        rows: list[SummaryRow | None] = [None] * len(items)
-        pixels, kept, sizes = [], [], []
-        for k, item in enumerate(items):
-            if item.error:
-                rows[k] = SummaryRow(item.id, error=item.error)
-                continue
-            try:
-                decoded = decode_image_file(item.path, self.preprocessing)
-                size = original_size(item.path)
-            except Exception as err:  # noqa: BLE001 - any decoder failure is this row's error
-                rows[k] = SummaryRow(item.id, error=unreadable(err, item.path))
-                continue
-            pixels.append(decoded)
-            sizes.append(size)
-            kept.append(k)
-        if kept:
-            masks = self._masks(np.stack(pixels).astype(np.float32, copy=False))
-            for k, mask, size in zip(kept, masks, sizes):
-                rows[k] = self._written(items[k], resized_mask(mask, size), size)
-        return rows  # type: ignore[return-value] - every slot is filled
+        in input order (predicted_batch)."""
+        return predicted_batch(items, self.preprocessing,
+                               lambda item, error: SummaryRow(item.id, error=error),
+                               self._predicted)
 
-    def batches(self, chunks: Iterable[Sequence[Listed]]) -> Iterator[list[SummaryRow]]:
-        """Each chunk's rows (Predicting.batch), a stop asked for honoured before each."""
-        for items in chunks:
-            raise_if_interrupted()
-            yield self.batch(items)
+    def _predicted(self, x: np.ndarray, items: list[Listed], sizes: list[tuple[int, int]]
+                   ) -> list[SummaryRow]:
+        return [self._written(item, resized_mask(mask, size), size)
+                for item, mask, size in zip(items, self._masks(x), sizes)]
 
     def _masks(self, x: np.ndarray) -> np.ndarray:
         masks = np.asarray(self.run(x))
@@ -340,21 +400,15 @@ def _write(path: Path, write: Callable[[], object]) -> None:
 # ----------------------------------------------------------------------------- the summary
 
 
-class SummaryWriter:
+class SummaryWriter(RecordWriter):
     """Summary rows to CSV, JSONL or Parquet (by the output's suffix) in an open temporary file:
     id, mask (relative to the summary's folder), height, width, share_<label> per class (6
     decimals), error. An error row has no mask ("") and no size or shares (empty, null)."""
 
-    PARQUET_GROUP_ROWS = 65536
-
     def __init__(self, handle, fmt: str, labels: Sequence[str]) -> None:
-        self.handle, self.fmt = handle, fmt
         self.share_columns = [f"share_{label}" for label in labels]
         self.columns = ["id", "mask", "height", "width", *self.share_columns, "error"]
-        self.parquet = None
-        self.pending: list[dict] = []
-        if fmt == "csv":
-            csv.writer(handle).writerow(self.columns)
+        super().__init__(handle, fmt, self.columns)
 
     def _record(self, row: SummaryRow) -> dict:
         shares = ([None] * len(self.share_columns) if row.shares is None
@@ -363,45 +417,15 @@ class SummaryWriter:
                 **dict(zip(self.share_columns, shares)), "error": row.error}
 
     def write(self, rows: Sequence[SummaryRow]) -> None:
-        records = [self._record(row) for row in rows]
-        if self.fmt == "csv":
-            csv.writer(self.handle).writerows(
-                [neutralised(v) if isinstance(v, str) else ("" if v is None else v)
-                 for v in record.values()] for record in records)
-        elif self.fmt == "jsonl":
-            self.handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                      for r in records))
-        else:
-            self.pending += records
-            if len(self.pending) >= self.PARQUET_GROUP_ROWS:
-                self._flush()
+        self.write_records([self._record(row) for row in rows])
 
-    def _schema(self):
+    def schema(self):
         import pyarrow as pa
 
         return pa.schema([("id", pa.string()), ("mask", pa.string()), ("height", pa.int64()),
                           ("width", pa.int64()),
                           *((name, pa.float64()) for name in self.share_columns),
                           ("error", pa.string())])
-
-    def _flush(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        schema = self._schema()
-        if self.parquet is None:
-            self.parquet = pq.ParquetWriter(self.handle, schema)
-        if self.pending:
-            self.parquet.write_table(pa.Table.from_pylist(self.pending, schema=schema))
-            self.pending = []
-
-    def close(self) -> None:
-        if self.fmt == "parquet":
-            self._flush()
-            self.parquet.close()
-
-    def abandon(self) -> None:
-        abandon_parquet(self.parquet)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -418,10 +442,8 @@ def predict_images(options: SegmentBatchOptions, preprocessing: dict, labels: li
     --allow_errors (the summary and masks written)."""
     listed = checked_listing(options, labels)
     predicting = Predicting(options, preprocessing, len(labels), run)
-    steps = -(-len(listed) // options.batch_size)
-    chunks = progress(batches(listed, options.batch_size), total=steps, desc="segment",
-                      enabled=options.show_progress)
-    tally, section = write_summary(options, labels, predicting.batches(chunks), report)
+    tally, section = write_summary(
+        options, labels, predicted_batches(listed, options, "segment", predicting.batch), report)
     raise_for_errors(options, tally)
     return section
 
@@ -438,6 +460,58 @@ def checked_listing(options: SegmentBatchOptions, labels: Sequence[str]) -> list
     return listed
 
 
+class ResultWriter(Protocol):
+    """What write_results writes through: a segmenter's SummaryWriter, a detector's RowWriter
+    or CocoWriter (on open temporary files)."""
+
+    def write(self, results: Sequence) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+def write_results(options: ImageBatchOptions,
+                  open_writer: Callable[[contextlib.ExitStack], ResultWriter],
+                  result_batches: Iterable[Sequence], tally: ImageRun, verb: str,
+                  section_of: Callable[[float], dict], report: dict | None) -> dict:
+    """The results, batch after batch in input order, through the writer `open_writer` makes on
+    temporary files that its stack moves into place at the end (and removes after an error: an
+    interrupt, or no image predicted, a DataError that leaves the previous outputs as they
+    were); counted in `tally`; the error rows to --errors. Returns the run's report section
+    (`section_of` the seconds it took), also stored as report["predictions"] when `report` is
+    given. `verb`: what the model does to an image ("segmented")."""
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        writer = open_writer(stack)
+        stack.callback(writer.abandon)  # an interrupt, an error: let go before the files go
+        for results in result_batches:
+            raise_if_interrupted()
+            writer.write(results)
+            tally.add(results)
+        raise_if_interrupted()
+        if tally.predicted == 0:  # raised inside the block: the previous outputs stay
+            fail_without_predictions(options, tally.images, "images", verb, tally.error_rows,
+                                     "check that they are images Pillow can open")
+        writer.close()
+    seconds = time.perf_counter() - started
+    if options.errors is not None:
+        write_errors(str(options.errors), tally.error_rows)
+    section = section_of(seconds)
+    if report is not None:
+        report["predictions"] = section
+    return section
+
+
+def _open_writer(stack: contextlib.ExitStack, options: SegmentBatchOptions,
+                 labels: Sequence[str]) -> SummaryWriter:
+    """The summary's writer on a temporary file that `stack` moves into place when it closes
+    without an error (and removes otherwise)."""
+    fmt = options.output.suffix.lower().lstrip(".")
+    handle = stack.enter_context(atomic_write_stream(options.output, binary=fmt == "parquet"))
+    return SummaryWriter(handle, fmt, labels)
+
+
 def write_summary(options: SegmentBatchOptions, labels: Sequence[str],
                   row_batches: Iterable[Sequence[SummaryRow]], report: dict | None
                   ) -> tuple[SegmentRun, dict]:
@@ -446,27 +520,11 @@ def write_summary(options: SegmentBatchOptions, labels: Sequence[str],
     the error rows to --errors; the run's counts and report section (also report["predictions"]
     when `report` is given). Whatever makes the rows (this process, Ray workers) has written
     their masks."""
-    fmt = options.output.suffix.lower().lstrip(".")
     tally = SegmentRun()
-    started = time.perf_counter()
-    with atomic_write_stream(options.output, binary=fmt == "parquet") as handle, \
-            contextlib.ExitStack() as before_closing:
-        writer = SummaryWriter(handle, fmt, labels)
-        before_closing.callback(writer.abandon)
-        for rows in row_batches:
-            raise_if_interrupted()
-            writer.write(rows)
-            tally.add(rows)
-        raise_if_interrupted()
-        if tally.predicted == 0:  # raised inside the block: the previous summary stays
-            _fail_without_predictions(tally, options)
-        writer.close()
-    seconds = time.perf_counter() - started
-    if options.errors is not None:
-        write_errors(str(options.errors), tally.error_rows)
-    section = report_section(options, labels, tally, seconds)
-    if report is not None:
-        report["predictions"] = section
+    section = write_results(options, lambda stack: _open_writer(stack, options, labels),
+                            row_batches, tally, "segmented",
+                            lambda seconds: report_section(options, labels, tally, seconds),
+                            report)
     LOG.info("segmented %d of %d images into %s (%.1f images/s)%s", tally.predicted,
              tally.images, options.mask_dir, section["images_per_second"] or 0.0,
              f", {tally.errors} failed" if tally.errors else "")
@@ -475,21 +533,8 @@ def write_summary(options: SegmentBatchOptions, labels: Sequence[str],
 
 def raise_for_errors(options: SegmentBatchOptions, tally: SegmentRun) -> None:
     """Error rows without --allow_errors: a DataError (exit 3) once everything is written."""
-    if tally.errors and not options.allow_errors:
-        where = (f"listed in {options.errors}" if options.errors
-                 else "add --errors PATH to list them")
-        raise DataError(f"{tally.errors} of {tally.images} images could not be segmented "
-                        f"({where}); the other masks are in {options.mask_dir}",
-                        "fix those images, or pass --allow_errors true")
-
-
-def _fail_without_predictions(tally: SegmentRun, options: SegmentBatchOptions) -> None:
-    if options.errors is not None:
-        write_errors(str(options.errors), tally.error_rows)
-    where = f"listed in {options.errors}" if options.errors else "add --errors PATH to list them"
-    raise DataError(f"none of the {tally.images} images of {options.input} could be segmented "
-                    f"({where}); {options.output} was left as it was",
-                    "check that they are images Pillow can open")
+    raise_for_error_rows(options, tally.errors, tally.images, "images", "segmented",
+                         f"the other masks are in {options.mask_dir}")
 
 
 def report_section(options: SegmentBatchOptions, labels: Sequence[str], tally: SegmentRun,
@@ -499,8 +544,5 @@ def report_section(options: SegmentBatchOptions, labels: Sequence[str], tally: S
     return {"input": str(options.input), "output": str(options.output),
             "mask_dir": str(options.mask_dir),
             "overlay_dir": None if options.overlay_dir is None else str(options.overlay_dir),
-            "images": tally.images, "predicted": tally.predicted, "errors": tally.errors,
-            "errors_path": None if options.errors is None else str(options.errors),
-            "seconds": round(seconds, 3),
-            "images_per_second": round(tally.predicted / seconds, 1) if seconds else None,
+            **tally.counts(options.errors), **tally.rate(seconds),
             "class_pixel_shares": {label: round(float(m), 6) for label, m in zip(labels, means)}}

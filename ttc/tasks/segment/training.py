@@ -14,7 +14,6 @@ answering background everywhere. Importing this module imports torch and dspy.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import math
 import time
@@ -25,29 +24,21 @@ import dspy
 import numpy as np
 import torch
 import torch.nn.functional as F
-from dspy.teleprompt import Teleprompter
 from torch import nn
 
 from ttc.inputs.data import Dataset, Split
-from ttc.nets.fitting import BestEpoch, learning_rate_schedule
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
-from ttc.nets.program import (CandidateSearch, EpochRecord, TrainedModel,
-                              TrainingDiverged, example_rate, recalibrate_batchnorm,
-                              require_finite_weights)
+from ttc.nets.program import (CandidateSearch, ImageTrainer, TrainedModel, TrainingDiverged,
+                              example_rate)
 from ttc.nets.transfer import Transfer
 from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
 from ttc.tasks.segment.pretrained import init_backbone, require_backbone_file
-from utils import (LOG, ConfigError, TrainingError, progress, raise_if_interrupted,
-                   stdout_to_stderr)
+from utils import LOG, ConfigError, TrainingError
 
 INPUT_FIELD = "image"
 DEFAULT_ARCH = "unet"
 EVAL_BATCH = 64  # images per forward pass when scoring
-# BatchNorm statistics are re-estimated on at most this many training images after each
-# epoch: an image gives every channel H×W values, so a few hundred images estimate them as
-# well as the classifier's 4,096 (and the pass costs a tenth of an epoch on 2,000 canvases).
-RECALIBRATION_IMAGES = 512
 
 
 # ----------------------------------------------------------------------------- the DSPy program
@@ -180,96 +171,44 @@ def split_miou(net: nn.Module, split: Split, num_classes: int,
 # ----------------------------------------------------------------------------- the optimizer
 
 
-class SegmentationTrainer(Teleprompter):
-    """A DSPy optimizer for a segmenter's weights: AdamW with `weight_decay` under the
-    `lr_schedule` (ttc/nets/fitting.py), mean pixel cross-entropy over the non-void pixels, no
-    augmentation, BatchNorm statistics re-estimated on clean training images after each epoch
-    (as the classifier's). Each epoch is scored by dspy.Evaluate on the validation set, by the
-    pooled mean IoU; the best epoch's weights win (ties: the later), and training stops early
-    once neither the validation loss nor the mean IoU has improved for `patience` epochs. A
-    loss or weights that are not finite stop it with TrainingDiverged (exit 4)."""
+class SegmentationTrainer(ImageTrainer):
+    """A DSPy optimizer for a segmenter's weights (program.ImageTrainer: AdamW with
+    `weight_decay` under the `lr_schedule`, BatchNorm statistics re-estimated on clean training
+    images after each epoch, as the classifier's; the best epoch, early stopping): mean pixel
+    cross-entropy over the non-void pixels, no augmentation. Each epoch is scored by
+    dspy.Evaluate on the validation set, by the pooled mean IoU; the best epoch's weights win
+    (ties: the later), and training stops early once neither the validation loss nor the mean
+    IoU has improved for `patience` epochs. A loss or weights that are not finite stop it with
+    TrainingDiverged (exit 4)."""
+
+    train_metric = "train_pixel_acc"
+    val_metric = "val_miou"
+    score_name = "mean IoU"
 
     def __init__(self, *, epochs: int, batch_size: int, learning_rate: float,
                  weight_decay: float, seed: int, lr_schedule: str = "auto", patience: int = 0,
                  ignore_index: int = IGNORE_INDEX, show_progress: bool = True) -> None:
-        super().__init__()
-        self.epochs, self.batch_size = epochs, batch_size
-        self.learning_rate, self.weight_decay = learning_rate, weight_decay
-        self.seed, self.lr_schedule, self.patience = seed, lr_schedule, patience
-        self.ignore_index, self.show_progress = ignore_index, show_progress
-        self.metric = PixelAccuracy(ignore_index)
-        self.history: list[EpochRecord] = []
-        self.best_epoch = 0
-        self.batches_run = 0  # in the current epoch
-        self.initial_loss: float | None = None  # the first batch's, before any update
+        super().__init__(PixelAccuracy(ignore_index), epochs=epochs, batch_size=batch_size,
+                         learning_rate=learning_rate, weight_decay=weight_decay, seed=seed,
+                         lr_schedule=lr_schedule, patience=patience,
+                         show_progress=show_progress)
+        self.ignore_index = ignore_index
 
-    def compile(self, student: SegmenterProgram, *, trainset: list[dspy.Example],
-                teacher=None, valset: list[dspy.Example] | None = None,
-                **kwargs) -> SegmenterProgram:
-        program = copy.deepcopy(student)
-        x, y = stack_examples(trainset)
-        devset = valset or trainset
-        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
-                                 display_progress=False, max_errors=1)
-        generator = torch.Generator().manual_seed(self.seed)
-        steps_per_epoch = max(1, len(x) // self.batch_size + (len(x) % self.batch_size > 1))
-        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
-                                      weight_decay=self.weight_decay)
-        schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
-                                          self.lr_schedule, self.learning_rate)
-        best = BestEpoch(self.patience)
-        for epoch in range(1, self.epochs + 1):
-            started = time.perf_counter()
-            loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule,
-                                               generator, epoch)
-            order = torch.randperm(len(x), generator=generator)[:RECALIBRATION_IMAGES]
-            recalibrate_batchnorm(program.net, x[order], self.batch_size)
-            self._check_weights(program.net, epoch)
-            with stdout_to_stderr(), program.batched_for(devset) as scored:
-                evaluated = evaluate(program)
-            raise_if_interrupted()
-            score = pooled_miou(evaluated.results, len(program.labels), self.ignore_index)
-            record = EpochRecord(epoch, loss, accuracy, score,
-                                 round(time.perf_counter() - started, 3), scored.loss)
-            self.history.append(record)
-            LOG.info("epoch %d/%d  loss %.4f  train_pixel_acc %.4f  val_miou %.4f  val_loss "
-                     "%.4f  (%.1fs)", epoch, self.epochs, loss, accuracy, score,
-                     math.nan if scored.loss is None else scored.loss, record.seconds)
-            stop = best.keep(program.net, epoch, score, record.val_loss)
-            self.best_epoch = best.epoch
-            if stop and epoch < self.epochs:
-                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
-                         "mean IoU has improved for %d epochs (--patience); keeping epoch %d",
-                         epoch, self.epochs, self.patience, self.best_epoch)
-                break
-        program.net.load_state_dict(best.state)
-        program.net.cpu().eval()
-        return program
+    def _stack(self, examples: list[dspy.Example]) -> tuple[torch.Tensor, torch.Tensor]:
+        return stack_examples(examples)
 
-    @property
-    def best_record(self) -> EpochRecord:
-        return self.history[self.best_epoch - 1]
+    def _scored(self, program: SegmenterProgram, results: Sequence[tuple],
+                validation: ValidationPass) -> tuple[float, float | None]:
+        return pooled_miou(results, len(program.labels), self.ignore_index), validation.loss
 
-    def _check_weights(self, net: nn.Module, epoch: int) -> None:
-        require_finite_weights(net, epoch, self.batches_run, self.learning_rate, self.seed)
-
-    def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
-        """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm in
-        DeepLabV3's ASPP pooling branch sees one value per channel and fails on it)."""
-        order = torch.randperm(count, generator=generator)
-        batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
-        if len(batches) > 1 and len(batches[-1]) == 1:
-            batches.pop()
-        return batches
-
-    def _train_epoch(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer,
-                     schedule, generator: torch.Generator, epoch: int) -> tuple[float, float]:
+    def _train_epoch(self, program: SegmenterProgram, x: torch.Tensor, y: torch.Tensor,
+                     optimizer, schedule, generator: torch.Generator,
+                     epoch: int) -> tuple[float, float]:
         """One pass over the training images: (mean pixel loss, pixel accuracy), running,
         over the non-void pixels, in train mode."""
-        net.train()
+        net = program.net.train()
         total_loss, correct, seen = 0.0, 0, 0
-        bar = progress(self._batches(len(x), generator), desc=f"epoch {epoch}/{self.epochs}",
-                       enabled=self.show_progress)
+        bar = self._epoch_bar(len(x), generator, epoch)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
             target = y[batch]
@@ -280,17 +219,7 @@ class SegmentationTrainer(Teleprompter):
                 continue
             logits = net(x[batch])
             loss = F.cross_entropy(logits, target, ignore_index=self.ignore_index)
-            value = loss.detach().item()
-            if self.initial_loss is None:
-                self.initial_loss = value
-            if not math.isfinite(value):
-                bar.close()
-                raise TrainingDiverged(epoch, number, f"the loss became {value}",
-                                       self.learning_rate, self.seed)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
+            value = self._step(loss, optimizer, schedule, bar, epoch, number)
             total_loss += value * pixels
             correct += int((logits.detach().argmax(1) == target)[keep].sum())
             seen += pixels

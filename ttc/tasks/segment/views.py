@@ -13,10 +13,11 @@ DEFAULT_VIEWS = "hflip"
 ViewSpec = tuple[str, float | None]  # ("hflip", None), ("scale", 0.75)
 
 
-def parse_view_specs(spec: str) -> list[ViewSpec]:
+def parse_view_specs(spec: str, task: str = "segmentation") -> list[ViewSpec]:
     """`hflip,vflip,scale:0.75,1.25` → [("identity", None), ("hflip", None), ("vflip", None),
     ("scale", 0.75), ("scale", 1.25)]. A bare number after a scale continues it. An empty
-    spec is the default (DEFAULT_VIEWS)."""
+    spec is the default (DEFAULT_VIEWS). `task` names the model type's views in the errors
+    (a detector's are these too: ttc/tasks/detect/tta.py)."""
     spec = spec or DEFAULT_VIEWS
     views: list[ViewSpec] = [("identity", None)]
     scaling = False
@@ -28,7 +29,7 @@ def parse_view_specs(spec: str) -> list[ViewSpec]:
             views.append(("scale", _factor(word.removeprefix("scale:"), spec)))
             scaling = True
         elif word:
-            raise ConfigError(f"--tta_transforms {spec!r}: {word!r} is not a segmentation view",
+            raise ConfigError(f"--tta_transforms {spec!r}: {word!r} is not a {task} view",
                               f"use {VIEW_NAMES}")
     if len(views) == 1:
         raise ConfigError(f"--tta_transforms {spec!r} names no view", f"use {VIEW_NAMES}")
