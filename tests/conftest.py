@@ -235,7 +235,8 @@ def write_image_table(root: Path, fmt: str, classes=(0, 1, 2), per_class: int = 
 GROUPED_BUNDLES = ("hf_pad1_bundle", "hf_bundle", "wine_bundle", "digits_int8_bundle",
                    "text_bundle", "tabular_bundle")
 GROUPED_MODULE_FIXTURES = ("source_bundle", "split_folder", "news_bundle", "transformer",
-                           "model_def_bundle", "useless_run", "compressed", "segment_bundle")
+                           "model_def_bundle", "useless_run", "compressed", "segment_bundle",
+                           "detect_bundle", "tta_graph", "int8_bundle", "exported")
 # A fixture that a grouped bundle is made from: its other tests join that bundle's group.
 GROUP_OF = {"hf_model_dir": "hf_bundle"}
 

@@ -208,7 +208,8 @@ def test_every_network_s_dropout_default_reaches_its_layers():
                "text": {"kind": "text", "vocab_size": 50, "max_length": 16},
                "tabular": {"kind": "tabular", "feature_names": ["a", "b"]},
                "segmentation": {"kind": "segmentation", "image_size": [16, 16], "channels": 1,
-                                "ignore_index": 255}}
+                                "ignore_index": 255},
+               "detection": {"kind": "detection", "image_size": [32, 32], "channels": 1}}
     checked = 0
     for task in TASKS:
         for arch, defaults in task.regularisation.items():
@@ -220,4 +221,5 @@ def test_every_network_s_dropout_default_reaches_its_layers():
                          if isinstance(m, torch.nn.Dropout)}
                 assert rates == {defaults.dropout if wanted is None else wanted}, arch
                 checked += 1
-    assert checked == 14  # small_cnn, bag, cnn, transformer, mlp, resmlp, unet; default, given
+    assert checked == 16  # small_cnn, bag, cnn, transformer, mlp, resmlp, unet, centernet;
+    # default and given

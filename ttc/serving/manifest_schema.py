@@ -335,7 +335,25 @@ def manifest_problem(manifest: dict) -> str | None:
         problem = check(manifest[key], key) if key in manifest else None
         if problem:
             return problem
-    return _preprocessing_problem(manifest) or _architecture_problem(manifest["architecture"])
+    return (_outputs_problem(manifest) or _preprocessing_problem(manifest)
+            or _architecture_problem(manifest["architecture"]))
+
+
+# The graph outputs each model type's graphs may have (a classifier's are logits and
+# probabilities; a segmenter's add the mask; a detector's are its padded detections).
+TYPE_OUTPUTS = {task.name: tuple(o["name"] for o in task.graph_outputs(2)) for task in TASKS}
+
+
+def _outputs_problem(manifest: dict) -> str | None:
+    """An output name of another model type's graphs (a classifier's manifest naming `scores`)."""
+    names = TYPE_OUTPUTS[manifest["model_type"]]
+    for index, output in enumerate(manifest["outputs"]):
+        if output["name"] not in names:
+            model_type = manifest["model_type"]
+            article = "an" if model_type[0] in "aeiou" else "a"
+            return (f"outputs[{index}].name must be one of {list(names)} for {article} "
+                    f"{model_type}, not {_shown(output['name'])}")
+    return None
 
 
 def _preprocessing_problem(manifest: dict) -> str | None:

@@ -31,7 +31,7 @@ from ttc.nets.models import count_parameters
 from ttc.nets.program import (CandidateSearch, ImageTrainer, TrainedModel, TrainingDiverged,
                               example_rate)
 from ttc.tasks.detect.metrics import detection_metrics
-from ttc.tasks.detect.nets import (DETECTION_MODULES, DETECTION_NETWORKS, detection_loss,
+from ttc.tasks.detect.nets import (DETECTION_MODULES, detection_loss,
                                    detection_targets)
 from ttc.tasks.detect.nms import detect
 from utils import LOG, TrainingError
@@ -278,9 +278,14 @@ class DetectorSearch(CandidateSearch):
 
 
 def detection_architecture(config, dataset: Dataset) -> dict:
-    """The manifest's architecture record of --arch (default: our CenterNet)."""
+    """The manifest's architecture record of --arch (default: our CenterNet), with the run's
+    dropout (--dropout, or the network's default)."""
+    from ttc.nets.models import architecture_for
+
     arch = getattr(config, "arch", None) or DEFAULT_ARCH
-    return DETECTION_NETWORKS[arch](dataset.preprocessing, len(dataset.labels))
+    dropout = (config.regularisation(config.model_type, config.arch, None).dropout
+               if hasattr(config, "regularisation") else getattr(config, "dropout", None))
+    return architecture_for(dataset.preprocessing, len(dataset.labels), arch, dropout=dropout)
 
 
 def build_detector(architecture: dict, preprocessing: dict) -> nn.Module:
