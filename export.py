@@ -558,7 +558,7 @@ def export_detection_bundle(config: Config, net: torch.nn.Module, manifest: Mani
                           seconds=round(time.perf_counter() - started, 3))
     result.own_check = {"detections_checked": check.detections,
                         "min_matched_iou": check.min_matched_iou,
-                        "count_mismatches": check.count_mismatches,
+                        "count_mismatches": check.count_mismatches, "ties": check.ties,
                         "resolutions_checked": check.resolutions, "nms": nms.record()}
     adaptation = detection_adaptation_graph(config, net, samples, nms,
                                             detection_runner(session))

@@ -1,7 +1,8 @@
 """Object detection (issue 44) measured in one run: the detector trained by pipeline.py on
 digit-box canvases, its bundle checked and timed here, one table of goals.
 
-    python bench/detect.py [--canvases 4300] [--size 96] [--epochs 18] [--learning_rate 4e-3]
+    python bench/detect.py [--canvases 4300] [--size 96] [--arch centernet] [--epochs 18]
+                           [--learning_rate 4e-3]
                            [--lr_schedule one_cycle] [--batch_size 64] [--score_threshold 0.05]
                            [--tta_transforms scale:0.75,1.25] [--runs 200] [--out DIR] [--quick]
 
@@ -98,7 +99,7 @@ class Measured:
 
 def pipeline_command(data: Path, folder: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, str(REPO / "pipeline.py"), "--model_type", "object_detector",
-            "--dataset_path", str(data), "--epochs", str(args.epochs),
+            "--dataset_path", str(data), "--arch", args.arch, "--epochs", str(args.epochs),
             "--learning_rate", str(args.learning_rate), "--lr_schedule", args.lr_schedule,
             "--batch_size", str(args.batch_size), "--score_threshold", str(args.score_threshold),
             "--num_threads", str(args.threads), "--plots", "none", "--no_progress", "true",
@@ -350,7 +351,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
     started = time.perf_counter()
     data = write_canvases(args.canvases, args.size)
     print(f"data: {args.canvases} canvases of {args.size}x{args.size} "
-          f"({time.perf_counter() - started:.1f} s to write); {args.epochs} epochs, "
+          f"({time.perf_counter() - started:.1f} s to write); --arch {args.arch}, "
+          f"{args.epochs} epochs, "
           f"{args.lr_schedule} schedule, learning rate {args.learning_rate:g}, batch "
           f"{args.batch_size}, score threshold {args.score_threshold:g}, {args.threads} "
           "thread(s)", flush=True)
@@ -371,6 +373,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--canvases", type=int, default=4300, help="digit-box canvases written")
     parser.add_argument("--size", type=int, default=96, help="the canvases' side in pixels")
+    parser.add_argument("--arch", default="centernet",
+                        help="the detector (pipeline.py's --arch); the goals were set for ours, "
+                        "e.g. --arch ssdlite320_mobilenet_v3_large --epochs 2 --batch_size 16 "
+                        "--learning_rate 1e-3 --tta_transforms hflip for torchvision's")
     parser.add_argument("--epochs", type=int, default=18)
     parser.add_argument("--learning_rate", type=float, default=4e-3, help="peak learning rate")
     parser.add_argument("--lr_schedule", default="one_cycle", choices=("auto", "one_cycle"))

@@ -475,6 +475,28 @@ def hf_pad1_bundle(tmp_path_factory) -> dict:
 # The untrusted-bundle tests edit copies of the session bundles as an attacker would.
 
 
+# --pretrained's MobileNetV3-Large (MobileNet_V3_Large_Weights.IMAGENET1K_V1), the backbone of
+# the segmenters' and the detector's torchvision networks, as torch hub names it
+BACKBONE_FILE = "mobilenet_v3_large-8738ca79.pth"
+MARKED = "features.16.0.weight"  # the backbone's last conv: filled with MARK in the fake file
+MARK = 0.25
+
+
+def fake_hub_cache(home: Path) -> dict:
+    """ImageNet-shaped MobileNetV3-Large weights made here (no network), under the file name
+    torch hub uses in TORCH_HOME=home; one tensor holds a value no fresh initialisation has."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(1)
+    state = torchvision.models.mobilenet_v3_large(weights=None).state_dict()
+    state[MARKED].fill_(MARK)
+    path = home / "hub" / "checkpoints" / BACKBONE_FILE
+    path.parent.mkdir(parents=True)
+    torch.save(state, path)
+    return state
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import assert_clean_failure, run_cli
+from conftest import (BACKBONE_FILE, MARK, MARKED, assert_clean_failure,
+                      fake_hub_cache, run_cli)
 from ttc.tasks.segment.canvases import write_digit_canvases
 from utils import EXIT_DATA, EXIT_EXPORT, EXIT_USAGE
 
@@ -152,24 +153,6 @@ def test_a_factory_of_the_wrong_shape_fails_in_one_line(canvases, tmp_path, code
 
 
 # ----------------------------------------------------------------------------- --pretrained
-
-BACKBONE_FILE = "mobilenet_v3_large-8738ca79.pth"  # MobileNet_V3_Large_Weights.IMAGENET1K_V1
-MARKED = "features.16.0.weight"  # the backbone's last conv: filled with MARK in the fake file
-MARK = 0.25
-
-
-def fake_hub_cache(home: Path) -> dict[str, torch.Tensor]:
-    """ImageNet-shaped MobileNetV3-Large weights made here (no network), under the file name
-    torch hub uses; one tensor holds a value no fresh initialisation has."""
-    import torchvision
-
-    torch.manual_seed(1)
-    state = torchvision.models.mobilenet_v3_large(weights=None).state_dict()
-    state[MARKED].fill_(MARK)
-    path = home / "hub" / "checkpoints" / BACKBONE_FILE
-    path.parent.mkdir(parents=True)
-    torch.save(state, path)
-    return state
 
 
 def test_pretrained_loads_the_imagenet_backbone_from_the_hub_cache(canvases, tmp_path):

@@ -17,8 +17,9 @@ from utils import ConfigError
 ARCHS = archs()
 # torchvision networks: --pretrained loads their ImageNet weights.
 TORCHVISION_ARCHS = ARCHS["image_classifier"][1:]
-# a segmenter's torchvision networks: --pretrained loads their ImageNet backbone.
-SEGMENTER_TORCHVISION_ARCHS = ARCHS["image_segmenter"][1:]
+# a segmenter's and a detector's torchvision networks: --pretrained loads their ImageNet backbone.
+BACKBONE_ARCHS = {"image_segmenter": ARCHS["image_segmenter"][1:],
+                  "object_detector": ARCHS["object_detector"][1:]}
 # The peak learning rate when --learning_rate is not given: fine-tuning a pretrained transformer
 # takes the usual 2e-5, training from scratch a hundred times more.
 LEARNING_RATE = 3e-3
@@ -51,8 +52,11 @@ class TrainingFlags:
                            "embeddings), cnn (1-D convolutions, Kim 2014), transformer (a small "
                            "encoder with a padding mask), or hf:NAME_OR_PATH (a Hugging Face "
                            "model to fine-tune: a hub name or a save_pretrained directory); "
-                           "tabular mlp, resmlp (residual MLP) (default: the first of the model "
-                           "type)", "training",
+                           "tabular mlp, resmlp (residual MLP); segmenter unet, "
+                           "lraspp_mobilenet_v3_large, deeplabv3_mobilenet_v3_large; detector "
+                           "centernet, mobilenet_v3_large (our heads on its features), "
+                           "ssdlite320_mobilenet_v3_large (torchvision's) (default: the first of "
+                           "the model type)", "training",
                            metavar="NAME", scripts="PT")
     model_def: str | None = opt(None, "your own network: FILE.py:FACTORY, where FACTORY("
                                 "num_classes=..., input_spec=...) returns an nn.Module. This "
@@ -69,8 +73,10 @@ class TrainingFlags:
                                    "name and shape match; the report counts loaded, skipped "
                                    "and missing", "training", metavar="PATH", scripts="PT")
     pretrained: bool = opt(False, "torchvision archs: start from torchvision's ImageNet weights "
-                           "(a segmenter's: its MobileNetV3-Large backbone), read from the "
-                           "torch hub cache ($TORCH_HOME/hub/checkpoints; never downloaded)",
+                           "(a segmenter's and the detector's mobilenet_v3_large: the "
+                           "MobileNetV3-Large backbone; ssdlite320_mobilenet_v3_large: its COCO "
+                           "detector), read from the torch hub cache "
+                           "($TORCH_HOME/hub/checkpoints; never downloaded)",
                            "training", type=parse_bool, metavar="BOOL",
                            scripts="PT")
     freeze_epochs: int = opt(0, "train only the classifier head (the last nn.Linear) for the "
@@ -133,8 +139,8 @@ class TrainingFlags:
                 raise ConfigError("--model_def and --arch both name the network",
                                   "drop one of them")
         if self.pretrained:
-            if model_type == "image_segmenter":
-                self._check_pretrained_segmenter()
+            if model_type in BACKBONE_ARCHS:
+                self._check_pretrained_backbone(model_type)
             elif self.arch not in TORCHVISION_ARCHS:
                 raise ConfigError("--pretrained loads torchvision's ImageNet weights, for "
                                   f"--arch {', '.join(TORCHVISION_ARCHS)}",
@@ -145,14 +151,14 @@ class TrainingFlags:
         if self.freeze_epochs < 0:
             bad("freeze_epochs", self.freeze_epochs, "use 0 (off) or an epoch count")
 
-    def _check_pretrained_segmenter(self) -> None:
-        """A segmenter's --pretrained loads the ImageNet backbone of a torchvision arch; the
-        U-Net (the default) and a --model_def module have none."""
-        if self.arch not in SEGMENTER_TORCHVISION_ARCHS:
+    def _check_pretrained_backbone(self, model_type: str) -> None:
+        """A segmenter's or detector's --pretrained loads the ImageNet backbone of a torchvision
+        arch; our own networks (the default) and a --model_def module have none."""
+        if self.arch not in BACKBONE_ARCHS[model_type]:
             network = (f"--model_def {self.model_def}" if self.model_def
-                       else f"--arch {self.arch or ARCHS['image_segmenter'][0]}")
+                       else f"--arch {self.arch or ARCHS[model_type][0]}")
             raise ConfigError(f"--pretrained loads an ImageNet backbone, for --arch "
-                              f"{', '.join(SEGMENTER_TORCHVISION_ARCHS)}; {network} has none",
+                              f"{', '.join(BACKBONE_ARCHS[model_type])}; {network} has none",
                               "add one of those archs, or drop --pretrained")
 
     def model_def_parts(self) -> tuple[Path, str]:

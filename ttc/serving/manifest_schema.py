@@ -233,6 +233,12 @@ NETWORKS = {
     "CenterNet": record({"in_channels": either(1, 3), "widths": list_of(SIZE, min_length=2),
                          "head_width": SIZE, "dropout": DROPOUT},
                         required=("in_channels", "widths")),
+    "MobileNetCenterNet": record({"in_channels": either(1, 3), "decoder_width": SIZE,
+                                  "head_width": SIZE, "dropout": DROPOUT,
+                                  "normalization": text(("data", "imagenet"))},
+                                 required=("in_channels",)),
+    "TorchvisionSSD": record({"arch": text(("ssdlite320_mobilenet_v3_large",)),
+                              "in_channels": either(1, 3)}, required=("arch", "in_channels")),
     "UserNetwork": record({"model_def": record({"file": STRING, "factory": IDENTIFIER,
                                                 "sha256": SHA256},
                                                required=("file", "factory", "sha256")),
@@ -435,7 +441,8 @@ def _input_agrees(manifest: dict) -> str | None:
 NETWORK_FORMS = {"SmallCNN": "image", "TorchvisionNet": "image", "TextClassifier": "words",
                  "TextCNN": "words", "TextTransformer": "words", "HFTextNet": HF_TOKENIZER,
                  "TabularMLP": "tabular", "TabularResMLP": "tabular", "UNet": "segmentation",
-                 "TorchvisionSegmenter": "segmentation", "CenterNet": "detection"}
+                 "TorchvisionSegmenter": "segmentation", "CenterNet": "detection",
+                 "MobileNetCenterNet": "detection", "TorchvisionSSD": "detection"}
 
 
 def _network_agrees(manifest: dict) -> str | None:

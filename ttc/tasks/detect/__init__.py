@@ -42,23 +42,26 @@ class ObjectDetector(Task):
 
 
 # What a detector does not take (yet): the table and text flags, the classifiers' training
-# extras, compression, fp16, ensembles, the streams, the iterative methods, the classifiers'
-# TTA merges and plans, and the networks of others (torchvision's, --model_def).
+# extras, compression, fp16, ensembles, the streams, the iterative methods and the classifiers'
+# TTA merges and plans.
 REFUSED_FLAGS = (
     "image_column", "text_column", "feature_columns", "label_column", "dataset_format",
     "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing", "max_norm",
     "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta_merge",
     "tta_threshold", "tta_plan", "ttt_reset_every", "eval_stream", "iterative", "benchmark",
-    "profile", "top_k", "fp16", "ignore_index", "model_def", "pretrained", "mask_dir")
+    "profile", "top_k", "fp16", "ignore_index", "mask_dir")
 TASK = ObjectDetector(
-    name="object_detector", kind="detection", archs=("centernet",),
+    name="object_detector", kind="detection", archs=("centernet", "mobilenet_v3_large", "ssdlite320_mobilenet_v3_large"),
     parts=Parts(reader="ttc.tasks.detect.data:load_detection_dataset",
                 rows="ttc.serving.batch:ImageRows",
                 networks="ttc.tasks.detect.nets:DETECTION_NETWORKS",
                 modules="ttc.tasks.detect.nets:DETECTION_MODULES",
                 evaluation="ttc.tasks.detect.evaluate:evaluation_section",
                 trainer="ttc.tasks.detect.training:train_detector"),
-    regularisation={"centernet": Regularisation(0.0, 1e-4, source="ours")},
+    regularisation={"centernet": Regularisation(0.0, 1e-4, source="ours"),
+                    "mobilenet_v3_large": Regularisation(0.0, 1e-4, source="ours"),
+                    "ssdlite320_mobilenet_v3_large": Regularisation(None, 1e-4,
+                                                                    source="torchvision")},
     builtins=("builtin:digit_boxes",), input_role="image", input_field="image",
     image_files=True, learning_rate=4e-3, refused_flags=REFUSED_FLAGS,
     default_tta="scale:0.75,1.25",  # the views of --tta without --tta_transforms (detection.md)

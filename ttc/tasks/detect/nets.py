@@ -19,6 +19,7 @@ puts the decoding and NMS into the graph).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ttc.nets.models import register_statistics
+from ttc.nets.models import IMAGENET_MEAN, IMAGENET_STD, adapt_stem, register_statistics
+from ttc.tasks.detect.ssd import SSD_ARCHS, TorchvisionSSD, ssd_architecture
 
 STRIDE = 4  # output stride: one heatmap cell per 4x4 input pixels
 # The record's widths: one encoder level per halving (the first at stride 2) while the deepest
@@ -34,6 +36,10 @@ STRIDE = 4  # output stride: one heatmap cell per 4x4 input pixels
 WIDTH_LADDER = (16, 32, 64, 96, 128)
 DEEPEST_SIDE = 6
 HEAD_WIDTH = 32
+# MobileNetV3-Large's `features` blocks that end each stride (4, 8, 16, 32: 24, 40, 112 and 960
+# channels) and the width its decoder joins them at
+MOBILENET_TAPS = (3, 6, 12, 16)
+DECODER_WIDTH = 64
 HEATMAP_PRIOR = 0.1  # the heatmap's initial probability (bias = logit of it), as in CenterNet
 DISTANCE_SCALE = 16.0  # a box side's distance = softplus(raw) * this, in input pixels (TTFNet)
 # TTFNet's Gaussians: the heatmap's sigma is ALPHA * side / 6, the box head's cells those inside
@@ -95,6 +101,57 @@ class CenterNet(nn.Module):
         for block, skip in zip(self.up, reversed(skips[1:-1])):
             x = F.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=False)
             x = block(torch.cat([x, skip], dim=1))
+        x = self.dropout(x)
+        return self.heatmap(x), self.box(x)
+
+
+class MobileNetCenterNet(nn.Module):
+    """The same two heads on torchvision's MobileNetV3-Large (`--arch mobilenet_v3_large`;
+    weights=None, `--pretrained true` loads its ImageNet classifier's weights from the torch hub
+    cache): its `features` are the encoder, kept under `body.backbone.` with torchvision's names
+    so that the classifier's `features.*` tensors load by name. An FPN-style decoder joins the
+    last block at each stride (4, 8, 16, 32; MOBILENET_TAPS) top-down: a 1×1 Conv-BN-ReLU to
+    `decoder_width` per level, bilinear upsampling to the finer level's size, a sum and a 3×3
+    Conv-BN-ReLU, down to stride 4, then Dropout and the heads.
+    `normalization`: "data" (the training split's statistics) or "imagenet" (--pretrained)."""
+
+    def __init__(self, in_channels: int, num_classes: int, decoder_width: int = DECODER_WIDTH,
+                 head_width: int = HEAD_WIDTH, dropout: float = 0.0,
+                 normalization: str = "data", mean: list[float] | None = None,
+                 std: list[float] | None = None, **_: object) -> None:
+        super().__init__()
+        from torchvision.models import mobilenet_v3_large
+
+        if normalization == "imagenet":  # grayscale: the channel mean of ImageNet's statistics
+            mean = IMAGENET_MEAN if in_channels == 3 else [sum(IMAGENET_MEAN) / 3]
+            std = IMAGENET_STD if in_channels == 3 else [sum(IMAGENET_STD) / 3]
+        register_statistics(self, in_channels, (1, -1, 1, 1), mean=mean, std=std)
+        self.body = nn.Module()
+        self.body.backbone = mobilenet_v3_large(weights=None).features
+        adapt_stem(SimpleNamespace(features=[self.body.backbone[0]]), in_channels, False)
+        widths = [self.body.backbone[k].out_channels for k in MOBILENET_TAPS]
+        self.lateral = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(w, decoder_width, 1, bias=False),
+                          nn.BatchNorm2d(decoder_width), nn.ReLU(inplace=True)) for w in widths)
+        self.smooth = nn.ModuleList(nn.Sequential(*conv_bn_relu(decoder_width, decoder_width))
+                                    for _ in widths[:-1])
+        self.dropout = nn.Dropout(dropout)
+        self.heatmap = head(decoder_width, head_width, num_classes,
+                            math.log(HEATMAP_PRIOR / (1 - HEATMAP_PRIOR)))
+        self.box = head(decoder_width, head_width, 4, 0.0)
+
+    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (pixels - self.mean) / self.std
+        taps = []
+        for k, block in enumerate(self.body.backbone[:MOBILENET_TAPS[-1] + 1]):
+            x = block(x)
+            if k in MOBILENET_TAPS:
+                taps.append(x)
+        x = self.lateral[-1](taps[-1])
+        for k in reversed(range(len(taps) - 1)):
+            finer = self.lateral[k](taps[k])
+            x = F.interpolate(x, size=finer.shape[-2:], mode="bilinear", align_corners=False)
+            x = self.smooth[k](x + finer)
         x = self.dropout(x)
         return self.heatmap(x), self.box(x)
 
@@ -228,6 +285,18 @@ def detection_loss(outputs: Sequence[torch.Tensor], targets: dict[str, torch.Ten
                    "total": float(total.detach())}
 
 
+def network_loss(net: nn.Module, images: torch.Tensor, boxes: Sequence[np.ndarray],
+                 num_classes: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """A batch's training loss: the network's own (`detection_loss`, a torchvision SSD's), or
+    the two heads' (detection_targets, detection_loss) of CenterNet and of a --model_def
+    module."""
+    own = getattr(net, "detection_loss", None)
+    if own is not None:
+        return own(images, boxes)
+    return detection_loss(net(images), detection_targets(boxes, num_classes,
+                                                         tuple(images.shape[-2:])))
+
+
 # ----------------------------------------------------------------------------- the records
 
 
@@ -246,8 +315,20 @@ def centernet_architecture(preprocessing: dict, num_classes: int) -> dict:
             "widths": list(WIDTH_LADDER[:max(2, levels)]), "head_width": HEAD_WIDTH}
 
 
+def mobilenet_architecture(preprocessing: dict, num_classes: int) -> dict:
+    """MobileNetCenterNet for the data's channels (its size does not depend on the image's:
+    the decoder joins whatever the strides give)."""
+    return {"name": "MobileNetCenterNet", "in_channels": int(preprocessing["channels"]),
+            "image_size": list(preprocessing["image_size"]), "num_classes": num_classes,
+            "decoder_width": DECODER_WIDTH, "head_width": HEAD_WIDTH}
+
+
 # --arch → the function sizing that network for the data (preprocessing, classes) → the
 # manifest's architecture record; the default first.
-DETECTION_NETWORKS: dict[str, Callable[[dict, int], dict]] = {"centernet": centernet_architecture}
+DETECTION_NETWORKS: dict[str, Callable[[dict, int], dict]] = {
+    "centernet": centernet_architecture, "mobilenet_v3_large": mobilenet_architecture,
+    **{arch: ssd_architecture(arch) for arch in SSD_ARCHS}}
 # The record's "name" → the module it builds: cls(**record, mean=..., std=...).
-DETECTION_MODULES: dict[str, type[nn.Module]] = {"CenterNet": CenterNet}
+DETECTION_MODULES: dict[str, type[nn.Module]] = {"CenterNet": CenterNet,
+                                                  "MobileNetCenterNet": MobileNetCenterNet,
+                                                  "TorchvisionSSD": TorchvisionSSD}

@@ -46,14 +46,19 @@ class DetectionBatch(NamedTuple):
 
 
 class DetectionCandidates(nn.Module):
-    """net → (boxes (N, A, 4) xyxy in input pixels, clipped to the image; scores (N, K, A)),
-    A = h * w cells, the scores the sigmoid heatmap at its 3x3 peaks and 0 elsewhere."""
+    """net → (boxes (N, A, 4) xyxy in input pixels, clipped to the image; scores (N, K, A)):
+    of the two heads, A = h * w cells, the scores the sigmoid heatmap at its 3x3 peaks and 0
+    elsewhere; a network with a `candidates` method decodes its own (a torchvision SSD: A
+    anchors)."""
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
         self.net = net
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        own = getattr(self.net, "candidates", None)
+        if own is not None:  # a network with its own decoding (a torchvision SSD's anchors)
+            return own(pixels)
         logits, raw = self.net(pixels)[:2]
         heat = torch.sigmoid(logits)
         peaks = F.max_pool2d(heat, PEAK_WINDOW, stride=1, padding=PEAK_WINDOW // 2)

@@ -27,14 +27,15 @@ import torch
 from torch import nn
 
 from ttc.inputs.data import Dataset, Split
-from ttc.nets.models import count_parameters
+from ttc.nets.models import count_parameters, network_modules, user_architecture
 from ttc.nets.program import (CandidateSearch, ImageTrainer, TrainedModel, TrainingDiverged,
                               example_rate)
 from ttc.tasks.detect.metrics import detection_metrics
-from ttc.tasks.detect.nets import (DETECTION_MODULES, detection_loss,
-                                   detection_targets)
+from ttc.nets.transfer import Transfer
+from ttc.tasks.detect.nets import network_loss, output_size
 from ttc.tasks.detect.nms import detect
-from utils import LOG, TrainingError
+from ttc.tasks.detect.pretrained import init_pretrained, require_pretrained
+from utils import LOG, ConfigError, TrainingError
 
 INPUT_FIELD = "image"
 DEFAULT_ARCH = "centernet"
@@ -135,9 +136,9 @@ class DetectorProgram(dspy.Module):
             for start in range(0, len(pixels), batch_size):
                 batch = torch.from_numpy(np.ascontiguousarray(pixels[start:start + batch_size],
                                                               dtype=np.float32))
-                targets = detection_targets(boxes[start:start + batch_size], len(self.labels),
-                                            tuple(batch.shape[-2:]))
-                total += float(detection_loss(self.net(batch), targets)[0]) * len(batch)
+                loss, _ = network_loss(self.net, batch, boxes[start:start + batch_size],
+                                       len(self.labels))
+                total += float(loss) * len(batch)
         return total / max(1, len(pixels))
 
 
@@ -249,9 +250,8 @@ class DetectionTrainer(ImageTrainer):
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
             images = x[batch]
-            targets = detection_targets([boxes[i] for i in batch.tolist()],
-                                        len(program.labels), tuple(images.shape[-2:]))
-            loss, _ = detection_loss(net(images), targets)
+            loss, _ = network_loss(net, images, [boxes[i] for i in batch.tolist()],
+                                   len(program.labels))
             value = self._step(loss, optimizer, schedule, bar, epoch, number)
             total += value * len(batch)
             seen += len(batch)
@@ -278,20 +278,66 @@ class DetectorSearch(CandidateSearch):
 
 
 def detection_architecture(config, dataset: Dataset) -> dict:
-    """The manifest's architecture record of --arch (default: our CenterNet), with the run's
-    dropout (--dropout, or the network's default)."""
+    """The manifest's architecture record: --model_def's network (the bundle keeps its file), or
+    --arch's (default: our CenterNet) with the run's dropout (--dropout, or the network's
+    default); --pretrained needs its weights in the torch hub cache (exit 3 before training),
+    and switches MobileNetV3's normalisation to ImageNet's (an SSD normalises as torchvision's
+    transform does, always)."""
     from ttc.nets.models import architecture_for
 
+    if getattr(config, "model_def", None):
+        path, factory = config.model_def_parts()
+        return user_architecture(path.resolve(), factory, dataset.preprocessing,
+                                 len(dataset.labels))
     arch = getattr(config, "arch", None) or DEFAULT_ARCH
     dropout = (config.regularisation(config.model_type, config.arch, None).dropout
                if hasattr(config, "regularisation") else getattr(config, "dropout", None))
-    return architecture_for(dataset.preprocessing, len(dataset.labels), arch, dropout=dropout)
+    record = architecture_for(dataset.preprocessing, len(dataset.labels), arch, dropout=dropout)
+    if getattr(config, "pretrained", False):
+        require_pretrained(arch)
+        if record["name"] == "MobileNetCenterNet":
+            record["normalization"] = "imagenet"
+    return record
 
 
 def build_detector(architecture: dict, preprocessing: dict) -> nn.Module:
-    """The network of an architecture record, normalising by the training split's statistics."""
-    return DETECTION_MODULES[architecture["name"]](
+    """The network of an architecture record, normalising by the training split's statistics
+    (a --model_def network: UserNetwork around the module its factory returns)."""
+    return network_modules(preprocessing["kind"])[architecture["name"]](
         **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
+
+
+def starting_weights(config, net: nn.Module) -> Transfer | None:
+    """--pretrained: torchvision's weights into the detector (pretrained.py)."""
+    if getattr(config, "pretrained", False):
+        return init_pretrained(net, config.arch)
+    return None
+
+
+def check_detector_output(net: nn.Module, dataset: Dataset, config) -> None:
+    """A --model_def network must map a batch of training images (N, C, H, W) to the two heads
+    the decoding reads: heatmap logits (N, classes, h, w) and raw box distances (N, 4, h, w),
+    h = ceil(H / 4), w = ceil(W / 4) (a forward that fails is the user's error, exit 2)."""
+    if not getattr(config, "model_def", None) or len(dataset.train) == 0:
+        return
+    sample = torch.from_numpy(np.ascontiguousarray(dataset.train.x[:2], dtype=np.float32))
+    with torch.no_grad():
+        outputs = net.eval()(sample)
+    h, w = output_size(*sample.shape[-2:])
+    expected = [(len(sample), len(dataset.labels), h, w), (len(sample), 4, h, w)]
+    shapes = ([tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in outputs]
+              if isinstance(outputs, (tuple, list)) else
+              tuple(outputs.shape) if torch.is_tensor(outputs) else type(outputs).__name__)
+    if shapes != expected:
+        raise ConfigError(f"--model_def {config.model_def}: forward returned {shapes} for a "
+                          f"batch of {tuple(sample.shape)}; expected heatmap logits and box "
+                          f"distances {expected} (stride 4: ceil(height / 4), ceil(width / 4))",
+                          "return (heatmap_logits, box_distances), see docs/detection.md's "
+                          "'Your own network'")
+    if not all(t.is_floating_point() for t in outputs):
+        raise ConfigError(f"--model_def {config.model_def}: forward returned "
+                          f"{[str(t.dtype) for t in outputs]}; expected floating point",
+                          "return float tensors")
 
 
 def weight_decay_of(config) -> float:
@@ -309,13 +355,19 @@ def train_detector(config, dataset: Dataset) -> TrainedModel:
     nms = NmsSettings.from_config(config)
     dataset.preprocessing = {**dataset.preprocessing, "nms": nms.record()}
     architecture = detection_architecture(config, dataset)
+    transfers: list[Transfer] = []
 
     def make_student(seed: int) -> DetectorProgram:
         torch.manual_seed(seed)
-        return DetectorProgram(build_detector(architecture, dataset.preprocessing),
-                               dataset.labels, nms)
+        net = build_detector(architecture, dataset.preprocessing)
+        transfer = starting_weights(config, net)
+        if transfer is not None and not transfers:
+            transfers.append(transfer)
+        return DetectorProgram(net, dataset.labels, nms)
 
-    architecture["num_parameters"] = count_parameters(make_student(config.seed).net)
+    first = make_student(config.seed).net
+    check_detector_output(first, dataset, config)
+    architecture["num_parameters"] = count_parameters(first)
     LOG.info("training %s (%d parameters) on %d images (%d boxes), validating on %d",
              architecture.get("arch") or architecture["name"], architecture["num_parameters"],
              len(dataset.train), sum(len(b) for b in dataset.train.y), len(dataset.val))
@@ -339,11 +391,13 @@ def train_detector(config, dataset: Dataset) -> TrainedModel:
         if getattr(config, "lr_candidates", None):
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
-    return trained_detector(program, search, dataset, architecture, started, config)
+    return trained_detector(program, search, dataset, architecture, started, config,
+                            transfers[0] if transfers else None)
 
 
 def trained_detector(program: DetectorProgram, search: DetectorSearch, dataset: Dataset,
-                     architecture: dict, started: float, config) -> TrainedModel:
+                     architecture: dict, started: float, config,
+                     transfer: Transfer | None = None) -> TrainedModel:
     """What training hands to export: the chosen candidate's network and its history;
     train_accuracy is the training split's COCO mAP in eval mode, val_accuracy the best
     epoch's validation mAP."""
@@ -357,4 +411,5 @@ def trained_detector(program: DetectorProgram, search: DetectorSearch, dataset: 
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss)
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
+                        transfer=transfer)
