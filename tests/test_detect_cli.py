@@ -218,7 +218,8 @@ def test_the_guide_s_python_snippet_reads_the_graph(detect_bundle, tmp_path):
     """docs/detection.md's "Calling the graph from another program", run as written beside a
     bundle and an image of the names it uses."""
     page = (Path(__file__).parents[1] / "docs" / "detection.md").read_text(encoding="utf-8")
-    snippet = page.split("```python\n", 1)[1].split("```", 1)[0]
+    section = page.split("## Calling the graph from another program", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "runs" / "shelves").mkdir(parents=True)
     for name in ("model.onnx", "model.json"):
         (tmp_path / "runs" / "shelves" / name).symlink_to(detect_bundle["dir"] / name)

@@ -33,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ttc.tasks.detect.nms import (MIN_OPSET, _constant, _nms_constants, _padded_output_nodes,
-                                  default_opset)
+                                  declare_detection_outputs, default_opset)
 from ttc.tasks.detect.wbf import weighted_box_fusion
 from utils import ExportError
 
@@ -306,15 +306,7 @@ def append_fusion(model: onnx.ModelProto, views: int, settings: FusionSettings
                        *_fused_nodes(),
                        *_nms_constants(settings.iou_threshold, settings.score_threshold,
                                        settings.max_detections), *_padded_output_nodes()])
-    batch = graph.input[0].type.tensor_type.shape.dim[0]
-    batch_dim = batch.dim_param or batch.dim_value or "batch"
-    m = int(settings.max_detections)
-    del graph.output[:]
-    graph.output.extend([
-        helper.make_tensor_value_info("boxes", TensorProto.FLOAT, [batch_dim, m, 4]),
-        helper.make_tensor_value_info("scores", TensorProto.FLOAT, [batch_dim, m]),
-        helper.make_tensor_value_info("labels", TensorProto.INT64, [batch_dim, m]),
-        helper.make_tensor_value_info("num_detections", TensorProto.INT64, [batch_dim])])
+    declare_detection_outputs(graph, settings.max_detections)
     return out
 
 

@@ -201,6 +201,14 @@ def append_nms(model: onnx.ModelProto, iou_threshold: float, score_threshold: fl
     graph.node.extend([*_nms_constants(iou_threshold, score_threshold, max_detections),
                        *_selection_nodes(*CANDIDATE_OUTPUTS),
                        *_padded_output_nodes()])
+    declare_detection_outputs(graph, max_detections)
+    return out
+
+
+def declare_detection_outputs(graph: onnx.GraphProto, max_detections: int) -> None:
+    """The graph's outputs become the contract's four, padded to `max_detections` rows, with
+    the input's batch dimension: boxes (N, M, 4), scores (N, M), labels (N, M),
+    num_detections (N,)."""
     batch = graph.input[0].type.tensor_type.shape.dim[0]
     batch_dim = batch.dim_param or batch.dim_value or "batch"
     m = int(max_detections)
@@ -210,7 +218,6 @@ def append_nms(model: onnx.ModelProto, iou_threshold: float, score_threshold: fl
         helper.make_tensor_value_info("scores", TensorProto.FLOAT, [batch_dim, m]),
         helper.make_tensor_value_info("labels", TensorProto.INT64, [batch_dim, m]),
         helper.make_tensor_value_info("num_detections", TensorProto.INT64, [batch_dim])])
-    return out
 
 
 def _without_stack_traces(model: onnx.ModelProto) -> onnx.ModelProto:
