@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ttc.options.batch import BatchFlags
 from ttc.options.compress import CompressFlags
 from ttc.options.data import DataFlags
+from ttc.options.distributed import DistributedFlags
 from ttc.options.export import VALIDATE_ATOL, VALIDATE_ATOL_FOR_ARCH, ExportFlags
 from ttc.options.fields import GROUPS, SCRIPTS, bad, parse_bool
 from ttc.options.fitting import FittingFlags
@@ -50,12 +51,12 @@ __all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS"
 # The stages in the order their flags appear in --help, the summary and the report.
 STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, CompressFlags, ExportFlags,
           QuantizeFlags, TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags,
-          ServeFlags, OutputFlags)
+          DistributedFlags, ServeFlags, OutputFlags)
 
 
 @dataclass
-class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags,
-             TTTFlags, TTAFlags, QuantizeFlags, ExportFlags, CompressFlags, TeacherFlags,
+class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags, IterativeFlags,
+             ShiftFlags, TTTFlags, TTAFlags, QuantizeFlags, ExportFlags, CompressFlags, TeacherFlags,
              FittingFlags, TrainingFlags, DataFlags):
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
     fields from the last base to the first, so the bases are STAGES reversed (checked below:
@@ -86,6 +87,7 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
         self._validate_test_time_compute()
         serving = getattr(self, "script", None) == "serve"
         self.check_batch(self.ray_threads, self.profile, self.adapts_online(), serving)
+        self.check_distributed()
         if serving:
             self.check_serve(self.adapts_online())
         self.check_runtime()
@@ -118,6 +120,7 @@ class Config(OutputFlags, ServeFlags, BatchFlags, RuntimeFlags, IterativeFlags, 
                 raise DataError(f"--{flag} {path} does not exist", "check the path")
         self.check_image_splits(names_model_type)
         check_paths(reads, writes)
+        self.check_checkpoint_folder(reads, writes)
 
     def validate_tta(self, model_type: str) -> None:
         """--tta_transforms and --eval_shift against the model type (known from the flags, or

@@ -43,6 +43,10 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     from ttc.tasks.registry import task_for
 
     train_classifier = task_for(config.model_type).part("trainer")
+    if config.trains_on_ray():  # a classifier on Ray Train (config refused the other types)
+        from ttc.distributed.driver import train_on_ray
+
+        train_classifier = train_on_ray
     if config.compresses():  # a network with no path for --prune / --qat: before training
         from ttc.compress.variants import check_compressible
 

@@ -61,7 +61,7 @@ STRIDE_TWO = MYDETECTOR.replace(
 
 @pytest.fixture(scope="module")
 def boxes_root(tmp_path_factory) -> Path:
-    return write_yolo_canvases(tmp_path_factory.mktemp("own") / "canvases", 60, size=SIDE)
+    return write_yolo_canvases(tmp_path_factory.mktemp("own") / "canvases", 30, size=SIDE)
 
 
 def train(root: Path, out: Path, *flags: str, script: str = "pipeline.py",

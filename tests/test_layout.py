@@ -113,6 +113,9 @@ ALLOWED = {
                  "ttc.options.compress", "ttc.tasks.*"},
     "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections",
                 "ttc.tasks.*"},
+    # --engine ray training: the classifier's loop (nets) on Ray Train, through serving's cluster
+    "distributed": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.cluster",
+                    "ttc.tasks.*"},
     "online": {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.testtime.*", "ttc.tasks.*",
                "ttc.options.*", "ttc.reporting.*"},
 }

@@ -159,12 +159,13 @@ def test_a_worker_killed_mid_run_loses_no_row_and_an_interrupt_leaves_no_output(
     _, stderr = proc.communicate(timeout=600)
     assert killed is not None, "the run ended before a worker could be killed"
     assert proc.returncode == 0, stderr[-3000:]
-    # Four times the rows: under load the predictions can reach the writer in bursts written in
-    # milliseconds, and with the rows above the last burst came with SIGINT landing after the
-    # output was complete (exit 0, once in eight full runs); the run is cut long before its end
-    # anyway.
+    # Sixteen times the rows (192,000, about a minute of predicting): under load the predictions
+    # can reach the writer in bursts written in milliseconds, and the test's polling can lag by
+    # seconds; with four times the rows SIGINT landed after the output was complete (exit 0, in
+    # two full-suite runs of 27 November 2026 on a loaded machine). The run is cut a few seconds
+    # after its first rows anyway, so the size costs only the file's writing.
     more = tmp_path / "more.parquet"
-    pd.concat([frame] * 4).to_parquet(more, row_group_size=2000)
+    pd.concat([frame] * 16).to_parquet(more, row_group_size=2000)
     interrupted = subprocess.Popen([*map(str, args[:5]), str(more), *map(str, args[6:]),
                                     "--output", str(tmp_path / "cut.csv"), "--engine", "ray",
                                     "--worker_batch_size", "64"], cwd=REPO, env=env,

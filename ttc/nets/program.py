@@ -27,6 +27,7 @@ from torch import nn
 
 from config import Config
 from ttc.inputs.data import Dataset, Split
+from ttc.nets.checkpoints import CheckpointStore, new_run_id
 from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
 from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
 from ttc.nets.fitting import BestEpoch, learning_rate_schedule, restrict_row_norms
@@ -266,6 +267,24 @@ class EpochRecord:
     val_loss: float | None = None  # mean cross-entropy of the same dspy.Evaluate predictions
 
 
+class Sync:
+    """How the processes that train one network together agree: here, one process alone (a
+    local run). A Ray Train worker's (ttc/distributed/worker.py) sums over its peers with
+    torch.distributed and takes rank 0's word; each process trains `rank::world` of every
+    batch, and every process draws the same random numbers (batch order, augmentation), so
+    that --batch_size stays the global batch and one worker equals a local run."""
+
+    rank, world = 0, 1
+
+    def sum(self, values: list[float]) -> list[float]:
+        """`values` summed over the processes."""
+        return values
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's `flag`, on every process."""
+        return flag
+
+
 class WeightTrainer(Teleprompter):
     """A DSPy optimizer for a program's torch weights: AdamW under the `recipe`'s schedule,
     weight decay, label smoothing and max-norm (ttc/nets/fitting.py), or for fine-tuning a
@@ -276,13 +295,17 @@ class WeightTrainer(Teleprompter):
     Each epoch is scored by dspy.Evaluate on the validation set; the best epoch's weights win,
     and training stops early once the validation loss has not improved for recipe.patience
     epochs. A loss that is not finite (checked every batch) or weights that are not (checked
-    every epoch and at the end) stop it with TrainingDiverged (exit 4).
+    every epoch and at the end) stop it with TrainingDiverged (exit 4). The epoch loop itself is
+    EpochRunner's, which a Ray Train worker runs too (ttc/distributed); `checkpoints` writes
+    its state after every epoch and gives the state to resume from (--checkpoint_dir,
+    --resume).
     """
 
     def __init__(self, metric: Callable, *, epochs: int, batch_size: int, learning_rate: float,
                  recipe: Recipe, augment: bool, seed: int, show_progress: bool = True,
                  view_transforms: Sequence = (), freeze_epochs: int = 0,
-                 fine_tune: bool = False, pad_id: int = PAD_ID) -> None:
+                 fine_tune: bool = False, pad_id: int = PAD_ID,
+                 checkpoints: CheckpointStore | None = None) -> None:
         super().__init__()
         self.fine_tune, self.pad_id = fine_tune, pad_id
         self.device = torch.device("cuda" if fine_tune and torch.cuda.is_available() else "cpu")
@@ -295,61 +318,25 @@ class WeightTrainer(Teleprompter):
         self.epochs, self.batch_size = epochs, batch_size
         self.learning_rate, self.recipe = learning_rate, recipe
         self.augment, self.seed, self.show_progress = augment, seed, show_progress
+        self.checkpoints = checkpoints
         self.history: list[EpochRecord] = []
         self.best_epoch = 0
-        self.batches_run = 0  # in the current epoch
         self.initial_loss: float | None = None  # the first batch's, before any update
-        self.bounded: nn.Linear | None = None  # the layer whose row norms --max_norm bounds
 
     def compile(self, student: ClassifierProgram, *, trainset: list[dspy.Example],
                 teacher=None, valset: list[dspy.Example] | None = None,
                 **kwargs) -> ClassifierProgram:
         program = copy.deepcopy(student)
         x, y = self._stack(program, trainset)
-        evaluate = dspy.Evaluate(devset=valset or trainset, metric=self.metric, num_threads=1,
-                                 display_progress=False, max_errors=1)
-        generator = torch.Generator().manual_seed(self.seed)
-        steps_per_epoch = max(1, len(x) // self.batch_size + (len(x) % self.batch_size > 1))
-        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
-                                      weight_decay=self.recipe.weight_decay)
-        schedule = learning_rate_schedule(optimizer, self.epochs * steps_per_epoch,
-                                          self.recipe.lr_schedule, self.learning_rate,
-                                          self.fine_tune)
-        program.net.to(self.device)
-        max_shift = max(1, round(min(x.shape[2:]) / 8)) if self.augment else 0
-        best = BestEpoch(self.recipe.patience)
-        self.bounded = self._max_norm_layer(program.net)
-        for epoch in range(1, self.epochs + 1):
-            started = time.perf_counter()
-            self._freeze_body(program.net, epoch <= self.freeze_epochs)
-            loss, accuracy = self._train_epoch(program.net, x, y, optimizer, schedule, generator,
-                                               max_shift, epoch)
-            recalibrate_batchnorm(program.net, x[torch.randperm(len(x), generator=generator)],
-                                  self.batch_size)
-            self._check_weights(program.net, epoch)
-            with stdout_to_stderr(), program.batched_for(evaluate.devset):
-                evaluated = evaluate(program)
-            raise_if_interrupted()
-            score = evaluated.score / 100.0
-            record = EpochRecord(epoch, loss, accuracy, score,
-                                 round(time.perf_counter() - started, 3),
-                                 evaluated_loss(evaluated.results, program.labels))
-            self.history.append(record)
-            LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
-                     self.epochs, loss, accuracy, score, record.seconds)
-            stop = best.keep(program.net, epoch, score, record.val_loss)
-            self.best_epoch = best.epoch
-            if stop and epoch < self.epochs:
-                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
-                         "accuracy has improved for %d epochs (--patience); keeping epoch %d",
-                         epoch, self.epochs, self.recipe.patience, self.best_epoch)
-                break
-        program.net.load_state_dict(best.state)
-        program.net.cpu().eval()
-        self._check_weights(program.net, self.best_epoch)
-        return program
+        runner = EpochRunner(self, program, x, y, valset or trainset)
+        store = self.checkpoints
+        if store is not None and (state := store.start_state()) is not None:
+            runner.load_state_dict(state)
+        runner.run(None if store is None else
+                   lambda done: store.save(done.state_dict(), done.epoch))
+        return runner.finish()
 
-    def _max_norm_layer(self, net: nn.Module) -> nn.Linear | None:
+    def max_norm_layer(self, net: nn.Module) -> nn.Linear | None:
         """The layer --max_norm bounds: the network's output layer (its last nn.Linear)."""
         if not self.recipe.max_norm:
             return None
@@ -359,14 +346,15 @@ class WeightTrainer(Teleprompter):
                               "has no nn.Linear layer", "drop --max_norm (or pass --max_norm 0)")
         return net.get_submodule(name)
 
-    def _precision(self):
-        """Mixed precision on a GPU only: bfloat16 autocast where the GPU has it (no loss scaling
-        needed); float32 on older GPUs and on the CPU."""
-        if self.device.type != "cuda" or not torch.cuda.is_bf16_supported():
+    def precision(self, device: torch.device):
+        """Mixed precision when fine-tuning on a GPU only: bfloat16 autocast where the GPU has
+        it (no loss scaling needed); float32 on older GPUs, on the CPU, and for the networks a
+        Ray worker trains on its GPU from scratch (as a local run trains them on the CPU)."""
+        if not self.fine_tune or device.type != "cuda" or not torch.cuda.is_bf16_supported():
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
-    def _freeze_body(self, net: nn.Module, frozen: bool) -> None:
+    def freeze_body(self, net: nn.Module, frozen: bool) -> None:
         """--freeze_epochs: gradients for the head only (a parameter without a gradient is
         left alone by AdamW, weight decay included), then for everything."""
         if not self.freeze_epochs:
@@ -374,10 +362,6 @@ class WeightTrainer(Teleprompter):
         net.requires_grad_(not frozen)
         for parameter in head_parameters(net):
             parameter.requires_grad_(True)
-
-    def _check_weights(self, net: nn.Module, epoch: int) -> None:
-        """Once per epoch (after the BatchNorm statistics are re-estimated) and at the end."""
-        require_finite_weights(net, epoch, self.batches_run, self.learning_rate, self.seed)
 
     @staticmethod
     def _stack(program: ClassifierProgram, examples: list[dspy.Example]
@@ -387,48 +371,198 @@ class WeightTrainer(Teleprompter):
         y = torch.tensor([index[ex.label] for ex in examples], dtype=torch.long)
         return x, y
 
-    def _train_epoch(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, schedule,
-                     generator: torch.Generator, max_shift: int, epoch: int) -> tuple[float, float]:
-        net.train()
-        order = torch.randperm(len(x), generator=generator)
-        batches = [order[i:i + self.batch_size] for i in range(0, len(x), self.batch_size)]
+
+class EpochRunner:
+    """WeightTrainer's epoch loop and everything it carries from one epoch to the next (the
+    epoch, the weights, the optimizer and its schedule, the random generators, the history,
+    the best epoch and early stopping, the first loss): state_dict() is a checkpoint,
+    load_state_dict() resumes one. A local run and every Ray Train worker run this same code;
+    `train_net` is what the batches go through (the program's network, or its
+    DistributedDataParallel wrapper on a worker), `sync` how the workers agree (Sync)."""
+
+    def __init__(self, trainer: WeightTrainer, program: ClassifierProgram, x: torch.Tensor,
+                 y: torch.Tensor, devset: list[dspy.Example], *, sync: Sync | None = None,
+                 train_net: nn.Module | None = None, device: torch.device | None = None
+                 ) -> None:
+        self.trainer, self.program, self.x, self.y = trainer, program, x, y
+        self.sync = sync or Sync()
+        self.net = program.net
+        self.train_net = train_net or program.net
+        self.device = device or trainer.device
+        self.evaluate = dspy.Evaluate(devset=devset, metric=trainer.metric, num_threads=1,
+                                      display_progress=False, max_errors=1)
+        self.generator = torch.Generator().manual_seed(trainer.seed)
+        steps = max(1, len(x) // trainer.batch_size + (len(x) % trainer.batch_size > 1))
+        self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
+                                           weight_decay=trainer.recipe.weight_decay)
+        self.schedule = learning_rate_schedule(self.optimizer, trainer.epochs * steps,
+                                               trainer.recipe.lr_schedule,
+                                               trainer.learning_rate, trainer.fine_tune)
+        self.net.to(self.device)
+        self.max_shift = max(1, round(min(x.shape[2:]) / 8)) if trainer.augment else 0
+        self.best = BestEpoch(trainer.recipe.patience)
+        self.bounded = trainer.max_norm_layer(self.net)
+        self.epoch, self.batches_run, self.stopped = 0, 0, False
+        trainer.history, trainer.best_epoch, trainer.initial_loss = [], 0, None
+
+    def run(self, after_epoch: Callable[["EpochRunner"], None] | None = None) -> None:
+        """The epochs after self.epoch, up to --epochs or an early stop; `after_epoch` sees the
+        runner after each (a checkpoint)."""
+        trainer = self.trainer
+        while not self.stopped and self.epoch < trainer.epochs:
+            self.stopped = self.run_epoch(self.epoch + 1)
+            self.epoch += 1
+            if after_epoch is not None:
+                after_epoch(self)
+            if self.stopped and self.epoch < trainer.epochs:
+                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
+                         "accuracy has improved for %d epochs (--patience); keeping epoch %d",
+                         self.epoch, trainer.epochs, trainer.recipe.patience, trainer.best_epoch)
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train, re-estimate BatchNorm, check the weights, score validation (rank 0);
+        whether to stop, as rank 0 decides."""
+        trainer, started = self.trainer, time.perf_counter()
+        trainer.freeze_body(self.net, epoch <= trainer.freeze_epochs)
+        loss, accuracy = self._train_epoch(epoch)
+        recalibrate_batchnorm(self.net, self.x[torch.randperm(len(self.x),
+                                                              generator=self.generator)],
+                              trainer.batch_size)
+        self._check_weights(epoch)
+        stop = False
+        if self.sync.rank == 0:
+            stop = self._score(epoch, loss, accuracy, started)
+        return self.sync.agree(stop)
+
+    def _score(self, epoch: int, loss: float, accuracy: float, started: float) -> bool:
+        """dspy.Evaluate on the validation set: the epoch's record, the best epoch so far, and
+        whether early stopping says stop."""
+        trainer, program = self.trainer, self.program
+        with stdout_to_stderr(), program.batched_for(self.evaluate.devset):
+            evaluated = self.evaluate(program)
+        raise_if_interrupted()
+        score = evaluated.score / 100.0
+        record = EpochRecord(epoch, loss, accuracy, score,
+                             round(time.perf_counter() - started, 3),
+                             evaluated_loss(evaluated.results, program.labels))
+        trainer.history.append(record)
+        LOG.info("epoch %d/%d  loss %.4f  train_acc %.4f  val_acc %.4f  (%.1fs)", epoch,
+                 trainer.epochs, loss, accuracy, score, record.seconds)
+        stop = self.best.keep(self.net, epoch, score, record.val_loss)
+        trainer.best_epoch = self.best.epoch
+        return stop
+
+    def finish(self) -> ClassifierProgram:
+        """The program with the best epoch's weights, on the CPU, in eval mode."""
+        self.net.load_state_dict(self.best.state)
+        self.net.cpu().eval()
+        self._check_weights(self.trainer.best_epoch)
+        return self.program
+
+    def _check_weights(self, epoch: int) -> None:
+        """Once per epoch (after the BatchNorm statistics are re-estimated) and at the end."""
+        require_finite_weights(self.net, epoch, self.batches_run, self.trainer.learning_rate,
+                               self.trainer.seed)
+
+    def _train_epoch(self, epoch: int) -> tuple[float, float]:
+        """One pass over shuffled batches in train mode: the mean loss and running accuracy,
+        over every process's share."""
+        trainer, sync = self.trainer, self.sync
+        self.train_net.train()
+        order = torch.randperm(len(self.x), generator=self.generator)
+        batches = [order[i:i + trainer.batch_size]
+                   for i in range(0, len(self.x), trainer.batch_size)]
         if len(batches) > 1 and len(batches[-1]) == 1:  # BatchNorm needs 2+ samples
             batches.pop()
-        total_loss, correct, seen = 0.0, 0, 0
-        bar = progress(batches, desc=f"epoch {epoch}/{self.epochs}", enabled=self.show_progress)
+        total_loss, correct, seen = 0.0, 0.0, 0.0
+        bar = progress(batches, desc=f"epoch {epoch}/{trainer.epochs}",
+                       enabled=trainer.show_progress and sync.rank == 0)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
-            inputs = x[batch]
-            if self.augment:
-                inputs = random_shift(inputs, max_shift, generator)
-            if self.view_transforms:
-                inputs = torch.from_numpy(random_augment(inputs.numpy(), self.view_transforms,
-                                                         self.view_rng))
-            with self._precision():
-                logits = net(network_batch(inputs, self.pad_id, self.device))
-                loss = F.cross_entropy(logits.float(), y[batch].to(self.device),
-                                       label_smoothing=self.recipe.label_smoothing)
-            value = loss.detach().item()
-            if self.initial_loss is None:
-                self.initial_loss = value
-            if not math.isfinite(value):  # the inputs are finite (check_finite_inputs)
-                bar.close()
-                raise TrainingDiverged(epoch, number, f"the loss became {value}",
-                                       self.learning_rate, self.seed)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.fine_tune:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP_NORM)
-            optimizer.step()
-            if self.bounded is not None:
-                restrict_row_norms(self.bounded, self.recipe.max_norm)
-            schedule.step()
-            total_loss += value * len(batch)
-            correct += int((logits.argmax(1).cpu() == y[batch]).sum())
-            seen += len(batch)
+            loss, right, count = self._step(batch, epoch, number, bar)
+            total_loss, correct, seen = total_loss + loss, correct + right, seen + count
             bar.set_postfix(loss=f"{total_loss / seen:.4f}")
         return total_loss / seen, correct / seen
 
+    def _inputs(self, batch: torch.Tensor) -> torch.Tensor:
+        """A batch's inputs, augmented: the whole batch on every process (each draws the same
+        random numbers), of which each trains on its share."""
+        trainer = self.trainer
+        inputs = self.x[batch]
+        if trainer.augment:
+            inputs = random_shift(inputs, self.max_shift, self.generator)
+        if trainer.view_transforms:
+            inputs = torch.from_numpy(random_augment(inputs.numpy(), trainer.view_transforms,
+                                                     trainer.view_rng))
+        return inputs
+
+    def _step(self, batch: torch.Tensor, epoch: int, number: int, bar
+              ) -> tuple[float, float, float]:
+        """One optimizer step on this process's share of `batch`; the batch's summed loss,
+        correct answers and size over all processes. The share's mean loss is weighted by its
+        part of the batch, so that the workers' averaged gradients are the whole batch's."""
+        trainer, sync = self.trainer, self.sync
+        share = slice(sync.rank, None, sync.world)
+        inputs, targets = self._inputs(batch)[share], self.y[batch][share]
+        with trainer.precision(self.device):
+            logits = self.train_net(network_batch(inputs, trainer.pad_id, self.device))
+            loss = F.cross_entropy(logits.float(), targets.to(self.device),
+                                   label_smoothing=trainer.recipe.label_smoothing)
+        weight = len(targets) * sync.world / len(batch)  # 1.0 in a local run
+        right = int((logits.argmax(1).cpu() == targets).sum())
+        total, correct, count = sync.sum([loss.detach().item() * len(targets), right,
+                                          len(targets)])
+        value = total / count
+        if trainer.initial_loss is None:
+            trainer.initial_loss = value
+        if not math.isfinite(value):  # the inputs are finite (check_finite_inputs)
+            bar.close()
+            raise TrainingDiverged(epoch, number, f"the loss became {value}",
+                                   trainer.learning_rate, trainer.seed)
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss * weight if weight != 1.0 else loss).backward()
+        if trainer.fine_tune:
+            torch.nn.utils.clip_grad_norm_(self.train_net.parameters(), CLIP_NORM)
+        self.optimizer.step()
+        if self.bounded is not None:
+            restrict_row_norms(self.bounded, trainer.recipe.max_norm)
+        self.schedule.step()
+        return total, correct, count
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything the next epoch depends on, as plain containers and tensors (a checkpoint
+        loads with torch.load(weights_only=True))."""
+        trainer, best = self.trainer, self.best
+        return {"epoch": self.epoch, "stopped": self.stopped,
+                "net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": {key: self.schedule.state_dict()[key]
+                             for key in ("last_epoch", "_step_count", "_last_lr")},
+                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                "view_rng": trainer.view_rng.bit_generator.state,
+                "history": [vars(record) for record in trainer.history],
+                "best": {"score": best.score, "epoch": best.epoch, "state": best.state,
+                         "stopping": vars(best.stopping)},
+                "initial_loss": trainer.initial_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint. The schedule keeps its step; its length is this run's
+        (--epochs may have grown since)."""
+        trainer, best = self.trainer, self.best
+        self.epoch, self.stopped = int(state["epoch"]), bool(state["stopped"])
+        self.net.load_state_dict(state["net"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for key, value in state["schedule"].items():
+            setattr(self.schedule, key, value)
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        trainer.view_rng.bit_generator.state = state["view_rng"]
+        trainer.history[:] = [EpochRecord(**record) for record in state["history"]]
+        best.score, best.epoch = state["best"]["score"], state["best"]["epoch"]
+        best.state = state["best"]["state"]
+        vars(best.stopping).update(state["best"]["stopping"])
+        trainer.best_epoch, trainer.initial_loss = best.epoch, state["initial_loss"]
 
 # BatchNorm statistics are re-estimated on at most this many training images after each epoch
 # of an ImageTrainer: an image gives every channel H×W values, so a few hundred images estimate
@@ -718,6 +852,7 @@ class TrainedModel:
     calibration: dict | None = None  # the temperature fit (train.calibrate_network)
     compressed: list = field(default_factory=list)  # --prune / --qat (compress.CompressedNet)
     fp32_record: dict | None = None  # the trained network's parameters and MACs, when compressed
+    engine: dict | None = None  # where it trained: --engine ray's workers and timings
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1
@@ -735,6 +870,7 @@ class TrainedModel:
                 "diverged_candidates": self.diverged_candidates if searched else None,
                 "init_weights": self.transfer.report_section() if self.transfer else None,
                 "freeze_epochs": self.freeze_epochs,
+                "engine": self.engine,
                 "history": [vars(record) for record in self.history]}
 
 
@@ -743,14 +879,32 @@ def set_torch_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
-    """Build the network for this data, wrap it in the DSPy program, compile it with
-    CandidateSearch (one WeightTrainer per learning rate and seed; one candidate by default)."""
+@dataclass
+class TrainingPlan:
+    """What training a classifier needs before its first epoch, made once from the flags and
+    the data: by train_classifier, and by a Ray run's driver (ttc/distributed), which ships the
+    student and the trainer to its workers."""
+
+    architecture: dict
+    make_student: Callable[[int], ClassifierProgram]
+    make_trainer: Callable[[float, int], WeightTrainer]
+    transfers: list[Transfer]
+    started: float
+    field: str
+
+    @property
+    def transfer(self) -> Transfer | None:
+        return self.transfers[0] if self.transfers else None
+
+
+def plan_training(config: Config, dataset: Dataset, engine: str = "local") -> TrainingPlan:
+    """Check the data, build the network for it (checked and announced once), and the
+    factories of the DSPy program (a student per seed) and of its WeightTrainer (per learning
+    rate and seed), with a local run's checkpoints (--checkpoint_dir, --resume) when asked."""
     started = time.perf_counter()
     check_finite_inputs(dataset)
     task = task_of_kind(dataset.preprocessing["kind"])
     architecture = network_architecture(config, dataset)
-    field = task.input_field
     tokenizer = text_tokenizer(dataset.preprocessing) if task.input_role == "text" else None
     pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
     fine_tune = architecture["name"] == "HFTextNet"
@@ -762,7 +916,7 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
         transfer = starting_weights(config, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
-        return ClassifierProgram(net, dataset.labels, field, tokenizer, pad_id)
+        return ClassifierProgram(net, dataset.labels, task.input_field, tokenizer, pad_id)
 
     first = make_student(config.seed).net
     check_output_shape(first, dataset, config)
@@ -772,8 +926,10 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
              if config.tta and config.train_augment else [])
     if views:
         LOG.info("training on the TTA transforms too: %s", ", ".join(t.spec for t in views))
-
     recipe = config.recipe(config.model_type, config.arch, config.model_def)
+    folder = config.checkpoint_folder()
+    store = (CheckpointStore(folder, new_run_id(), run_fingerprint(config, dataset, architecture),
+                             config.resume) if folder is not None and engine == "local" else None)
 
     def make_trainer(learning_rate: float, seed: int) -> WeightTrainer:
         return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
@@ -781,19 +937,55 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
                              augment=config.train_augment and task.augments, seed=seed,
                              show_progress=not config.no_progress, view_transforms=views,
                              freeze_epochs=config.freeze_epochs, fine_tune=fine_tune,
-                             pad_id=pad_id)
+                             pad_id=pad_id, checkpoints=store)
 
-    search = CandidateSearch(label_match, make_student, make_trainer, config.learning_rates(),
+    return TrainingPlan(architecture, make_student, make_trainer, transfers, started,
+                        task.input_field)
+
+
+def run_fingerprint(config: Config, dataset: Dataset, architecture: dict) -> dict:
+    """What a checkpoint must share with a run that resumes it (checkpoints.FINGERPRINT_KEYS)."""
+    return {"model_type": config.model_type, "labels": list(dataset.labels),
+            "network": architecture.get("arch") or architecture["name"],
+            "num_parameters": architecture.get("num_parameters"), "samples": len(dataset.train),
+            "batch_size": config.batch_size, "learning_rate": config.learning_rates()[0],
+            "seed": config.seed}
+
+
+def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
+    """Build the network for this data, wrap it in the DSPy program, compile it with
+    CandidateSearch (one WeightTrainer per learning rate and seed; one candidate by default)."""
+    plan = plan_training(config, dataset)
+    search = CandidateSearch(label_match, plan.make_student, plan.make_trainer,
+                             config.learning_rates(),
                              [config.seed + k for k in range(config.num_candidates)])
     try:
-        program = search.compile(trainset=to_examples(dataset.train, dataset.labels, field),
-                                 valset=to_examples(dataset.val, dataset.labels, field))
+        program = search.compile(
+            trainset=to_examples(dataset.train, dataset.labels, plan.field),
+            valset=to_examples(dataset.val, dataset.labels, plan.field))
     except TrainingDiverged as err:  # one candidate only: say which flag set its rate
         if config.lr_candidates:
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
-    return trained_model(program, search, dataset, architecture, started,
-                         transfers[0] if transfers else None, config)
+    trained = trained_model(program, search, dataset, plan.architecture, plan.started,
+                            plan.transfer, config)
+    store = search.chosen_trainer.checkpoints
+    trained.engine = engine_section(
+        "local", None, 1, config.num_threads,
+        [record.seconds for record in trained.history],
+        checkpoint_dir=str(store.root) if store else None,
+        resumed_from_epoch=store.resumed_from if store else None)
+    return trained
+
+
+def engine_section(engine: str, address: str | None, workers: int, threads: int,
+                   epoch_seconds: list[float], **more) -> dict:
+    """The report's train.engine: where the network trained and how long its epochs took
+    (for --engine ray also the cluster's start, and the share of the training time spent in
+    the gradients' all-reduce: ttc/distributed)."""
+    return {"engine": engine, "address": address, "workers": workers,
+            "threads_per_worker": threads, "epoch_seconds": epoch_seconds,
+            "allreduce_seconds": None, "allreduce_share": None, **more}
 
 
 def announce_training(config: Config, dataset: Dataset, architecture: dict,

@@ -16,6 +16,11 @@ ENGINES = ("local", "ray")
 OUTPUT_FORMATS = (".csv", ".jsonl", ".parquet")
 DETECTION_FORMATS = ("rows", "coco")  # --output_format: an object_detector's output
 RAY_FLAGS = ("ray_address", "num_workers", "worker_batch_size")
+TRAINING_ENGINE = ("where the network trains: local (this process) or ray (Ray Train workers "
+                   "under DistributedDataParallel on a cluster; docs/distributed.md)")
+TRAINING_WORKERS = ("--engine ray: Ray Train workers, each a process of --num_threads threads "
+                    "(the CPUs it reserves) training its share of every --batch_size batch "
+                    "(default 2, or 1 where a local cluster cannot hold 2)")
 RAY_ADDRESS_HINT = "expected host:port, auto or local (e.g. 10.0.0.5:6379, the head node's port)"
 
 
@@ -61,17 +66,19 @@ class BatchFlags:
                               scripts="I")
     engine: str = opt("local", "where --input is predicted: local (this process) or ray (Ray "
                       "Data workers on a cluster; docs/deploy.md, Ray)", "batch",
-                      choices=ENGINES, scripts="IS", help_for={
+                      choices=ENGINES, scripts="PTIS", help_for={
         "S": "where the server runs: local (this process, on uvicorn) or ray (a Ray Serve "
-             "deployment of --num_replicas replicas; docs/deploy.md)"})
+             "deployment of --num_replicas replicas; docs/deploy.md)",
+        "P": TRAINING_ENGINE, "T": TRAINING_ENGINE})
     ray_address: str | None = opt(None, "--engine ray: the cluster to join (host:port of its "
                                   "head node; auto: the one `ray start` runs here); default (or "
                                   "local): start a local one of this machine's CPUs for the run",
-                                  "batch", metavar="ADDRESS", scripts="IS")
+                                  "batch", metavar="ADDRESS", scripts="PTIS")
     num_workers: int | None = opt(None, "--engine ray: workers, each one ONNX Runtime session "
                                   "with --num_threads threads, which are the CPUs it reserves "
                                   "(default 2, or 1 where a local cluster cannot hold 2)",
-                                  "batch", type=int, metavar="N", scripts="I")
+                                  "batch", type=int, metavar="N", scripts="PTI",
+                                  help_for={"P": TRAINING_WORKERS, "T": TRAINING_WORKERS})
     worker_batch_size: int | None = opt(None, "--engine ray: rows a worker reads, encodes and "
                                         "predicts at a time (default: --chunk_rows; a "
                                         "segmenter's: --batch_size images)", "batch",
@@ -108,7 +115,10 @@ class BatchFlags:
                               "add --engine ray, or drop them")
         if self.engine != "ray":
             return
-        if not self.input:
+        training = getattr(self, "script", None) in ("pipeline", "train")
+        if training:  # Ray Train workers of --num_threads threads each
+            threads = lambda: max(1, self.num_threads)  # noqa: E731
+        elif not self.input:
             raise ConfigError("--engine ray predicts --input on a cluster; the test split's "
                               "evaluation runs in this process", "add --input and --output, or "
                               "drop --engine ray")
@@ -118,6 +128,8 @@ class BatchFlags:
         check_ray_address(self.ray_address)
         if self.local_ray():
             self._require_local_cpus(threads())
+        if training:
+            return
         if profile:
             raise ConfigError("--profile profiles the ONNX Runtime session in this process, and "
                               "--engine ray predicts on worker processes",

@@ -18,6 +18,7 @@ GROUPS = {
     "compression": "compression (pruning, quantization-aware training)",
     "ttc": "test-time compute",
     "batch": "batch inference (inference.py --input)",
+    "distributed": "distributed training and checkpoints",
     "serve": "online serving (serve.py)",
     "runtime": "runtime",
     "output": "output",
