@@ -188,7 +188,8 @@ def test_the_ssd_s_loss_and_decoding_are_torchvision_s():
     assert logits.shape == (2, len(net.anchors), 11)
     expected = torch.stack([net.body.box_coder.decode_single(r, net.anchors) for r in regression])
     assert torch.allclose(decode(regression, net.anchors), expected)
-    boxes, scores = net.candidates(images)  # in the input's pixels, background dropped
+    with torch.no_grad():
+        boxes, scores = net.candidates(images)  # in the input's pixels, background dropped
     assert boxes.shape == (2, len(net.anchors), 4) and scores.shape == (2, 10, len(net.anchors))
     assert float(boxes[..., 0::2].max()) <= 64 and float(boxes[..., 1::2].max()) <= 48
 
