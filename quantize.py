@@ -199,12 +199,26 @@ def gemm_to_matmul(model: onnx.ModelProto) -> int:
     return rewritten
 
 
-def calibration_feeds(source: onnx.ModelProto, x: np.ndarray, size: int, seed: int
-                      ) -> list[dict]:
+# Images per calibration batch. ONNX Runtime's calibration session holds a whole batch's
+# activations (its augmented graph outputs every tensor's range): a detector that resizes to
+# 320 pixels inside (SSDlite) took 13.8 GB at 32 images on a tiny bundle, and the bench's run was
+# killed for memory at 22 GB; at 4 images it took 0.8 GB (27 November 2026). The ranges are those
+# of all the batches together, whatever their size.
+CALIBRATION_BATCH = 32
+DETECTION_CALIBRATION_BATCH = 4
+
+
+def calibration_feeds(source: onnx.ModelProto, x: np.ndarray, size: int, seed: int,
+                      batch: int = CALIBRATION_BATCH) -> list[dict]:
     """Feeds of batches of `size` training samples, the way the graph sees them at inference."""
     rows = np.random.default_rng(seed).permutation(len(x))[:size]
     feed = model_feeder(source)
-    return [feed(b) for b in batches_of(x[np.sort(rows)], 32, graph_padding_id(source))]
+    return [feed(b) for b in batches_of(x[np.sort(rows)], batch, graph_padding_id(source))]
+
+
+def calibration_batch(manifest) -> int:
+    return (DETECTION_CALIBRATION_BATCH if manifest.preprocessing.kind == "detection"
+            else CALIBRATION_BATCH)
 
 
 def make_calibration_reader(feeds: Sequence[dict]):
@@ -615,7 +629,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
     scorer = variant_scorer(manifest)
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
-        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
+        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed,
+                                  calibration_batch(manifest))
         trials, chosen = quantize_trials(config, prepared, mode, feeds, val, scorer,
                                          manifest.preprocessing.kind == "detection")
         trial = trials[chosen]
@@ -776,7 +791,8 @@ def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> 
     source = onnx.load(str(require_onnx_in_bundle(paths, manifest)))
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
-        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed)
+        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed,
+                                  calibration_batch(manifest))
         layers = diagnose(prepared, int8_path, feeds[:DIAGNOSIS_BATCHES],
                           quantizable_op_types(mode) | {"Gemm"})
     LOG.info("diagnosed %d quantized node(s) of %s; the worst: %s", len(layers), int8_path.name,

@@ -4,14 +4,20 @@ cluster of this machine's CPUs that each run starts and stops; and the training 
 two clusters at once would not fit on two cores."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_clean_failure, run_cli
+from conftest import CLI_ENV, REPO, assert_clean_failure, run_cli
 
 pytestmark = pytest.mark.xdist_group("ray")
 
@@ -83,6 +89,138 @@ def test_a_local_run_resumes_from_its_last_checkpoint(tmp_path):
     assert [h["epoch"] for h in more["train"]["history"]] == [1, 2, 3, 4]
 
 
+def test_the_parallel_search_keeps_the_sequential_search_s_winner(tmp_path):
+    """Three candidates, one of which diverges (1e6: NaN in epoch 1): as Ray Tune trials
+    (one process each, two at once here) the same candidates are trained, skipped and scored as
+    by the local search one after the other, and the same one is kept."""
+    search = ["--lr_candidates", "1e-3,1e6,3e-3"]
+    local = train(tmp_path / "local", *search)["train"]
+    ray = train(tmp_path / "ray", *search, "--engine", "ray")["train"]
+    assert (ray["learning_rate"], ray["seed"], ray["chosen_candidate"]) == \
+        (local["learning_rate"], local["seed"], local["chosen_candidate"])
+    assert [(d["index"], d["learning_rate"]) for d in ray["diverged_candidates"]] == \
+        [(d["index"], d["learning_rate"]) for d in local["diverged_candidates"]] == [(1, 1e6)]
+    assert [(c["index"], c["best_epoch"]) for c in ray["candidates"]] == \
+        [(c["index"], c["best_epoch"]) for c in local["candidates"]]
+    assert [c["index"] for c in ray["candidates"]] == [0, 2]
+    for mine, theirs in zip(ray["candidates"], local["candidates"]):  # one validation image
+        assert mine["val_accuracy"] == pytest.approx(theirs["val_accuracy"], abs=0.004)
+        assert mine["epochs_run"] == 2 and mine["stopped_early"] is False
+        assert mine["trial_seconds"] > 0 and mine["restarts"] == 0
+        assert "trial_seconds" not in theirs  # a local search's rows are as before
+    assert [h["epoch"] for h in ray["history"]] == [1, 2]
+    engine = ray["engine"]
+    assert engine["engine"] == "ray" and engine["trials"] == 3 and engine["trials_at_once"] >= 1
+    assert engine["stopped_early_trials"] == []
+
+
+class Stored:
+    """A Ray result's checkpoint as search.trained_candidates reads it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @contextlib.contextmanager
+    def as_directory(self):
+        yield str(self.folder)
+
+
+def test_a_trial_s_early_stop_and_divergence_reach_the_search(tmp_path):
+    """Without a cluster: a trial that stopped early (1 of 3 epochs) is restored into its
+    student and trainer and marked stopped_early; a diverged one becomes the TrainingDiverged
+    that CandidateSearch skips."""
+    from types import SimpleNamespace
+
+    from ttc.distributed.search import Trials, trained_candidates
+    from ttc.nets.checkpoints import write_checkpoint
+    from ttc.nets.program import CandidateSearch, ClassifierProgram, label_match
+
+    net = torch.nn.Linear(4, 2)
+    record = {"epoch": 1, "loss": 0.5, "train_accuracy": 0.8, "val_accuracy": 0.9,
+              "seconds": 0.1, "val_loss": 0.4}
+    write_checkpoint(tmp_path / "ck", {"best": {"state": net.state_dict(), "epoch": 1},
+                                       "history": [record], "initial_loss": 0.7}, {})
+    search = CandidateSearch(label_match, None, None, [1e-3, 1e6], [0])
+    trials = Trials(students=[ClassifierProgram(torch.nn.Linear(4, 2), ["a", "b"], "x")] * 2,
+                    trainers=[SimpleNamespace(learning_rate=lr, seed=0) for lr in (1e-3, 1e6)],
+                    overrides=[{"starts": str(tmp_path / "none.starts")}] * 2,
+                    results=[SimpleNamespace(metrics={"time_total_s": 2.5},
+                                             checkpoint=Stored(tmp_path / "ck")),
+                             SimpleNamespace(metrics={"diverged": [1, 7, "the loss became nan"]},
+                                             checkpoint=None)])
+    stopped, diverged = trained_candidates(search, trials, epochs=3)
+    assert stopped.extra == {"trial_seconds": 2.5, "epochs_run": 1, "stopped_early": True,
+                             "restarts": 0}
+    assert stopped.trainer.best_epoch == 1 and stopped.trainer.initial_loss == 0.7
+    assert max_difference(stopped.program.net.state_dict(), net.state_dict()) == 0
+    assert diverged.program is None and (diverged.diverged.epoch, diverged.diverged.batch,
+                                         diverged.diverged.learning_rate) == (1, 7, 1e6)
+
+
+def train_workers(pid: int) -> set[int]:
+    """The Ray Train worker processes below `pid` (Ray titles them by their actor class)."""
+    parents, titles = {}, {}
+    for entry in Path("/proc").iterdir():
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            titles[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if state != "Z":
+            parents[int(entry.name)] = int(parent)
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {p for p in found if "RayTrainWorker" in titles.get(p, "")}
+
+
+def checkpointed_epoch(folder: Path) -> int:
+    """The latest epoch a checkpoint under `folder` holds (0: none yet)."""
+    epochs = [0]
+    for meta in folder.rglob("meta.json"):
+        try:
+            epochs.append(int(json.loads(meta.read_text())["epoch"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return max(epochs)
+
+
+def test_a_worker_killed_mid_epoch_resumes_from_the_last_checkpoint(tmp_path):
+    """Two workers; once a checkpoint is written and at least two epochs remain, a worker is
+    SIGKILLed (in the next epoch's training or validation): Ray Train restarts both from the
+    checkpoint. Killing only then (not on a timer) keeps the test free of races: a run that
+    got too far before the kill fails the test's own assertion, not the run's."""
+    out, epochs = tmp_path / "killed", 6
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *DIGITS, "--epochs", str(epochs),
+         "--batch_size", "16", "--engine", "ray", "--num_workers", "2", "--output_model",
+         str(out / "model.onnx"), "--report_json", str(out / "report.json")],
+        cwd=REPO, env=dict(os.environ, **CLI_ENV), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    killed_after, done, pids, deadline = None, 0, set(), time.time() + 240
+    while killed_after is None and proc.poll() is None and time.time() < deadline:
+        done = checkpointed_epoch(out / "model.checkpoints")
+        if done > epochs - 2:
+            break  # too late to be sure that a whole epoch remains
+        pids = train_workers(proc.pid) if done else set()
+        if pids:
+            os.kill(min(pids), signal.SIGKILL)
+            killed_after = done
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=300)
+    assert killed_after is not None, (f"no worker was killed with two epochs still to run "
+                                      f"(checkpointed epoch {done}, workers {pids}, exit "
+                                      f"{proc.returncode})", stderr[-2000:])
+    assert proc.returncode == 0, stderr[-3000:]
+    train_section = json.loads((out / "report.json").read_text())["train"]
+    assert [h["epoch"] for h in train_section["history"]] == list(range(1, epochs + 1))
+    engine = train_section["engine"]
+    assert engine["restarts"] >= 1, (engine, killed_after, stderr[-2000:])
+    # the checkpoint seen, or the one before it where the kill cut its copy short
+    assert engine["restarted_from_epochs"][0] >= killed_after - 1, engine
+
+
 MODEL_DEF = '''import sys
 from torch import nn
 
@@ -103,7 +241,8 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
         (["--engine", "ray", "--ray_address", "127.0.0.1:1"], 5, "no Ray cluster answers"),
         (["--engine", "ray", "--num_workers", "64"], 2, "--num_workers 64"),
         (["--use_gpu", "true"], 2, "--use_gpu applies only to --engine ray"),
-        (["--engine", "ray", "--lr_candidates", "1e-3,3e-3"], 2, "not built yet"),
+        (["--lr_candidates", "1e-3,3e-3", "--checkpoint_dir", str(tmp_path / "ck")], 2,
+         "--checkpoint_dir and --resume with a candidate search"),
         (["--model_type", "image_segmenter", "--dataset_path", "builtin:digit_canvases",
           "--engine", "ray"], 2, "not built yet"),
         (["--resume", "true", "--checkpoint_dir", str(tmp_path / "empty")], 2,

@@ -1,13 +1,16 @@
 """What a Ray Train worker runs: the DSPy program rebuilt from the driver's weights, wrapped in
 DistributedDataParallel (ray.train.torch.prepare_model), trained by the local run's own
 EpochRunner on its share of every batch; after each epoch rank 0 reports a checkpoint
-(ray.train.report) and every worker continues from the latest one after a restart."""
+(ray.train.report) and every worker continues from the latest one after a restart. A Ray Tune
+trial of the candidate search (train_trial) runs the same code in one process."""
 from __future__ import annotations
 
+import json
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import dspy
 import torch
@@ -41,6 +44,7 @@ class WorkerPayload:
     storage: str  # --checkpoint_dir, absolute
     fingerprint: dict
     resume_from: str | None = None  # --resume: the checkpoint folder to continue from
+    starts: str | None = None  # the file each start of the workers adds a line to
     meta: dict = field(default_factory=dict)
 
 
@@ -114,6 +118,21 @@ def starting_state(payload: WorkerPayload, reported) -> dict | None:
     return read_state(Path(payload.resume_from)) if payload.resume_from else None
 
 
+@dataclass
+class Session:
+    """How a training process talks to Ray: a Ray Train worker's (ray.train: its rank among
+    the DDP workers) or a Ray Tune trial's (ray.tune: one process alone). `report` takes
+    (metrics, checkpoint=...); `reported` is the checkpoint Ray hands back after a
+    restart."""
+
+    rank: int
+    world: int
+    report: Callable
+    checkpoint: type  # ray.train.Checkpoint or ray.tune.Checkpoint
+    reported: object | None
+    device: torch.device
+
+
 def train_worker(config: dict) -> None:
     """Ray Train's train_loop_per_worker."""
     import ray
@@ -122,41 +141,90 @@ def train_worker(config: dict) -> None:
 
     payload: WorkerPayload = ray.get(config["payload"])
     context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device() if payload.use_gpu else torch.device("cpu")
+    session = Session(context.get_world_rank(), context.get_world_size(), ray.train.report,
+                      ray.train.Checkpoint, ray.train.get_checkpoint(), device)
+    train_process(payload, session, ray.train.torch.prepare_model)
+
+
+def train_trial(config: dict, base: WorkerPayload | None = None,
+                candidates: list | None = None) -> None:
+    """A Ray Tune trial of the candidate search (ttc/distributed/search.py): one training run
+    of candidate config["candidate"], in this one process: `base` is what every candidate
+    shares (the data, the network), `candidates` the object refs of what each changes (its
+    WeightTrainer, starting weights and random state, run and fingerprint)."""
+    import ray
+    import ray.tune
+
+    overrides = ray.get(candidates[config["candidate"]])
+    payload = replace(base, **overrides)
+    device = torch.device("cuda") if payload.use_gpu else torch.device("cpu")
+    session = Session(0, 1, ray.tune.report, ray.tune.Checkpoint, ray.tune.get_checkpoint(),
+                      device)
+    train_process(payload, session, None)
+
+
+def train_process(payload: WorkerPayload, session: Session,
+                  prepare: Callable[[torch.nn.Module], torch.nn.Module] | None) -> None:
+    """One process's training: the local run's EpochRunner from the driver's weights and
+    random state (or the latest checkpoint after a restart), a checkpoint reported after every
+    epoch; `prepare` wraps the network for DDP (None: trained as it is)."""
+    rank, world = session.rank, session.world
     if payload.threads > 0:
         torch.set_num_threads(payload.threads)
     program = build_program(payload)
-    device = ray.train.torch.get_device() if payload.use_gpu else torch.device("cpu")
-    state = starting_state(payload, ray.train.get_checkpoint())
+    state = starting_state(payload, session.reported)
+    if rank == 0:
+        record_start(payload, state)
     torch.set_rng_state(payload.torch_rng)
     if rank:  # its own dropout masks
         torch.manual_seed(payload.trainer.seed + rank)
-    train_net = ray.train.torch.prepare_model(program.net)
+    train_net = prepare(program.net) if prepare is not None else program.net
     timer = AllreduceTimer()
     if isinstance(train_net, torch.nn.parallel.DistributedDataParallel):
         train_net.register_comm_hook(None, timer.hook)
-    sync = CollectiveSync(rank, world, device)
+    sync = CollectiveSync(rank, world, session.device)
     runner = EpochRunner(payload.trainer, program, payload.x, payload.y, payload.devset,
-                         sync=sync, train_net=train_net, device=device)
+                         sync=sync, train_net=train_net, device=session.device)
     epochs: list[dict] = []
     if state is not None:
         runner.load_state_dict(state)
         epochs = list(state.get("engine_epochs", []))
     try:
-        runner.run(lambda done: report_epoch(done, payload, rank, timer, sync, epochs))
+        runner.run(lambda done: report_epoch(done, payload, session, timer, sync, epochs))
     except TrainingDiverged as err:  # every worker saw the same loss: none is left waiting
-        ray.train.report({"diverged": [err.epoch, err.batch, err.what]})
+        session.report({"diverged": [err.epoch, err.batch, err.what]})
 
 
-def report_epoch(runner: EpochRunner, payload: WorkerPayload, rank: int,
+def record_start(payload: WorkerPayload, state: dict | None) -> None:
+    """One line per start of the workers in payload.starts (the epoch it continues from): a
+    restart after a lost worker adds one, before its first checkpoint too, and the driver
+    reports their count."""
+    if not payload.starts:
+        return
+    path = Path(payload.starts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps({"epoch": int(state["epoch"]) if state else 0,
+                              "time": time.time()}) + "\n")
+
+
+def read_starts(path: Path) -> list[int]:
+    """The epochs the workers started from, one per start (payload.starts)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    return [int(json.loads(line)["epoch"]) for line in lines if line.strip()]
+
+
+def report_epoch(runner: EpochRunner, payload: WorkerPayload, session: Session,
                  timer: AllreduceTimer, sync: CollectiveSync, epochs: list[dict]) -> None:
-    """ray.train.report on every worker; rank 0's with the checkpoint (the runner's state, the
+    """Ray's report on every process; rank 0's with the checkpoint (the runner's state, the
     same files a local run writes, and the timings of the epochs so far)."""
-    import ray.train
-
     metrics = {"epoch": runner.epoch, "stopped": runner.stopped}
-    if rank != 0:
-        ray.train.report(metrics)
+    if session.rank != 0:
+        session.report(metrics)
         return
     record = runner.trainer.history[-1]
     epochs.append({"epoch": runner.epoch, "seconds": record.seconds,
@@ -167,4 +235,4 @@ def report_epoch(runner: EpochRunner, payload: WorkerPayload, rank: int,
         write_checkpoint(Path(folder), {**runner.state_dict(), "engine_epochs": epochs},
                          {**payload.meta, "run": payload.run, "epoch": runner.epoch,
                           "engine": "ray", "fingerprint": payload.fingerprint})
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+        session.report(metrics, checkpoint=session.checkpoint.from_directory(folder))

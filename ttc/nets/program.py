@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import dspy
 import numpy as np
@@ -733,12 +733,39 @@ class Candidate:
     seconds: float
 
 
+@dataclass
+class TrialCandidate(Candidate):
+    """A candidate trained as a Ray Tune trial (ttc/distributed/search.py): what the engine
+    adds to the report's row (a local search's rows keep Candidate's keys)."""
+
+    trial_seconds: float | None = None  # the trial's own wall time, on its worker
+    epochs_run: int | None = None
+    stopped_early: bool | None = None  # the trial's early stopping ended it before --epochs
+    restarts: int | None = None  # after a lost process, from the trial's last checkpoint
+
+
+@dataclass
+class TrainedCandidate:
+    """One candidate's training as CandidateSearch.choose scores it: the compiled program and
+    its trainer (history, best epoch), trained in this process or by a Ray Tune trial, or the
+    TrainingDiverged that stopped it. `extra` is what a TrialCandidate adds to its row."""
+
+    index: int
+    trainer: WeightTrainer
+    program: ClassifierProgram | None
+    seconds: float  # its training's, before the search scores it
+    diverged: TrainingDiverged | None = None
+    extra: dict = field(default_factory=dict)
+
+
 class CandidateSearch(Teleprompter):
     """Like DSPy's random-search optimizers, over weight training: compile one WeightTrainer per
     (learning rate, seed) candidate, score each compiled program with dspy.Evaluate on the
     validation set and keep the best. Ties go to the lower validation loss: small validation
     sets tie often, and the loss still tells the candidates apart. A candidate whose training
-    diverges is skipped with a WARNING (`diverged`); the search fails only when all do."""
+    diverges is skipped with a WARNING (`diverged`); the search fails only when all do.
+    compile trains the candidates here, one after the other; choose scores candidates trained
+    elsewhere too (--engine ray's parallel trials), by the same rules."""
 
     def __init__(self, metric: Callable, make_student: Callable[[int], ClassifierProgram],
                  make_trainer: Callable[[float, int], WeightTrainer],
@@ -757,8 +784,11 @@ class CandidateSearch(Teleprompter):
                 teacher=None, valset: list[dspy.Example] | None = None,
                 **kwargs) -> ClassifierProgram:
         devset = valset or trainset
-        best: tuple[float, float] | None = None
-        best_program = None
+        return self.choose(self._train_each(trainset, devset), devset)
+
+    def _train_each(self, trainset: list[dspy.Example], devset: list[dspy.Example]
+                    ) -> Iterator[TrainedCandidate]:
+        """The candidates trained in turn (lazily: only the best program so far is kept)."""
         for index, (learning_rate, seed) in enumerate(self.grid):
             started = time.perf_counter()
             if len(self.grid) > 1:
@@ -771,29 +801,47 @@ class CandidateSearch(Teleprompter):
             except TrainingDiverged as err:
                 if len(self.grid) == 1:
                     raise
-                self._skip(index, err)
+                yield TrainedCandidate(index, trainer, None, 0.0, diverged=err)
                 continue
-            score, loss = self.score(program, trainer, devset)
-            self.candidates.append(Candidate(index, learning_rate, seed, score, loss,
-                                             trainer.best_epoch,
-                                             round(time.perf_counter() - started, 3)))
+            yield TrainedCandidate(index, trainer, program, time.perf_counter() - started)
+
+    def choose(self, trained: Iterable[TrainedCandidate], devset: list[dspy.Example]
+               ) -> ClassifierProgram:
+        """Score each trained candidate (`score`), skip the diverged, keep the best: its
+        program; TrainingError when every candidate diverged."""
+        best: tuple[float, float] | None = None
+        best_program = None
+        for done in trained:
+            if done.diverged is not None:
+                self._skip(done.index, done.diverged)
+                continue
+            started = time.perf_counter()
+            score, loss = self.score(done.program, done.trainer, devset)
+            learning_rate, seed = self.grid[done.index]
+            record = TrialCandidate if done.extra else Candidate
+            self.candidates.append(record(
+                done.index, learning_rate, seed, score, loss, done.trainer.best_epoch,
+                round(done.seconds + time.perf_counter() - started, 3), **done.extra))
             if best is None or (score, -loss) > best:
-                best, best_program = (score, -loss), program
-                self.chosen, self.chosen_trainer = index, trainer
+                best, best_program = (score, -loss), done.program
+                self.chosen, self.chosen_trainer = done.index, done.trainer
         if best_program is None:  # every candidate diverged
-            first = self.diverged[0]
-            rates = ", ".join(f"{r:g}" for r in dict.fromkeys(d["learning_rate"]
-                                                              for d in self.diverged))
-            raise TrainingError(f"training diverged for all {len(self.grid)} candidates "
-                                f"(learning rates {rates}); the first {first['reason']}",
-                                "lower --lr_candidates (e.g. "
-                                f"{example_rate(min(lr for lr, _ in self.grid))})")
+            self._all_diverged()
         if len(self.grid) > 1:
             chosen = self.chosen_candidate
             LOG.info("candidate search: kept %d of %d (learning rate %g, seed %d, val %s "
                      "%.4f)", chosen.index + 1, len(self.grid), chosen.learning_rate, chosen.seed,
                      self.score_name, chosen.val_accuracy)
         return best_program
+
+    def _all_diverged(self) -> None:
+        first = self.diverged[0]
+        rates = ", ".join(f"{r:g}" for r in dict.fromkeys(d["learning_rate"]
+                                                          for d in self.diverged))
+        raise TrainingError(f"training diverged for all {len(self.grid)} candidates "
+                            f"(learning rates {rates}); the first {first['reason']}",
+                            "lower --lr_candidates (e.g. "
+                            f"{example_rate(min(lr for lr, _ in self.grid))})")
 
     def score(self, program: ClassifierProgram, trainer: WeightTrainer,
               devset: list[dspy.Example]) -> tuple[float, float]:

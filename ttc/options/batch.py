@@ -17,10 +17,13 @@ OUTPUT_FORMATS = (".csv", ".jsonl", ".parquet")
 DETECTION_FORMATS = ("rows", "coco")  # --output_format: an object_detector's output
 RAY_FLAGS = ("ray_address", "num_workers", "worker_batch_size")
 TRAINING_ENGINE = ("where the network trains: local (this process) or ray (Ray Train workers "
-                   "under DistributedDataParallel on a cluster; docs/distributed.md)")
+                   "under DistributedDataParallel on a cluster; a candidate search's "
+                   "candidates as parallel Ray Tune trials; docs/distributed.md)")
 TRAINING_WORKERS = ("--engine ray: Ray Train workers, each a process of --num_threads threads "
                     "(the CPUs it reserves) training its share of every --batch_size batch "
-                    "(default 2, or 1 where a local cluster cannot hold 2)")
+                    "(default 2, or 1 where a local cluster cannot hold 2); with a candidate "
+                    "search, the most trials run at once (default: as many as the cluster "
+                    "holds), each one process")
 RAY_ADDRESS_HINT = "expected host:port, auto or local (e.g. 10.0.0.5:6379, the head node's port)"
 
 

@@ -56,17 +56,22 @@ class DistributedFlags:
             raise ConfigError("--use_gpu applies only to --engine ray (a local run trains on "
                               "the CPU, a Hugging Face model on the GPU when there is one)",
                               "add --engine ray, or drop --use_gpu")
-        if self.engine == "ray":
-            self._refuse_not_built("--engine ray")
-        if self.checkpoint_dir or self.resume:
-            self._refuse_not_built("--checkpoint_dir and --resume")
+        if self.engine == "ray":  # a candidate search runs as parallel Ray Tune trials
+            self._refuse_not_built("--engine ray", search_built=True)
+        if self.checkpoint_dir or self.resume:  # a Ray search's trials keep checkpoints
+            self._refuse_not_built("--checkpoint_dir and --resume",
+                                   search_built=self.engine == "ray" and not self.resume)
 
-    def _refuse_not_built(self, what: str) -> None:
+    def searches(self) -> bool:
+        """A candidate search: several learning rates (--lr_candidates), or seeds."""
+        return len(self.learning_rates()) * self.num_candidates > 1
+
+    def _refuse_not_built(self, what: str, search_built: bool = False) -> None:
         task = find_task(self.model_type)
         if task is not None and (task.dense or task.kind == "detection"):
             raise ConfigError(f"{what} for a {task.name} is not built yet (classifiers only)",
                               f"drop {what.split()[0]} for this model type")
-        searched = len(self.learning_rates()) * self.num_candidates > 1
+        searched = self.searches() and not search_built
         for given, name in ((searched, "a candidate search (--lr_candidates, "
                                        "--num_candidates)"),
                             (bool(self.teacher_lm), "--teacher_lm"),

@@ -1,0 +1,131 @@
+"""What --engine ray's training runs share, on the driver (driver.py's Ray Train run, search.py's
+Ray Tune trials): the run's cluster and checkpoint folder, the payload the workers train from,
+the checks made before training (GPUs, room on the cluster, a --model_def the workers can
+import), and a finished run's checkpoint read back into the driver's student and trainer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import Config
+from ttc.distributed.worker import WorkerPayload, build_program
+from ttc.inputs.data import Dataset
+from ttc.nets.checkpoints import check_resumable, find_checkpoints, load_latest, new_run_id
+from ttc.nets.program import (EpochRecord, WeightTrainer, require_finite_weights,
+                              run_fingerprint, to_examples)
+from ttc.serving.cluster import RayOptions
+from utils import LOG, ConfigError
+
+# a worker lost mid-run (killed, its node gone): the run restarts from the last checkpoint this
+# many times before it fails
+MAX_FAILURES = 3
+
+
+@dataclass
+class RayRun:
+    """What the driver learned on the way: the cluster, and the run's checkpoint folder."""
+
+    options: RayOptions
+    folder: Path
+    run: str
+    address: str | None = None
+    start_seconds: float = 0.0
+    resumed_from: int | None = None
+
+    @property
+    def starts_file(self) -> Path:
+        """Where the workers note each start (worker.record_start): restarts are counted."""
+        return self.folder / f"ray-{self.run}" / "workers.starts"
+
+
+def new_ray_run(config: Config) -> RayRun:
+    """The cluster to start or join, and this run's name in the checkpoint folder."""
+    return RayRun(RayOptions(None if config.local_ray() else config.ray_address,
+                             config.ray_workers(), 0, max(1, config.num_threads),
+                             debug=config.log_level == "DEBUG"),
+                  config.checkpoint_folder().absolute(), new_run_id())
+
+
+def worker_payload(config: Config, dataset: Dataset, plan, student, trainer: WeightTrainer,
+                   torch_rng: torch.Tensor, ray_run: RayRun) -> WorkerPayload:
+    """What the workers train from; with --resume, the checkpoint to continue (checked against
+    this run before any cluster starts)."""
+    trainset = to_examples(dataset.train, dataset.labels, plan.field)
+    x, y = WeightTrainer._stack(student, trainset)
+    fingerprint = run_fingerprint(config, dataset, plan.architecture)
+    resume_from = None
+    if config.resume:
+        latest = load_latest(find_checkpoints(ray_run.folder))
+        if latest is None:
+            raise ConfigError(f"--resume: {ray_run.folder} holds no readable checkpoint",
+                              "drop --resume to start afresh")
+        check_resumable(latest[0], fingerprint)
+        resume_from = str(latest[0].path)
+        ray_run.resumed_from = int(latest[1]["epoch"])
+        LOG.info("resuming from %s (epoch %d)", latest[0].path, ray_run.resumed_from)
+    model_def = str(config.model_def_parts()[0].resolve()) if config.model_def else None
+    return WorkerPayload(
+        trainer=trainer, architecture=plan.architecture, preprocessing=dataset.preprocessing,
+        labels=list(dataset.labels), field=plan.field, tokenizer=student.tokenizer,
+        pad_id=student.pad_id, weights=student.net.state_dict(), torch_rng=torch_rng,
+        x=x, y=y, devset=to_examples(dataset.val, dataset.labels, plan.field) or trainset,
+        threads=max(1, config.num_threads), use_gpu=config.use_gpu, model_def=model_def,
+        run=ray_run.run, storage=str(ray_run.folder), fingerprint=fingerprint,
+        resume_from=resume_from)
+
+
+def require_local_gpus(config: Config, options: RayOptions) -> None:
+    """--use_gpu on a local cluster: this machine must have a GPU per worker (before Ray
+    starts; a cluster's are counted once joined: require_room)."""
+    if config.use_gpu and options.address is None and \
+            torch.cuda.device_count() < options.workers:
+        raise ConfigError(f"--use_gpu: {options.workers} worker(s) need a GPU each, and this "
+                          f"machine has {torch.cuda.device_count()}",
+                          "drop --use_gpu (the workers train on CPUs), or join a cluster with "
+                          "GPUs with --ray_address")
+
+
+def require_room(config: Config, options: RayOptions) -> None:
+    """The joined cluster's GPUs for --use_gpu (its CPUs: connect checked them)."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if config.use_gpu and gpus < options.workers:
+        raise ConfigError(f"--use_gpu: {options.workers} worker(s) need a GPU each, and the Ray "
+                          f"cluster has {gpus:g}", "drop --use_gpu, lower --num_workers, or "
+                          "add GPU nodes to the cluster")
+
+
+def check_model_def(payload: WorkerPayload, shipped) -> None:
+    """A --model_def file must import on the workers (every node needs it at the same path):
+    one task builds the network on the cluster before training starts."""
+    if not payload.model_def:
+        return
+    import ray
+
+    def build(received: WorkerPayload) -> str | None:
+        try:
+            build_program(received)
+        except BaseException as err:  # noqa: BLE001 - the user's code: any failure is reported
+            text = str(err).strip()
+            return f"{type(err).__name__}: {text.splitlines()[0]}" if text else repr(err)
+        return None
+
+    error = ray.get(ray.remote(num_cpus=payload.threads)(build).remote(shipped))
+    if error:
+        raise ConfigError(f"--model_def {payload.model_def} cannot be built on the Ray "
+                          f"workers: {error}", "put the file, and what it imports, at the same "
+                          "path on every node of the cluster (e.g. on shared storage)")
+
+
+def restore(student, trainer: WeightTrainer, state: dict) -> None:
+    """A checkpoint's best weights into the driver's `student` (on the CPU, in eval mode), its
+    history, best epoch and first loss into `trainer`: what a local compile leaves."""
+    student.net.load_state_dict(state["best"]["state"])
+    student.net.cpu().eval()
+    trainer.history = [EpochRecord(**record) for record in state["history"]]
+    trainer.best_epoch, trainer.initial_loss = state["best"]["epoch"], state["initial_loss"]
+    require_finite_weights(student.net, trainer.best_epoch, 0, trainer.learning_rate,
+                           trainer.seed)

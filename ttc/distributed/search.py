@@ -1,0 +1,187 @@
+"""--engine ray with a candidate search (--lr_candidates, --num_candidates): each candidate is a
+Ray Tune trial, one training run of the local EpochRunner in one process of --num_threads CPUs
+(worker.train_trial), as many at once as the cluster holds (at most --num_workers when given);
+each keeps its checkpoints in the run's folder and restarts from its latest after a lost
+process. The winner is then picked here as a local search picks it: ttc/nets/program.py's
+CandidateSearch.choose scores every trial's best weights with dspy.Evaluate on the validation
+split (ties: the validation loss), skips the diverged ones and fails when all diverged.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from config import Config
+from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, new_ray_run,
+                                    require_local_gpus, require_room, restore, worker_payload)
+from ttc.distributed.worker import WorkerPayload, read_starts, train_trial
+from ttc.inputs.data import Dataset
+from ttc.nets.checkpoints import read_state
+from ttc.nets.program import (CandidateSearch, TrainedCandidate, TrainedModel, TrainingDiverged,
+                              TrainingPlan, engine_section, label_match, plan_training,
+                              to_examples, trained_model)
+from ttc.serving.cluster import connect, stop_ray, unwrapped
+from utils import LOG, ConfigError, stdout_to_stderr
+
+
+@dataclass
+class Trials:
+    """The search's candidates as the driver builds them (a student and a trainer each, which
+    the trial's results are restored into) and what the trials reported."""
+
+    students: list = field(default_factory=list)
+    trainers: list = field(default_factory=list)
+    overrides: list[dict] = field(default_factory=list)  # per trial: what it changes in base
+    results: list = field(default_factory=list)  # ray.tune Results, by candidate
+    at_once: int = 0
+    seconds: float = 0.0
+
+
+def search_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
+    """The candidate search's training stage for --engine ray."""
+    plan = plan_training(config, dataset, engine="ray")
+    search = CandidateSearch(label_match, plan.make_student, plan.make_trainer,
+                             config.learning_rates(),
+                             [config.seed + k for k in range(config.num_candidates)])
+    ray_run = new_ray_run(config)
+    trials, base = candidate_payloads(config, dataset, plan, search, ray_run)
+    require_local_gpus(config, ray_run.options)
+    try:
+        ray_run.address, ray_run.start_seconds = connect(ray_run.options)
+        run_trials(config, base, trials, ray_run)
+    except Exception as err:  # noqa: BLE001 - a trial's own error comes back wrapped by Ray
+        raise unwrapped(err) from None
+    finally:
+        stop_ray(None, local=ray_run.options.address is None)
+    devset = to_examples(dataset.val, dataset.labels, plan.field) or \
+        to_examples(dataset.train, dataset.labels, plan.field)
+    program = search.choose(trained_candidates(search, trials, config.epochs), devset)
+    trained = trained_model(program, search, dataset, plan.architecture, plan.started,
+                            plan.transfer, config)
+    trained.engine = search_engine_section(config, search, trials, ray_run)
+    return trained
+
+
+def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan,
+                       search: CandidateSearch, ray_run: RayRun
+                       ) -> tuple[Trials, WorkerPayload]:
+    """Each candidate's student and trainer built as a local search builds them (the same
+    seed, starting weights and torch random state), and the payload they share."""
+    trials, base = Trials(), None
+    for index, (learning_rate, seed) in enumerate(search.grid):
+        trainer = plan.make_trainer(learning_rate, seed)
+        student = plan.make_student(seed)
+        torch_rng = torch.get_rng_state()  # what the local candidate's first epoch starts from
+        if base is None:
+            base = worker_payload(config, dataset, plan, student, trainer, torch_rng, ray_run)
+        trials.students.append(student)
+        trials.trainers.append(trainer)
+        trials.overrides.append({
+            "trainer": trainer, "weights": student.net.state_dict(), "torch_rng": torch_rng,
+            "run": f"{ray_run.run}-trial{index + 1}",
+            "starts": str(ray_run.folder / f"search-{ray_run.run}" /
+                          f"trial{index + 1}.starts"),
+            "fingerprint": {**base.fingerprint, "learning_rate": learning_rate, "seed": seed}})
+    return trials, base
+
+
+def run_trials(config: Config, base: WorkerPayload, trials: Trials, ray_run: RayRun) -> None:
+    """The Tuner: one trial per candidate, each of --num_threads CPUs (and a GPU with
+    --use_gpu); trials.results in the candidates' order."""
+    # Tune's own progress tables (the legacy reporter, silent at verbose=0; the new one
+    # prints a table whatever the verbosity): the run logs the trials itself
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    import ray
+    from ray import tune
+
+    require_room(config, ray_run.options)
+    shipped = ray.put(base)
+    check_model_def(base, shipped)
+    resources = {"cpu": base.threads, "gpu": 1 if config.use_gpu else 0}
+    trials.at_once = trials_at_once(config, base.threads, len(trials.overrides))
+    LOG.info("candidate search on Ray: %d trials, %d at once, of %d thread(s) each%s",
+             len(trials.overrides), trials.at_once, base.threads,
+             " and a GPU" if config.use_gpu else "")
+    trainable = tune.with_resources(tune.with_parameters(
+        train_trial, base=base, candidates=[ray.put(o) for o in trials.overrides]), resources)
+    tuner = tune.Tuner(
+        trainable, param_space={"candidate": tune.grid_search(list(range(len(trials.overrides))))},
+        tune_config=tune.TuneConfig(max_concurrent_trials=config.num_workers,
+                                    reuse_actors=True),  # no process start per trial
+        run_config=tune.RunConfig(
+            name=f"search-{ray_run.run}", storage_path=str(ray_run.folder), verbose=0,
+            failure_config=tune.FailureConfig(max_failures=MAX_FAILURES),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
+    started = time.perf_counter()
+    with stdout_to_stderr():
+        grid = tuner.fit()
+    trials.seconds = round(time.perf_counter() - started, 3)
+    for result in grid:
+        if result.error is not None:
+            raise result.error
+    trials.results = sorted(grid, key=lambda result: result.config["candidate"])
+
+
+def trials_at_once(config: Config, threads: int, count: int) -> int:
+    """How many trials the cluster runs at once: as many as its CPUs (GPUs) hold, at most
+    --num_workers when given."""
+    import ray
+
+    resources = ray.cluster_resources()
+    fit = int(resources.get("CPU", 0) // threads)
+    if config.use_gpu:
+        fit = min(fit, int(resources.get("GPU", 0)))
+    if config.num_workers is not None:
+        fit = min(fit, config.num_workers)
+    return max(1, min(fit, count))
+
+
+def trained_candidates(search: CandidateSearch, trials: Trials, epochs: int
+                       ) -> list[TrainedCandidate]:
+    """Each trial as CandidateSearch.choose takes it: its best weights in the driver's
+    student, its history in its trainer, or the divergence that stopped it."""
+    done = []
+    for index, result in enumerate(trials.results):
+        learning_rate, seed = search.grid[index]
+        trainer, student = trials.trainers[index], trials.students[index]
+        metrics = result.metrics or {}
+        seconds = float(metrics.get("time_total_s") or 0.0)
+        if metrics.get("diverged"):
+            done.append(TrainedCandidate(index, trainer, None, seconds, diverged=TrainingDiverged(
+                *metrics["diverged"], learning_rate, seed)))
+            continue
+        if result.checkpoint is None:
+            raise ConfigError(f"the Ray trial of candidate {index + 1} reported no checkpoint",
+                              "rerun with --log_level DEBUG")
+        with result.checkpoint.as_directory() as folder:
+            restore(student, trainer, read_state(Path(folder)))
+        stopped = len(trainer.history) < epochs
+        if stopped:
+            LOG.info("trial %d of %d (learning rate %g, seed %d) stopped early after epoch %d "
+                     "of %d (--patience)", index + 1, len(search.grid), learning_rate, seed,
+                     len(trainer.history), epochs)
+        starts = read_starts(Path(trials.overrides[index]["starts"]))
+        done.append(TrainedCandidate(index, trainer, student, seconds, extra={
+            "trial_seconds": round(seconds, 3), "epochs_run": len(trainer.history),
+            "stopped_early": stopped, "restarts": max(0, len(starts) - 1)}))
+    return done
+
+
+def search_engine_section(config: Config, search: CandidateSearch, trials: Trials,
+                          ray_run: RayRun) -> dict:
+    """train.engine for a search on Ray: the kept trial's epoch times, and the trials (how many
+    at once, the search's wall time, the early-stopped)."""
+    chosen = trials.trainers[search.chosen]
+    return engine_section(
+        "ray", ray_run.address, 1, ray_run.options.threads,
+        [record.seconds for record in chosen.history], use_gpu=config.use_gpu,
+        cluster_start_s=round(ray_run.start_seconds, 3), checkpoint_dir=str(ray_run.folder),
+        resumed_from_epoch=None, max_failures=MAX_FAILURES,
+        trials=len(search.grid), trials_at_once=trials.at_once,
+        search_seconds=trials.seconds,
+        stopped_early_trials=[c.index for c in search.candidates
+                              if getattr(c, "stopped_early", False)])
