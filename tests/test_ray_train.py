@@ -244,7 +244,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
         (["--lr_candidates", "1e-3,3e-3", "--checkpoint_dir", str(tmp_path / "ck")], 2,
          "--checkpoint_dir and --resume with a candidate search"),
         (["--model_type", "image_segmenter", "--dataset_path", "builtin:digit_canvases",
-          "--engine", "ray"], 2, "not built yet"),
+          "--engine", "ray", "--use_gpu", "true"], 2, "not built yet"),
         (["--resume", "true", "--checkpoint_dir", str(tmp_path / "empty")], 2,
          "holds no checkpoint"),
         (["--checkpoint_dir", out], 2, "is the same path as --output_model"),

@@ -1,12 +1,15 @@
-"""--engine ray's driver: train a classifier on Ray Train and hand back the TrainedModel a local
-run returns (export, quantization and the report take it as they take a local one).
+"""--engine ray's driver: train a classifier, a segmenter or a detector on Ray Train and hand
+back the TrainedModel a local run returns (export, quantization and the report take it as they
+take a local one).
 
-The driver plans the training as a local run does (ttc/nets/program.py plan_training: the
-data checks, the network, the student and its WeightTrainer), connects to the cluster
-(ttc/serving/cluster.py), checks that it can place the workers (and their GPUs, and import a
---model_def file; launch.py), runs a TorchTrainer whose workers run worker.train_worker, and
-reads the last checkpoint: the best epoch's weights and the history. A candidate search goes
-to search.py instead (its candidates as parallel Ray Tune trials).
+The driver plans the training as a local run does (ttc/nets/program.py plan_training for a
+classifier: the data checks, the network, the student and its WeightTrainer; a segmenter's or
+a detector's own plan_training, ttc/tasks/TYPE/training.py, for its ImageTrainer), connects to
+the cluster (ttc/serving/cluster.py), checks that it can place the workers (and their GPUs,
+and import a --model_def file; launch.py), runs a TorchTrainer whose workers run
+worker.train_worker, and reads the last checkpoint: the best epoch's weights and the
+history. A candidate search goes to search.py instead (its candidates as parallel Ray Tune
+trials).
 """
 from __future__ import annotations
 
@@ -18,14 +21,14 @@ from pathlib import Path
 import torch
 
 from config import Config
-from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, new_ray_run,
-                                    require_local_gpus, require_room, restore, worker_payload)
+from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image_planner,
+                                    new_ray_run, new_search, require_local_gpus, require_room,
+                                    restore, trained_of, worker_payload)
 from ttc.distributed.worker import WorkerPayload, read_starts, train_worker
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import read_state
-from ttc.nets.program import (Candidate, CandidateSearch, TrainedModel, TrainingDiverged,
-                              WeightTrainer, engine_section, label_match, plan_training,
-                              trained_model)
+from ttc.nets.program import (Candidate, ImagePlan, TrainedModel, TrainingDiverged,
+                              TrainingPlan, engine_section, plan_training)
 from ttc.serving.cluster import connect, stop_ray, unwrapped
 from utils import LOG, ConfigError, stdout_to_stderr
 
@@ -37,7 +40,7 @@ def train_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
         from ttc.distributed.search import search_on_ray
 
         return search_on_ray(config, dataset)
-    plan = plan_training(config, dataset, engine="ray")
+    plan = (image_planner(config.model_type) or plan_training)(config, dataset, engine="ray")
     rate, seed = config.learning_rates()[0], config.seed
     student = plan.make_student(seed)
     torch_rng = torch.get_rng_state()  # what a local run's first epoch starts from
@@ -117,22 +120,20 @@ def trainer_class(local: bool) -> type:
     return LocalTorchTrainer
 
 
-def finished(config: Config, dataset: Dataset, plan, student, trainer: WeightTrainer,
-             state: dict, ray_run: RayRun) -> TrainedModel:
+def finished(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
+             trainer, state: dict, ray_run: RayRun) -> TrainedModel:
     """The TrainedModel of a local run, from the last checkpoint: the best epoch's weights in
     the driver's student, the history in its trainer; train.engine from the workers'
     timings."""
     restore(student, trainer, state)
     best = trainer.history[trainer.best_epoch - 1]
-    search = CandidateSearch(label_match, plan.make_student, plan.make_trainer,
-                             [trainer.learning_rate], [trainer.seed])
+    search = new_search(plan, [trainer.learning_rate], [trainer.seed])
     search.candidates = [Candidate(0, trainer.learning_rate, trainer.seed, best.val_accuracy,
                                    best.val_loss if best.val_loss is not None else math.nan,
                                    trainer.best_epoch,
                                    round(time.perf_counter() - plan.started, 3))]
     search.chosen, search.chosen_trainer = 0, trainer
-    trained = trained_model(student, search, dataset, plan.architecture, plan.started,
-                            plan.transfer, config)
+    trained = trained_of(plan, student, search, dataset, config)
     trained.engine = ray_engine_section(config, state.get("engine_epochs", []), ray_run)
     return trained
 

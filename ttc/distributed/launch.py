@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -13,9 +14,12 @@ from config import Config
 from ttc.distributed.worker import WorkerPayload, build_program
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import check_resumable, find_checkpoints, load_latest, new_run_id
-from ttc.nets.program import (EpochRecord, WeightTrainer, require_finite_weights,
-                              run_fingerprint, to_examples)
+from ttc.nets.program import (CandidateSearch, EpochRecord, ImagePlan, ImageRunner, TrainedModel,
+                              TrainingPlan, WeightTrainer, label_match, require_finite_weights,
+                              run_fingerprint, to_examples, trained_model)
 from ttc.serving.cluster import RayOptions
+from ttc.tasks.base import resolve
+from ttc.tasks.registry import task_for
 from utils import LOG, ConfigError
 
 # a worker lost mid-run (killed, its node gone): the run restarts from the last checkpoint this
@@ -48,12 +52,43 @@ def new_ray_run(config: Config) -> RayRun:
                   config.checkpoint_folder().absolute(), new_run_id())
 
 
-def worker_payload(config: Config, dataset: Dataset, plan, student, trainer: WeightTrainer,
-                   torch_rng: torch.Tensor, ray_run: RayRun) -> WorkerPayload:
+def image_planner(model_type: str) -> Callable | None:
+    """A segmenter's or a detector's plan_training (the module of its entry's `trainer` part,
+    ttc/tasks/TYPE/training.py: an ImagePlan); None for a classifier (ttc/nets/program.py's
+    plan_training, a TrainingPlan)."""
+    task = task_for(model_type)
+    if not (task.dense or task.kind == "detection"):
+        return None
+    return resolve(task.parts.trainer.partition(":")[0] + ":plan_training")
+
+
+def new_search(plan: TrainingPlan | ImagePlan, learning_rates: list[float],
+               seeds: list[int]) -> CandidateSearch:
+    """The model type's CandidateSearch over these candidates, as its local run builds it
+    (a classifier's scores with dspy.Evaluate, a segmenter's and a detector's by the best
+    epoch's validation mean IoU or mAP)."""
+    if isinstance(plan, ImagePlan):
+        return plan.search(plan.metric, plan.make_student, plan.make_trainer, learning_rates,
+                           seeds)
+    return CandidateSearch(label_match, plan.make_student, plan.make_trainer, learning_rates,
+                           seeds)
+
+
+def trained_of(plan: TrainingPlan | ImagePlan, program, search: CandidateSearch,
+               dataset: Dataset, config: Config) -> TrainedModel:
+    """The TrainedModel a local run of this model type hands to export, for the search's kept
+    candidate."""
+    if isinstance(plan, ImagePlan):
+        return plan.trained(program, search, dataset, plan.architecture, plan.started, config,
+                            plan.transfer)
+    return trained_model(program, search, dataset, plan.architecture, plan.started,
+                         plan.transfer, config)
+
+
+def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
+                   trainer, torch_rng: torch.Tensor, ray_run: RayRun) -> WorkerPayload:
     """What the workers train from; with --resume, the checkpoint to continue (checked against
     this run before any cluster starts)."""
-    trainset = to_examples(dataset.train, dataset.labels, plan.field)
-    x, y = WeightTrainer._stack(student, trainset)
     fingerprint = run_fingerprint(config, dataset, plan.architecture)
     resume_from = None
     if config.resume:
@@ -68,12 +103,28 @@ def worker_payload(config: Config, dataset: Dataset, plan, student, trainer: Wei
     model_def = str(config.model_def_parts()[0].resolve()) if config.model_def else None
     return WorkerPayload(
         trainer=trainer, architecture=plan.architecture, preprocessing=dataset.preprocessing,
-        labels=list(dataset.labels), field=plan.field, tokenizer=student.tokenizer,
-        pad_id=student.pad_id, weights=student.net.state_dict(), torch_rng=torch_rng,
-        x=x, y=y, devset=to_examples(dataset.val, dataset.labels, plan.field) or trainset,
+        labels=list(dataset.labels), weights=student.net.state_dict(), torch_rng=torch_rng,
         threads=max(1, config.num_threads), use_gpu=config.use_gpu, model_def=model_def,
         run=ray_run.run, storage=str(ray_run.folder), fingerprint=fingerprint,
-        resume_from=resume_from)
+        resume_from=resume_from, **training_data(dataset, plan, student, trainer))
+
+
+def training_data(dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
+                  trainer) -> dict:
+    """The payload's data (x, y, the validation examples) and how a worker builds and trains
+    the program: a classifier's (its input field and tokenizer), or an ImagePlan's (its
+    network builder, the program around it, ImageRunner)."""
+    if isinstance(plan, ImagePlan):
+        trainset = plan.examples(dataset.train)
+        x, y = trainer._stack(trainset)
+        return {"x": x, "y": y, "devset": plan.examples(dataset.val) or trainset,
+                "field": "", "tokenizer": None, "pad_id": 0, "build_net": plan.build_net,
+                "wrap": plan.wrap, "runner": ImageRunner}
+    trainset = to_examples(dataset.train, dataset.labels, plan.field)
+    x, y = WeightTrainer._stack(student, trainset)
+    return {"x": x, "y": y,
+            "devset": to_examples(dataset.val, dataset.labels, plan.field) or trainset,
+            "field": plan.field, "tokenizer": student.tokenizer, "pad_id": student.pad_id}
 
 
 def require_local_gpus(config: Config, options: RayOptions) -> None:
@@ -120,7 +171,7 @@ def check_model_def(payload: WorkerPayload, shipped) -> None:
                           "path on every node of the cluster (e.g. on shared storage)")
 
 
-def restore(student, trainer: WeightTrainer, state: dict) -> None:
+def restore(student, trainer, state: dict) -> None:
     """A checkpoint's best weights into the driver's `student` (on the CPU, in eval mode), its
     history, best epoch and first loss into `trainer`: what a local compile leaves."""
     student.net.load_state_dict(state["best"]["state"])

@@ -1,5 +1,5 @@
 """--engine ray with a candidate search (--lr_candidates, --num_candidates): each candidate is a
-Ray Tune trial, one training run of the local EpochRunner in one process of --num_threads CPUs
+Ray Tune trial, one training run of the local epoch loop in one process of --num_threads CPUs
 (worker.train_trial), as many at once as the cluster holds (at most --num_workers when given);
 each keeps its checkpoints in the run's folder and restarts from its latest after a lost
 process. The winner is then picked here as a local search picks it: ttc/nets/program.py's
@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 from config import Config
-from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, new_ray_run,
-                                    require_local_gpus, require_room, restore, worker_payload)
+from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image_planner,
+                                    new_ray_run, new_search, require_local_gpus, require_room,
+                                    restore, trained_of, worker_payload)
 from ttc.distributed.worker import WorkerPayload, read_starts, train_trial
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import read_state
-from ttc.nets.program import (CandidateSearch, TrainedCandidate, TrainedModel, TrainingDiverged,
-                              TrainingPlan, engine_section, label_match, plan_training,
-                              to_examples, trained_model)
+from ttc.nets.program import (CandidateSearch, ImagePlan, TrainedCandidate, TrainedModel,
+                              TrainingDiverged, TrainingPlan, engine_section, plan_training)
 from ttc.serving.cluster import connect, stop_ray, unwrapped
 from utils import LOG, ConfigError, stdout_to_stderr
 
@@ -42,11 +42,11 @@ class Trials:
 
 
 def search_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
-    """The candidate search's training stage for --engine ray."""
-    plan = plan_training(config, dataset, engine="ray")
-    search = CandidateSearch(label_match, plan.make_student, plan.make_trainer,
-                             config.learning_rates(),
-                             [config.seed + k for k in range(config.num_candidates)])
+    """The candidate search's training stage for --engine ray (a classifier's, a segmenter's
+    or a detector's: the model type's own plan and CandidateSearch)."""
+    plan = (image_planner(config.model_type) or plan_training)(config, dataset, engine="ray")
+    search = new_search(plan, config.learning_rates(),
+                        [config.seed + k for k in range(config.num_candidates)])
     ray_run = new_ray_run(config)
     trials, base = candidate_payloads(config, dataset, plan, search, ray_run)
     require_local_gpus(config, ray_run.options)
@@ -57,16 +57,13 @@ def search_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
         raise unwrapped(err) from None
     finally:
         stop_ray(None, local=ray_run.options.address is None)
-    devset = to_examples(dataset.val, dataset.labels, plan.field) or \
-        to_examples(dataset.train, dataset.labels, plan.field)
-    program = search.choose(trained_candidates(search, trials, config.epochs), devset)
-    trained = trained_model(program, search, dataset, plan.architecture, plan.started,
-                            plan.transfer, config)
+    program = search.choose(trained_candidates(search, trials, config.epochs), base.devset)
+    trained = trained_of(plan, program, search, dataset, config)
     trained.engine = search_engine_section(config, search, trials, ray_run)
     return trained
 
 
-def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan,
+def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan,
                        search: CandidateSearch, ray_run: RayRun
                        ) -> tuple[Trials, WorkerPayload]:
     """Each candidate's student and trainer built as a local search builds them (the same

@@ -1,8 +1,9 @@
 """What a Ray Train worker runs: the DSPy program rebuilt from the driver's weights, wrapped in
-DistributedDataParallel (ray.train.torch.prepare_model), trained by the local run's own
-EpochRunner on its share of every batch; after each epoch rank 0 reports a checkpoint
-(ray.train.report) and every worker continues from the latest one after a restart. A Ray Tune
-trial of the candidate search (train_trial) runs the same code in one process."""
+DistributedDataParallel (ray.train.torch.prepare_model), trained by the local run's own epoch
+loop (a classifier's EpochRunner, a segmenter's or a detector's ImageRunner) on its share of
+every batch; after each epoch rank 0 reports a checkpoint (ray.train.report) and every worker
+continues from the latest one after a restart. A Ray Tune trial of the candidate search
+(train_trial) runs the same code in one process."""
 from __future__ import annotations
 
 import json
@@ -17,15 +18,16 @@ import torch
 
 from ttc.nets.checkpoints import find_checkpoints, load_latest, read_state, write_checkpoint
 from ttc.nets.models import build_model, register_model_source
-from ttc.nets.program import (ClassifierProgram, EpochRunner, Sync, TrainingDiverged,
-                              WeightTrainer)
+from ttc.nets.program import ClassifierProgram, EpochLoop, EpochRunner, Sync, TrainingDiverged
 
 
 @dataclass
 class WorkerPayload:
-    """Everything a worker trains from, put in Ray's object store once by the driver."""
+    """Everything a worker trains from, put in Ray's object store once by the driver. A
+    classifier's program is a ClassifierProgram around build_model's network; a segmenter's
+    or a detector's is `wrap` around `build_net`'s, trained by `runner` (ImageRunner)."""
 
-    trainer: WeightTrainer  # the local run's settings (its checkpoints: none, Ray's instead)
+    trainer: object  # the local run's WeightTrainer or ImageTrainer (checkpoints: Ray's)
     architecture: dict
     preprocessing: dict
     labels: list[str]
@@ -46,15 +48,20 @@ class WorkerPayload:
     resume_from: str | None = None  # --resume: the checkpoint folder to continue from
     starts: str | None = None  # the file each start of the workers adds a line to
     meta: dict = field(default_factory=dict)
+    build_net: Callable = build_model  # (architecture, preprocessing) → the network
+    wrap: Callable | None = None  # network → the DSPy program (None: a ClassifierProgram)
+    runner: type = EpochRunner  # the epoch loop (ttc/nets/program.py EpochLoop)
 
 
-def build_program(payload: WorkerPayload) -> ClassifierProgram:
+def build_program(payload: WorkerPayload) -> dspy.Module:
     """The driver's student, rebuilt here: the network from the manifest's architecture (a
     --model_def file imported by its path, which every node must have), the weights loaded."""
     if payload.model_def:
         register_model_source(Path(payload.model_def))
-    net = build_model(payload.architecture, payload.preprocessing)
+    net = payload.build_net(payload.architecture, payload.preprocessing)
     net.load_state_dict(payload.weights)
+    if payload.wrap is not None:
+        return payload.wrap(net)
     return ClassifierProgram(net, payload.labels, payload.field, payload.tokenizer,
                              payload.pad_id)
 
@@ -166,7 +173,7 @@ def train_trial(config: dict, base: WorkerPayload | None = None,
 
 def train_process(payload: WorkerPayload, session: Session,
                   prepare: Callable[[torch.nn.Module], torch.nn.Module] | None) -> None:
-    """One process's training: the local run's EpochRunner from the driver's weights and
+    """One process's training: the local run's epoch loop from the driver's weights and
     random state (or the latest checkpoint after a restart), a checkpoint reported after every
     epoch; `prepare` wraps the network for DDP (None: trained as it is)."""
     rank, world = session.rank, session.world
@@ -184,8 +191,8 @@ def train_process(payload: WorkerPayload, session: Session,
     if isinstance(train_net, torch.nn.parallel.DistributedDataParallel):
         train_net.register_comm_hook(None, timer.hook)
     sync = CollectiveSync(rank, world, session.device)
-    runner = EpochRunner(payload.trainer, program, payload.x, payload.y, payload.devset,
-                         sync=sync, train_net=train_net, device=session.device)
+    runner = payload.runner(payload.trainer, program, payload.x, payload.y, payload.devset,
+                            sync=sync, train_net=train_net, device=session.device)
     epochs: list[dict] = []
     if state is not None:
         runner.load_state_dict(state)
@@ -218,7 +225,7 @@ def read_starts(path: Path) -> list[int]:
     return [int(json.loads(line)["epoch"]) for line in lines if line.strip()]
 
 
-def report_epoch(runner: EpochRunner, payload: WorkerPayload, session: Session,
+def report_epoch(runner: EpochLoop, payload: WorkerPayload, session: Session,
                  timer: AllreduceTimer, sync: CollectiveSync, epochs: list[dict]) -> None:
     """Ray's report on every process; rank 0's with the checkpoint (the runner's state, the
     same files a local run writes, and the timings of the epochs so far)."""

@@ -1,6 +1,7 @@
-"""Training checkpoints: the epoch loop's whole state (ttc/nets/program.py EpochRunner), one
-folder per epoch, written by a local run (--checkpoint_dir, --resume) and by Ray Train's rank 0
-(ttc/distributed) alike, so that either engine resumes what either wrote.
+"""Training checkpoints: the epoch loop's whole state (ttc/nets/program.py EpochLoop: a
+classifier's EpochRunner, a segmenter's or a detector's ImageRunner), one folder per epoch,
+written by a local run (--checkpoint_dir, --resume) and by Ray Train's rank 0 (ttc/distributed)
+alike, so that either engine resumes what either wrote.
 
 A checkpoint is a folder of two files: `state.pt` (torch.save of plain containers and tensors,
 read back with weights_only=True: never pickle) and `meta.json` (which run, which epoch, when,

@@ -3,10 +3,12 @@
 ClassifierProgram (a dspy.Module whose model is a torch network), WeightTrainer (a Teleprompter
 that fits its weights: AdamW under a schedule that follows the run's length, the best epoch on
 validation, early stopping), ImageTrainer (the segmenter's and the detector's trainers' common
-part), CandidateSearch (one WeightTrainer per learning rate and seed, the best kept by
-dspy.Evaluate), and the checks that
-stop a training run whose data or weights are not finite. train.py and pipeline.py call
-train_classifier; importing this module imports torch and dspy.
+part), their epoch loops (EpochRunner, ImageRunner: EpochLoop, whose state is a checkpoint; a
+local run and every Ray Train worker run them), CandidateSearch (one WeightTrainer per learning
+rate and seed, the best kept by dspy.Evaluate), and the checks that stop a training run whose
+data or weights are not finite. train.py and pipeline.py call train_classifier (a segmenter's
+and a detector's training modules: train_images); importing this module imports torch and
+dspy.
 """
 from __future__ import annotations
 
@@ -372,7 +374,81 @@ class WeightTrainer(Teleprompter):
         return x, y
 
 
-class EpochRunner:
+class EpochLoop:
+    """The epochs of one training run and what they carry from one epoch to the next, as
+    EpochRunner (a classifier's) and ImageRunner (a segmenter's or a detector's) keep it: the
+    epoch, the weights, the optimizer and its schedule, the batch order's generator, torch's
+    random state (dropout), the history, the best epoch and early stopping, the first loss.
+    state_dict() is a checkpoint (ttc/nets/checkpoints.py), load_state_dict() resumes one,
+    whichever engine wrote it. A subclass sets these in its __init__ and runs an epoch
+    (run_epoch); `score_name` and `patience` word the early stop's log line."""
+
+    trainer: Teleprompter
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator
+    best: BestEpoch
+    epoch: int
+    stopped: bool
+    score_name = "accuracy"
+
+    @property
+    def patience(self) -> int:
+        return self.trainer.recipe.patience
+
+    def run(self, after_epoch: Callable[["EpochLoop"], None] | None = None) -> None:
+        """The epochs after self.epoch, up to --epochs or an early stop; `after_epoch` sees the
+        runner after each (a checkpoint)."""
+        trainer = self.trainer
+        while not self.stopped and self.epoch < trainer.epochs:
+            self.stopped = self.run_epoch(self.epoch + 1)
+            self.epoch += 1
+            if after_epoch is not None:
+                after_epoch(self)
+            if self.stopped and self.epoch < trainer.epochs:
+                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
+                         "%s has improved for %d epochs (--patience); keeping epoch %d",
+                         self.epoch, trainer.epochs, self.score_name, self.patience,
+                         trainer.best_epoch)
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train one epoch and score it; whether to stop, as rank 0 decides."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Everything the next epoch depends on, as plain containers and tensors (a checkpoint
+        loads with torch.load(weights_only=True))."""
+        trainer, best = self.trainer, self.best
+        return {"epoch": self.epoch, "stopped": self.stopped,
+                "net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": {key: self.schedule.state_dict()[key]
+                             for key in ("last_epoch", "_step_count", "_last_lr")},
+                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                "history": [vars(record) for record in trainer.history],
+                "best": {"score": best.score, "epoch": best.epoch, "state": best.state,
+                         "stopping": vars(best.stopping)},
+                "initial_loss": trainer.initial_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint. The schedule keeps its step; its length is this run's
+        (--epochs may have grown since)."""
+        trainer, best = self.trainer, self.best
+        self.epoch, self.stopped = int(state["epoch"]), bool(state["stopped"])
+        self.net.load_state_dict(state["net"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for key, value in state["schedule"].items():
+            setattr(self.schedule, key, value)
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        trainer.history[:] = [EpochRecord(**record) for record in state["history"]]
+        best.score, best.epoch = state["best"]["score"], state["best"]["epoch"]
+        best.state = state["best"]["state"]
+        vars(best.stopping).update(state["best"]["stopping"])
+        trainer.best_epoch, trainer.initial_loss = best.epoch, state["initial_loss"]
+
+
+class EpochRunner(EpochLoop):
     """WeightTrainer's epoch loop and everything it carries from one epoch to the next (the
     epoch, the weights, the optimizer and its schedule, the random generators, the history,
     the best epoch and early stopping, the first loss): state_dict() is a checkpoint,
@@ -404,20 +480,6 @@ class EpochRunner:
         self.bounded = trainer.max_norm_layer(self.net)
         self.epoch, self.batches_run, self.stopped = 0, 0, False
         trainer.history, trainer.best_epoch, trainer.initial_loss = [], 0, None
-
-    def run(self, after_epoch: Callable[["EpochRunner"], None] | None = None) -> None:
-        """The epochs after self.epoch, up to --epochs or an early stop; `after_epoch` sees the
-        runner after each (a checkpoint)."""
-        trainer = self.trainer
-        while not self.stopped and self.epoch < trainer.epochs:
-            self.stopped = self.run_epoch(self.epoch + 1)
-            self.epoch += 1
-            if after_epoch is not None:
-                after_epoch(self)
-            if self.stopped and self.epoch < trainer.epochs:
-                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
-                         "accuracy has improved for %d epochs (--patience); keeping epoch %d",
-                         self.epoch, trainer.epochs, trainer.recipe.patience, trainer.best_epoch)
 
     def run_epoch(self, epoch: int) -> bool:
         """Train, re-estimate BatchNorm, check the weights, score validation (rank 0);
@@ -472,7 +534,9 @@ class EpochRunner:
         order = torch.randperm(len(self.x), generator=self.generator)
         batches = [order[i:i + trainer.batch_size]
                    for i in range(0, len(self.x), trainer.batch_size)]
-        if len(batches) > 1 and len(batches[-1]) == 1:  # BatchNorm needs 2+ samples
+        # BatchNorm needs 2+ samples in each process's share of a batch: a trailing batch
+        # smaller than that is left out (in a local run, a batch of one)
+        if len(batches) > 1 and len(batches[-1]) < 2 * sync.world:
             batches.pop()
         total_loss, correct, seen = 0.0, 0.0, 0.0
         bar = progress(batches, desc=f"epoch {epoch}/{trainer.epochs}",
@@ -532,37 +596,13 @@ class EpochRunner:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """Everything the next epoch depends on, as plain containers and tensors (a checkpoint
-        loads with torch.load(weights_only=True))."""
-        trainer, best = self.trainer, self.best
-        return {"epoch": self.epoch, "stopped": self.stopped,
-                "net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "schedule": {key: self.schedule.state_dict()[key]
-                             for key in ("last_epoch", "_step_count", "_last_lr")},
-                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "view_rng": trainer.view_rng.bit_generator.state,
-                "history": [vars(record) for record in trainer.history],
-                "best": {"score": best.score, "epoch": best.epoch, "state": best.state,
-                         "stopping": vars(best.stopping)},
-                "initial_loss": trainer.initial_loss}
+        """EpochLoop's state and the TTA views' generator."""
+        return {**super().state_dict(), "view_rng": self.trainer.view_rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a checkpoint. The schedule keeps its step; its length is this run's
-        (--epochs may have grown since)."""
-        trainer, best = self.trainer, self.best
-        self.epoch, self.stopped = int(state["epoch"]), bool(state["stopped"])
-        self.net.load_state_dict(state["net"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for key, value in state["schedule"].items():
-            setattr(self.schedule, key, value)
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        trainer.view_rng.bit_generator.state = state["view_rng"]
-        trainer.history[:] = [EpochRecord(**record) for record in state["history"]]
-        best.score, best.epoch = state["best"]["score"], state["best"]["epoch"]
-        best.state = state["best"]["state"]
-        vars(best.stopping).update(state["best"]["stopping"])
-        trainer.best_epoch, trainer.initial_loss = best.epoch, state["initial_loss"]
+        super().load_state_dict(state)
+        self.trainer.view_rng.bit_generator.state = state["view_rng"]
+
 
 # BatchNorm statistics are re-estimated on at most this many training images after each epoch
 # of an ImageTrainer: an image gives every channel H×W values, so a few hundred images estimate
@@ -577,10 +617,12 @@ class ImageTrainer(Teleprompter):
     BatchNorm statistics re-estimated on DENSE_RECALIBRATION_IMAGES training images after each
     epoch, each epoch scored by dspy.Evaluate on the validation set, the best epoch's weights
     kept and early stopping (BestEpoch); a loss or weights that are not finite stop it with
-    TrainingDiverged (exit 4). A subclass stacks its examples (_stack), trains an epoch
-    (_train_epoch, stepping through _step), scores validation (_scored) and says what the
-    history's train_accuracy is (_train_accuracy); `train_metric`, `val_metric` and
-    `score_name` name them in the log."""
+    TrainingDiverged (exit 4). The epoch loop is ImageRunner's, which a Ray Train worker runs
+    too (ttc/distributed); `checkpoints` writes its state after every epoch and gives the state
+    to resume from (--checkpoint_dir, --resume). A subclass stacks its examples (_stack),
+    trains this process's share of an epoch (_train_epoch, stepping through _step), scores
+    validation (_scored) and says what the history's train_accuracy is (_train_accuracy);
+    `train_metric`, `val_metric` and `score_name` name them in the log."""
 
     train_metric = "train_acc"
     val_metric = "val_score"
@@ -588,13 +630,15 @@ class ImageTrainer(Teleprompter):
 
     def __init__(self, metric: Callable, *, epochs: int, batch_size: int,
                  learning_rate: float, weight_decay: float, seed: int, lr_schedule: str = "auto",
-                 patience: int = 0, show_progress: bool = True) -> None:
+                 patience: int = 0, show_progress: bool = True,
+                 checkpoints: CheckpointStore | None = None) -> None:
         super().__init__()
         self.epochs, self.batch_size = epochs, batch_size
         self.learning_rate, self.weight_decay = learning_rate, weight_decay
         self.seed, self.lr_schedule, self.patience = seed, lr_schedule, patience
         self.show_progress = show_progress
         self.metric = metric
+        self.checkpoints = checkpoints
         self.history: list[EpochRecord] = []
         self.best_epoch = 0
         self.batches_run = 0  # in the current epoch
@@ -604,41 +648,13 @@ class ImageTrainer(Teleprompter):
                 valset: list[dspy.Example] | None = None, **kwargs) -> dspy.Module:
         program = copy.deepcopy(student)
         x, y = self._stack(trainset)
-        devset = valset or trainset
-        evaluate = dspy.Evaluate(devset=devset, metric=self.metric, num_threads=1,
-                                 display_progress=False, max_errors=1)
-        generator = torch.Generator().manual_seed(self.seed)
-        optimizer = torch.optim.AdamW(program.net.parameters(), lr=self.learning_rate,
-                                      weight_decay=self.weight_decay)
-        schedule = learning_rate_schedule(optimizer, self.epochs * self._steps_per_epoch(len(x)),
-                                          self.lr_schedule, self.learning_rate)
-        best = BestEpoch(self.patience)
-        for epoch in range(1, self.epochs + 1):
-            started = time.perf_counter()
-            loss, running = self._train_epoch(program, x, y, optimizer, schedule, generator,
-                                              epoch)
-            order = torch.randperm(len(x), generator=generator)[:DENSE_RECALIBRATION_IMAGES]
-            recalibrate_batchnorm(program.net, x[order], self.batch_size)
-            require_finite_weights(program.net, epoch, self.batches_run, self.learning_rate,
-                                   self.seed)
-            with stdout_to_stderr(), program.batched_for(devset) as validation:
-                evaluated = evaluate(program)
-            raise_if_interrupted()
-            score, val_loss = self._scored(program, evaluated.results, validation)
-            record = EpochRecord(epoch, loss, self._train_accuracy(program, trainset, running),
-                                 score, round(time.perf_counter() - started, 3), val_loss)
-            self.history.append(record)
-            self._log_epoch(record)
-            stop = best.keep(program.net, epoch, score, val_loss)
-            self.best_epoch = best.epoch
-            if stop and epoch < self.epochs:
-                LOG.info("early stop after epoch %d of %d: neither the validation loss nor its "
-                         "%s has improved for %d epochs (--patience); keeping epoch %d",
-                         epoch, self.epochs, self.score_name, self.patience, self.best_epoch)
-                break
-        program.net.load_state_dict(best.state)
-        program.net.cpu().eval()
-        return program
+        runner = ImageRunner(self, program, x, y, valset or trainset)
+        store = self.checkpoints
+        if store is not None and (state := store.start_state()) is not None:
+            runner.load_state_dict(state)
+        runner.run(None if store is None else
+                   lambda done: store.save(done.state_dict(), done.epoch))
+        return runner.finish()
 
     @property
     def best_record(self) -> EpochRecord:
@@ -663,37 +679,52 @@ class ImageTrainer(Teleprompter):
             batches.pop()
         return batches
 
-    def _epoch_bar(self, count: int, generator: torch.Generator, epoch: int):
-        """An epoch's batches (_batches) under its progress bar."""
-        return progress(self._batches(count, generator), desc=f"epoch {epoch}/{self.epochs}",
-                        enabled=self.show_progress)
+    def _epoch_bar(self, runner: "ImageRunner", epoch: int):
+        """An epoch's batches (_batches, the same on every process) under rank 0's progress
+        bar; with several processes, a trailing batch of fewer images than processes is left
+        out (a process without a share would have nothing to run through BatchNorm)."""
+        batches = [batch for batch in self._batches(len(runner.x), runner.generator)
+                   if len(batch) >= runner.sync.world]
+        return progress(batches, desc=f"epoch {epoch}/{self.epochs}",
+                        enabled=self.show_progress and runner.sync.rank == 0)
 
-    def _step(self, loss: torch.Tensor, optimizer, schedule, bar, epoch: int,
-              number: int) -> float:
-        """One optimizer step on batch `number`'s loss, then the schedule's; the loss's value
-        (the run's first kept as initial_loss). A loss that is not finite closes the bar and
-        stops training with TrainingDiverged."""
-        value = loss.detach().item()
+    def _step(self, runner: "ImageRunner", loss: torch.Tensor, count: float, whole: float,
+              bar, epoch: int, number: int, extra: Sequence[float] = ()
+              ) -> tuple[float, list[float]]:
+        """One optimizer step on batch `number`, then the schedule's. `loss` is this process's
+        share's loss, a mean over its `count` units (pixels, objects) of the batch's `whole`;
+        it is weighted by count × world / whole, so that DDP's averaged gradients are those of
+        the whole batch's mean. Returns the batch's loss (the share's values summed over the
+        processes, the run's first kept as initial_loss) and `extra` summed likewise. A loss
+        that is not finite closes the bar and stops training with TrainingDiverged."""
+        sync = runner.sync
+        if sync.world == 1:  # a local run: the loss as it is (bit for bit as before)
+            value, summed = loss.detach().item(), list(extra)
+        else:
+            total, *summed = sync.sum([loss.detach().item() * count if count else 0.0, *extra])
+            value = total / whole if whole else 0.0
         if self.initial_loss is None:
             self.initial_loss = value
         if not math.isfinite(value):
             bar.close()
             raise TrainingDiverged(epoch, number, f"the loss became {value}",
                                    self.learning_rate, self.seed)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        return value
+        runner.optimizer.zero_grad(set_to_none=True)
+        weight = count * sync.world / whole if whole else 1.0  # 1.0 in a local run
+        (loss * weight if weight != 1.0 else loss).backward()
+        runner.optimizer.step()
+        runner.schedule.step()
+        return value, summed
 
     def _stack(self, examples: list[dspy.Example]) -> tuple[torch.Tensor, object]:
         """The training examples' images (N, C, H, W) float32 and their targets."""
         raise NotImplementedError
 
-    def _train_epoch(self, program: dspy.Module, x: torch.Tensor, y, optimizer, schedule,
-                     generator: torch.Generator, epoch: int) -> tuple[float, float | None]:
-        """One pass over the training images in train mode: the mean loss, and a running
-        training accuracy (None where _train_accuracy measures it after the epoch)."""
+    def _train_epoch(self, runner: "ImageRunner", epoch: int) -> tuple[float, float | None]:
+        """One pass over the training images in train mode, this process training its share
+        (`rank::world`) of every batch through runner.train_net: the mean loss, and a running
+        training accuracy (None where _train_accuracy measures it after the epoch), both over
+        every process's share."""
         raise NotImplementedError
 
     def _scored(self, program: dspy.Module, results: Sequence[tuple], validation
@@ -702,10 +733,83 @@ class ImageTrainer(Teleprompter):
         program.batched_for yielded."""
         raise NotImplementedError
 
-    def _train_accuracy(self, program: dspy.Module, trainset: list[dspy.Example],
+    def _train_accuracy(self, program: dspy.Module, runner: "ImageRunner",
                         running: float | None) -> float:
         """The history's train_accuracy: the epoch's running accuracy."""
         return running
+
+
+class ImageRunner(EpochLoop):
+    """ImageTrainer's epoch loop (EpochLoop: its state is a checkpoint). A local run and every
+    Ray Train worker run this same code: each process trains its share of every batch through
+    `train_net` (the program's network, or its DistributedDataParallel wrapper on a worker) on
+    `device`; every process re-estimates BatchNorm on the same images; rank 0 scores
+    validation with dspy.Evaluate and decides the best epoch and early stopping (`sync`)."""
+
+    def __init__(self, trainer: ImageTrainer, program: dspy.Module, x: torch.Tensor, y,
+                 devset: list[dspy.Example], *, sync: Sync | None = None,
+                 train_net: nn.Module | None = None, device: torch.device | None = None
+                 ) -> None:
+        self.trainer, self.program, self.x, self.y = trainer, program, x, y
+        self.sync = sync or Sync()
+        self.net = program.net
+        self.train_net = train_net or program.net
+        self.device = device or torch.device("cpu")
+        self.evaluate = dspy.Evaluate(devset=devset, metric=trainer.metric, num_threads=1,
+                                      display_progress=False, max_errors=1)
+        self.generator = torch.Generator().manual_seed(trainer.seed)
+        self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
+                                           weight_decay=trainer.weight_decay)
+        self.schedule = learning_rate_schedule(
+            self.optimizer, trainer.epochs * trainer._steps_per_epoch(len(x)),
+            trainer.lr_schedule, trainer.learning_rate)
+        self.best = BestEpoch(trainer.patience)
+        self.epoch, self.stopped = 0, False
+        trainer.history, trainer.best_epoch, trainer.initial_loss = [], 0, None
+
+    @property
+    def score_name(self) -> str:
+        return self.trainer.score_name
+
+    @property
+    def patience(self) -> int:
+        return self.trainer.patience
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train (every process its share), re-estimate BatchNorm, check the weights, score
+        validation (rank 0); whether to stop, as rank 0 decides."""
+        trainer, started = self.trainer, time.perf_counter()
+        loss, running = trainer._train_epoch(self, epoch)
+        order = torch.randperm(len(self.x), generator=self.generator)[:DENSE_RECALIBRATION_IMAGES]
+        recalibrate_batchnorm(self.net, self.x[order], trainer.batch_size)
+        require_finite_weights(self.net, epoch, trainer.batches_run, trainer.learning_rate,
+                               trainer.seed)
+        stop = False
+        if self.sync.rank == 0:
+            stop = self._score(epoch, loss, running, started)
+        return self.sync.agree(stop)
+
+    def _score(self, epoch: int, loss: float, running: float | None, started: float) -> bool:
+        """dspy.Evaluate on the validation set: the epoch's record, the best epoch so far, and
+        whether early stopping says stop."""
+        trainer, program = self.trainer, self.program
+        with stdout_to_stderr(), program.batched_for(self.evaluate.devset) as validation:
+            evaluated = self.evaluate(program)
+        raise_if_interrupted()
+        score, val_loss = trainer._scored(program, evaluated.results, validation)
+        record = EpochRecord(epoch, loss, trainer._train_accuracy(program, self, running),
+                             score, round(time.perf_counter() - started, 3), val_loss)
+        trainer.history.append(record)
+        trainer._log_epoch(record)
+        stop = self.best.keep(self.net, epoch, score, val_loss)
+        trainer.best_epoch = self.best.epoch
+        return stop
+
+    def finish(self) -> dspy.Module:
+        """The program with the best epoch's weights, on the CPU, in eval mode."""
+        self.net.load_state_dict(self.best.state)
+        self.net.cpu().eval()
+        return self.program
 
 
 def evaluated_loss(results: Sequence[tuple], labels: Sequence[str]) -> float | None:
@@ -1020,6 +1124,67 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
     store = search.chosen_trainer.checkpoints
     trained.engine = engine_section(
         "local", None, 1, config.num_threads,
+        [record.seconds for record in trained.history],
+        checkpoint_dir=str(store.root) if store else None,
+        resumed_from_epoch=store.resumed_from if store else None)
+    return trained
+
+
+@dataclass
+class ImagePlan:
+    """What training a segmenter or a detector needs before its first epoch, made once from
+    the flags and the data by its training module's plan_training (ttc/tasks/*/training.py):
+    by the local run (train_images) and by a Ray run's driver (ttc/distributed), which ships
+    the student's weights and the trainer to its workers and rebuilds the program there
+    (build_net, then wrap: both picklable)."""
+
+    architecture: dict
+    make_student: Callable[[int], dspy.Module]
+    make_trainer: Callable[[float, int], ImageTrainer]
+    search: type  # the CandidateSearch subclass that keeps the best candidate
+    metric: Callable  # dspy.Evaluate's per-example metric
+    examples: Callable[[Split], list[dspy.Example]]
+    trained: Callable  # (program, search, dataset, architecture, started, config, transfer)
+    build_net: Callable[[dict, dict], nn.Module]  # (architecture, preprocessing) → network
+    wrap: Callable[[nn.Module], dspy.Module]  # network → the DSPy program
+    transfers: list[Transfer]
+    started: float
+
+    @property
+    def transfer(self) -> Transfer | None:
+        return self.transfers[0] if self.transfers else None
+
+
+def checkpoint_store(config, dataset: Dataset, architecture: dict,
+                     engine: str) -> CheckpointStore | None:
+    """A local run's checkpoints (--checkpoint_dir, --resume); None for a Ray run (its workers
+    report theirs) or a run that keeps none."""
+    folder = config.checkpoint_folder() if hasattr(config, "checkpoint_folder") else None
+    if folder is None or engine != "local":
+        return None
+    return CheckpointStore(folder, new_run_id(), run_fingerprint(config, dataset, architecture),
+                           config.resume)
+
+
+def train_images(config, dataset: Dataset, plan: ImagePlan) -> TrainedModel:
+    """A segmenter's or a detector's local training stage: the plan's search (one trainer per
+    learning rate and seed; one by default) compiled on the training examples, the kept
+    candidate's TrainedModel with train.engine."""
+    search = plan.search(plan.metric, plan.make_student, plan.make_trainer,
+                         config.learning_rates(),
+                         [config.seed + k for k in range(config.num_candidates)])
+    try:
+        program = search.compile(trainset=plan.examples(dataset.train),
+                                 valset=plan.examples(dataset.val))
+    except TrainingDiverged as err:  # one candidate only: say which flag set its rate
+        if getattr(config, "lr_candidates", None):
+            err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
+        raise
+    trained = plan.trained(program, search, dataset, plan.architecture, plan.started, config,
+                           plan.transfer)
+    store = search.chosen_trainer.checkpoints
+    trained.engine = engine_section(
+        "local", None, 1, getattr(config, "num_threads", 0),
         [record.seconds for record in trained.history],
         checkpoint_dir=str(store.root) if store else None,
         resumed_from_epoch=store.resumed_from if store else None)

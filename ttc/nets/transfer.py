@@ -161,14 +161,19 @@ def pretrained_file(arch: str) -> tuple[Path, str]:
     return checkpoints / Path(weights.url).name, weights.url
 
 
-def require_pretrained_file(arch: str) -> Path:
-    path, url = pretrained_file(arch)
+def require_hub_file(path: Path, url: str, arch: str, what: str) -> Path:
+    """`path` (a file of the torch hub cache), or one DataError line (exit 3) naming `what` it
+    holds, the file, and where to put it: this tool never downloads. Checked before training."""
     if not path.is_file():
-        raise DataError(f"--pretrained {arch}: the ImageNet weights are not in the torch hub "
-                        f"cache ({path}); this tool does not download",
+        raise DataError(f"--pretrained {arch}: {what} not in the torch hub cache ({path}); "
+                        "this tool does not download",
                         f"put {url} there (or set TORCH_HOME to the folder whose "
                         "hub/checkpoints holds it)")
     return path
+
+
+def require_pretrained_file(arch: str) -> Path:
+    return require_hub_file(*pretrained_file(arch), arch, "the ImageNet weights are")
 
 
 def init_from_pretrained(net: nn.Module, arch: str) -> Transfer:

@@ -49,7 +49,8 @@ class DistributedFlags:
         return None
 
     def check_distributed(self) -> None:
-        """--use_gpu only on Ray; what --engine ray and the checkpoints do not train yet."""
+        """--use_gpu only on Ray; what --engine ray and the checkpoints do not train yet (a
+        segmenter's or a detector's --use_gpu among them)."""
         if getattr(self, "script", None) not in TRAINING_SCRIPTS:
             return
         if self.use_gpu and self.engine != "ray":
@@ -58,6 +59,12 @@ class DistributedFlags:
                               "add --engine ray, or drop --use_gpu")
         if self.engine == "ray":  # a candidate search runs as parallel Ray Tune trials
             self._refuse_not_built("--engine ray", search_built=True)
+            workers = self.ray_workers()
+            if not self.searches() and self.batch_size < workers:
+                raise ConfigError(f"--batch_size {self.batch_size} is smaller than the "
+                                  f"{workers} Ray workers: each trains its share of every batch",
+                                  f"raise --batch_size to {workers} or more, or lower "
+                                  "--num_workers")
         if self.checkpoint_dir or self.resume:  # a Ray search's trials keep checkpoints
             self._refuse_not_built("--checkpoint_dir and --resume",
                                    search_built=self.engine == "ray" and not self.resume)
@@ -68,9 +75,9 @@ class DistributedFlags:
 
     def _refuse_not_built(self, what: str, search_built: bool = False) -> None:
         task = find_task(self.model_type)
-        if task is not None and (task.dense or task.kind == "detection"):
-            raise ConfigError(f"{what} for a {task.name} is not built yet (classifiers only)",
-                              f"drop {what.split()[0]} for this model type")
+        if task is not None and (task.dense or task.kind == "detection") and self.use_gpu:
+            raise ConfigError(f"{what} with --use_gpu for a {task.name} is not built yet "
+                              "(classifiers only)", "drop --use_gpu: the workers train on CPUs")
         searched = self.searches() and not search_built
         for given, name in ((searched, "a candidate search (--lr_candidates, "
                                        "--num_candidates)"),

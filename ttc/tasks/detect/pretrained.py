@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ttc.nets.transfer import Transfer, load_matching, read_state_dict
+from ttc.nets.transfer import Transfer, load_matching, read_state_dict, require_hub_file
 from ttc.tasks.detect.ssd import COCO_WEIGHTS
 from ttc.tasks.segment.pretrained import init_backbone, require_backbone_file
-from utils import DataError, sha256_of
+from utils import sha256_of
 
 
 def coco_file(arch: str) -> tuple[Path, str]:
@@ -34,13 +34,7 @@ def require_pretrained(arch: str) -> Path:
     to put it: checked before training."""
     if arch not in COCO_WEIGHTS:
         return require_backbone_file(arch)
-    path, url = coco_file(arch)
-    if not path.is_file():
-        raise DataError(f"--pretrained {arch}: torchvision's COCO weights are not in the torch "
-                        f"hub cache ({path}); this tool does not download",
-                        f"put {url} there (or set TORCH_HOME to the folder whose "
-                        "hub/checkpoints holds it)")
-    return path
+    return require_hub_file(*coco_file(arch), arch, "torchvision's COCO weights are")
 
 
 def init_pretrained(net: nn.Module, arch: str) -> Transfer:

@@ -89,9 +89,15 @@ class TorchvisionSSD(nn.Module):
                        ) -> tuple[torch.Tensor, dict[str, float]]:
         """torchvision's SSD loss for a batch: each image's (k, 5) boxes [class, x1, y1, x2,
         y2] in its pixels, scaled to SIZE, matched to the anchors by its proposal matcher."""
+        return self.outputs_loss(self(images), images, boxes)
+
+    def outputs_loss(self, outputs: tuple[torch.Tensor, torch.Tensor], images: torch.Tensor,
+                     boxes: Sequence[np.ndarray]) -> tuple[torch.Tensor, dict[str, float]]:
+        """detection_loss of this network's `outputs` on `images` (the forward pass run by the
+        caller: a Ray worker's goes through DistributedDataParallel)."""
         from torchvision.ops import box_iou
 
-        regression, logits = self(images)
+        regression, logits = outputs
         height, width = images.shape[-2:]
         scale = torch.tensor([SIZE / width, SIZE / height] * 2)
         targets, matched = [], []

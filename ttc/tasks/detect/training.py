@@ -16,6 +16,7 @@ imports torch and dspy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -28,11 +29,12 @@ from torch import nn
 
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.models import count_parameters, network_modules, user_architecture
-from ttc.nets.program import (CandidateSearch, ImageTrainer, TrainedModel, TrainingDiverged,
-                              example_rate)
+from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
+                              TrainedModel, checkpoint_store, train_images)
 from ttc.tasks.detect.metrics import detection_metrics
 from ttc.nets.transfer import Transfer
-from ttc.tasks.detect.nets import network_loss, output_size
+from ttc.tasks.detect.nets import (detection_loss, detection_targets, network_loss,
+                                   output_size)
 from ttc.tasks.detect.nms import detect
 from ttc.tasks.detect.pretrained import init_pretrained, require_pretrained
 from utils import LOG, ConfigError, TrainingError
@@ -230,33 +232,59 @@ class DetectionTrainer(ImageTrainer):
                 validation: list[float]) -> tuple[float, float | None]:
         return pooled_map(results, program.labels), validation[0] if validation else None
 
-    def _train_accuracy(self, program: DetectorProgram, trainset: list[dspy.Example],
+    def _train_accuracy(self, program: DetectorProgram, runner: ImageRunner,
                         running: float | None) -> float:
         """The history's train_accuracy: the mean box recall at IoU 0.5 (BoxRecall) of the
         first TRAIN_RECALL_IMAGES training images, in eval mode after the epoch."""
-        sample = trainset[:TRAIN_RECALL_IMAGES]
-        found = program.predict(np.stack([ex[INPUT_FIELD] for ex in sample]))
-        return float(np.mean([self.metric(ex, dspy.Prediction(boxes=f[0], class_ids=f[2]))
-                              for ex, f in zip(sample, found)])) if sample else 0.0
+        count = min(len(runner.x), TRAIN_RECALL_IMAGES)
+        if not count:
+            return 0.0
+        found = program.predict(runner.x[:count].numpy())
+        return float(np.mean([self.metric(dspy.Example(boxes=runner.y[i]),
+                                          dspy.Prediction(boxes=f[0], class_ids=f[2]))
+                              for i, f in enumerate(found)]))
 
-    def _train_epoch(self, program: DetectorProgram, x: torch.Tensor, boxes: list[np.ndarray],
-                     optimizer, schedule, generator: torch.Generator,
-                     epoch: int) -> tuple[float, None]:
+    def _train_epoch(self, runner: ImageRunner, epoch: int) -> tuple[float, None]:
         """One pass over the training images: the mean loss per image, in train mode (the
-        training recall is measured after the epoch)."""
-        net = program.net.train()
+        training recall is measured after the epoch). This process trains its share
+        (`rank::world`) of every batch, its loss weighted by its part of the batch's objects
+        (at least 1 each: ImageTrainer._step). CenterNet's heatmap loss is a sum divided by the
+        objects' peak cells (one per object unless two share a cell), so its averaged
+        gradients are the whole batch's; its box loss (a mean over the cells with a box) and
+        an SSD's (over its matched anchors) are divided by other counts, which objects only
+        approximate, and BatchNorm normalises each share by its own statistics: with several
+        processes the gradients are close to, not equal to, the whole batch's."""
+        sync = runner.sync
+        runner.train_net.train()
         total, seen = 0.0, 0
-        bar = self._epoch_bar(len(x), generator, epoch)
+        bar = self._epoch_bar(runner, epoch)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
-            images = x[batch]
-            loss, _ = network_loss(net, images, [boxes[i] for i in batch.tolist()],
-                                   len(program.labels))
-            value = self._step(loss, optimizer, schedule, bar, epoch, number)
+            indices = batch.tolist()
+            mine = indices[sync.rank::sync.world]
+            objects = max(1, sum(len(runner.y[i]) for i in indices))
+            mine_objects = max(1, sum(len(runner.y[i]) for i in mine))
+            loss = share_loss(runner, runner.x[mine].to(runner.device),
+                              [runner.y[i] for i in mine], len(runner.program.labels))
+            value, _ = self._step(runner, loss, mine_objects, objects, bar, epoch, number)
             total += value * len(batch)
             seen += len(batch)
             bar.set_postfix(loss=f"{total / seen:.4f}")
         return (total / seen if seen else math.nan), None
+
+
+def share_loss(runner: ImageRunner, images: torch.Tensor, boxes: list[np.ndarray],
+               num_classes: int) -> torch.Tensor:
+    """nets.network_loss through runner.train_net: the forward pass goes through the
+    DistributedDataParallel wrapper on a Ray worker (so that its gradients are all-reduced),
+    then the network's own loss of those outputs (an SSD's) or the two heads' (CenterNet, a
+    --model_def module)."""
+    outputs = runner.train_net(images)
+    own = getattr(runner.net, "outputs_loss", None)
+    if own is not None:
+        return own(outputs, images, boxes)[0]
+    return detection_loss(outputs, detection_targets(boxes, num_classes,
+                                                     tuple(images.shape[-2:])))[0]
 
 
 # ----------------------------------------------------------------------------- the search
@@ -347,14 +375,17 @@ def weight_decay_of(config) -> float:
     return 1e-4 if weight_decay is None else weight_decay
 
 
-def train_detector(config, dataset: Dataset) -> TrainedModel:
-    """Build the detector for this data, wrap it in DetectorProgram and compile it with
-    DetectorSearch (one DetectionTrainer per learning rate and seed; one by default). The NMS
+def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
+    """Build the detector for this data (checked and announced once), and the factories of
+    its DetectorProgram (a student per seed) and DetectionTrainer (per learning rate and
+    seed), with a local run's checkpoints (--checkpoint_dir, --resume) when asked: what the
+    local run (train_detector) and a Ray run's driver (ttc/distributed) train from. The NMS
     settings go into the preprocessing record, which the manifest keeps and export bakes."""
     started = time.perf_counter()
     nms = NmsSettings.from_config(config)
     dataset.preprocessing = {**dataset.preprocessing, "nms": nms.record()}
     architecture = detection_architecture(config, dataset)
+    wrap = functools.partial(DetectorProgram, labels=list(dataset.labels), nms=nms)
     transfers: list[Transfer] = []
 
     def make_student(seed: int) -> DetectorProgram:
@@ -363,7 +394,7 @@ def train_detector(config, dataset: Dataset) -> TrainedModel:
         transfer = starting_weights(config, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
-        return DetectorProgram(net, dataset.labels, nms)
+        return wrap(net)
 
     first = make_student(config.seed).net
     check_detector_output(first, dataset, config)
@@ -374,25 +405,25 @@ def train_detector(config, dataset: Dataset) -> TrainedModel:
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
+    store = checkpoint_store(config, dataset, architecture, engine)
 
     def make_trainer(learning_rate: float, seed: int) -> DetectionTrainer:
-        return DetectionTrainer(epochs=config.epochs, batch_size=config.batch_size,
-                                learning_rate=learning_rate,
-                                weight_decay=weight_decay_of(config), seed=seed,
-                                lr_schedule=config.lr_schedule, patience=config.patience,
-                                show_progress=not getattr(config, "no_progress", False))
+        trainer = DetectionTrainer(epochs=config.epochs, batch_size=config.batch_size,
+                                   learning_rate=learning_rate,
+                                   weight_decay=weight_decay_of(config), seed=seed,
+                                   lr_schedule=config.lr_schedule, patience=config.patience,
+                                   show_progress=not getattr(config, "no_progress", False))
+        trainer.checkpoints = store
+        return trainer
 
-    search = DetectorSearch(BoxRecall(), make_student, make_trainer, config.learning_rates(),
-                            [config.seed + k for k in range(config.num_candidates)])
-    try:
-        program = search.compile(trainset=to_examples(dataset.train),
-                                 valset=to_examples(dataset.val))
-    except TrainingDiverged as err:
-        if getattr(config, "lr_candidates", None):
-            err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
-        raise
-    return trained_detector(program, search, dataset, architecture, started, config,
-                            transfers[0] if transfers else None)
+    return ImagePlan(architecture, make_student, make_trainer, DetectorSearch, BoxRecall(),
+                     to_examples, trained_detector, build_detector, wrap, transfers, started)
+
+
+def train_detector(config, dataset: Dataset) -> TrainedModel:
+    """Build the detector for this data, wrap it in DetectorProgram and compile it with
+    DetectorSearch (one DetectionTrainer per learning rate and seed; one by default)."""
+    return train_images(config, dataset, plan_training(config, dataset))
 
 
 def trained_detector(program: DetectorProgram, search: DetectorSearch, dataset: Dataset,

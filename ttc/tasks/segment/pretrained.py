@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ttc.nets.transfer import Transfer, learned_state, load_matching, pretrained_file, \
-    read_state_dict
-from utils import DataError, sha256_of
+    read_state_dict, require_hub_file
+from utils import sha256_of
 
 BACKBONE = "mobilenet_v3_large"  # every --pretrained segmenter's ImageNet classifier
 FILE_PREFIX = "features."  # the classifier's backbone, in its state dict
@@ -32,13 +32,8 @@ def backbone_file(arch: str) -> tuple[Path, str]:
 def require_backbone_file(arch: str) -> Path:
     """The backbone's weights in the torch hub cache, or one DataError line (exit 3) naming the
     file and where to put it."""
-    path, url = backbone_file(arch)
-    if not path.is_file():
-        raise DataError(f"--pretrained {arch}: the ImageNet {BACKBONE} backbone weights are not "
-                        f"in the torch hub cache ({path}); this tool does not download",
-                        f"put {url} there (or set TORCH_HOME to the folder whose "
-                        "hub/checkpoints holds it)")
-    return path
+    return require_hub_file(*backbone_file(arch), arch,
+                            f"the ImageNet {BACKBONE} backbone weights are")
 
 
 def backbone_tensors(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]

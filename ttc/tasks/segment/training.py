@@ -14,6 +14,7 @@ answering background everywhere. Importing this module imports torch and dspy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import time
@@ -28,8 +29,8 @@ from torch import nn
 
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
-from ttc.nets.program import (CandidateSearch, ImageTrainer, TrainedModel, TrainingDiverged,
-                              example_rate)
+from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
+                              TrainedModel, checkpoint_store, train_images)
 from ttc.nets.transfer import Transfer
 from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
@@ -201,27 +202,35 @@ class SegmentationTrainer(ImageTrainer):
                 validation: ValidationPass) -> tuple[float, float | None]:
         return pooled_miou(results, len(program.labels), self.ignore_index), validation.loss
 
-    def _train_epoch(self, program: SegmenterProgram, x: torch.Tensor, y: torch.Tensor,
-                     optimizer, schedule, generator: torch.Generator,
-                     epoch: int) -> tuple[float, float]:
+    def _train_epoch(self, runner: ImageRunner, epoch: int) -> tuple[float, float]:
         """One pass over the training images: (mean pixel loss, pixel accuracy), running,
-        over the non-void pixels, in train mode."""
-        net = program.net.train()
-        total_loss, correct, seen = 0.0, 0, 0
-        bar = self._epoch_bar(len(x), generator, epoch)
+        over the non-void pixels, in train mode. This process trains its share
+        (`rank::world`) of every batch; the share's mean pixel loss is weighted by its part of
+        the batch's non-void pixels (ImageTrainer._step), so the averaged gradients are exactly
+        the whole batch's mean (BatchNorm aside: each process normalises with its own share's
+        statistics, as DistributedDataParallel does without SyncBatchNorm)."""
+        net, sync = runner.train_net.train(), runner.sync
+        share = slice(sync.rank, None, sync.world)
+        total_loss, correct, seen = 0.0, 0.0, 0
+        bar = self._epoch_bar(runner, epoch)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
-            target = y[batch]
-            keep = target != self.ignore_index
-            pixels = int(keep.sum())
+            target = runner.y[batch]
+            pixels = int((target != self.ignore_index).sum())
             if not pixels:  # only void pixels: nothing to learn (and a loss of 0/0)
-                schedule.step()
+                runner.schedule.step()
                 continue
-            logits = net(x[batch])
-            loss = F.cross_entropy(logits, target, ignore_index=self.ignore_index)
-            value = self._step(loss, optimizer, schedule, bar, epoch, number)
+            mine = target[share].to(runner.device)
+            keep = mine != self.ignore_index
+            logits = net(runner.x[batch[share]].to(runner.device))
+            mine_pixels = int(keep.sum())
+            loss = (F.cross_entropy(logits, mine, ignore_index=self.ignore_index) if mine_pixels
+                    else logits.sum() * 0.0)  # a share of void pixels only: no gradient
+            right = int((logits.detach().argmax(1) == mine)[keep].sum())
+            value, (right,) = self._step(runner, loss, mine_pixels, pixels, bar, epoch, number,
+                                         [right])
             total_loss += value * pixels
-            correct += int((logits.detach().argmax(1) == target)[keep].sum())
+            correct += right
             seen += pixels
             bar.set_postfix(loss=f"{total_loss / seen:.4f}")
         return (total_loss / seen, correct / seen) if seen else (math.nan, 0.0)
@@ -325,14 +334,17 @@ def build_segmenter(architecture: dict, preprocessing: dict) -> nn.Module:
         **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
 
 
-def train_segmenter(config, dataset: Dataset) -> TrainedModel:
-    """Build the network for this data, wrap it in SegmenterProgram and compile it with
-    SegmenterSearch (one SegmentationTrainer per learning rate and seed; one by default)."""
+def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
+    """Build the network for this data (checked and announced once), and the factories of its
+    SegmenterProgram (a student per seed) and SegmentationTrainer (per learning rate and
+    seed), with a local run's checkpoints (--checkpoint_dir, --resume) when asked: what the
+    local run (train_segmenter) and a Ray run's driver (ttc/distributed) train from."""
     started = time.perf_counter()
     architecture = segmentation_architecture(config, dataset)
     ignore_index = int(dataset.preprocessing.get("ignore_index", IGNORE_INDEX))
     weight_decay = fitting_settings(config)[0]
-
+    wrap = functools.partial(SegmenterProgram, labels=list(dataset.labels),
+                             ignore_index=ignore_index)
     transfers: list[Transfer] = []
 
     def make_student(seed: int) -> SegmenterProgram:
@@ -341,7 +353,7 @@ def train_segmenter(config, dataset: Dataset) -> TrainedModel:
         transfer = starting_weights(config, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
-        return SegmenterProgram(net, dataset.labels, ignore_index)
+        return wrap(net)
 
     first = make_student(config.seed).net
     check_segmenter_output(first, dataset, config)
@@ -352,26 +364,26 @@ def train_segmenter(config, dataset: Dataset) -> TrainedModel:
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
+    store = checkpoint_store(config, dataset, architecture, engine)
 
     def make_trainer(learning_rate: float, seed: int) -> SegmentationTrainer:
-        return SegmentationTrainer(epochs=config.epochs, batch_size=config.batch_size,
-                                   learning_rate=learning_rate, weight_decay=weight_decay,
-                                   seed=seed, lr_schedule=config.lr_schedule,
-                                   patience=config.patience, ignore_index=ignore_index,
-                                   show_progress=not getattr(config, "no_progress", False))
+        trainer = SegmentationTrainer(epochs=config.epochs, batch_size=config.batch_size,
+                                      learning_rate=learning_rate, weight_decay=weight_decay,
+                                      seed=seed, lr_schedule=config.lr_schedule,
+                                      patience=config.patience, ignore_index=ignore_index,
+                                      show_progress=not getattr(config, "no_progress", False))
+        trainer.checkpoints = store
+        return trainer
 
-    search = SegmenterSearch(PixelAccuracy(ignore_index), make_student, make_trainer,
-                             config.learning_rates(),
-                             [config.seed + k for k in range(config.num_candidates)])
-    try:
-        program = search.compile(trainset=to_examples(dataset.train),
-                                 valset=to_examples(dataset.val))
-    except TrainingDiverged as err:  # one candidate only: say which flag set its rate
-        if getattr(config, "lr_candidates", None):
-            err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
-        raise
-    return trained_segmenter(program, search, dataset, architecture, started, config,
-                             transfers[0] if transfers else None)
+    return ImagePlan(architecture, make_student, make_trainer, SegmenterSearch,
+                     PixelAccuracy(ignore_index), to_examples, trained_segmenter,
+                     build_segmenter, wrap, transfers, started)
+
+
+def train_segmenter(config, dataset: Dataset) -> TrainedModel:
+    """Build the network for this data, wrap it in SegmenterProgram and compile it with
+    SegmenterSearch (one SegmentationTrainer per learning rate and seed; one by default)."""
+    return train_images(config, dataset, plan_training(config, dataset))
 
 
 def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, dataset: Dataset,
