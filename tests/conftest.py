@@ -516,3 +516,24 @@ def edit_manifest(model: Path, change) -> dict:
     change(manifest)
     path.write_text(json.dumps(manifest))
     return manifest
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The live processes below `pid` (zombies count as gone), with their command lines."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
+                b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z":
+            parents[int(entry.name)] = int(parent)
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {p: commands.get(p, "") for p in found}

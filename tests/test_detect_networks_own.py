@@ -24,6 +24,9 @@ from utils import EXIT_DATA, EXIT_USAGE
 SIDE = 32
 QUICK = ("--epochs", "2", "--batch_size", "16", "--no_progress", "true")
 OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
+# what the weights' tests need of pipeline.py: training, the export and its numeric check (int8
+# and plots are other tests')
+NO_EXTRAS = ("--quantize", "none", "--plots", "none")
 
 MYDETECTOR = '''
 import math
@@ -124,7 +127,8 @@ def test_a_module_without_the_two_heads_at_stride_4_is_refused_before_training(
 def test_the_mobilenet_backbone_starts_from_the_hub_cache_s_imagenet_weights(boxes_root,
                                                                             tmp_path):
     home, out = tmp_path / "torch_home", tmp_path / "run"
-    flags = ("--arch", "mobilenet_v3_large", "--pretrained", "true", "--score_threshold", "0.2")
+    flags = ("--arch", "mobilenet_v3_large", "--pretrained", "true", "--score_threshold", "0.2",
+             *NO_EXTRAS)
     run = train(boxes_root, out, *flags, home=home)
     expected = home / "hub" / "checkpoints" / BACKBONE_FILE
     assert_clean_failure(run, EXIT_DATA, str(expected), "does not download")
@@ -211,7 +215,7 @@ def fake_coco_cache(home: Path) -> dict[str, torch.Tensor]:
 def test_torchvision_s_ssdlite_trains_from_its_coco_weights_and_exports(boxes_root, tmp_path):
     home, out = tmp_path / "torch_home", tmp_path / "run"
     flags = ("--arch", SSD, "--pretrained", "true", "--epochs", "1", "--learning_rate", "1e-3",
-             "--plots", "none")
+             *NO_EXTRAS)
     run = train(boxes_root, out, *flags, home=home)
     assert_clean_failure(run, EXIT_DATA, str(home / "hub" / "checkpoints" / COCO_FILE),
                          "does not download")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CLI_ENV, REPO, assert_clean_failure, run_cli
+from conftest import CLI_ENV, REPO, assert_clean_failure, descendants, run_cli
 
 pytestmark = pytest.mark.xdist_group("ray")
 
@@ -55,21 +55,6 @@ def test_one_ray_worker_trains_the_local_run_s_weights(tmp_path):
     assert local["train"]["engine"]["engine"] == "local"
     checkpoints = list((tmp_path / "ray" / "model.checkpoints").rglob("state.pt"))
     assert checkpoints, "a Ray run keeps its checkpoints beside the bundle"
-
-
-def test_two_ray_workers_train_and_export(tmp_path):
-    out = tmp_path / "two"
-    run = run_cli("pipeline.py", *DIGITS, "--output_model", out / "model.onnx",
-                  "--report_json", out / "report.json", "--engine", "ray", "--num_workers", "2")
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    engine = report["train"]["engine"]
-    assert report["status"] == "ok" and engine["workers"] == 2
-    assert len(engine["epoch_seconds"]) == 2 and len(engine["allreduce_seconds"]) == 2
-    assert 0 < engine["allreduce_share"] < 1
-    assert [h["epoch"] for h in report["train"]["history"]] == [1, 2]
-    assert report["export"]["max_abs_diff"] is not None and (out / "model.onnx").is_file()
-    assert report["inference"]["accuracy"] > 0.8
 
 
 def test_a_local_run_resumes_from_its_last_checkpoint(tmp_path):
@@ -159,20 +144,7 @@ def test_a_trial_s_early_stop_and_divergence_reach_the_search(tmp_path):
 
 def train_workers(pid: int) -> set[int]:
     """The Ray Train worker processes below `pid` (Ray titles them by their actor class)."""
-    parents, titles = {}, {}
-    for entry in Path("/proc").iterdir():
-        try:
-            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            titles[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-        if state != "Z":
-            parents[int(entry.name)] = int(parent)
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return {p for p in found if "RayTrainWorker" in titles.get(p, "")}
+    return {p for p, command in descendants(pid).items() if "RayTrainWorker" in command}
 
 
 def checkpointed_epoch(folder: Path) -> int:
@@ -186,14 +158,15 @@ def checkpointed_epoch(folder: Path) -> int:
     return max(epochs)
 
 
-def test_a_worker_killed_mid_epoch_resumes_from_the_last_checkpoint(tmp_path):
-    """Two workers; once a checkpoint is written and at least two epochs remain, a worker is
-    SIGKILLed (in the next epoch's training or validation): Ray Train restarts both from the
-    checkpoint. Killing only then (not on a timer) keeps the test free of races: a run that
-    got too far before the kill fails the test's own assertion, not the run's."""
+def test_two_workers_train_export_and_survive_a_worker_killed_mid_epoch(tmp_path):
+    """Two workers through pipeline.py; once a checkpoint is written and at least two epochs
+    remain, a worker is SIGKILLed (in the next epoch's training or validation): Ray Train
+    restarts both from the checkpoint, and the run trains, exports and evaluates as a local
+    one. Killing only then (not on a timer) keeps the test free of races: a run that got too
+    far before the kill fails the test's own assertion, not the run's."""
     out, epochs = tmp_path / "killed", 6
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *DIGITS, "--epochs", str(epochs),
+        [sys.executable, str(REPO / "pipeline.py"), *DIGITS, "--epochs", str(epochs),
          "--batch_size", "16", "--engine", "ray", "--num_workers", "2", "--output_model",
          str(out / "model.onnx"), "--report_json", str(out / "report.json")],
         cwd=REPO, env=dict(os.environ, **CLI_ENV), stdout=subprocess.PIPE,
@@ -213,12 +186,18 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_last_checkpoint(tmp_path):
                                       f"(checkpointed epoch {done}, workers {pids}, exit "
                                       f"{proc.returncode})", stderr[-2000:])
     assert proc.returncode == 0, stderr[-3000:]
-    train_section = json.loads((out / "report.json").read_text())["train"]
+    report = json.loads((out / "report.json").read_text())
+    train_section = report["train"]
     assert [h["epoch"] for h in train_section["history"]] == list(range(1, epochs + 1))
     engine = train_section["engine"]
     assert engine["restarts"] >= 1, (engine, killed_after, stderr[-2000:])
     # the checkpoint seen, or the one before it where the kill cut its copy short
     assert engine["restarted_from_epochs"][0] >= killed_after - 1, engine
+    assert report["status"] == "ok" and engine["workers"] == 2
+    assert len(engine["epoch_seconds"]) == len(engine["allreduce_seconds"]) == epochs
+    assert 0 < engine["allreduce_share"] < 1
+    assert report["export"]["max_abs_diff"] is not None and (out / "model.onnx").is_file()
+    assert report["inference"]["accuracy"] > 0.8
 
 
 MODEL_DEF = '''import sys
