@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -495,6 +495,35 @@ def fake_hub_cache(home: Path) -> dict:
     path.parent.mkdir(parents=True)
     torch.save(state, path)
     return state
+
+
+def trains_from_the_fake_hub_cache(train: Callable[[], subprocess.CompletedProcess], home: Path,
+                                   out: Path) -> tuple[dict, dict]:
+    """--pretrained's backbone for a segmenter or a detector (`train` runs the CLI into `out`
+    with TORCH_HOME=home): refused with exit 3 while the hub cache lacks the file (nothing
+    downloaded, no bundle), then trained from the fake file (fake_hub_cache). Checks what they
+    share (every backbone tensor loaded, the RGB filters summed for the grayscale canvases, the
+    manifest's ImageNet normalisation, the marked conv still about MARK after a few small
+    steps, which no fresh initialisation of it is near); returns the report's init_weights
+    and the file's state."""
+    import torch
+
+    run = train()
+    expected = home / "hub" / "checkpoints" / BACKBONE_FILE
+    assert_clean_failure(run, 3, str(expected), "does not download")
+    assert not expected.exists() and not (out / "model.pt").exists()
+    state = fake_hub_cache(home)
+    run = train()
+    assert run.returncode == 0, run.stderr[-3000:]
+    init = json.loads((out / "report.json").read_text())["train"]["init_weights"]
+    backbone = [k for k in state if k.startswith("features.")]
+    assert init["tensors_in_file"] == len(state) and init["loaded"] == len(backbone)
+    assert any("RGB filters summed" in note for note in init["notes"])
+    assert json.loads((out / "model.json").read_text())["architecture"]["normalization"] == \
+        "imagenet"
+    marked = torch.load(out / "model.pt", weights_only=True)["body.backbone.16.0.weight"]
+    assert marked.shape == state[MARKED].shape and abs(float(marked.mean()) - MARK) < 0.05
+    return init, state
 
 
 def sha256(path: Path) -> str:
