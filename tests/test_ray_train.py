@@ -74,10 +74,32 @@ def test_a_local_run_resumes_from_its_last_checkpoint(tmp_path):
     assert [h["epoch"] for h in more["train"]["history"]] == [1, 2, 3, 4]
 
 
+def test_a_local_search_resumes_each_candidate_from_its_own_checkpoint(tmp_path):
+    """A 2-candidate search whose second candidate lost its last checkpoint (as if killed in
+    its epoch 2): the first is restored as it finished, the second continues from epoch 1;
+    the same winner and weights, each epoch once. Another grid of learning rates is refused."""
+    search, ck = ["--lr_candidates", "1e-3,3e-3"], ["--checkpoint_dir", tmp_path / "ck"]
+    whole = train(tmp_path / "whole", *search, *ck)["train"]
+    second = [f for f in (tmp_path / "ck").glob("local-*-cand2/epoch-0002")]
+    assert len(second) == 1 and len(list((tmp_path / "ck").glob("local-*-cand1"))) == 1
+    shutil.rmtree(second[0])
+    resumed = train(tmp_path / "resumed", *search, *ck, "--resume", "true")["train"]
+    assert resumed["chosen_candidate"] == whole["chosen_candidate"]
+    assert resumed["engine"]["candidates_resumed_from_epoch"] == [2, 1]
+    assert [(c["index"], c["best_epoch"]) for c in resumed["candidates"]] == \
+        [(c["index"], c["best_epoch"]) for c in whole["candidates"]]
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2]
+    assert max_difference(weights(tmp_path / "whole"), weights(tmp_path / "resumed")) <= 1e-6
+    other = run_cli("train.py", *DIGITS, "--output_model", tmp_path / "other" / "model.onnx",
+                    "--lr_candidates", "1e-3,1e-2", *ck, "--resume", "true")
+    assert_clean_failure(other, 2, "learning rates 0.001,0.003 there, 0.001,0.01 here")
+
+
 def test_the_parallel_search_keeps_the_sequential_search_s_winner(tmp_path):
     """Three candidates, one of which diverges (1e6: NaN in epoch 1): as Ray Tune trials
     (one process each, two at once here) the same candidates are trained, skipped and scored as
-    by the local search one after the other, and the same one is kept."""
+    by the local search one after the other, and the same one is kept. Resumed for a third
+    epoch, each trial continues its own checkpoint (the diverged one, without any, afresh)."""
     search = ["--lr_candidates", "1e-3,1e6,3e-3"]
     local = train(tmp_path / "local", *search)["train"]
     ray = train(tmp_path / "ray", *search, "--engine", "ray")["train"]
@@ -97,6 +119,11 @@ def test_the_parallel_search_keeps_the_sequential_search_s_winner(tmp_path):
     engine = ray["engine"]
     assert engine["engine"] == "ray" and engine["trials"] == 3 and engine["trials_at_once"] >= 1
     assert engine["stopped_early_trials"] == []
+    more = train(tmp_path / "ray", *search, "--engine", "ray", "--epochs", "3", "--resume",
+                 "true")["train"]  # each trial from its checkpoint; the diverged one afresh
+    assert more["engine"]["candidates_resumed_from_epoch"] == [2, None, 2]
+    assert [h["epoch"] for h in more["history"]] == [1, 2, 3]
+    assert [c["epochs_run"] for c in more["candidates"]] == [3, 3]
 
 
 class Stored:
@@ -220,8 +247,8 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
         (["--engine", "ray", "--ray_address", "127.0.0.1:1"], 5, "no Ray cluster answers"),
         (["--engine", "ray", "--num_workers", "64"], 2, "--num_workers 64"),
         (["--use_gpu", "true"], 2, "--use_gpu applies only to --engine ray"),
-        (["--lr_candidates", "1e-3,3e-3", "--checkpoint_dir", str(tmp_path / "ck")], 2,
-         "--checkpoint_dir and --resume with a candidate search"),
+        (["--lr_candidates", "1e-3,3e-3", "--resume", "true", "--checkpoint_dir",
+          str(tmp_path / "empty")], 2, "holds no checkpoint"),
         (["--model_type", "image_segmenter", "--dataset_path", "builtin:digit_canvases",
           "--engine", "ray", "--use_gpu", "true"], 2, "not built yet"),
         (["--resume", "true", "--checkpoint_dir", str(tmp_path / "empty")], 2,

@@ -13,7 +13,8 @@ import torch
 from config import Config
 from ttc.distributed.worker import WorkerPayload, build_program
 from ttc.inputs.data import Dataset
-from ttc.nets.checkpoints import check_resumable, find_checkpoints, load_latest, new_run_id
+from ttc.nets.checkpoints import (check_resumable, find_checkpoints, load_latest, new_run_id,
+                                  of_single_runs)
 from ttc.nets.program import (CandidateSearch, EpochRecord, ImagePlan, ImageRunner, TrainedModel,
                               TrainingPlan, WeightTrainer, label_match, require_finite_weights,
                               run_fingerprint, to_examples, trained_model)
@@ -91,11 +92,11 @@ def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImageP
     this run before any cluster starts)."""
     fingerprint = run_fingerprint(config, dataset, plan.architecture)
     resume_from = None
-    if config.resume:
-        latest = load_latest(find_checkpoints(ray_run.folder))
+    if config.resume and not config.searches():  # a search's trials: search.py
+        latest = load_latest(of_single_runs(find_checkpoints(ray_run.folder)))
         if latest is None:
-            raise ConfigError(f"--resume: {ray_run.folder} holds no readable checkpoint",
-                              "drop --resume to start afresh")
+            raise ConfigError(f"--resume: {ray_run.folder} holds no readable checkpoint of a "
+                              "single run", "drop --resume to start afresh")
         check_resumable(latest[0], fingerprint)
         resume_from = str(latest[0].path)
         ray_run.resumed_from = int(latest[1]["epoch"])

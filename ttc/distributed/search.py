@@ -5,6 +5,8 @@ each keeps its checkpoints in the run's folder and restarts from its latest afte
 process. The winner is then picked here as a local search picks it: ttc/nets/program.py's
 CandidateSearch.choose scores every trial's best weights with dspy.Evaluate on the validation
 split (ties: the validation loss), skips the diverged ones and fails when all diverged.
+With --resume each trial continues its candidate's latest checkpoint in the latest search of
+the folder (ttc/nets/checkpoints.py latest_search), a local search's or a Ray one's.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image
                                     restore, trained_of, worker_payload)
 from ttc.distributed.worker import WorkerPayload, read_starts, train_trial
 from ttc.inputs.data import Dataset
-from ttc.nets.checkpoints import read_state
+from ttc.nets.checkpoints import (check_resumable, latest_of_candidate, latest_search,
+                                  read_state, search_key)
 from ttc.nets.program import (CandidateSearch, ImagePlan, TrainedCandidate, TrainedModel,
                               TrainingDiverged, TrainingPlan, engine_section, plan_training)
 from ttc.serving.cluster import connect, stop_ray, unwrapped
@@ -68,22 +71,45 @@ def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan | Im
                        ) -> tuple[Trials, WorkerPayload]:
     """Each candidate's student and trainer built as a local search builds them (the same
     seed, starting weights and torch random state), and the payload they share."""
-    trials, base = Trials(), None
+    trials, base, searched = Trials(), None, ray_run.run
     for index, (learning_rate, seed) in enumerate(search.grid):
         trainer = plan.make_trainer(learning_rate, seed)
         student = plan.make_student(seed)
         torch_rng = torch.get_rng_state()  # what the local candidate's first epoch starts from
         if base is None:
             base = worker_payload(config, dataset, plan, student, trainer, torch_rng, ray_run)
+            if config.resume:
+                searched = latest_search(ray_run.folder, search.grid, base.fingerprint)
         trials.students.append(student)
         trials.trainers.append(trainer)
+        fingerprint = {**base.fingerprint, "learning_rate": learning_rate, "seed": seed}
         trials.overrides.append({
             "trainer": trainer, "weights": student.net.state_dict(), "torch_rng": torch_rng,
             "run": f"{ray_run.run}-trial{index + 1}",
             "starts": str(ray_run.folder / f"search-{ray_run.run}" /
                           f"trial{index + 1}.starts"),
-            "fingerprint": {**base.fingerprint, "learning_rate": learning_rate, "seed": seed}})
+            "fingerprint": fingerprint,
+            "meta": {"search": search_key(searched, index + 1, search.grid)},
+            "resume_from": resumed_candidate(config, ray_run, search, index, searched,
+                                             fingerprint)})
     return trials, base
+
+
+def resumed_candidate(config: Config, ray_run: RayRun, search: CandidateSearch, index: int,
+                      searched: str, fingerprint: dict) -> str | None:
+    """--resume: the checkpoint candidate `index` continues from (its latest in the search
+    resumed, a local one or a trial's), checked; None: it starts afresh."""
+    if not config.resume:
+        return None
+    latest = latest_of_candidate(ray_run.folder, searched, index + 1)
+    search.resumed_from[index] = None if latest is None else int(latest[1]["epoch"])
+    if latest is None:
+        LOG.info("candidate %d has no checkpoint: its trial starts afresh", index + 1)
+        return None
+    check_resumable(latest[0], fingerprint)
+    LOG.info("candidate %d resumes from %s (epoch %d)", index + 1, latest[0].path,
+             search.resumed_from[index])
+    return str(latest[0].path)
 
 
 def run_trials(config: Config, base: WorkerPayload, trials: Trials, ray_run: RayRun) -> None:
@@ -177,8 +203,11 @@ def search_engine_section(config: Config, search: CandidateSearch, trials: Trial
         "ray", ray_run.address, 1, ray_run.options.threads,
         [record.seconds for record in chosen.history], use_gpu=config.use_gpu,
         cluster_start_s=round(ray_run.start_seconds, 3), checkpoint_dir=str(ray_run.folder),
-        resumed_from_epoch=None, max_failures=MAX_FAILURES,
+        resumed_from_epoch=search.resumed_from.get(search.chosen) if config.resume else None,
+        max_failures=MAX_FAILURES,
         trials=len(search.grid), trials_at_once=trials.at_once,
         search_seconds=trials.seconds,
         stopped_early_trials=[c.index for c in search.candidates
-                              if getattr(c, "stopped_early", False)])
+                              if getattr(c, "stopped_early", False)],
+        **({"candidates_resumed_from_epoch": search.resumed_epochs()} if config.resume
+           else {}))

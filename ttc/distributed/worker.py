@@ -197,10 +197,29 @@ def train_process(payload: WorkerPayload, session: Session,
     if state is not None:
         runner.load_state_dict(state)
         epochs = list(state.get("engine_epochs", []))
+    first = runner.epoch
     try:
         runner.run(lambda done: report_epoch(done, payload, session, timer, sync, epochs))
     except TrainingDiverged as err:  # every worker saw the same loss: none is left waiting
         session.report({"diverged": [err.epoch, err.batch, err.what]})
+        return
+    if runner.epoch == first:  # a finished run resumed: its state as it is, no epoch run
+        report_state(runner, payload, session, epochs)
+
+
+def report_state(runner: EpochLoop, payload: WorkerPayload, session: Session,
+                 epochs: list[dict]) -> None:
+    """The report of a process that ran no epoch (it resumed a finished run or candidate):
+    the state it resumed, so that the driver reads it back as any run's last checkpoint."""
+    metrics = {"epoch": runner.epoch, "stopped": runner.stopped, "resumed_finished": True}
+    if session.rank != 0:
+        session.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        write_checkpoint(Path(folder), {**runner.state_dict(), "engine_epochs": epochs},
+                         {**payload.meta, "run": payload.run, "epoch": runner.epoch,
+                          "engine": "ray", "fingerprint": payload.fingerprint})
+        session.report(metrics, checkpoint=session.checkpoint.from_directory(folder))
 
 
 def record_start(payload: WorkerPayload, state: dict | None) -> None:

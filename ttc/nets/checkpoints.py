@@ -8,6 +8,13 @@ read back with weights_only=True: never pickle) and `meta.json` (which run, whic
 and the run's fingerprint, read without torch to find the latest). A local run keeps its
 checkpoints in DIR/local-RUN/epoch-NNNN/, a Ray run in DIR/ray-RUN/checkpoint_*/ (Ray names
 those); the latest of a folder is the one saved last.
+
+A candidate search's checkpoints (--lr_candidates, --num_candidates) are each candidate's own run
+(RUN-candK locally, RUN-trialK as a Ray Tune trial), its fingerprint with its learning rate and
+seed, and their meta.json names the search (`search`: its run, the candidate, the grid of
+learning rates and seeds): --resume with a search continues the latest search in the folder,
+each candidate from its own latest checkpoint, whichever engine wrote it; a single run resumes
+the latest checkpoint of a single run.
 """
 from __future__ import annotations
 
@@ -81,6 +88,57 @@ def load_latest(candidates: list[Found]) -> tuple[Found, dict] | None:
     return None
 
 
+def of_single_runs(found: list[Found]) -> list[Found]:
+    """The checkpoints of single runs (not a candidate search's)."""
+    return [f for f in found if not f.meta.get("search")]
+
+
+def search_key(run: str, candidate: int, grid: list) -> dict:
+    """meta.json's `search`: which search a candidate's checkpoint belongs to (its first run's
+    name), which candidate (from 1), and the search's (learning rate, seed) grid."""
+    return {"run": run, "candidate": candidate, "grid": [[float(lr), int(s)] for lr, s in grid]}
+
+
+def latest_search(root: Path, grid: list, fingerprint: dict) -> str:
+    """--resume with a search: the run of the latest search in `root`, checked against this
+    one (the same grid of learning rates and seeds, the same data, network and batch size);
+    exit 2 naming the difference."""
+    found = [f for f in find_checkpoints(root) if f.meta.get("search")]
+    if not found:
+        raise ConfigError(f"--resume: {root} holds no checkpoint of a candidate search",
+                          "drop --resume to start afresh, or give the --checkpoint_dir of "
+                          "the search to continue")
+    latest = found[-1]
+    key = latest.meta["search"]
+    mine = search_key("", 0, grid)["grid"]
+    for what, column in (("learning rates", 0), ("seeds", 1)):
+        there = sorted({row[column] for row in key["grid"]})
+        here = sorted({row[column] for row in mine})
+        if there != here:
+            raise ConfigError(f"--resume: the checkpoints in {root} were written by another "
+                              f"candidate search ({what} {_listed(there)} there, "
+                              f"{_listed(here)} here)", "resume with the flags and data of "
+                              "that search, or give a fresh --checkpoint_dir")
+    if key["grid"] != mine:
+        raise ConfigError(f"--resume: the checkpoints in {root} were written by another "
+                          "candidate search (its candidates in another order)",
+                          "resume with the flags of that search")
+    learning_rate, seed = key["grid"][key["candidate"] - 1]
+    check_resumable(latest, {**fingerprint, "learning_rate": learning_rate, "seed": seed})
+    return key["run"]
+
+
+def _listed(values: list) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+def latest_of_candidate(root: Path, search: str, candidate: int) -> tuple[Found, dict] | None:
+    """A search's candidate's latest readable checkpoint (any engine's), None: none yet."""
+    return load_latest([f for f in find_checkpoints(root)
+                        if (f.meta.get("search") or {}).get("run") == search and
+                        f.meta["search"].get("candidate") == candidate])
+
+
 def check_resumable(found: Found, fingerprint: dict) -> None:
     """--resume continues the same training: the checkpoint's data, network and optimiser
     settings must be this run's (only --epochs may differ). Exit 2 naming what differs."""
@@ -105,16 +163,38 @@ class CheckpointStore:
     resume: bool = False
     written: list[Path] = field(default_factory=list)
     resumed_from: int | None = None  # the epoch of the checkpoint resumed
+    search: dict | None = None  # a search's candidate: search_key (meta.json's `search`)
+    search_run: str | None = None  # the search resumed (latest_search), found once
+
+    def for_candidate(self, index: int, learning_rate: float, seed: int,
+                      grid: list) -> "CheckpointStore":
+        """Candidate `index` (from 0) of a search: its own run (RUN-candK), its fingerprint
+        with its learning rate and seed, in the search this store resumes (or starts)."""
+        if self.resume and self.search_run is None:
+            self.search_run = latest_search(self.root, grid, self.fingerprint)
+        search = self.search_run or self.run
+        return CheckpointStore(self.root, f"{self.run}-cand{index + 1}",
+                               {**self.fingerprint, "learning_rate": learning_rate,
+                                "seed": seed}, self.resume,
+                               search=search_key(search, index + 1, grid))
 
     def start_state(self) -> dict | None:
-        """The state to continue from (None: start afresh), checked against this run."""
+        """The state to continue from (None: start afresh), checked against this run: a single
+        run's latest checkpoint; a candidate's own latest (none: it starts afresh)."""
         if not self.resume:
             return None
-        latest = load_latest(find_checkpoints(self.root))
+        if self.search is not None:
+            latest = latest_of_candidate(self.root, self.search["run"], self.search["candidate"])
+            if latest is None:
+                LOG.info("candidate %d has no checkpoint: it starts afresh",
+                         self.search["candidate"])
+                return None
+        else:
+            latest = load_latest(of_single_runs(find_checkpoints(self.root)))
         if latest is None:
-            raise ConfigError(f"--resume: {self.root} holds no readable checkpoint",
-                              "drop --resume to start afresh, or give the --checkpoint_dir of "
-                              "the run to continue")
+            raise ConfigError(f"--resume: {self.root} holds no readable checkpoint of a single "
+                              "run", "drop --resume to start afresh, or give the "
+                              "--checkpoint_dir of the run to continue")
         found, state = latest
         check_resumable(found, self.fingerprint)
         self.resumed_from = int(state["epoch"])
@@ -137,4 +217,5 @@ class CheckpointStore:
 
     def meta(self, epoch: int, engine: str) -> dict:
         return {"run": self.run, "epoch": epoch, "engine": engine,
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint,
+                **({"search": self.search} if self.search else {})}

@@ -881,6 +881,7 @@ class CandidateSearch(Teleprompter):
         self.diverged: list[dict] = []  # candidates whose training diverged (skipped)
         self.chosen = 0
         self.chosen_trainer: WeightTrainer | None = None
+        self.resumed_from: dict[int, int | None] = {}  # per candidate, with --resume
 
     score_name = "accuracy"  # what `score` measures, for the log
 
@@ -899,6 +900,7 @@ class CandidateSearch(Teleprompter):
                 LOG.info("candidate %d of %d: learning rate %g, seed %d", index + 1,
                          len(self.grid), learning_rate, seed)
             trainer = self.make_trainer(learning_rate, seed)
+            self.own_checkpoints(trainer, index)
             try:
                 program = trainer.compile(self.make_student(seed), trainset=trainset,
                                           valset=devset)
@@ -907,7 +909,25 @@ class CandidateSearch(Teleprompter):
                     raise
                 yield TrainedCandidate(index, trainer, None, 0.0, diverged=err)
                 continue
+            finally:
+                if trainer.checkpoints is not None:
+                    self.resumed_from[index] = trainer.checkpoints.resumed_from
             yield TrainedCandidate(index, trainer, program, time.perf_counter() - started)
+
+    def own_checkpoints(self, trainer, index: int) -> None:
+        """A search's candidate keeps its own checkpoints (--checkpoint_dir: its run, its
+        learning rate and seed in the fingerprint) and resumes its own (--resume)."""
+        if trainer.checkpoints is not None and len(self.grid) > 1:
+            learning_rate, seed = self.grid[index]
+            trainer.checkpoints = trainer.checkpoints.for_candidate(index, learning_rate, seed,
+                                                                    self.grid)
+
+    def resumed_epochs(self) -> list[int | None] | None:
+        """--resume with a search: the epoch each candidate continued from (None: it started
+        afresh), in the grid's order; None without a search resumed."""
+        if len(self.grid) == 1 or not self.resumed_from:
+            return None
+        return [self.resumed_from.get(index) for index in range(len(self.grid))]
 
     def choose(self, trained: Iterable[TrainedCandidate], devset: list[dspy.Example]
                ) -> ClassifierProgram:
@@ -1126,7 +1146,8 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
         "local", None, 1, config.num_threads,
         [record.seconds for record in trained.history],
         checkpoint_dir=str(store.root) if store else None,
-        resumed_from_epoch=store.resumed_from if store else None)
+        resumed_from_epoch=store.resumed_from if store else None,
+        **resumed_candidates(search, store))
     return trained
 
 
@@ -1153,6 +1174,25 @@ class ImagePlan:
     @property
     def transfer(self) -> Transfer | None:
         return self.transfers[0] if self.transfers else None
+
+
+def image_trained_model(program: dspy.Module, search: CandidateSearch, dataset: Dataset,
+                        architecture: dict, started: float, config, transfer: Transfer | None,
+                        train_score: float) -> TrainedModel:
+    """What a segmenter's or a detector's training hands to export (their `trained`): the
+    chosen candidate's network and its history; train_accuracy is `train_score` (the training
+    split's mean IoU or mAP, in eval mode), val_accuracy the best epoch's validation score."""
+    trainer, chosen = search.chosen_trainer, search.chosen_candidate
+    return TrainedModel(net=program.net, labels=list(dataset.labels), architecture=architecture,
+                        preprocessing=dataset.preprocessing, history=trainer.history,
+                        best_epoch=trainer.best_epoch, train_accuracy=train_score,
+                        val_accuracy=trainer.best_record.val_accuracy,
+                        seconds=round(time.perf_counter() - started, 3),
+                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
+                        seed=chosen.seed, candidates=search.candidates,
+                        chosen_candidate=search.chosen, diverged_candidates=search.diverged,
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
+                        transfer=transfer)
 
 
 def checkpoint_store(config, dataset: Dataset, architecture: dict,
@@ -1187,8 +1227,16 @@ def train_images(config, dataset: Dataset, plan: ImagePlan) -> TrainedModel:
         "local", None, 1, getattr(config, "num_threads", 0),
         [record.seconds for record in trained.history],
         checkpoint_dir=str(store.root) if store else None,
-        resumed_from_epoch=store.resumed_from if store else None)
+        resumed_from_epoch=store.resumed_from if store else None,
+        **resumed_candidates(search, store))
     return trained
+
+
+def resumed_candidates(search: CandidateSearch, store: CheckpointStore | None) -> dict:
+    """train.engine's `candidates_resumed_from_epoch` for a search with --resume (each
+    candidate's resumed epoch, None: started afresh); nothing otherwise."""
+    epochs = search.resumed_epochs() if store is not None and store.resume else None
+    return {} if epochs is None else {"candidates_resumed_from_epoch": epochs}
 
 
 def engine_section(engine: str, address: str | None, workers: int, threads: int,

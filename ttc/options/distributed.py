@@ -32,7 +32,10 @@ class DistributedFlags:
     resume: bool = opt(False, "continue the interrupted (or finished) training whose latest "
                        "checkpoint lies in --checkpoint_dir, local or Ray's, from the epoch "
                        "after it; the data, network, --batch_size, learning rate and --seed "
-                       "must be that run's (--epochs may grow)", "distributed",
+                       "must be that run's (--epochs may grow). With a candidate search: the "
+                       "latest search there, each candidate from its own latest checkpoint "
+                       "(a finished one is not trained again), the same learning rates and "
+                       "seeds", "distributed",
                        type=parse_bool, metavar="BOOL", scripts="PT")
 
     def trains_on_ray(self) -> bool:
@@ -65,9 +68,8 @@ class DistributedFlags:
                                   f"{workers} Ray workers: each trains its share of every batch",
                                   f"raise --batch_size to {workers} or more, or lower "
                                   "--num_workers")
-        if self.checkpoint_dir or self.resume:  # a Ray search's trials keep checkpoints
-            self._refuse_not_built("--checkpoint_dir and --resume",
-                                   search_built=self.engine == "ray" and not self.resume)
+        if self.checkpoint_dir or self.resume:  # a search's candidates keep their own
+            self._refuse_not_built("--checkpoint_dir and --resume", search_built=True)
 
     def searches(self) -> bool:
         """A candidate search: several learning rates (--lr_candidates), or seeds."""

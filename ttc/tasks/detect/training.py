@@ -30,7 +30,8 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.models import count_parameters, network_modules, user_architecture
 from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
-                              TrainedModel, checkpoint_store, train_images)
+                              TrainedModel, checkpoint_store, image_trained_model,
+                              train_images)
 from ttc.tasks.detect.metrics import detection_metrics
 from ttc.nets.transfer import Transfer
 from ttc.tasks.detect.nets import (detection_loss, detection_targets, network_loss,
@@ -432,15 +433,5 @@ def trained_detector(program: DetectorProgram, search: DetectorSearch, dataset: 
     """What training hands to export: the chosen candidate's network and its history;
     train_accuracy is the training split's COCO mAP in eval mode, val_accuracy the best
     epoch's validation mAP."""
-    trainer, chosen = search.chosen_trainer, search.chosen_candidate
-    return TrainedModel(net=program.net, labels=list(dataset.labels), architecture=architecture,
-                        preprocessing=dataset.preprocessing, history=trainer.history,
-                        best_epoch=trainer.best_epoch, train_accuracy=split_map(program,
-                                                                                dataset.train),
-                        val_accuracy=trainer.best_record.val_accuracy,
-                        seconds=round(time.perf_counter() - started, 3),
-                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
-                        seed=chosen.seed, candidates=search.candidates,
-                        chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
-                        transfer=transfer)
+    return image_trained_model(program, search, dataset, architecture, started, config,
+                               transfer, split_map(program, dataset.train))

@@ -30,7 +30,8 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
 from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
-                              TrainedModel, checkpoint_store, train_images)
+                              TrainedModel, checkpoint_store, image_trained_model,
+                              train_images)
 from ttc.nets.transfer import Transfer
 from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
@@ -392,16 +393,7 @@ def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, datase
     """What training hands to export: the chosen candidate's network and its history;
     train_accuracy is the training split's mean IoU in eval mode, val_accuracy the best
     epoch's validation mean IoU (both pooled over the split's pixels)."""
-    trainer, chosen = search.chosen_trainer, search.chosen_candidate
     train_miou = split_miou(program.net, dataset.train, len(dataset.labels),
                             program.ignore_index)
-    return TrainedModel(net=program.net, labels=list(dataset.labels), architecture=architecture,
-                        preprocessing=dataset.preprocessing, history=trainer.history,
-                        best_epoch=trainer.best_epoch, train_accuracy=train_miou,
-                        val_accuracy=trainer.best_record.val_accuracy,
-                        seconds=round(time.perf_counter() - started, 3),
-                        samples=len(dataset.train), learning_rate=chosen.learning_rate,
-                        seed=chosen.seed, candidates=search.candidates,
-                        chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
-                        transfer=transfer)
+    return image_trained_model(program, search, dataset, architecture, started, config,
+                               transfer, train_miou)
