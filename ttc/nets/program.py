@@ -331,12 +331,7 @@ class WeightTrainer(Teleprompter):
         program = copy.deepcopy(student)
         x, y = self._stack(program, trainset)
         runner = EpochRunner(self, program, x, y, valset or trainset)
-        store = self.checkpoints
-        if store is not None and (state := store.start_state()) is not None:
-            runner.load_state_dict(state)
-        runner.run(None if store is None else
-                   lambda done: store.save(done.state_dict(), done.epoch))
-        return runner.finish()
+        return runner.run_checkpointed(self.checkpoints)
 
     def max_norm_layer(self, net: nn.Module) -> nn.Linear | None:
         """The layer --max_norm bounds: the network's output layer (its last nn.Linear)."""
@@ -411,6 +406,20 @@ class EpochLoop:
                          "%s has improved for %d epochs (--patience); keeping epoch %d",
                          self.epoch, trainer.epochs, self.score_name, self.patience,
                          trainer.best_epoch)
+
+    def run_checkpointed(self, store: CheckpointStore | None) -> dspy.Module:
+        """A local run: from the store's checkpoint with --resume, a checkpoint after each
+        epoch with --checkpoint_dir (store None: neither); the program with the best epoch's
+        weights (finish)."""
+        if store is not None and (state := store.start_state()) is not None:
+            self.load_state_dict(state)
+        self.run(None if store is None else
+                 lambda done: store.save(done.state_dict(), done.epoch))
+        return self.finish()
+
+    def finish(self) -> dspy.Module:
+        """The program with the best epoch's weights, on the CPU, in eval mode."""
+        raise NotImplementedError
 
     def run_epoch(self, epoch: int) -> bool:
         """Train one epoch and score it; whether to stop, as rank 0 decides."""
@@ -649,12 +658,7 @@ class ImageTrainer(Teleprompter):
         program = copy.deepcopy(student)
         x, y = self._stack(trainset)
         runner = ImageRunner(self, program, x, y, valset or trainset)
-        store = self.checkpoints
-        if store is not None and (state := store.start_state()) is not None:
-            runner.load_state_dict(state)
-        runner.run(None if store is None else
-                   lambda done: store.save(done.state_dict(), done.epoch))
-        return runner.finish()
+        return runner.run_checkpointed(self.checkpoints)
 
     @property
     def best_record(self) -> EpochRecord:
