@@ -407,6 +407,21 @@ class EpochLoop:
                          self.epoch, trainer.epochs, self.score_name, self.patience,
                          trainer.best_epoch)
 
+    def _bind(self, trainer: Teleprompter, program: dspy.Module, x: torch.Tensor, y,
+              devset: list[dspy.Example], sync: Sync | None, train_net: nn.Module | None,
+              device: torch.device) -> None:
+        """What every epoch loop holds: the trainer and its program, the training data, how
+        the processes agree, the network the batches go through, the device, the validation
+        (dspy.Evaluate with the trainer's metric) and the batch order's generator."""
+        self.trainer, self.program, self.x, self.y = trainer, program, x, y
+        self.sync = sync or Sync()
+        self.net = program.net
+        self.train_net = train_net or program.net
+        self.device = device
+        self.evaluate = dspy.Evaluate(devset=devset, metric=trainer.metric, num_threads=1,
+                                      display_progress=False, max_errors=1)
+        self.generator = torch.Generator().manual_seed(trainer.seed)
+
     def run_checkpointed(self, store: CheckpointStore | None) -> dspy.Module:
         """A local run: from the store's checkpoint with --resume, a checkpoint after each
         epoch with --checkpoint_dir (store None: neither); the program with the best epoch's
@@ -469,14 +484,8 @@ class EpochRunner(EpochLoop):
                  y: torch.Tensor, devset: list[dspy.Example], *, sync: Sync | None = None,
                  train_net: nn.Module | None = None, device: torch.device | None = None
                  ) -> None:
-        self.trainer, self.program, self.x, self.y = trainer, program, x, y
-        self.sync = sync or Sync()
-        self.net = program.net
-        self.train_net = train_net or program.net
-        self.device = device or trainer.device
-        self.evaluate = dspy.Evaluate(devset=devset, metric=trainer.metric, num_threads=1,
-                                      display_progress=False, max_errors=1)
-        self.generator = torch.Generator().manual_seed(trainer.seed)
+        self._bind(trainer, program, x, y, devset, sync, train_net,
+                   device or trainer.device)
         steps = max(1, len(x) // trainer.batch_size + (len(x) % trainer.batch_size > 1))
         self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
                                            weight_decay=trainer.recipe.weight_decay)
@@ -754,14 +763,8 @@ class ImageRunner(EpochLoop):
                  devset: list[dspy.Example], *, sync: Sync | None = None,
                  train_net: nn.Module | None = None, device: torch.device | None = None
                  ) -> None:
-        self.trainer, self.program, self.x, self.y = trainer, program, x, y
-        self.sync = sync or Sync()
-        self.net = program.net
-        self.train_net = train_net or program.net
-        self.device = device or torch.device("cpu")
-        self.evaluate = dspy.Evaluate(devset=devset, metric=trainer.metric, num_threads=1,
-                                      display_progress=False, max_errors=1)
-        self.generator = torch.Generator().manual_seed(trainer.seed)
+        self._bind(trainer, program, x, y, devset, sync, train_net,
+                   device or torch.device("cpu"))
         self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
                                            weight_decay=trainer.weight_decay)
         self.schedule = learning_rate_schedule(
