@@ -525,16 +525,18 @@ def export_detection_bundle(config: Config, net: torch.nn.Module, manifest: Mani
     batch, height and width), slimmed, checked, and compared with PyTorch's detections at batch
     sizes 1, 4 and 8 and two image sizes (ttc/tasks/detect/export.py). The NMS settings it
     bakes are recorded in the manifest's preprocessing.nms."""
+    from ttc.convert.graphs import optimised
     from ttc.tasks.detect.evaluate import detection_runner
     from ttc.tasks.detect.export import compare_detections, nms_settings
-    from ttc.tasks.detect.nms import export_detector
+    from ttc.tasks.detect.nms import append_nms, export_candidates
 
     nms = nms_settings(config, draft["preprocessing"])
     draft["preprocessing"]["nms"] = nms.record()
     manifest = as_manifest(draft)
-    try:
-        exported = export_detector(net, samples[:2], config.opset, nms.iou_threshold,
-                                   nms.score_threshold, nms.max_detections)
+    try:  # one trace for the deployable graph and the adaptation graph (ttc/convert/graphs.py)
+        raw = export_candidates(net, samples[:2], config.opset, optimize=False)
+        exported = append_nms(optimised(raw), nms.iou_threshold, nms.score_threshold,
+                              nms.max_detections)
     except (RuntimeError, ValueError, TypeError) as err:
         raise ExportError(f"torch.onnx.export failed at opset {config.opset}: "
                           f"{first_line(err)}", "rerun with --log_level DEBUG") from err
@@ -560,7 +562,7 @@ def export_detection_bundle(config: Config, net: torch.nn.Module, manifest: Mani
                         "min_matched_iou": check.min_matched_iou,
                         "count_mismatches": check.count_mismatches, "ties": check.ties,
                         "resolutions_checked": check.resolutions, "nms": nms.record()}
-    adaptation = detection_adaptation_graph(config, net, samples, nms,
+    adaptation = detection_adaptation_graph(config, raw, samples, nms,
                                             detection_runner(session))
     extras = {"bn": adaptation} if adaptation else {}
     if config.tta:
@@ -569,18 +571,18 @@ def export_detection_bundle(config: Config, net: torch.nn.Module, manifest: Mani
     return result
 
 
-def detection_adaptation_graph(config: Config, net: torch.nn.Module, samples: np.ndarray, nms,
+def detection_adaptation_graph(config: Config, raw: onnx.ModelProto, samples: np.ndarray, nms,
                                deployed: Callable) -> ExtraGraph | None:
-    """A detector's graph for --ttt bn (model.bn.onnx): the candidates exported unoptimised and
-    constant-folded, so that the BatchNormalization nodes survive, with the same NMS appended;
-    its detections checked against the deployable graph's (`deployed`) on held-out images.
-    None for a network without BatchNorm."""
+    """A detector's graph for --ttt bn (model.bn.onnx): the candidates' unoptimised export
+    (`raw`, the same trace the deployable graph was optimised from) constant-folded, so that
+    the BatchNormalization nodes survive, with the same NMS appended; its detections checked
+    against the deployable graph's (`deployed`) on held-out images. None for a network without
+    BatchNorm."""
     from ttc.tasks.detect.evaluate import detection_runner
     from ttc.tasks.detect.export import MAX_CHECK_IMAGES, max_score_diff
-    from ttc.tasks.detect.nms import append_nms, export_candidates
+    from ttc.tasks.detect.nms import append_nms
 
-    candidates = fold_constants(export_candidates(net, samples[:2], config.opset,
-                                                  optimize=False))
+    candidates = fold_constants(copy.deepcopy(raw))
     if not any(n.op_type == "BatchNormalization" for n in candidates.graph.node):
         return None
     graph = append_nms(candidates, nms.iou_threshold, nms.score_threshold, nms.max_detections)
