@@ -23,8 +23,7 @@ from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image
                                     restore, trained_of, worker_payload)
 from ttc.distributed.worker import WorkerPayload, read_starts, train_trial
 from ttc.inputs.data import Dataset
-from ttc.nets.checkpoints import (check_resumable, latest_of_candidate, latest_search,
-                                  read_state, search_key)
+from ttc.nets.checkpoints import latest_of_candidate, latest_search, read_state, search_key
 from ttc.nets.program import (CandidateSearch, ImagePlan, TrainedCandidate, TrainedModel,
                               TrainingDiverged, TrainingPlan, engine_section, plan_training)
 from ttc.serving.cluster import connect, stop_ray, unwrapped
@@ -101,14 +100,10 @@ def resumed_candidate(config: Config, ray_run: RayRun, search: CandidateSearch, 
     resumed, a local one or a trial's), checked; None: it starts afresh."""
     if not config.resume:
         return None
-    latest = latest_of_candidate(ray_run.folder, searched, index + 1)
+    latest = latest_of_candidate(ray_run.folder, searched, index + 1, fingerprint)
     search.resumed_from[index] = None if latest is None else int(latest[1]["epoch"])
     if latest is None:
-        LOG.info("candidate %d has no checkpoint: its trial starts afresh", index + 1)
         return None
-    check_resumable(latest[0], fingerprint)
-    LOG.info("candidate %d resumes from %s (epoch %d)", index + 1, latest[0].path,
-             search.resumed_from[index])
     return str(latest[0].path)
 
 

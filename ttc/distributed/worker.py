@@ -203,23 +203,10 @@ def train_process(payload: WorkerPayload, session: Session,
     except TrainingDiverged as err:  # every worker saw the same loss: none is left waiting
         session.report({"diverged": [err.epoch, err.batch, err.what]})
         return
-    if runner.epoch == first:  # a finished run resumed: its state as it is, no epoch run
-        report_state(runner, payload, session, epochs)
-
-
-def report_state(runner: EpochLoop, payload: WorkerPayload, session: Session,
-                 epochs: list[dict]) -> None:
-    """The report of a process that ran no epoch (it resumed a finished run or candidate):
-    the state it resumed, so that the driver reads it back as any run's last checkpoint."""
-    metrics = {"epoch": runner.epoch, "stopped": runner.stopped, "resumed_finished": True}
-    if session.rank != 0:
-        session.report(metrics)
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        write_checkpoint(Path(folder), {**runner.state_dict(), "engine_epochs": epochs},
-                         {**payload.meta, "run": payload.run, "epoch": runner.epoch,
-                          "engine": "ray", "fingerprint": payload.fingerprint})
-        session.report(metrics, checkpoint=session.checkpoint.from_directory(folder))
+    if runner.epoch == first:  # a finished run resumed: no epoch ran, so report the state
+        report_checkpoint(runner, payload, session, epochs,  # resumed, as a last checkpoint
+                          {"epoch": runner.epoch, "stopped": runner.stopped,
+                           "resumed_finished": True})
 
 
 def record_start(payload: WorkerPayload, state: dict | None) -> None:
@@ -248,15 +235,23 @@ def report_epoch(runner: EpochLoop, payload: WorkerPayload, session: Session,
                  timer: AllreduceTimer, sync: CollectiveSync, epochs: list[dict]) -> None:
     """Ray's report on every process; rank 0's with the checkpoint (the runner's state, the
     same files a local run writes, and the timings of the epochs so far)."""
-    metrics = {"epoch": runner.epoch, "stopped": runner.stopped}
+    if session.rank == 0:
+        record = runner.trainer.history[-1]
+        epochs.append({"epoch": runner.epoch, "seconds": record.seconds,
+                       "allreduce_seconds": round(timer.seconds, 4),
+                       "sync_seconds": round(sync.seconds, 4)})
+        timer.seconds = sync.seconds = 0.0
+    report_checkpoint(runner, payload, session, epochs,
+                      {"epoch": runner.epoch, "stopped": runner.stopped})
+
+
+def report_checkpoint(runner: EpochLoop, payload: WorkerPayload, session: Session,
+                      epochs: list[dict], metrics: dict) -> None:
+    """`metrics` to Ray from every process; rank 0's with the checkpoint: the runner's state
+    (the same files a local run writes) and the timings of the epochs so far."""
     if session.rank != 0:
         session.report(metrics)
         return
-    record = runner.trainer.history[-1]
-    epochs.append({"epoch": runner.epoch, "seconds": record.seconds,
-                   "allreduce_seconds": round(timer.seconds, 4),
-                   "sync_seconds": round(sync.seconds, 4)})
-    timer.seconds = sync.seconds = 0.0
     with tempfile.TemporaryDirectory() as folder:
         write_checkpoint(Path(folder), {**runner.state_dict(), "engine_epochs": epochs},
                          {**payload.meta, "run": payload.run, "epoch": runner.epoch,

@@ -132,11 +132,20 @@ def _listed(values: list) -> str:
     return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
 
 
-def latest_of_candidate(root: Path, search: str, candidate: int) -> tuple[Found, dict] | None:
-    """A search's candidate's latest readable checkpoint (any engine's), None: none yet."""
-    return load_latest([f for f in find_checkpoints(root)
-                        if (f.meta.get("search") or {}).get("run") == search and
-                        f.meta["search"].get("candidate") == candidate])
+def latest_of_candidate(root: Path, search: str, candidate: int,
+                        fingerprint: dict) -> tuple[Found, dict] | None:
+    """--resume: a search's candidate's latest readable checkpoint (any engine's), checked
+    against the candidate's `fingerprint`; None (logged): it has none and starts afresh."""
+    latest = load_latest([f for f in find_checkpoints(root)
+                          if (f.meta.get("search") or {}).get("run") == search and
+                          f.meta["search"].get("candidate") == candidate])
+    if latest is None:
+        LOG.info("candidate %d has no checkpoint: it starts afresh", candidate)
+        return None
+    check_resumable(latest[0], fingerprint)
+    LOG.info("candidate %d resumes from %s (epoch %d)", candidate, latest[0].path,
+             int(latest[1]["epoch"]))
+    return latest
 
 
 def check_resumable(found: Found, fingerprint: dict) -> None:
@@ -184,13 +193,13 @@ class CheckpointStore:
         if not self.resume:
             return None
         if self.search is not None:
-            latest = latest_of_candidate(self.root, self.search["run"], self.search["candidate"])
+            latest = latest_of_candidate(self.root, self.search["run"], self.search["candidate"],
+                                         self.fingerprint)
             if latest is None:
-                LOG.info("candidate %d has no checkpoint: it starts afresh",
-                         self.search["candidate"])
                 return None
-        else:
-            latest = load_latest(of_single_runs(find_checkpoints(self.root)))
+            self.resumed_from = int(latest[1]["epoch"])
+            return latest[1]
+        latest = load_latest(of_single_runs(find_checkpoints(self.root)))
         if latest is None:
             raise ConfigError(f"--resume: {self.root} holds no readable checkpoint of a single "
                               "run", "drop --resume to start afresh, or give the "
