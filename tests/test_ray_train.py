@@ -221,6 +221,10 @@ def test_two_workers_train_export_and_survive_a_worker_killed_mid_epoch(tmp_path
     # the checkpoint seen, or the one before it where the kill cut its copy short
     assert engine["restarted_from_epochs"][0] >= killed_after - 1, engine
     assert report["status"] == "ok" and engine["workers"] == 2
+    # each worker held only its half of the training rows (the stacked 8x8 digits)
+    train_rows = report["dataset"]["train"]
+    assert sorted(engine["shard_rows"]) == [train_rows // 2, train_rows - train_rows // 2]
+    assert engine["shard_bytes"] == [rows * (64 * 4 + 8) for rows in engine["shard_rows"]]
     assert len(engine["epoch_seconds"]) == len(engine["allreduce_seconds"]) == epochs
     assert 0 < engine["allreduce_share"] < 1
     assert report["export"]["max_abs_diff"] is not None and (out / "model.onnx").is_file()

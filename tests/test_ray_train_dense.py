@@ -91,6 +91,8 @@ def test_two_ray_workers_train_and_export_a_detector(tmp_path):
                    script="pipeline.py")
     engine = report["train"]["engine"]
     assert report["status"] == "ok" and engine["engine"] == "ray" and engine["workers"] == 2
+    assert sum(engine["shard_rows"]) == report["dataset"]["train"]
+    assert abs(engine["shard_rows"][0] - engine["shard_rows"][1]) <= 1
     assert len(engine["epoch_seconds"]) == 2 and len(engine["allreduce_seconds"]) == 2
     history = report["train"]["history"]
     assert [h["epoch"] for h in history] == [1, 2] and all(np.isfinite(h["loss"])

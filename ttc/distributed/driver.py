@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from config import Config
 from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image_planner,
                                     new_ray_run, new_search, require_local_gpus, require_room,
                                     restore, trained_of, worker_payload)
-from ttc.distributed.worker import WorkerPayload, read_starts, train_worker
+from ttc.distributed.worker import WorkerPayload, put_shards, read_starts, train_worker
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import read_state
 from ttc.nets.program import (Candidate, ImagePlan, TrainedModel, TrainingDiverged,
@@ -71,13 +72,15 @@ def fit(config: Config, payload: WorkerPayload, ray_run: RayRun) -> dict:
     from ray.train.torch import TorchConfig
 
     require_room(config, ray_run.options)
-    shipped = ray.put(payload)
-    check_model_def(payload, shipped)
     workers, gpu = ray_run.options.workers, config.use_gpu
+    shards, ray_run.shard_bytes = put_shards(payload, workers)
+    ray_run.shard_rows = [payload.shard.of(rank, workers).size() for rank in range(workers)]
+    shipped = ray.put(replace(payload, x=None, y=None))
+    check_model_def(payload, shipped)
     LOG.info("training on Ray: %d worker(s) of %d thread(s)%s, checkpoints in %s", workers,
              payload.threads, " and a GPU each" if gpu else "", ray_run.folder)
     trainer = trainer_class(local=ray_run.options.address is None)(
-        train_worker, train_loop_config={"payload": shipped},
+        train_worker, train_loop_config={"payload": shipped, "shards": shards},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
                                      resources_per_worker={"CPU": payload.threads,
@@ -153,4 +156,5 @@ def ray_engine_section(config: Config, epochs: list[dict], ray_run: RayRun) -> d
         sync_seconds=[e["sync_seconds"] for e in epochs], use_gpu=config.use_gpu,
         cluster_start_s=round(ray_run.start_seconds, 3), checkpoint_dir=str(ray_run.folder),
         resumed_from_epoch=ray_run.resumed_from, max_failures=MAX_FAILURES,
+        shard_rows=ray_run.shard_rows, shard_bytes=ray_run.shard_bytes,
         restarts=max(0, len(starts) - 1), restarted_from_epochs=starts[1:])

@@ -4,7 +4,7 @@ the checks made before training (GPUs, room on the cluster, a --model_def the wo
 import), and a finished run's checkpoint read back into the driver's student and trainer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +18,7 @@ from ttc.nets.checkpoints import (check_resumable, find_checkpoints, load_latest
 from ttc.nets.program import (CandidateSearch, EpochRecord, ImagePlan, ImageRunner, TrainedModel,
                               TrainingPlan, WeightTrainer, label_match, require_finite_weights,
                               run_fingerprint, to_examples, trained_model)
+from ttc.nets.shards import Shard
 from ttc.serving.cluster import RayOptions
 from ttc.tasks.base import resolve
 from ttc.tasks.registry import task_for
@@ -38,6 +39,8 @@ class RayRun:
     address: str | None = None
     start_seconds: float = 0.0
     resumed_from: int | None = None
+    shard_rows: list[int] = field(default_factory=list)  # each worker's training rows
+    shard_bytes: list[int] = field(default_factory=list)  # and what they take in memory
 
     @property
     def starts_file(self) -> Path:
@@ -112,18 +115,20 @@ def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImageP
 
 def training_data(dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
                   trainer) -> dict:
-    """The payload's data (x, y, the validation examples) and how a worker builds and trains
-    the program: a classifier's (its input field and tokenizer), or an ImagePlan's (its
-    network builder, the program around it, ImageRunner)."""
+    """The payload's data (x, y: every training row, and the Shard that says so; the
+    validation examples) and how a worker builds and trains the program: a classifier's (its
+    input field and tokenizer), or an ImagePlan's (its network builder, the program around
+    it, ImageRunner)."""
     if isinstance(plan, ImagePlan):
         trainset = plan.examples(dataset.train)
         x, y = trainer._stack(trainset)
-        return {"x": x, "y": y, "devset": plan.examples(dataset.val) or trainset,
+        return {"x": x, "y": y, "shard": Shard(len(x), units=trainer._units(y)),
+                "devset": plan.examples(dataset.val) or trainset,
                 "field": "", "tokenizer": None, "pad_id": 0, "build_net": plan.build_net,
                 "wrap": plan.wrap, "runner": ImageRunner}
     trainset = to_examples(dataset.train, dataset.labels, plan.field)
     x, y = WeightTrainer._stack(student, trainset)
-    return {"x": x, "y": y,
+    return {"x": x, "y": y, "shard": Shard(len(x)),
             "devset": to_examples(dataset.val, dataset.labels, plan.field) or trainset,
             "field": plan.field, "tokenizer": student.tokenizer, "pad_id": student.pad_id}
 

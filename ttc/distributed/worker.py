@@ -1,7 +1,8 @@
 """What a Ray Train worker runs: the DSPy program rebuilt from the driver's weights, wrapped in
 DistributedDataParallel (ray.train.torch.prepare_model), trained by the local run's own epoch
-loop (a classifier's EpochRunner, a segmenter's or a detector's ImageRunner) on its share of
-every batch; after each epoch rank 0 reports a checkpoint (ray.train.report) and every worker
+loop (a classifier's EpochRunner, a segmenter's or a detector's ImageRunner) on its shard of
+the training rows (the only rows put in the object store for it: ttc/nets/shards.py), training
+the rows of every batch it holds; after each epoch rank 0 reports a checkpoint (ray.train.report) and every worker
 continues from the latest one after a restart. A Ray Tune trial of the candidate search
 (train_trial) runs the same code in one process."""
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pathlib import Path
 from typing import Callable
 
 import dspy
+import numpy as np
 import torch
 
 from ttc.nets.checkpoints import find_checkpoints, load_latest, read_state, write_checkpoint
 from ttc.nets.models import build_model, register_model_source
 from ttc.nets.program import ClassifierProgram, EpochLoop, EpochRunner, Sync, TrainingDiverged
+from ttc.nets.shards import Shard
 
 
 @dataclass
@@ -36,8 +39,8 @@ class WorkerPayload:
     pad_id: int
     weights: dict  # the student's starting state_dict (after --init_weights / --pretrained)
     torch_rng: torch.Tensor  # the driver's torch random state once the student was built
-    x: torch.Tensor
-    y: torch.Tensor
+    x: torch.Tensor | None  # the rows of `shard` (None in what the driver ships: put_shards)
+    y: object
     devset: list[dspy.Example]
     threads: int
     use_gpu: bool
@@ -51,6 +54,29 @@ class WorkerPayload:
     build_net: Callable = build_model  # (architecture, preprocessing) → the network
     wrap: Callable | None = None  # network → the DSPy program (None: a ClassifierProgram)
     runner: type = EpochRunner  # the epoch loop (ttc/nets/program.py EpochLoop)
+    shard: Shard | None = None  # which rows x and y are (None: all)
+
+
+def put_shards(payload: WorkerPayload, world: int) -> tuple[list, list[int]]:
+    """The training rows of each of `world` workers in Ray's object store, one object each
+    (a worker fetches only its own), and the bytes of each; payload.shard is the whole
+    split's."""
+    import ray
+
+    refs, sizes = [], []
+    for rank in range(world):
+        shard = payload.shard.of(rank, world)
+        rows = (shard.rows(payload.x), shard.rows(payload.y))
+        refs.append(ray.put(rows))
+        sizes.append(data_bytes(*rows))
+    return refs, sizes
+
+
+def data_bytes(x: torch.Tensor, y) -> int:
+    """What a process's training rows take in memory (images or token ids, and targets)."""
+    targets = (y.numel() * y.element_size() if isinstance(y, torch.Tensor)
+               else sum(getattr(item, "nbytes", 0) for item in y))
+    return x.numel() * x.element_size() + targets
 
 
 def build_program(payload: WorkerPayload) -> dspy.Module:
@@ -148,9 +174,12 @@ def train_worker(config: dict) -> None:
 
     payload: WorkerPayload = ray.get(config["payload"])
     context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    x, y = ray.get(config["shards"][rank])
+    payload = replace(payload, x=x, y=y, shard=payload.shard.of(rank, world))
     device = ray.train.torch.get_device() if payload.use_gpu else torch.device("cpu")
-    session = Session(context.get_world_rank(), context.get_world_size(), ray.train.report,
-                      ray.train.Checkpoint, ray.train.get_checkpoint(), device)
+    session = Session(rank, world, ray.train.report, ray.train.Checkpoint,
+                      ray.train.get_checkpoint(), device)
     train_process(payload, session, ray.train.torch.prepare_model)
 
 
@@ -184,19 +213,20 @@ def train_process(payload: WorkerPayload, session: Session,
     if rank == 0:
         record_start(payload, state)
     torch.set_rng_state(payload.torch_rng)
-    if rank:  # its own dropout masks
-        torch.manual_seed(payload.trainer.seed + rank)
     train_net = prepare(program.net) if prepare is not None else program.net
     timer = AllreduceTimer()
     if isinstance(train_net, torch.nn.parallel.DistributedDataParallel):
         train_net.register_comm_hook(None, timer.hook)
     sync = CollectiveSync(rank, world, session.device)
     runner = payload.runner(payload.trainer, program, payload.x, payload.y, payload.devset,
-                            sync=sync, train_net=train_net, device=session.device)
+                            sync=sync, train_net=train_net, device=session.device,
+                            shard=payload.shard)
     epochs: list[dict] = []
     if state is not None:
         runner.load_state_dict(state)
         epochs = list(state.get("engine_epochs", []))
+    if rank:  # its own dropout masks and TTA views (a checkpoint holds rank 0's generators)
+        own_random_numbers(payload.trainer, rank, runner.epoch)
     first = runner.epoch
     try:
         runner.run(lambda done: report_epoch(done, payload, session, timer, sync, epochs))
@@ -207,6 +237,14 @@ def train_process(payload: WorkerPayload, session: Session,
         report_checkpoint(runner, payload, session, epochs,  # resumed, as a last checkpoint
                           {"epoch": runner.epoch, "stopped": runner.stopped,
                            "resumed_finished": True})
+
+
+def own_random_numbers(trainer, rank: int, epoch: int) -> None:
+    """Seed this process's dropout masks and TTA views apart from rank 0's (and from its own
+    before a restart at `epoch`); the batch order's generator stays shared."""
+    torch.manual_seed(trainer.seed + rank + 7919 * epoch)
+    if hasattr(trainer, "view_rng"):
+        trainer.view_rng = np.random.default_rng([trainer.seed, rank, epoch])
 
 
 def record_start(payload: WorkerPayload, state: dict | None) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 from config import Config
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.checkpoints import CheckpointStore, new_run_id
+from ttc.nets.shards import Shard
 from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
 from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
 from ttc.nets.fitting import BestEpoch, learning_rate_schedule, restrict_row_norms
@@ -130,10 +131,16 @@ def label_match(example: dspy.Example, prediction: dspy.Prediction, trace=None) 
 # ----------------------------------------------------------------------------- the optimizer
 
 
-def random_shift(pixels: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """Shift each image by up to `max_shift` whole pixels per axis, replicating the border."""
+def random_shift(pixels: torch.Tensor, max_shift: int, generator: torch.Generator,
+                 drawn_for: torch.Tensor | None = None) -> torch.Tensor:
+    """Shift each image by up to `max_shift` whole pixels per axis, replicating the border.
+    `drawn_for`: the shifts are drawn for a whole batch, and `pixels` are the rows this mask
+    picks (a process's share: every process draws the same numbers)."""
     n, _, height, width = pixels.shape
-    shifts = torch.randint(-max_shift, max_shift + 1, (n, 2), generator=generator).float()
+    drawn = n if drawn_for is None else len(drawn_for)
+    shifts = torch.randint(-max_shift, max_shift + 1, (drawn, 2), generator=generator).float()
+    if drawn_for is not None:
+        shifts = shifts[drawn_for]
     theta = torch.zeros(n, 2, 3)
     theta[:, 0, 0] = theta[:, 1, 1] = 1.0
     theta[:, 0, 2] = -2.0 * shifts[:, 0] / width
@@ -272,9 +279,10 @@ class EpochRecord:
 class Sync:
     """How the processes that train one network together agree: here, one process alone (a
     local run). A Ray Train worker's (ttc/distributed/worker.py) sums over its peers with
-    torch.distributed and takes rank 0's word; each process trains `rank::world` of every
-    batch, and every process draws the same random numbers (batch order, augmentation), so
-    that --batch_size stays the global batch and one worker equals a local run."""
+    torch.distributed and takes rank 0's word; each process holds its shard of the training
+    rows and trains the rows of every batch it holds (ttc/nets/shards.py), and every process
+    draws the same random numbers (batch order, shifts), so that --batch_size stays the
+    global batch and one worker equals a local run."""
 
     rank, world = 0, 1
 
@@ -409,11 +417,13 @@ class EpochLoop:
 
     def _bind(self, trainer: Teleprompter, program: dspy.Module, x: torch.Tensor, y,
               devset: list[dspy.Example], sync: Sync | None, train_net: nn.Module | None,
-              device: torch.device) -> None:
-        """What every epoch loop holds: the trainer and its program, the training data, how
-        the processes agree, the network the batches go through, the device, the validation
-        (dspy.Evaluate with the trainer's metric) and the batch order's generator."""
+              device: torch.device, shard: Shard) -> None:
+        """What every epoch loop holds: the trainer and its program, the training data (this
+        process's `shard` of it: every row in a local run), how the processes agree, the
+        network the batches go through, the device, the validation (dspy.Evaluate with the
+        trainer's metric) and the batch order's generator."""
         self.trainer, self.program, self.x, self.y = trainer, program, x, y
+        self.shard = shard
         self.sync = sync or Sync()
         self.net = program.net
         self.train_net = train_net or program.net
@@ -482,11 +492,12 @@ class EpochRunner(EpochLoop):
 
     def __init__(self, trainer: WeightTrainer, program: ClassifierProgram, x: torch.Tensor,
                  y: torch.Tensor, devset: list[dspy.Example], *, sync: Sync | None = None,
-                 train_net: nn.Module | None = None, device: torch.device | None = None
-                 ) -> None:
+                 train_net: nn.Module | None = None, device: torch.device | None = None,
+                 shard: Shard | None = None) -> None:
         self._bind(trainer, program, x, y, devset, sync, train_net,
-                   device or trainer.device)
-        steps = max(1, len(x) // trainer.batch_size + (len(x) % trainer.batch_size > 1))
+                   device or trainer.device, shard or Shard(len(x)))
+        total = self.shard.total
+        steps = max(1, total // trainer.batch_size + (total % trainer.batch_size > 1))
         self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
                                            weight_decay=trainer.recipe.weight_decay)
         self.schedule = learning_rate_schedule(self.optimizer, trainer.epochs * steps,
@@ -505,9 +516,8 @@ class EpochRunner(EpochLoop):
         trainer, started = self.trainer, time.perf_counter()
         trainer.freeze_body(self.net, epoch <= trainer.freeze_epochs)
         loss, accuracy = self._train_epoch(epoch)
-        recalibrate_batchnorm(self.net, self.x[torch.randperm(len(self.x),
-                                                              generator=self.generator)],
-                              trainer.batch_size)
+        recalibrate_batchnorm(self.net, self.x[self.shard.local(
+            torch.randperm(self.shard.total, generator=self.generator))], trainer.batch_size)
         self._check_weights(epoch)
         stop = False
         if self.sync.rank == 0:
@@ -549,9 +559,9 @@ class EpochRunner(EpochLoop):
         over every process's share."""
         trainer, sync = self.trainer, self.sync
         self.train_net.train()
-        order = torch.randperm(len(self.x), generator=self.generator)
+        order = self.shard.order(self.generator)
         batches = [order[i:i + trainer.batch_size]
-                   for i in range(0, len(self.x), trainer.batch_size)]
+                   for i in range(0, len(order), trainer.batch_size)]
         # BatchNorm needs 2+ samples in each process's share of a batch: a trailing batch
         # smaller than that is left out (in a local run, a batch of one)
         if len(batches) > 1 and len(batches[-1]) < 2 * sync.world:
@@ -567,12 +577,14 @@ class EpochRunner(EpochLoop):
         return total_loss / seen, correct / seen
 
     def _inputs(self, batch: torch.Tensor) -> torch.Tensor:
-        """A batch's inputs, augmented: the whole batch on every process (each draws the same
-        random numbers), of which each trains on its share."""
+        """This process's share of a batch (the rows of it it holds), augmented: every process
+        draws the whole batch's shifts from the shared generator and applies its share's; the
+        TTA views' random forms come from each process's own generator."""
         trainer = self.trainer
-        inputs = self.x[batch]
+        inputs = self.x[self.shard.local(batch)]
         if trainer.augment:
-            inputs = random_shift(inputs, self.max_shift, self.generator)
+            inputs = random_shift(inputs, self.max_shift, self.generator,
+                                  drawn_for=self.shard.own(batch))
         if trainer.view_transforms:
             inputs = torch.from_numpy(random_augment(inputs.numpy(), trainer.view_transforms,
                                                      trainer.view_rng))
@@ -584,8 +596,7 @@ class EpochRunner(EpochLoop):
         correct answers and size over all processes. The share's mean loss is weighted by its
         part of the batch, so that the workers' averaged gradients are the whole batch's."""
         trainer, sync = self.trainer, self.sync
-        share = slice(sync.rank, None, sync.world)
-        inputs, targets = self._inputs(batch)[share], self.y[batch][share]
+        inputs, targets = self._inputs(batch), self.y[self.shard.local(batch)]
         with trainer.precision(self.device):
             logits = self.train_net(network_batch(inputs, trainer.pad_id, self.device))
             loss = F.cross_entropy(logits.float(), targets.to(self.device),
@@ -683,10 +694,12 @@ class ImageTrainer(Teleprompter):
         """The optimizer steps of an epoch over `count` images (the schedule's length)."""
         return max(1, count // self.batch_size + (count % self.batch_size > 1))
 
-    def _batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
-        """A shuffled epoch's batches; a trailing batch of one image is dropped (BatchNorm fails
-        on it: DeepLabV3's ASPP pooling branch sees one value per channel)."""
-        order = torch.randperm(count, generator=generator)
+    def _batches(self, count: int, generator: torch.Generator,
+                 shard: Shard | None = None) -> list[torch.Tensor]:
+        """A shuffled epoch's batches of `count` images (in `shard`'s order, Shard.order); a
+        trailing batch of one image is dropped (BatchNorm fails on it: DeepLabV3's ASPP pooling
+        branch sees one value per channel)."""
+        order = (shard or Shard(count)).order(generator)
         batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
         if len(batches) > 1 and len(batches[-1]) == 1:
             batches.pop()
@@ -696,7 +709,8 @@ class ImageTrainer(Teleprompter):
         """An epoch's batches (_batches, the same on every process) under rank 0's progress
         bar; with several processes, a trailing batch of fewer images than processes is left
         out (a process without a share would have nothing to run through BatchNorm)."""
-        batches = [batch for batch in self._batches(len(runner.x), runner.generator)
+        batches = [batch for batch in self._batches(runner.shard.total, runner.generator,
+                                                    runner.shard)
                    if len(batch) >= runner.sync.world]
         return progress(batches, desc=f"epoch {epoch}/{self.epochs}",
                         enabled=self.show_progress and runner.sync.rank == 0)
@@ -733,11 +747,16 @@ class ImageTrainer(Teleprompter):
         """The training examples' images (N, C, H, W) float32 and their targets."""
         raise NotImplementedError
 
+    def _units(self, y) -> torch.Tensor | None:
+        """Each image's part of a batch's loss (Shard.units: labelled pixels, objects); None:
+        one each."""
+        return None
+
     def _train_epoch(self, runner: "ImageRunner", epoch: int) -> tuple[float, float | None]:
         """One pass over the training images in train mode, this process training its share
-        (`rank::world`) of every batch through runner.train_net: the mean loss, and a running
-        training accuracy (None where _train_accuracy measures it after the epoch), both over
-        every process's share."""
+        of every batch (the rows it holds: runner.shard) through runner.train_net: the mean
+        loss, and a running training accuracy (None where _train_accuracy measures it after the
+        epoch), both over every process's share."""
         raise NotImplementedError
 
     def _scored(self, program: dspy.Module, results: Sequence[tuple], validation
@@ -754,21 +773,22 @@ class ImageTrainer(Teleprompter):
 
 class ImageRunner(EpochLoop):
     """ImageTrainer's epoch loop (EpochLoop: its state is a checkpoint). A local run and every
-    Ray Train worker run this same code: each process trains its share of every batch through
-    `train_net` (the program's network, or its DistributedDataParallel wrapper on a worker) on
-    `device`; every process re-estimates BatchNorm on the same images; rank 0 scores
+    Ray Train worker run this same code: each process trains its share of every batch (the
+    rows of its `shard`) through `train_net` (the program's network, or its
+    DistributedDataParallel wrapper on a worker) on `device`; every process re-estimates
+    BatchNorm on its rows among the same drawn images (rank 0's are checkpointed); rank 0 scores
     validation with dspy.Evaluate and decides the best epoch and early stopping (`sync`)."""
 
     def __init__(self, trainer: ImageTrainer, program: dspy.Module, x: torch.Tensor, y,
                  devset: list[dspy.Example], *, sync: Sync | None = None,
-                 train_net: nn.Module | None = None, device: torch.device | None = None
-                 ) -> None:
+                 train_net: nn.Module | None = None, device: torch.device | None = None,
+                 shard: Shard | None = None) -> None:
         self._bind(trainer, program, x, y, devset, sync, train_net,
-                   device or torch.device("cpu"))
+                   device or torch.device("cpu"), shard or Shard(len(x), units=trainer._units(y)))
         self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
                                            weight_decay=trainer.weight_decay)
         self.schedule = learning_rate_schedule(
-            self.optimizer, trainer.epochs * trainer._steps_per_epoch(len(x)),
+            self.optimizer, trainer.epochs * trainer._steps_per_epoch(self.shard.total),
             trainer.lr_schedule, trainer.learning_rate)
         self.best = BestEpoch(trainer.patience)
         self.epoch, self.stopped = 0, False
@@ -787,8 +807,9 @@ class ImageRunner(EpochLoop):
         validation (rank 0); whether to stop, as rank 0 decides."""
         trainer, started = self.trainer, time.perf_counter()
         loss, running = trainer._train_epoch(self, epoch)
-        order = torch.randperm(len(self.x), generator=self.generator)[:DENSE_RECALIBRATION_IMAGES]
-        recalibrate_batchnorm(self.net, self.x[order], trainer.batch_size)
+        order = torch.randperm(self.shard.total,
+                               generator=self.generator)[:DENSE_RECALIBRATION_IMAGES]
+        recalibrate_batchnorm(self.net, self.x[self.shard.local(order)], trainer.batch_size)
         require_finite_weights(self.net, epoch, trainer.batches_run, trainer.learning_rate,
                                trainer.seed)
         stop = False

@@ -229,6 +229,10 @@ class DetectionTrainer(ImageTrainer):
     def _steps_per_epoch(self, count: int) -> int:
         return len(self._batches(count, torch.Generator().manual_seed(0)))
 
+    def _units(self, y: list[np.ndarray]) -> torch.Tensor:
+        """Each image's objects."""
+        return torch.tensor([len(boxes) for boxes in y], dtype=torch.int64)
+
     def _scored(self, program: DetectorProgram, results: Sequence[tuple],
                 validation: list[float]) -> tuple[float, float | None]:
         return pooled_map(results, program.labels), validation[0] if validation else None
@@ -247,23 +251,22 @@ class DetectionTrainer(ImageTrainer):
 
     def _train_epoch(self, runner: ImageRunner, epoch: int) -> tuple[float, None]:
         """One pass over the training images: the mean loss per image, in train mode (the
-        training recall is measured after the epoch). This process trains its share
-        (`rank::world`) of every batch, its loss weighted by its part of the batch's objects
+        training recall is measured after the epoch). This process trains its share of every
+        batch (the images of its shard, runner.shard), its loss weighted by its part of the batch's objects
         (at least 1 each: ImageTrainer._step). CenterNet's heatmap loss is a sum divided by the
         objects' peak cells (one per object unless two share a cell), so its averaged
         gradients are the whole batch's; its box loss (a mean over the cells with a box) and
         an SSD's (over its matched anchors) are divided by other counts, which objects only
         approximate, and BatchNorm normalises each share by its own statistics: with several
         processes the gradients are close to, not equal to, the whole batch's."""
-        sync = runner.sync
+        shard = runner.shard
         runner.train_net.train()
         total, seen = 0.0, 0
         bar = self._epoch_bar(runner, epoch)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
-            indices = batch.tolist()
-            mine = indices[sync.rank::sync.world]
-            objects = max(1, sum(len(runner.y[i]) for i in indices))
+            mine = shard.local(batch).tolist()
+            objects = max(1, int(shard.units_of(batch)))
             mine_objects = max(1, sum(len(runner.y[i]) for i in mine))
             loss = share_loss(runner, runner.x[mine].to(runner.device),
                               [runner.y[i] for i in mine], len(runner.program.labels))

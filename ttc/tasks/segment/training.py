@@ -199,31 +199,34 @@ class SegmentationTrainer(ImageTrainer):
     def _stack(self, examples: list[dspy.Example]) -> tuple[torch.Tensor, torch.Tensor]:
         return stack_examples(examples)
 
+    def _units(self, y: torch.Tensor) -> torch.Tensor:
+        """Each mask's labelled (non-void) pixels."""
+        return (y != self.ignore_index).sum(dim=(1, 2))
+
     def _scored(self, program: SegmenterProgram, results: Sequence[tuple],
                 validation: ValidationPass) -> tuple[float, float | None]:
         return pooled_miou(results, len(program.labels), self.ignore_index), validation.loss
 
     def _train_epoch(self, runner: ImageRunner, epoch: int) -> tuple[float, float]:
         """One pass over the training images: (mean pixel loss, pixel accuracy), running,
-        over the non-void pixels, in train mode. This process trains its share
-        (`rank::world`) of every batch; the share's mean pixel loss is weighted by its part of
-        the batch's non-void pixels (ImageTrainer._step), so the averaged gradients are exactly
+        over the non-void pixels, in train mode. This process trains its share of every batch
+        (the images of its shard, runner.shard); the share's mean pixel loss is weighted by its
+        part of the batch's non-void pixels (ImageTrainer._step), so the averaged gradients are exactly
         the whole batch's mean (BatchNorm aside: each process normalises with its own share's
         statistics, as DistributedDataParallel does without SyncBatchNorm)."""
-        net, sync = runner.train_net.train(), runner.sync
-        share = slice(sync.rank, None, sync.world)
+        net, shard = runner.train_net.train(), runner.shard
         total_loss, correct, seen = 0.0, 0.0, 0
         bar = self._epoch_bar(runner, epoch)
         for number, batch in enumerate(bar, 1):
             self.batches_run = number
-            target = runner.y[batch]
-            pixels = int((target != self.ignore_index).sum())
+            pixels = int(shard.units_of(batch))
             if not pixels:  # only void pixels: nothing to learn (and a loss of 0/0)
                 runner.schedule.step()
                 continue
-            mine = target[share].to(runner.device)
+            rows = shard.local(batch)
+            mine = runner.y[rows].to(runner.device)
             keep = mine != self.ignore_index
-            logits = net(runner.x[batch[share]].to(runner.device))
+            logits = net(runner.x[rows].to(runner.device))
             mine_pixels = int(keep.sum())
             loss = (F.cross_entropy(logits, mine, ignore_index=self.ignore_index) if mine_pixels
                     else logits.sum() * 0.0)  # a share of void pixels only: no gradient
