@@ -3,7 +3,8 @@ run:
 
     python bench/ray_train.py [--sms PATH] [--seeds 3] [--digits_epochs 20] [--sms_epochs 3]
                               [--search_epochs 100] [--lr_candidates 1e-3,2e-3,3e-3,5e-3]
-                              [--workers 2] [--cpus 2] [--bandwidth_gbit 10] [--quick]
+                              [--workers 2] [--cpus 2] [--bandwidth_gbit 10] [--images 400]
+                              [--quick]
 
 1. The digits CNN (builtin:digits) and the SMS transformer (`--arch transformer`, our own small
    encoder, on the SMS Spam Collection: --sms PATH, else the SMS part is skipped), each trained by `pipeline.py` on
@@ -18,6 +19,14 @@ run:
    every trial runs them all): `train.py --lr_candidates ...` sequentially (local, 1 thread)
    against `--engine ray` (Ray Tune trials, 1 thread each, --workers at once): the command's
    wall seconds, the ratio (goal ≤ 0.6x) and whether the winner is the same.
+3. Where a worker's shard should come from: the driver decodes the training split once (it
+   needs it whole for the later stages) and puts each worker's decoded shard in the object
+   store; a worker decoding its shard's files itself would do that work a second time to save
+   only the decoded rows' transfer. This part times the data code (ttc/inputs/data.py
+   load_dataset, as a worker would run it) per image on --images generated photos of two kinds
+   (64x64 PNG; 640x480 JPEG, resized to 64x64) and sets it against sending the decoded image
+   (3 x 64 x 64 float32) at --bandwidth_gbit: on paper for the network, measured for the
+   decoding.
 
 Every run is a CLI subprocess, pinned to --cpus CPUs (Ray's local cluster gets the CPUs of the
 affinity mask), whose --report_json is read back. --quick: digits only, 1 seed, 1 epoch, 2
@@ -290,10 +299,12 @@ def main() -> None:
                         help="CPUs the runs (and so Ray's local cluster) may use")
     parser.add_argument("--bandwidth_gbit", type=float, default=10.0,
                         help="the network assumed for the crossover on paper")
+    parser.add_argument("--images", type=int, default=400,
+                        help="generated photos of each kind for part 3")
     add_quick_flag(parser)
     args = parser.parse_args()
     if args.quick:
-        args.seeds, args.digits_epochs, args.search_epochs = 1, 1, 1
+        args.seeds, args.digits_epochs, args.search_epochs, args.images = 1, 1, 1, 8
         args.lr_candidates = ",".join(args.lr_candidates.split(",")[:2])
     if hasattr(os, "sched_getaffinity"):
         CPU_LIMIT[:] = sorted(os.sched_getaffinity(0))[:args.cpus]
@@ -304,6 +315,54 @@ def main() -> None:
         timing_summary(runs)
         crossover(runs, args.workers, args.bandwidth_gbit)
     search(args.lr_candidates, args.search_epochs, args.workers)
+    shard_source(args.images, args.bandwidth_gbit)
+
+
+PHOTO_KINDS = {"64x64 PNG": ((64, 64), "png"), "640x480 JPEG": ((640, 480), "jpg")}
+
+
+def write_photos(root: Path, count: int, size: tuple[int, int], suffix: str) -> None:
+    """`count` photos per class (2 classes): smooth colour fields with noise, as photos
+    compress (pure noise would not)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    width, height = size
+    ramp = np.linspace(0, 1, width)[None, :, None] * np.linspace(0, 1, height)[:, None, None]
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            colour = rng.random(3)[None, None, :]
+            noise = rng.normal(0, 0.05, (height, width, 3))
+            pixels = np.clip((ramp * colour + noise) * 255, 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / label / f"{i}.{suffix}")
+
+
+def shard_source(count: int, bandwidth_gbit: float) -> None:
+    """Part 3: decoding a photo with the data code, against sending it decoded."""
+    from ttc.inputs.data import DataOptions, load_dataset
+
+    print(f"\n3. a worker's shard: decoding its photos (ttc/inputs/data.py load_dataset, "
+          f"{2 * count} photos of each kind, 64x64 RGB float32) vs fetching them decoded at "
+          f"{bandwidth_gbit:g} Gbit/s (on paper):")
+    decoded_bytes = 3 * 64 * 64 * 4
+    fetch_ms = decoded_bytes / (bandwidth_gbit * 1e9 / 8) * 1e3
+    for kind, (size, suffix) in PHOTO_KINDS.items():
+        root = scratch_dir() / "photos"
+        write_photos(root, count, size, suffix)
+        options = DataOptions(path=str(root), image_size=(64, 64), channels=3,
+                              show_progress=False)
+        seconds = []
+        for _ in range(2):  # the best of two: the first also pays the decoders' first use
+            started = time.perf_counter()
+            dataset = load_dataset(options)
+            seconds.append(time.perf_counter() - started)
+        decode_ms = min(seconds) / (2 * count) * 1e3
+        rows = sum(len(split) for split in dataset.splits.values())
+        cheaper = "fetching the decoded photo" if fetch_ms < decode_ms else "decoding it again"
+        print(f"   {kind:>13}: decode {decode_ms:.3f} ms/photo ({rows} decoded, best of 2), "
+              f"fetch {decoded_bytes:,} B = {fetch_ms:.3f} ms/photo: decode / fetch = "
+              f"{decode_ms / fetch_ms:.1f}x, {cheaper} is cheaper")
 
 
 if __name__ == "__main__":
