@@ -476,14 +476,16 @@ def export_dense_bundle(config: Config, net: torch.nn.Module, manifest: Manifest
     """A segmenter's bundle: SegmentationGraph (logits, probabilities and mask per pixel) with
     dynamic batch, height and width, slimmed, checked, and compared with PyTorch at two
     resolutions (ttc/tasks/segment/export.py); its BatchNorm graph (model.bn.onnx) for --ttt bn,
-    checked against model.onnx."""
+    checked against model.onnx. Both graphs come from one trace (ttc/convert/graphs.py)."""
+    from ttc.convert.graphs import optimised
     from ttc.tasks.segment.export import compare_segmentation
     from ttc.tasks.segment.nets import SegmentationGraph
 
     spec, temperature = manifest.input, manifest.temperature
-    exported = export_graph(net, samples[:2], config.opset, spec, manifest.output_names,
-                            temperature=temperature,
-                            wrapper=SegmentationGraph(net, temperature))
+    raw = export_graph(net, samples[:2], config.opset, spec, manifest.output_names,
+                       optimize=False, temperature=temperature,
+                       wrapper=SegmentationGraph(net, temperature))
+    exported = optimised(raw)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     session = create_session(slimmed.SerializeToString(),
@@ -505,9 +507,7 @@ def export_dense_bundle(config: Config, net: torch.nn.Module, manifest: Manifest
                         "pixels_checked": masks.pixels,
                         "mask_disagreements": masks.mask_disagreements,
                         "resolutions_checked": masks.resolutions}
-    unoptimised = fold_constants(export_graph(
-        net, samples[:2], config.opset, spec, manifest.output_names, optimize=False,
-        temperature=temperature, wrapper=SegmentationGraph(net, temperature)))
+    unoptimised = fold_constants(raw)
     has_batchnorm = any(n.op_type == "BatchNormalization" for n in unoptimised.graph.node)
     extras = {"bn": export_adaptation_graph(net, unoptimised if has_batchnorm else None,
                                             samples, slimmed, config, manifest)}
