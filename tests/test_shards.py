@@ -78,3 +78,57 @@ def test_a_trailing_batch_kept_gives_each_process_two_rows(world):
     trailing = batches_of(order, size)[-1]
     assert [int(Shard(total).of(rank, world).own(trailing).sum())
             for rank in range(world)] == [2] * world
+
+
+class Passing:
+    """Process B of two: records what it contributes to the all-reduce."""
+
+    rank, world = 1, 2
+
+    def sum(self, values: list[float]) -> list[float]:
+        self.values = values
+        return values
+
+
+class Adding:
+    """Process A of two: its all-reduce adds B's contribution."""
+
+    rank, world = 0, 2
+
+    def __init__(self, other: list[float]) -> None:
+        self.other = other
+
+    def sum(self, values: list[float]) -> list[float]:
+        return [a + b for a, b in zip(values, self.other)]
+
+
+def test_the_workers_pooled_batchnorm_is_one_process_s_estimate_over_all_their_rows():
+    """Each of two processes re-estimates BatchNorm on its own rows; pooled, the running
+    statistics equal those one process estimates from all the rows (the same batches)."""
+    from ttc.nets.program import pool_batchnorm, recalibrate_batchnorm
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.BatchNorm2d(3),
+                              torch.nn.Flatten(), torch.nn.Linear(12, 4), torch.nn.BatchNorm1d(4))
+    x = torch.randn(40, 1, 4, 4) * 3 + 1
+    whole, first, second = (copy_of(net) for _ in range(3))
+    recalibrate_batchnorm(whole, x, batch_size=8)  # batches 0-7, 8-15, ...: 5 of them
+    recalibrate_batchnorm(first, torch.cat([x[0:8], x[16:24], x[32:40]]), batch_size=8)
+    recalibrate_batchnorm(second, torch.cat([x[8:16], x[24:32]]), batch_size=8)
+    passing = Passing()
+    pool_batchnorm(second, passing)
+    pool_batchnorm(first, Adding(passing.values))
+    for pooled, alone in zip(norms_of(first), norms_of(whole)):
+        assert torch.allclose(pooled.running_mean, alone.running_mean, atol=1e-5)
+        assert torch.allclose(pooled.running_var, alone.running_var, atol=1e-5)
+    assert not torch.allclose(norms_of(second)[0].running_mean, norms_of(whole)[0].running_mean)
+
+
+def copy_of(net: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(net)
+
+
+def norms_of(net: torch.nn.Module) -> list:
+    return [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]

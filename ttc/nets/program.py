@@ -174,6 +174,33 @@ def recalibrate_batchnorm(net: nn.Module, x: torch.Tensor, batch_size: int,
     net.eval()
 
 
+def pool_batchnorm(net: nn.Module, sync: "Sync") -> None:
+    """After each process re-estimated BatchNorm on its own rows (recalibrate_batchnorm), pool
+    the running statistics over the processes: the re-estimate is an average of its batches'
+    means and variances, so the average over every process's batches is what one process
+    would have estimated from all of them. One small all-reduce; nothing in a local run."""
+    if sync.world == 1:
+        return
+    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.running_mean is not None]
+    if not norms:  # the same network on every process: all return here alike
+        return
+    values = []
+    for m in norms:
+        batches = float(m.num_batches_tracked)
+        values += [batches, *(m.running_mean * batches).tolist(),
+                   *(m.running_var * batches).tolist()]
+    totals = iter(sync.sum(values))
+    for m in norms:
+        channels = m.running_mean.numel()
+        batches = next(totals)
+        mean = torch.tensor([next(totals) for _ in range(channels)], dtype=torch.float64)
+        variance = torch.tensor([next(totals) for _ in range(channels)], dtype=torch.float64)
+        if batches > 0:
+            m.running_mean.copy_(mean / batches)
+            m.running_var.copy_(variance / batches)
+
+
 def example_rate(learning_rate: float) -> str:
     """A learning rate to suggest after `learning_rate` diverged: 1e-3, or a tenth of it when it
     was already that low, written short ("1e-3")."""
@@ -518,6 +545,7 @@ class EpochRunner(EpochLoop):
         loss, accuracy = self._train_epoch(epoch)
         recalibrate_batchnorm(self.net, self.x[self.shard.local(
             torch.randperm(self.shard.total, generator=self.generator))], trainer.batch_size)
+        pool_batchnorm(self.net, self.sync)
         self._check_weights(epoch)
         stop = False
         if self.sync.rank == 0:
@@ -776,7 +804,7 @@ class ImageRunner(EpochLoop):
     Ray Train worker run this same code: each process trains its share of every batch (the
     rows of its `shard`) through `train_net` (the program's network, or its
     DistributedDataParallel wrapper on a worker) on `device`; every process re-estimates
-    BatchNorm on its rows among the same drawn images (rank 0's are checkpointed); rank 0 scores
+    BatchNorm on its rows among the same drawn images, pooled over the processes; rank 0 scores
     validation with dspy.Evaluate and decides the best epoch and early stopping (`sync`)."""
 
     def __init__(self, trainer: ImageTrainer, program: dspy.Module, x: torch.Tensor, y,
@@ -810,6 +838,7 @@ class ImageRunner(EpochLoop):
         order = torch.randperm(self.shard.total,
                                generator=self.generator)[:DENSE_RECALIBRATION_IMAGES]
         recalibrate_batchnorm(self.net, self.x[self.shard.local(order)], trainer.batch_size)
+        pool_batchnorm(self.net, self.sync)
         require_finite_weights(self.net, epoch, trainer.batches_run, trainer.learning_rate,
                                trainer.seed)
         stop = False
