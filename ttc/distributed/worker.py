@@ -2,9 +2,9 @@
 DistributedDataParallel (ray.train.torch.prepare_model), trained by the local run's own epoch
 loop (a classifier's EpochRunner, a segmenter's or a detector's ImageRunner) on its shard of
 the training rows (the only rows put in the object store for it: ttc/nets/shards.py), training
-the rows of every batch it holds; after each epoch rank 0 reports a checkpoint (ray.train.report) and every worker
-continues from the latest one after a restart. A Ray Tune trial of the candidate search
-(train_trial) runs the same code in one process."""
+the rows of every batch it holds; after each epoch rank 0 reports a checkpoint
+(ray.train.report) and every worker continues from the latest one after a restart. A Ray Tune
+trial of the candidate search (train_trial) runs the same code in one process."""
 from __future__ import annotations
 
 import json
