@@ -15,6 +15,7 @@ import torch
 from config import Config
 from ttc.inputs.data import DataOptions
 from ttc.nets.program import TrainingDiverged
+from ttc.nets.shards import Shard
 from ttc.tasks.segment.canvases import write_digit_canvases
 from ttc.tasks.segment.data import load_segmentation_dataset
 from ttc.tasks.segment.metrics import PixelConfusion, summary_scores
@@ -92,9 +93,9 @@ def test_dropout_flag_goes_into_the_record_of_a_network_that_takes_it(dataset):
 def test_a_trailing_batch_of_one_image_is_dropped():
     trainer = SegmentationTrainer(epochs=1, batch_size=8, learning_rate=1e-3,
                                   weight_decay=0.0, seed=0)
-    sizes = [len(b) for b in trainer._batches(17, torch.Generator().manual_seed(0))]
+    sizes = [len(b) for b in trainer._batches(Shard(17), torch.Generator().manual_seed(0))]
     assert sizes == [8, 8]
-    assert [len(b) for b in trainer._batches(1, torch.Generator())] == [1]
+    assert [len(b) for b in trainer._batches(Shard(1), torch.Generator())] == [1]
 
 
 class VoidScrambler(torch.nn.Module):

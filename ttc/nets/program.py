@@ -722,13 +722,12 @@ class ImageTrainer(Teleprompter):
         """The optimizer steps of an epoch over `count` images (the schedule's length)."""
         return max(1, count // self.batch_size + (count % self.batch_size > 1))
 
-    def _batches(self, count: int, generator: torch.Generator,
-                 shard: Shard | None = None) -> list[torch.Tensor]:
-        """A shuffled epoch's batches of `count` images (in `shard`'s order, Shard.order); a
+    def _batches(self, shard: Shard, generator: torch.Generator) -> list[torch.Tensor]:
+        """A shuffled epoch's batches of the split's images (in `shard`'s order, Shard.order); a
         trailing batch of one image is dropped (BatchNorm fails on it: DeepLabV3's ASPP pooling
         branch sees one value per channel)."""
-        order = (shard or Shard(count)).order(generator)
-        batches = [order[i:i + self.batch_size] for i in range(0, count, self.batch_size)]
+        order = shard.order(generator)
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if len(batches) > 1 and len(batches[-1]) == 1:
             batches.pop()
         return batches
@@ -737,8 +736,7 @@ class ImageTrainer(Teleprompter):
         """An epoch's batches (_batches, the same on every process) under rank 0's progress
         bar; with several processes, a trailing batch of fewer images than processes is left
         out (a process without a share would have nothing to run through BatchNorm)."""
-        batches = [batch for batch in self._batches(runner.shard.total, runner.generator,
-                                                    runner.shard)
+        batches = [batch for batch in self._batches(runner.shard, runner.generator)
                    if len(batch) >= runner.sync.world]
         return progress(batches, desc=f"epoch {epoch}/{self.epochs}",
                         enabled=self.show_progress and runner.sync.rank == 0)

@@ -32,6 +32,7 @@ from ttc.nets.models import count_parameters, network_modules, user_architecture
 from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
                               TrainedModel, checkpoint_store, image_trained_model,
                               train_images)
+from ttc.nets.shards import Shard
 from ttc.tasks.detect.metrics import detection_metrics
 from ttc.nets.transfer import Transfer
 from ttc.tasks.detect.nets import (detection_loss, detection_targets, network_loss,
@@ -227,7 +228,7 @@ class DetectionTrainer(ImageTrainer):
         return x, [ex.boxes for ex in examples]
 
     def _steps_per_epoch(self, count: int) -> int:
-        return len(self._batches(count, torch.Generator().manual_seed(0)))
+        return len(self._batches(Shard(count), torch.Generator().manual_seed(0)))
 
     def _units(self, y: list[np.ndarray]) -> torch.Tensor:
         """Each image's objects."""
