@@ -215,7 +215,7 @@ def running_cluster(tmp_path):
     head.wait(timeout=120)
 
 
-def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds(
+def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds_or_a_taken_port(
         tabular_bundle, running_cluster, tmp_path):
     data = tmp_path / "new.csv"
     rows = pd.DataFrame(feature_rows(per_class=30, seed=6))
@@ -235,6 +235,17 @@ def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds(
     preds = read_rows(out)
     assert len(preds) == 89 and "21" not in set(preds["id"])
     assert (preds["label"] == preds["true_label"]).mean() > 0.8
+    # serve.py on the joined cluster, whose node has the port taken: Ray Serve's proxy cannot
+    # bind it (as when another process takes a port a local cluster's run checked): one line
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        run = run_cli("serve.py", "--model", tabular_bundle["model"], "--engine", "ray",
+                      "--ray_address", running_cluster, "--num_threads", "1", "--port", port)
+    assert_clean_failure(run, 5, f"could not start its controller and HTTP proxy on "
+                         f"127.0.0.1:{port}", "Failed to bind", "choose another --port")
+    assert run.stdout == ""  # Ray relays its Serve controller's shutdown error: a log, not output
 
 
 def test_ray_flags_are_checked_before_any_work(tabular_bundle, tmp_path):

@@ -41,6 +41,7 @@ from typing import Any
 
 from config import Config
 from ttc.online.app import ModelServer, ServerError, create_app, warmed_predictor
+from ttc.serving import cluster
 from utils import EXIT_INTERRUPTED, LOG, ConfigError, RuntimeFailure
 
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
@@ -125,24 +126,25 @@ def serve_on_ray(config: Config) -> int:
     del predictor
     debug = config.log_level == "DEBUG"
     started_serve, deployed, stops = False, False, None
-    try:
-        address, seconds = _connect(config, local)
-        _require_room(config.num_replicas, threads, gpu)
-        started_serve = _start_serve(config.host, port, name, debug)
-        # from here on SIGTERM is a drained stop (exit 0), also while the replicas start: the
-        # first one answers before the others are up
-        stops = _StopSignals()
-        began, deployed = time.perf_counter(), True
-        if _deploy(deployment(replica_config, threads, gpu), name, stops, debug):
-            LOG.info("serving %s as %r on http://%s:%d with Ray Serve: %d replica(s) of %d "
-                     "thread(s) (POST /predict, /v2/models/%s/infer; cluster %s ready in "
-                     "%.1f s, replicas in %.1f s)", replica_config.output_model, name,
-                     f"[{config.host}]" if ":" in config.host else config.host, port,
-                     config.num_replicas, threads, name, address, seconds,
-                     time.perf_counter() - began)
-            stops.wait()
-    finally:
-        _stop(name, started_serve, deployed, local, debug)
+    with cluster.ray_prints_to_stderr():
+        try:
+            address, seconds = _connect(config, local)
+            _require_room(config.num_replicas, threads, gpu)
+            started_serve = _start_serve(config.host, port, name, local, debug)
+            # from here on SIGTERM is a drained stop (exit 0), also while the replicas start: the
+            # first one answers before the others are up
+            stops = _StopSignals()
+            began, deployed = time.perf_counter(), True
+            if _deploy(deployment(replica_config, threads, gpu), name, stops, debug):
+                LOG.info("serving %s as %r on http://%s:%d with Ray Serve: %d replica(s) of %d "
+                         "thread(s) (POST /predict, /v2/models/%s/infer; cluster %s ready in "
+                         "%.1f s, replicas in %.1f s)", replica_config.output_model, name,
+                         f"[{config.host}]" if ":" in config.host else config.host, port,
+                         config.num_replicas, threads, name, address, seconds,
+                         time.perf_counter() - began)
+                stops.wait()
+        finally:
+            _stop(name, started_serve, deployed, local, debug)
     LOG.info("stopped: Ray Serve drained its replicas")
     return EXIT_INTERRUPTED if stops.first == signal.SIGINT else 0
 
@@ -173,8 +175,6 @@ def _connect(config: Config, local: bool) -> tuple[str, float]:
     CPUs, or the cluster at --ray_address, with SIGTERM and SIGINT held until it is done; Ray's
     logs at ERROR on stderr (all of them at --log_level DEBUG). The cluster's address and the
     seconds it took."""
-    from ttc.serving import cluster
-
     debug = config.log_level == "DEBUG"
     level = logging.DEBUG if debug else logging.ERROR
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -217,9 +217,10 @@ def _require_room(replicas: int, threads: int, gpu: bool) -> None:
                           "--ep cpu")
 
 
-def _start_serve(host: str, port: int, name: str, debug: bool) -> bool:
+def _start_serve(host: str, port: int, name: str, local: bool, debug: bool) -> bool:
     """Serve's controller and HTTP proxies (on host:port); whether this process started them
-    (False: Serve ran on the cluster already, listening where this run asks)."""
+    (False: Serve ran on the cluster already, listening where this run asks). Where they cannot
+    start, a joined cluster is left without this run's controller."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
@@ -237,8 +238,19 @@ def _start_serve(host: str, port: int, name: str, debug: bool) -> bool:
             raise RuntimeFailure(f"the cluster's Ray Serve already runs an application named "
                                  f"{name!r}", "give this one another --name")
         return False
-    serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": 30},
-                logging_config=_logging_config(debug))
+    from ray.exceptions import RayError
+
+    try:
+        serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": 30},
+                    logging_config=_logging_config(debug))
+    except RayError as err:  # the proxy's port taken since it was checked; a controller died
+        if not local:  # a local cluster's Serve goes with the cluster
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+        raise RuntimeFailure(f"Ray Serve could not start its controller and HTTP proxy on "
+                             f"{host}:{port}: {_last_line(err)}", "choose another --port if "
+                             "another process took that one; otherwise rerun with --log_level "
+                             "DEBUG (Ray's logs are in /tmp/ray/session_latest/logs)") from None
     return True
 
 
@@ -323,8 +335,6 @@ def _stop(name: str, started_serve: bool, deployed: bool, local: bool, debug: bo
     down if this run started it on a joined cluster (a local cluster's Serve goes with it);
     then the cluster left, and stopped with every process of it if it was this run's own.
     SIGTERM and SIGINT wait until that is done."""
-    from ttc.serving import cluster
-
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return

@@ -78,6 +78,14 @@ def local_engine_section(run: BatchRun, threads: int) -> dict:
 # ----------------------------------------------------------------------------- cluster
 
 
+def ray_prints_to_stderr() -> contextlib.AbstractContextManager:
+    """While this process is a Ray driver: Ray's thread that relays the cluster's error
+    messages ("(raylet) Task ... failed", "A worker died ...") prints them to sys.stdout, which
+    carries only the final summary or JSON; they are logs (stderr). Enter it before connect and
+    leave it after stop_ray."""
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def connect(options: RayOptions) -> tuple[str, float]:
     """ray.init: a new local cluster (of this machine's CPUs), or the one at --ray_address;
     its address and the seconds it took. Ray's own logs reach stderr at ERROR (all of them at
@@ -440,6 +448,22 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
     Ray batch does not stop there. Only batch-dependent methods (episodic TTT, dynamic int8)
     can tell."""
     parts = input_parts(manifest, options)  # before the cluster: a bad input fails at once
+    with ray_prints_to_stderr():
+        run, address, start_seconds, timing = _predict_on_cluster(
+            options, manifest, make_predictor, report, ray_options, parts)
+    report["engine"] = EngineStats(
+        "ray", address, ray_options.workers, ray_options.threads, ray_options.worker_batch_size,
+        round(start_seconds, 3), timing.seconds, run.rows, run.failed,
+        run.report_section()["rows_per_s"], run.seconds).report_section()
+    LOG.info("ray: %d workers, cluster start %.1f s, first predictions after %.1f s",
+             ray_options.workers, start_seconds, timing.seconds or 0.0)
+    return run
+
+
+def _predict_on_cluster(options: BatchOptions, manifest: Manifest,
+                        make_predictor: PredictorFactory, report: dict, ray_options: RayOptions,
+                        parts: list) -> tuple[BatchRun, str, float, "FirstBatch"]:
+    """Connect, predict the parts with Ray Data into batch.py's writer, stop the cluster."""
     stream = None
     try:
         address, start_seconds = connect(ray_options)
@@ -470,13 +494,7 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
         raise unwrapped(err) from None
     finally:
         stop_ray(stream, local=ray_options.address is None)
-    report["engine"] = EngineStats(
-        "ray", address, ray_options.workers, ray_options.threads, ray_options.worker_batch_size,
-        round(start_seconds, 3), timing.seconds, run.rows, run.failed,
-        run.report_section()["rows_per_s"], run.seconds).report_section()
-    LOG.info("ray: %d workers, cluster start %.1f s, first predictions after %.1f s",
-             ray_options.workers, start_seconds, timing.seconds or 0.0)
-    return run
+    return run, address, start_seconds, timing
 
 
 def ordered_data_context() -> None:
