@@ -30,7 +30,7 @@ from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import read_state
 from ttc.nets.program import (Candidate, ImagePlan, TrainedModel, TrainingDiverged,
                               TrainingPlan, engine_section, plan_training)
-from ttc.serving.cluster import connect, ray_prints_to_stderr, stop_ray, unwrapped
+from ttc.serving.cluster import driving_ray
 from utils import LOG, ConfigError, stdout_to_stderr
 
 
@@ -50,14 +50,9 @@ def train_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
     payload = worker_payload(config, dataset, plan, student, trainer, torch_rng, ray_run)
     payload.starts = str(ray_run.starts_file)
     require_local_gpus(config, ray_run.options)
-    with ray_prints_to_stderr():
-        try:
-            ray_run.address, ray_run.start_seconds = connect(ray_run.options)
-            state = fit(config, payload, ray_run)
-        except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
-            raise unwrapped(err) from None
-        finally:
-            stop_ray(None, local=ray_run.options.address is None)
+    with driving_ray(ray_run.options) as session:
+        ray_run.address, ray_run.start_seconds = session.address, session.start_seconds
+        state = fit(config, payload, ray_run)
     return finished(config, dataset, plan, student, trainer, state, ray_run)
 
 

@@ -26,7 +26,7 @@ from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import latest_of_candidate, latest_search, read_state, search_key
 from ttc.nets.program import (CandidateSearch, ImagePlan, TrainedCandidate, TrainedModel,
                               TrainingDiverged, TrainingPlan, engine_section, plan_training)
-from ttc.serving.cluster import connect, ray_prints_to_stderr, stop_ray, unwrapped
+from ttc.serving.cluster import driving_ray
 from utils import LOG, ConfigError, stdout_to_stderr
 
 
@@ -52,14 +52,9 @@ def search_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
     ray_run = new_ray_run(config)
     trials, base = candidate_payloads(config, dataset, plan, search, ray_run)
     require_local_gpus(config, ray_run.options)
-    with ray_prints_to_stderr():
-        try:
-            ray_run.address, ray_run.start_seconds = connect(ray_run.options)
-            run_trials(config, base, trials, ray_run)
-        except Exception as err:  # noqa: BLE001 - a trial's own error comes back wrapped by Ray
-            raise unwrapped(err) from None
-        finally:
-            stop_ray(None, local=ray_run.options.address is None)
+    with driving_ray(ray_run.options) as session:
+        ray_run.address, ray_run.start_seconds = session.address, session.start_seconds
+        run_trials(config, base, trials, ray_run)
     program = search.choose(trained_candidates(search, trials, config.epochs), base.devset)
     trained = trained_of(plan, program, search, dataset, config)
     trained.engine = search_engine_section(config, search, trials, ray_run)

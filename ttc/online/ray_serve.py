@@ -222,6 +222,7 @@ def _start_serve(host: str, port: int, name: str, local: bool, debug: bool) -> b
     (False: Serve ran on the cluster already, listening where this run asks). Where they cannot
     start, a joined cluster is left without this run's controller."""
     from ray import serve
+    from ray.exceptions import RayError
     from ray.serve.context import _get_global_client
 
     # Serve's lines here ("Started Serve in namespace ...") at Ray's level: importing
@@ -238,8 +239,6 @@ def _start_serve(host: str, port: int, name: str, local: bool, debug: bool) -> b
             raise RuntimeFailure(f"the cluster's Ray Serve already runs an application named "
                                  f"{name!r}", "give this one another --name")
         return False
-    from ray.exceptions import RayError
-
     try:
         serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": 30},
                     logging_config=_logging_config(debug))

@@ -86,6 +86,31 @@ def ray_prints_to_stderr() -> contextlib.AbstractContextManager:
     return contextlib.redirect_stdout(sys.stderr)
 
 
+@dataclass
+class RaySession:
+    """The cluster a `driving_ray` block runs on; `stream`: the Ray Data stream to stop first."""
+
+    address: str = ""
+    start_seconds: float = 0.0
+    stream: Iterator | None = None
+
+
+@contextlib.contextmanager
+def driving_ray(options: RayOptions) -> Iterator[RaySession]:
+    """This process as a Ray driver for the block: connected (a local cluster started, or
+    --ray_address joined), Ray's relayed errors on stderr, a worker's own error unwrapped, and
+    the cluster left (stopped, if it was this run's) whatever happens."""
+    session = RaySession()
+    with ray_prints_to_stderr():
+        try:
+            session.address, session.start_seconds = connect(options)
+            yield session
+        except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
+            raise unwrapped(err) from None
+        finally:
+            stop_ray(session.stream, local=options.address is None)
+
+
 def connect(options: RayOptions) -> tuple[str, float]:
     """ray.init: a new local cluster (of this machine's CPUs), or the one at --ray_address;
     its address and the seconds it took. Ray's own logs reach stderr at ERROR (all of them at
@@ -448,25 +473,7 @@ def predict_on_ray(options: BatchOptions, manifest: Manifest, make_predictor: Pr
     Ray batch does not stop there. Only batch-dependent methods (episodic TTT, dynamic int8)
     can tell."""
     parts = input_parts(manifest, options)  # before the cluster: a bad input fails at once
-    with ray_prints_to_stderr():
-        run, address, start_seconds, timing = _predict_on_cluster(
-            options, manifest, make_predictor, report, ray_options, parts)
-    report["engine"] = EngineStats(
-        "ray", address, ray_options.workers, ray_options.threads, ray_options.worker_batch_size,
-        round(start_seconds, 3), timing.seconds, run.rows, run.failed,
-        run.report_section()["rows_per_s"], run.seconds).report_section()
-    LOG.info("ray: %d workers, cluster start %.1f s, first predictions after %.1f s",
-             ray_options.workers, start_seconds, timing.seconds or 0.0)
-    return run
-
-
-def _predict_on_cluster(options: BatchOptions, manifest: Manifest,
-                        make_predictor: PredictorFactory, report: dict, ray_options: RayOptions,
-                        parts: list) -> tuple[BatchRun, str, float, "FirstBatch"]:
-    """Connect, predict the parts with Ray Data into batch.py's writer, stop the cluster."""
-    stream = None
-    try:
-        address, start_seconds = connect(ray_options)
+    with driving_ray(ray_options) as session:
         import ray
         import ray.data
 
@@ -487,14 +494,16 @@ def _predict_on_cluster(options: BatchOptions, manifest: Manifest,
         # Ray Data restarts a dead actor and retries its tasks (max_restarts and
         # max_task_retries -1 by default), and preserve_order keeps the rows where they were
         timing = FirstBatch()
-        stream = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
-        run = write_predictions(options, manifest, timing.watch(map(predicted_from, stream)),
-                                report)
-    except Exception as err:  # noqa: BLE001 - a worker's own error comes back wrapped by Ray
-        raise unwrapped(err) from None
-    finally:
-        stop_ray(stream, local=ray_options.address is None)
-    return run, address, start_seconds, timing
+        session.stream = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
+        run = write_predictions(options, manifest,
+                                timing.watch(map(predicted_from, session.stream)), report)
+    report["engine"] = EngineStats(
+        "ray", session.address, ray_options.workers, ray_options.threads,
+        ray_options.worker_batch_size, round(session.start_seconds, 3), timing.seconds, run.rows,
+        run.failed, run.report_section()["rows_per_s"], run.seconds).report_section()
+    LOG.info("ray: %d workers, cluster start %.1f s, first predictions after %.1f s",
+             ray_options.workers, session.start_seconds, timing.seconds or 0.0)
+    return run
 
 
 def ordered_data_context() -> None:
