@@ -49,7 +49,20 @@ class PipelineError(Exception):
 
     def one_line(self) -> str:
         text = self.message.rstrip(".")
-        return f"{text}; {self.hint}" if self.hint else text
+        return shortened(f"{text}; {self.hint}" if self.hint else text)
+
+
+MAX_ERROR_CHARS = 2000  # an error line: a long path and a hint fit; a quoted file's content not
+
+
+def shortened(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """An error line of at most `limit` characters: its start (what is wrong) and its end (how
+    to fix it) around "…", wherever a message quotes more of a value than was meant."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[:limit - tail - 40]} …({len(text) - limit + 40:,} characters cut)… " \
+        f"{text[-tail:]}"
 
 
 def first_line(err: BaseException, limit: int | None = None) -> str:
@@ -495,8 +508,8 @@ def say_error(prog: str, text: str) -> None:
     """The one error line on stderr. Its text may quote a file name or a library's message:
     control characters (a terminal's escape sequences, line breaks) are shown escaped, so the
     line stays one line and cannot recolour or rewrite the user's terminal."""
-    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-    print(f"{prog}: error: {shown}", file=sys.stderr)
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in shortened(text))
+    print(f"{prog}: error: {shortened(shown)}", file=sys.stderr)
 
 
 def exit_cli(code: int) -> NoReturn:
@@ -672,6 +685,53 @@ def check_paths(reads: dict[str, Path], writes: dict[str, Path]) -> None:
         if problem:
             raise ConfigError(f"{name} {path} cannot be written: {problem}",
                               "choose a writable location")
+
+
+def check_output_folders(folders: dict[str, Path], reads: dict[str, Path],
+                         writes: dict[str, Path], suffix: str = ".png") -> None:
+    """Before any work, folders an output fills with files named `NAME{suffix}` (masks,
+    overlays), keyed as check_paths' paths are: none may be a file, an input or an output, lie
+    under an output file, or hold an output of that suffix (a file it would replace); raises
+    ConfigError (exit 2)."""
+    for name, folder in folders.items():
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{name} {folder} is a file, not a folder; nothing was read or "
+                              "written", f"move it away, or give {name.split()[0]} another path")
+        for other, path in [*reads.items(), *writes.items()]:
+            if same_file(folder, path) or inside(folder, path):
+                raise ConfigError(f"{name} {folder} is, or lies under, {other} {path}; nothing "
+                                  "was read or written", f"give {other.split()[0]} another path")
+        for other, path in writes.items():
+            if path.name.lower().endswith(suffix) and inside(path, folder):
+                raise ConfigError(f"{other} {path} lies in {name} {folder}, whose {suffix} files "
+                                  "would replace it; nothing was read or written",
+                                  f"give {other.split()[0]} a path outside it")
+
+
+def refuse_linked_folder(folder: Path, what: str, files: str, hint: str) -> None:
+    """A folder the tool chose for its outputs (`what`: "the plots folder" beside a report, the
+    masks and overlays beside --output) must be a real folder, never a symbolic link: one placed
+    there (in a shared or downloaded folder) would send the `files` wherever it points, over
+    what is there. ConfigError (exit 2), before any work; a folder a flag names is used as
+    named."""
+    if folder.is_symlink():
+        raise ConfigError(f"{what} {folder} is a symbolic link (to "
+                          f"{quoted(os.readlink(folder), 80)}), and {files} are written only "
+                          "into a real folder", hint)
+
+
+def file_in_folder(folder: Path, name: Path) -> Path:
+    """folder/name, for an output written under `folder` (a mask, an overlay): never through a
+    symbolic link to a folder on the way (a linked subfolder would put the file, or replace
+    one, wherever it points). ConfigError (exit 2)."""
+    path = folder
+    for part in Path(name).parts[:-1]:
+        path = path / part
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a symbolic link inside {folder}, and outputs are "
+                              "written only into real folders; nothing was written through it",
+                              "remove the link")
+    return folder / name
 
 
 def inside(path: Path, folder: Path) -> bool:

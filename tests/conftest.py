@@ -530,6 +530,18 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def deflate_in_place(path: Path) -> None:
+    """A torch file's ZIP entries deflated in place (torch.save stores them as they are): the
+    archive torch.load would inflate whole, as a ZIP bomb does."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as plain:
+        entries = [(info.filename, plain.read(info)) for info in plain.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as packed:
+        for name, data in entries:
+            packed.writestr(name, data)
+
+
 def copy_bundle(bundle: dict, folder: Path) -> Path:
     """The bundle's model.* files copied into `folder`; the copy's model.onnx."""
     folder.mkdir(parents=True, exist_ok=True)

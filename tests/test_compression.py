@@ -12,7 +12,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from conftest import assert_clean_failure, pipeline_bundle, run_cli, write_image_folder
+from conftest import (assert_clean_failure, copy_bundle, deflate_in_place, edit_manifest,
+                      pipeline_bundle, run_cli, sha256, write_image_folder)
 
 COMPRESS = ["--prune", "0.4", "--prune_steps", "1", "--prune_epochs", "1", "--qat", "true",
             "--qat_epochs", "1"]
@@ -129,6 +130,20 @@ def test_inference_input_serves_a_variant_as_the_gate_measured_it(compressed, va
     assert session.get_inputs()[0].name == manifest["input"]["name"]
     assert report["inference"]["model_path"].endswith(f"model.{variant}.onnx") if \
         report.get("inference") else True
+
+
+def test_a_variant_s_weights_compressed_to_inflate_are_refused_before_torch_reads_them(
+        compressed, tmp_path):
+    """model.pruned.pt deflated (torch.save stores its entries): export.py refuses it from the
+    ZIP's directory, as it refuses such a model.pt (exit 4), before rebuilding the variant."""
+    model = copy_bundle(compressed, tmp_path / "b")
+    weights = model.with_suffix(".pruned.pt")
+    deflate_in_place(weights)
+    edit_manifest(model, lambda m: m["files"]["sha256"].update(weights_pruned=sha256(weights)))
+    run = run_cli("export.py", "--output_model", model, "--dataset_path",
+                  compressed["dir"] / "digits", "--no_progress", "true")
+    assert_clean_failure(run, 4, "cannot load the pruned variant's weights",
+                         "entries are compressed, inflating to")
 
 
 def test_the_gate_refuses_a_variant_made_worse_and_train_export_split_works(tmp_path):

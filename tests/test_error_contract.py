@@ -123,6 +123,20 @@ def test_control_characters_in_an_error_line_are_shown_escaped(tmp_path):
     assert "\\nsecond.csv" in run.error_lines()[0]
 
 
+def test_an_error_line_quoting_a_huge_value_is_cut_keeping_its_start_and_hint(tmp_path):
+    """A 2,500-character path in the message (any value may be that long): the line is cut to
+    2,000 characters around its middle, the error's start and its hint kept."""
+    folder = tmp_path.joinpath(*["d" * 250] * 10)
+    folder.mkdir(parents=True)
+    (folder / "t.csv").write_text("a,b\n1,2\n")
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  folder / "t.csv", *ONE_EPOCH, "--output_model", tmp_path / "b" / "model.onnx")
+    assert_clean_failure(run, 3, "characters cut)…", "a classifier needs at least 2")
+    line = run.error_lines()[0]
+    assert line.startswith(f"pipeline.py: error: {tmp_path}")
+    assert len(line) <= 2000 + len("pipeline.py: error: ")
+
+
 # ----------------------------------------------------------------------------- class 12
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, Run, assert_clean_failure, copy_bundle, edit_manifest, sha256
+from conftest import (REPO, Run, assert_clean_failure, copy_bundle, deflate_in_place, edit_manifest,
+                      sha256)
 
 FAST = ["--no_progress", "true", "--num_threads", "1"]
 PEAK_MB = 1500  # generous: every refused case here stays under 500 MB, the unbounded ones took GBs
@@ -303,19 +304,46 @@ def test_network_widths_the_weights_cannot_hold_are_refused_before_building(digi
 def test_weights_compressed_to_inflate_are_refused_before_torch_reads_them(digits_bundle,
                                                                            tmp_path):
     # torch.load inflates a compressed entry whole: 200 KB held a 200 MB tensor
-    import zipfile
-
     model = copy_bundle(digits_bundle, tmp_path / "b")
     weights = model.with_suffix(".pt")
-    with zipfile.ZipFile(weights) as plain:
-        entries = [(info.filename, plain.read(info)) for info in plain.infolist()]
-    with zipfile.ZipFile(weights, "w", zipfile.ZIP_DEFLATED) as packed:
-        for name, data in entries:
-            packed.writestr(name, data)
+    deflate_in_place(weights)
     edit_manifest(model, lambda m: m["files"]["sha256"].update(weights=sha256(weights)))
     run = measured("export.py", "--output_model", model, *FAST, address_space_mb=0)[0]
     assert_clean_failure(run, 4, "cannot load weights", "entries are compressed, inflating to",
                          "torch.save writes none compressed")
+
+
+def declaring(path: Path, size: int) -> Path:
+    """The torch file with its largest entry's sizes in the ZIP's central directory set to
+    `size` (stored, as torch.save writes it, but claiming more than the file holds)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        name = max(archive.infolist(), key=lambda info: info.file_size).filename.encode()
+        record = archive.start_dir  # the central directory's first record
+    data = bytearray(path.read_bytes())
+    while data[record + 46:record + 46 + struct.unpack_from("<H", data, record + 28)[0]] != name:
+        record = data.index(b"PK\x01\x02", record + 4)
+    struct.pack_into("<II", data, record + 20, size, size)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_torch_files_declaring_more_than_they_hold_are_refused_before_torch_reads_them(
+        digits_bundle, tmp_path):
+    # the same check guards every torch file: a bundle's weights (exit 4) and --init_weights (3)
+    model = copy_bundle(digits_bundle, tmp_path / "b")
+    declaring(model.with_suffix(".pt"), 3_000_000_000)
+    edit_manifest(model, lambda m: m["files"]["sha256"].update(
+        weights=sha256(model.with_suffix(".pt"))))
+    run = measured("export.py", "--output_model", model, *FAST, address_space_mb=0)[0]
+    assert_clean_failure(run, 4, "cannot load weights", "entries declare 3.0 GB, more than the",
+                         "the file holds")
+    run = measured("train.py", "--dataset_path", "builtin:digits", "--epochs", "1", *FAST,
+                   "--init_weights", model.with_suffix(".pt"), "--output_model",
+                   tmp_path / "t" / "model.onnx", address_space_mb=0)[0]
+    assert_clean_failure(run, 3, "cannot read weights", "entries declare 3.0 GB")
 
 
 # ----------------------------------------------------------------------------- graphs

@@ -235,7 +235,7 @@ def load_compressed(manifest, paths, fp32: nn.Module, example: torch.Tensor
     checked against the manifest's sha256 first."""
     import copy
 
-    from ttc.nets.models import weights_error
+    from ttc.nets.models import TorchFileError, load_torch_file, weights_error
     from ttc.serving.bundle import bundle_file
     from utils import ExportError, sha256_of
 
@@ -248,7 +248,11 @@ def load_compressed(manifest, paths, fp32: nn.Module, example: torch.Tensor
         if sha256_of(path) != manifest.files.digest(f"weights_{entry.name}"):
             raise ExportError(f"{path} does not match its manifest (sha256 differs)", fix)
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_torch_file(path)
+        except TorchFileError as err:
+            raise ExportError(f"cannot load the {entry.name} variant's weights {path}: {err}",
+                              fix) from None
+        try:
             net = rebuilt_variant(copy.deepcopy(fp32), entry.entry, state, example)
         except Exception as err:  # noqa: BLE001 - any failure here means an unusable file
             raise ExportError(f"cannot rebuild the {entry.name} variant from {path}: "

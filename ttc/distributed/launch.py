@@ -13,11 +13,10 @@ import torch
 from config import Config
 from ttc.distributed.worker import WorkerPayload, build_program
 from ttc.inputs.data import Dataset
-from ttc.nets.checkpoints import (check_resumable, find_checkpoints, load_latest, new_run_id,
-                                  of_single_runs)
-from ttc.nets.program import (CandidateSearch, EpochRecord, ImagePlan, ImageRunner, TrainedModel,
-                              TrainingPlan, WeightTrainer, label_match, require_finite_weights,
-                              run_fingerprint, to_examples, trained_model)
+from ttc.nets.checkpoints import latest_single_run, new_run_id
+from ttc.nets.program import (CandidateSearch, EpochRecord, EpochRunner, ImagePlan, ImageRunner,
+                              TrainedModel, TrainingPlan, WeightTrainer, label_match,
+                              require_finite_weights, run_fingerprint, to_examples, trained_model)
 from ttc.nets.shards import Shard
 from ttc.serving.cluster import RayOptions
 from ttc.tasks.base import resolve
@@ -96,11 +95,8 @@ def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImageP
     fingerprint = run_fingerprint(config, dataset, plan.architecture)
     resume_from = None
     if config.resume and not config.searches():  # a search's trials: search.py
-        latest = load_latest(of_single_runs(find_checkpoints(ray_run.folder)))
-        if latest is None:
-            raise ConfigError(f"--resume: {ray_run.folder} holds no readable checkpoint of a "
-                              "single run", "drop --resume to start afresh")
-        check_resumable(latest[0], fingerprint)
+        latest = latest_single_run(ray_run.folder, fingerprint,
+                                   runner_of(plan).checkpoint_check(student.net))
         resume_from = str(latest[0].path)
         ray_run.resumed_from = int(latest[1]["epoch"])
         LOG.info("resuming from %s (epoch %d)", latest[0].path, ray_run.resumed_from)
@@ -111,6 +107,11 @@ def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImageP
         threads=max(1, config.num_threads), use_gpu=config.use_gpu, model_def=model_def,
         run=ray_run.run, storage=str(ray_run.folder), fingerprint=fingerprint,
         resume_from=resume_from, **training_data(dataset, plan, student, trainer))
+
+
+def runner_of(plan: TrainingPlan | ImagePlan) -> type[EpochRunner] | type[ImageRunner]:
+    """The epoch loop a plan's workers run."""
+    return ImageRunner if isinstance(plan, ImagePlan) else EpochRunner
 
 
 def training_data(dataset: Dataset, plan: TrainingPlan | ImagePlan, student,

@@ -20,10 +20,11 @@ import torch
 from config import Config
 from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image_planner,
                                     new_ray_run, new_search, require_local_gpus, require_room,
-                                    restore, trained_of, worker_payload)
+                                    restore, runner_of, trained_of, worker_payload)
 from ttc.distributed.worker import WorkerPayload, read_starts, train_trial
 from ttc.inputs.data import Dataset
-from ttc.nets.checkpoints import latest_of_candidate, latest_search, read_state, search_key
+from ttc.nets.checkpoints import (StateCheck, latest_of_candidate, latest_search, read_state,
+                                  search_key)
 from ttc.nets.program import (CandidateSearch, ImagePlan, TrainedCandidate, TrainedModel,
                               TrainingDiverged, TrainingPlan, engine_section, plan_training)
 from ttc.serving.cluster import driving_ray
@@ -86,17 +87,19 @@ def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan | Im
             "fingerprint": fingerprint,
             "meta": {"search": search_key(searched, index + 1, search.grid)},
             "resume_from": resumed_candidate(config, ray_run, search, index, searched,
-                                             fingerprint)})
+                                             fingerprint, runner_of(plan).checkpoint_check(
+                                                 student.net))})
     return trials, base
 
 
 def resumed_candidate(config: Config, ray_run: RayRun, search: CandidateSearch, index: int,
-                      searched: str, fingerprint: dict) -> str | None:
-    """--resume: the checkpoint candidate `index` continues from (its latest in the search
-    resumed, a local one or a trial's), checked; None: it starts afresh."""
+                      searched: str, fingerprint: dict, check: StateCheck) -> str | None:
+    """--resume: the checkpoint candidate `index` continues from (its latest usable one in the
+    search resumed, a local one or a trial's), checked against its fingerprint and network
+    (`check`); None: it starts afresh."""
     if not config.resume:
         return None
-    latest = latest_of_candidate(ray_run.folder, searched, index + 1, fingerprint)
+    latest = latest_of_candidate(ray_run.folder, searched, index + 1, fingerprint, check)
     search.resumed_from[index] = None if latest is None else int(latest[1]["epoch"])
     if latest is None:
         return None

@@ -136,13 +136,14 @@ class AllreduceTimer:
         return allreduce_hook(process_group, bucket).then(done)
 
 
-def starting_state(payload: WorkerPayload, reported) -> dict | None:
-    """Where a worker starts: this run's latest checkpoint in the storage (after a restart;
-    one Ray has not registered yet counts too), else the one Ray hands back, else the
-    checkpoint --resume names; None: a fresh start."""
+def starting_state(payload: WorkerPayload, reported, net: torch.nn.Module) -> dict | None:
+    """Where a worker starts: this run's latest usable checkpoint in the storage (after a
+    restart; one Ray has not registered yet counts too), checked against `net`, else the one
+    Ray hands back, else the checkpoint --resume names (the driver checked it); None: a fresh
+    start."""
     by_epoch = sorted(find_checkpoints(Path(payload.storage), payload.run),
                       key=lambda found: found.meta.get("epoch", 0))
-    latest = load_latest(by_epoch)
+    latest = load_latest(by_epoch, payload.runner.checkpoint_check(net))
     if latest is not None:
         return latest[1]
     if reported is not None:
@@ -209,7 +210,7 @@ def train_process(payload: WorkerPayload, session: Session,
     if payload.threads > 0:
         torch.set_num_threads(payload.threads)
     program = build_program(payload)
-    state = starting_state(payload, session.reported)
+    state = starting_state(payload, session.reported, program.net)
     if rank == 0:
         record_start(payload, state)
     torch.set_rng_state(payload.torch_rng)

@@ -170,7 +170,9 @@ def images_per_chunk(preprocessing: dict, rows: int, unit: int = 1, copies: int 
 def inflating_archive_problem(path: Path) -> str | None:
     """Why a torch file (a ZIP, as torch.save writes it) must not be loaded: entries compressed
     (torch.save stores them as they are), which torch.load would inflate whole, a few MB to
-    gigabytes; None for a plain archive or a file that is no ZIP (torch.load says what it is)."""
+    gigabytes; or entries declaring more bytes than the file holds (entries overlapping, or
+    sizes that lie), which torch would allocate before reading. None for a plain archive or a
+    file that is no ZIP (torch.load says what it is)."""
     import zipfile
 
     try:
@@ -178,12 +180,17 @@ def inflating_archive_problem(path: Path) -> str | None:
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return None
+    declared = sum(entry.file_size for entry in entries)
     packed = sum(entry.compress_type != zipfile.ZIP_STORED for entry in entries)
-    if not packed:
-        return None
-    return (f"{packed} of its {len(entries)} entries are compressed, inflating to "
-            f"{size_text(sum(entry.file_size for entry in entries))}, and torch.save writes "
-            "none compressed")
+    if packed:
+        return (f"{packed} of its {len(entries)} entries are compressed, inflating to "
+                f"{size_text(declared)}, and torch.save writes none compressed")
+    held = path.stat().st_size
+    if declared > held:
+        return (f"its {len(entries)} entries declare {size_text(declared)}, more than the "
+                f"{size_text(held)} the file holds (entries that overlap or misstate their "
+                "sizes), which torch.save never writes")
+    return None
 
 
 # ----------------------------------------------------------------------------- graphs

@@ -685,6 +685,25 @@ def weights_error(err: Exception) -> str:
     return first_line(err, 200)
 
 
+class TorchFileError(Exception):
+    """A torch file load_torch_file refused or could not read; its text says why in a few
+    words, for the caller's error line (the caller knows what the file was for)."""
+
+
+def load_torch_file(path: Path) -> object:
+    """The one way this tool reads a torch file (a bundle's model.pt and its compressed
+    variants' weights, a checkpoint's state.pt, --init_weights): refused before torch reads
+    it where its ZIP would inflate or declares more than it holds (inflating_archive_problem),
+    then torch.load with weights_only=True (never unpickling code), onto the CPU."""
+    problem = inflating_archive_problem(path)
+    if problem:  # a ZIP bomb: torch.load would take what the archive declares
+        raise TorchFileError(problem)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure: not a torch file we can read
+        raise TorchFileError(weights_error(err)) from None
+
+
 def architecture_bytes(manifest: Manifest) -> int | None:
     """The bytes of the tensors the manifest's network holds, counted on torch's meta device
     (shapes without memory); None for a network whose sizes its own code decides (--model_def)
@@ -732,13 +751,13 @@ def load_weights(manifest: Manifest, path: Path, trust_model_code: bool = False)
     if manifest.architecture.is_user_network:
         register_bundle_model_source(manifest, path.parent)
     require_weights_fit(manifest, path)
-    problem = inflating_archive_problem(path)
-    if problem:
-        raise ExportError(f"cannot load weights {path}: {problem}",
-                          "re-run train.py or pipeline.py")
+    try:
+        state = load_torch_file(path)
+    except TorchFileError as err:
+        raise ExportError(f"cannot load weights {path}: {err}",
+                          "re-run train.py or pipeline.py") from None
     net = build_model(manifest.architecture.spec, manifest.preprocessing.spec)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
     except Exception as err:  # noqa: BLE001 - any failure here means an unusable file
         raise ExportError(f"cannot load weights {path}: {weights_error(err)}",

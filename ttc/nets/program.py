@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from torch import nn
 
 from config import Config
 from ttc.inputs.data import Dataset, Split
-from ttc.nets.checkpoints import CheckpointStore, new_run_id
+from ttc.nets.checkpoints import CheckpointStore, new_run_id, state_problem
 from ttc.nets.shards import Shard
 from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
 from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
@@ -422,6 +423,7 @@ class EpochLoop:
     epoch: int
     stopped: bool
     score_name = "accuracy"
+    checkpoint_extras: tuple[str, ...] = ()  # the keys a subclass adds to state_dict()
 
     @property
     def patience(self) -> int:
@@ -463,7 +465,8 @@ class EpochLoop:
         """A local run: from the store's checkpoint with --resume, a checkpoint after each
         epoch with --checkpoint_dir (store None: neither); the program with the best epoch's
         weights (finish)."""
-        if store is not None and (state := store.start_state()) is not None:
+        if store is not None and (state := store.start_state(self.checkpoint_check(self.net))
+                                  ) is not None:
             self.load_state_dict(state)
         self.run(None if store is None else
                  lambda done: store.save(done.state_dict(), done.epoch))
@@ -491,9 +494,16 @@ class EpochLoop:
                          "stopping": vars(best.stopping)},
                 "initial_loss": trainer.initial_loss}
 
+    @classmethod
+    def checkpoint_check(cls, net: nn.Module) -> Callable[[object], str | None]:
+        """What makes a checkpoint's state unusable for this loop training `net`
+        (checkpoints.state_problem), checked before load_state_dict uses any of it."""
+        fields = tuple(f.name for f in dataclasses.fields(EpochRecord))
+        return lambda state: state_problem(state, net, fields, cls.checkpoint_extras)
+
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a checkpoint. The schedule keeps its step; its length is this run's
-        (--epochs may have grown since)."""
+        """Continue from a checkpoint (checked by checkpoint_check). The schedule keeps its
+        step; its length is this run's (--epochs may have grown since)."""
         trainer, best = self.trainer, self.best
         self.epoch, self.stopped = int(state["epoch"]), bool(state["stopped"])
         self.net.load_state_dict(state["net"])
@@ -651,6 +661,8 @@ class EpochRunner(EpochLoop):
         return total, correct, count
 
     # ------------------------------------------------------------------ checkpoints
+
+    checkpoint_extras = ("view_rng",)
 
     def state_dict(self) -> dict:
         """EpochLoop's state and the TTA views' generator."""

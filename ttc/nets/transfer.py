@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ttc.inputs.limits import inflating_archive_problem
-from ttc.nets.models import IDENTITY_STATISTICS, weights_error
+from ttc.nets.models import IDENTITY_STATISTICS, TorchFileError, load_torch_file, weights_error
 from utils import ConfigError, DataError, sha256_of
 
 # Buffers that hold this run's data statistics, not learned weights: never overwritten.
@@ -52,16 +51,15 @@ def read_state_dict(path: Path, hint: str = "pass a .safetensors file or a torch
     """The tensors of a .safetensors file, or of a torch file (a state dict, or a checkpoint
     holding one under `state_dict`/`model`), never unpickling code; `hint` says what to do
     when the file cannot be read."""
-    problem = None if path.suffix == ".safetensors" else inflating_archive_problem(path)
-    if problem:  # a ZIP bomb: torch.load would inflate it whole
-        raise DataError(f"cannot read weights {path}: {problem}", hint)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             state = load_file(str(path), device="cpu")
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_torch_file(path)
+    except TorchFileError as err:
+        raise DataError(f"cannot read weights {path}: {err}", hint) from None
     except Exception as err:  # noqa: BLE001 - any failure: not a weight file we can read
         raise DataError(f"cannot read weights {path}: {weights_error(err)}", hint) from None
     if isinstance(state, dict):

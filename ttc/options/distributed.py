@@ -116,8 +116,8 @@ class DistributedFlags:
 
 def _is_checkpoint(meta: Path) -> bool:
     """A training checkpoint's meta.json (ttc/nets/checkpoints.py) beside its state.pt."""
-    try:
-        return "run" in json.loads(meta.read_text(encoding="utf-8")) and \
-            (meta.parent / "state.pt").is_file()
-    except (OSError, ValueError, TypeError):
+    try:  # whether its content can be used is checked when it is read (checkpoints.read_meta)
+        return (meta.parent / "state.pt").is_file() and meta.stat().st_size < 32 << 20 and \
+            "run" in json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, RecursionError):
         return False
