@@ -35,7 +35,8 @@ from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, Traini
 from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
 from ttc.tasks.registry import TASKS, task_for
-from utils import ConfigError, DataError, check_paths
+from utils import (ConfigError, DataError, check_output_folders, check_paths,
+                   refuse_linked_folder)
 
 if TYPE_CHECKING:
     from ttc.testtime.tta import TTAOptions
@@ -120,16 +121,19 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
                 raise DataError(f"--{flag} {path} does not exist", "check the path")
         self.check_image_splits(names_model_type)
         check_paths(reads, writes)
+        self.check_input_folders()
         self.check_checkpoint_folder(reads, writes)
 
     def validate_tta(self, model_type: str) -> None:
         """--tta_transforms and --eval_shift against the model type (known from the flags, or
-        from a bundle), after the flags that model type does not take (Task.refused_flags)."""
+        from a bundle), after the flags that model type does not take (Task.refused_flags); a
+        segmenter's --input mask folder."""
         self.refuse_flags_for(model_type)
         if task_for(model_type).dense:
             from ttc.tasks.segment.views import check_segmenter_flags
 
             check_segmenter_flags(self)
+            self.check_input_folders(segmenter=True)
         elif task_for(model_type).kind == "detection":
             from ttc.tasks.detect.flags import check_detector_flags
 
@@ -196,6 +200,21 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
             outputs["the report page (--report_json's .html)"] = page
         return outputs
 
+    def check_input_folders(self, segmenter: bool = False) -> None:
+        """--input's folders (BatchFlags.input_outputs): a real folder where the tool chose it
+        beside --output (refuse_linked_folder), none an input or another output, nor holding
+        an output its PNGs would replace (check_output_folders). Before any work: from the
+        flags, and again once a bundle names a segmenter (its default mask folder)."""
+        folders = self.input_outputs(segmenter)[1]
+        for name, folder in folders.items():
+            if name.startswith("--output "):  # chosen beside --output, not named by a flag
+                refuse_linked_folder(folder, name, "outputs",
+                                     "remove the link, or give --output another name")
+        if folders:
+            reads, writes = self.files_read_and_written()
+            reads.pop("--input", None)  # its overlaps are the writer's to say (check_options)
+            check_output_folders(folders, reads, writes)
+
     READ_FLAGS = ("dataset_path", "val_path", "test_path", "unlabeled_path", "input",
                   "init_weights", "model_def", "annotations")
     WRITE_FLAGS = ("output", "errors", "report_json")
@@ -219,6 +238,7 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
             reads_bundle = getattr(self, "script", None) in ("inference", "serve")
             (reads if reads_bundle else writes).update(bundle)
         writes.update(self.visual_outputs())
+        writes.update(self.input_outputs()[0])  # beside --output: a COCO images file
         if self.profile_path() is not None:
             writes["--profile (the ONNX Runtime trace)"] = self.profile_path()
         for i, member in enumerate(self.ensemble_members()):

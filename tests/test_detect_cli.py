@@ -6,6 +6,7 @@ a detector refuses, each with its exit code."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,50 @@ def test_input_rows_are_the_graph_s_detections_scaled_to_each_image(detect_bundl
         assert mine["class_index"].tolist() == labels[0, :counts[0]].tolist()
     assert len(list((tmp_path / "dets_overlays").iterdir())) == 6
     assert "predictions:" in run.stdout
+
+
+def test_outputs_beside_the_output_are_checked_with_every_other_path(detect_bundle, tmp_path):
+    """--input's COCO images file (OUTPUT-STEM_images.json) and overlay folder
+    (OUTPUT-STEM_overlays) are checked, before any work, against every path of the run as
+    --errors is: over a bundle's manifest, under --report_json, a symbolic link, a folder
+    holding another output's PNG, a linked subfolder. Exit 2, one line, nothing changed."""
+    folder = tmp_path / "new"
+    (folder / "sub").mkdir(parents=True)
+    for name in sorted(p.name for p in detect_bundle["images"].iterdir())[:2]:
+        (folder / "sub" / name).write_bytes((detect_bundle["images"] / name).read_bytes())
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    for file in detect_bundle["dir"].glob("model.*"):  # a bundle named dets_images.onnx
+        shutil.copy(file, bundle / file.name.replace("model.", "dets_images.", 1))
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "sub").mkdir(parents=True)
+    (elsewhere / "sub" / "mine.png").write_bytes(b"the user's")
+    (tmp_path / "linked_overlays").symlink_to(elsewhere)
+    (tmp_path / "sublinked_overlays").mkdir()
+    (tmp_path / "sublinked_overlays" / "sub").symlink_to(elsewhere / "sub")
+    (tmp_path / "r_images.json").write_text("kept")
+    before = {p: p.read_bytes() for p in [*bundle.iterdir(), tmp_path / "r_images.json"]}
+    infer = ["inference.py", "--model", detect_bundle["model"], "--input", folder]
+    coco = ["--output_format", "coco"]
+    for command, phrases in [
+            (["inference.py", "--model", bundle / "dets_images.onnx", "--input", folder,
+              "--output", bundle / "dets.json", *coco], ["COCO images file", "manifest"]),
+            ([*infer, "--output", tmp_path / "r.json", *coco, "--report_json",
+              tmp_path / "r_images.json"], ["--report_json", "COCO images file"]),
+            ([*infer, "--output", tmp_path / "s.csv", "--overlay", "true", "--report_json",
+              tmp_path / "s_overlays"], ["overlay folder", "--report_json"]),
+            ([*infer, "--output", tmp_path / "t.csv", "--overlay", "true", "--errors",
+              tmp_path / "t_overlays" / "sub" / "x.png"], ["--errors", "would replace it"]),
+            ([*infer, "--output", tmp_path / "linked.csv", "--overlay", "true"],
+             ["overlay folder", "is a symbolic link"]),
+            ([*infer, "--output", tmp_path / "sublinked.jsonl", "--overlay", "true"],
+             ["sublinked_overlays/sub is a symbolic link inside"])]:
+        run = run_cli(*command)
+        assert_clean_failure(run, EXIT_USAGE, *phrases)
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in (elsewhere / "sub").iterdir()) == ["mine.png"]
+    for name in ("r.json", "s.csv", "s_overlays", "t.csv", "linked.csv", "sublinked.jsonl"):
+        assert not (tmp_path / name).exists(), name
 
 
 def test_train_and_export_alone_bake_export_s_nms_thresholds(tmp_path):

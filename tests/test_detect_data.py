@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import assert_clean_failure, run_cli
 from ttc.inputs.data import DataOptions
 from ttc.tasks.detect import coco, tally, yolo
 from ttc.tasks.detect.canvases import (BUILTIN, CLASS_NAMES, MAX_IOU, box_iou,
@@ -387,3 +388,55 @@ def test_the_builtin_and_the_annotations_flag_s_model_type(tmp_path):
     with pytest.raises(ConfigError, match="--annotations is for an object_detector"):
         config.refuse_flags_for("image_classifier")
     config.refuse_flags_for("object_detector")
+
+
+def test_coco_values_the_os_or_number_parsing_refuse_are_counted_not_fatal(tmp_path):
+    """A file_name the file system refuses (a 300-byte name, a NUL byte), numbers past a float
+    (a 350-digit bbox value, a 5,000-digit integer Python's int will not parse), in the main
+    and a --val_path file: each record counted with its reason and left out, the rest read;
+    a run left with nothing exits 3 with the reason in its one line."""
+    blank = np.zeros((20, 40), np.uint8)
+    for name in ("good", "also", "val"):
+        save(tmp_path / f"images/{name}.png", blank)
+    box = {"image_id": 1, "category_id": 1, "bbox": [2, 2, 10, 10]}
+    main = tmp_path / "instances.json"
+    main.write_text(json.dumps({
+        "images": [{"id": 1, "file_name": "good.png"}, {"id": 2, "file_name": "also.png"},
+                   {"id": 3, "file_name": "n" * 300 + ".png"},
+                   {"id": 4, "file_name": "sub/\u0000.png"}],
+        "annotations": [{"id": 1, **box}, {"id": 2, **box, "image_id": 2},
+                        {"id": 3, **box, "bbox": [2, 2, -(10 ** 350), 10]}],
+        "categories": [{"id": 1, "name": "cat"}]}))
+    val = tmp_path / "val.json"
+    val.write_text('{"images": [{"id": 1, "file_name": "val.png"}, {"id": 9, "file_name": "'
+                   + "v" * 4096 + '.png"}], "categories": [{"id": 1, "name": "cat"}], '
+                   '"annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 1, '
+                   + "7" * 5000 + ', 4]}, {"id": 2, "image_id": 1, "category_id": 1, '
+                   '"bbox": [1, 1, 5, 4]}]}')
+    dataset = load_detection_dataset(options(tmp_path / "images", annotations=str(main),
+                                             val_path=str(val), test_fraction=0.5))
+    counted = {(Path(d["file"]).name, d["reason"]): d["count"] for d in dataset.dropped}
+    assert counted == {("instances.json", tally.REFUSED_NAME): 2,
+                       ("instances.json", tally.REFUSED_NUMBER): 1,
+                       ("val.json", tally.REFUSED_NAME): 1,
+                       ("val.json", tally.REFUSED_NUMBER): 1}
+    shown = [name for d in dataset.dropped for name in d["first_rows"]]
+    assert all(len(name) < 100 and name.isprintable() for name in shown)
+    found = every_image(dataset)
+    assert sorted(found) == ["also.png", "good.png", "val.png"]
+    assert len(found["val.png"][1]) == 1  # its other box kept
+    main.write_text(json.dumps({"images": [{"id": 1, "file_name": "x\u0000.png"}],
+                                "annotations": [], "categories": [{"id": 1, "name": "cat"}]}))
+    run = run_cli("train.py", "--model_type", "object_detector", "--dataset_path",
+                  tmp_path / "images", "--annotations", main, "--output_model",
+                  tmp_path / "m.onnx")
+    assert_clean_failure(run, EXIT_DATA, "no usable images", "file_name the file system refuses")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_yolo_data_yaml_with_a_number_too_long_to_parse_is_one_data_error(tmp_path):
+    write_yolo_canvases(tmp_path, 4, size=24, seed=0)
+    (tmp_path / "classes.txt").unlink(missing_ok=True)
+    (tmp_path / "data.yaml").write_text("names:\n  - a\n  - " + "9" * 5000 + "\n")
+    with pytest.raises(DataError, match="a number in it is too long to read"):
+        load_detection_dataset(options(tmp_path))

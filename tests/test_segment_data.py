@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import assert_clean_failure, run_cli
 from ttc.inputs.data import DataOptions
 from ttc.tasks.segment import data as seg
 from ttc.tasks.segment.canvases import CLASS_NAMES, write_digit_canvases
@@ -236,3 +237,38 @@ def test_a_data_set_too_large_for_the_image_memory_bound_is_refused_before_decod
     assert "40 image/mask pairs" in message and "at 32x32" in message
     assert "over --max_image_memory_mb 0" in message and "--image_size" in refused.value.hint
     assert decoded == []  # refused before any image was decoded
+
+
+def test_lossy_masks_are_skipped_by_their_decoded_format_whatever_their_suffix(tmp_path):
+    """Masks are PNG (docs/segmentation.md): a gray JPEG (named .png, or .jpg), a lossy WebP
+    and a JPEG-compressed TIFF would read compression noise as classes; each pair is skipped
+    with its reason and the format, while lossless BMP and LZW TIFF masks are read. With no
+    pair left, train.py exits 3 naming the reason, before any training."""
+    root = write_digit_canvases(tmp_path / "data", 10, size=16)
+    masks = sorted((root / "masks").iterdir())
+
+    def resave(mask: Path, suffix: str, **how) -> None:
+        picture = Image.open(mask)
+        picture.load()
+        mask.unlink()
+        picture.convert(how.pop("mode", picture.mode)).save(mask.with_suffix(suffix), **how)
+
+    resave(masks[0], ".png", format="JPEG", quality=95)  # a JPEG under a PNG's name
+    resave(masks[1], ".jpg", quality=100)
+    resave(masks[2], ".webp", mode="RGB", lossless=False)
+    resave(masks[3], ".tif", compression="tiff_jpeg")
+    resave(masks[4], ".bmp")
+    resave(masks[5], ".tiff", compression="tiff_lzw")
+    dataset = seg.load_segmentation_dataset(options(root))
+    dropped = {d["reason"]: d for d in dataset.dropped}
+    assert set(dropped) == {seg.LOSSY_MASK} and dropped[seg.LOSSY_MASK]["count"] == 4
+    assert sorted(dropped[seg.LOSSY_MASK]["first_rows"]) == sorted(
+        f"images/{m.name}" for m in masks[:4])
+    assert len(every_split(dataset)) == 6  # the BMP and LZW TIFF masks among them
+    for mask in sorted((root / "masks").iterdir()):
+        if mask.suffix in (".png", ".bmp", ".tiff"):
+            resave(mask, ".jpeg")
+    run = run_cli("train.py", "--model_type", "image_segmenter", "--dataset_path", root,
+                  "--output_model", tmp_path / "m.onnx")
+    assert_clean_failure(run, EXIT_DATA, "no usable image/mask pairs", "mask in a lossy format")
+    assert not (tmp_path / "m.onnx").exists()

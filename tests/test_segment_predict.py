@@ -232,3 +232,29 @@ def test_a_rotated_photo_gets_its_mask_and_overlay_at_its_shown_size(session, tm
     for folder in (default_mask_dir(output), default_overlay_dir(output)):
         with Image.open(folder / "photo.png") as png:
             assert png.size == (10, 24)
+
+
+def test_folders_beside_the_output_are_written_only_as_real_folders(tmp_path):
+    """The overlay folder the tool chooses must not be a symbolic link, and no mask goes
+    through a linked subfolder (each write checks again): ConfigError (exit 2), the linked
+    folder untouched."""
+    source = image_folder(tmp_path / "in")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "a.png").write_bytes(b"the user's")
+
+    def never(x):
+        raise AssertionError("nothing may run")
+
+    (tmp_path / "p_overlays").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="overlay folder .* is a symbolic link"):
+        predict_images(SegmentBatchOptions(source, tmp_path / "p.csv", overlay=True),
+                       PREPROCESSING, LABELS, never)
+    (tmp_path / "q_masks").mkdir()
+    (tmp_path / "q_masks" / "sub").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="q_masks/sub is a symbolic link inside"):
+        predict_images(SegmentBatchOptions(source, tmp_path / "q.csv"), PREPROCESSING, LABELS,
+                       never)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["a.png"]
+    assert (elsewhere / "a.png").read_bytes() == b"the user's"
+    assert not (tmp_path / "p.csv").exists() and not (tmp_path / "q.csv").exists()

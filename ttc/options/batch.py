@@ -109,6 +109,20 @@ class BatchFlags:
         if not serving:  # serve.py checks its engine itself (ServeFlags.check_serve)
             self._check_engine(threads, profile, online_ttt)
 
+    def input_outputs(self, segmenter: bool = False
+                      ) -> tuple[dict[str, Path], dict[str, Path]]:
+        """What an image model's --input writes besides --output and --errors, for the path
+        checks (ttc/tasks/segment/predict.py: outputs_beside): (files, folders). From the flags
+        alone, a detector's COCO images file, the overlay folder and a --mask_dir; with
+        `segmenter` (a bundle's model type) also the default mask folder."""
+        if not (self.input and self.output):
+            return {}, {}
+        from ttc.tasks.segment.predict import outputs_beside
+
+        return outputs_beside(Path(self.output), masks=segmenter or self.mask_dir is not None,
+                              mask_dir=Path(self.mask_dir) if self.mask_dir else None,
+                              overlay=self.overlay, coco=self.output_format == "coco")
+
     def _check_engine(self, threads: Callable[[], int], profile: bool, online_ttt: bool
                       ) -> None:
         given = [f"--{name}" for name in RAY_FLAGS if getattr(self, name) is not None]

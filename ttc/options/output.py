@@ -2,13 +2,12 @@
 page beside it, and what the run prints on stderr (log level, progress bars, quiet)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ttc.options.fields import bad, opt, parse_bool
 from ttc.reporting.sections import PLOT_NAMES
-from utils import ConfigError, quoted
+from utils import refuse_linked_folder
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -24,11 +23,9 @@ def refuse_linked_plots_folder(folder: Path | None, named: bool) -> None:
     """A plots folder the tool chose (beside the report or the model, not named with --plots)
     must be a real folder, never a symbolic link: one placed there (in a shared or downloaded
     folder) would send the PNGs wherever it points. ConfigError (exit 2), before any work."""
-    if folder is None or named or not folder.is_symlink():
-        return
-    raise ConfigError(f"the plots folder {folder} is a symbolic link (to "
-                      f"{quoted(os.readlink(folder), 80)}), and plots are written only into a "
-                      "real folder", "remove the link, or name the folder with --plots DIR")
+    if folder is not None and not named:
+        refuse_linked_folder(folder, "the plots folder", "plots",
+                             "remove the link, or name the folder with --plots DIR")
 
 
 def page_beside(report_json: Path) -> Path:

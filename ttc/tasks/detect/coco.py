@@ -24,9 +24,10 @@ from ttc.inputs.data import DataOptions
 from ttc.inputs.limits import MAX_LABELS
 from ttc.tasks.detect.tally import (CROWD, DUPLICATE_ANNOTATION_ID, DUPLICATE_IMAGE_ID,
                                     LISTED_TWICE, MALFORMED_ANNOTATION, MALFORMED_IMAGE,
-                                    MISSING_FILE, NO_ANNOTATIONS, NO_IMAGE_RECORD,
-                                    UNKNOWN_CATEGORY, UNSAFE_NAME, ZERO_AREA, Item, Skip, Tally,
-                                    data_folder, read_bounded)
+                                    MISSING_FILE, NO_ANNOTATIONS, NO_IMAGE_RECORD, REFUSED_NAME,
+                                    REFUSED_NUMBER, UNKNOWN_CATEGORY, UNSAFE_NAME, ZERO_AREA,
+                                    Item, Skip, Tally, data_folder, read_bounded, refused_values,
+                                    shown_name)
 from utils import ConfigError, DataError, first_line, quoted, quoted_sample
 
 MAX_ANNOTATIONS_BYTES = 1 << 30  # COCO 2017's train instances JSON is 448 MiB
@@ -72,7 +73,7 @@ def read_coco(path: Path) -> dict:
     lists when present); DataError (exit 3) over MAX_ANNOTATIONS_BYTES or when unparsable."""
     text = read_bounded(path, MAX_ANNOTATIONS_BYTES, "the COCO file", COCO_HINT)
     try:
-        document = json.loads(text)
+        document = parsed_json(text)
     except (ValueError, RecursionError) as err:
         raise DataError(f"cannot parse {path} as JSON: {first_line(err)}", COCO_HINT) from err
     if not isinstance(document, dict) or not isinstance(document.get("images"), list):
@@ -81,6 +82,24 @@ def read_coco(path: Path) -> dict:
         if not isinstance(document.get(key, []), list):
             raise DataError(f"{path}'s \"{key}\" is not a list", COCO_HINT)
     return document
+
+
+def parsed_json(text: str) -> Any:
+    """The JSON document; an integer too long for Python's int (over 4,300 digits) reads as
+    infinity, which no id or number accepts: its record is counted and left out, not the file."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # int's digit limit: parse again, the over-long integers as infinity
+        return json.loads(text, parse_int=_int_or_infinity)
+
+
+def _int_or_infinity(digits: str) -> int | float:
+    try:
+        return int(digits)
+    except ValueError:
+        return math.inf if not digits.startswith("-") else -math.inf
 
 
 def category_names(document: dict, path: Path) -> list[str]:
@@ -137,10 +156,11 @@ def image_records(document: dict, path: Path, images_dir: Path, tally: Tally,
     records: dict[Any, tuple] = {}
     listed: set = set()
     for index, record in enumerate(document["images"]):
-        name = (record.get("file_name") if isinstance(record, dict)
+        name = (shown_name(record["file_name"]) if isinstance(record, dict)
                 and isinstance(record.get("file_name"), str) else f"images[{index}]")
         try:
-            image_id, image, declared = image_record(record, images_dir, listed, seen)
+            with refused_values(REFUSED_NAME):
+                image_id, image, declared = image_record(record, images_dir, listed, seen)
         except Skip as skip:
             tally.add(path, skip.reason, name, skip.detail, image=f"{path}#{name}")
             continue
@@ -194,9 +214,11 @@ def annotation_boxes(document: dict, path: Path, records: dict, listed: set,
     ids: set = set()
     for index, annotation in enumerate(document.get("annotations") or []):
         known = isinstance(annotation, dict) and _is_id(annotation.get("id"))
-        source = f"annotation {annotation['id']}" if known else f"annotations[{index}]"
+        source = (shown_name(f"annotation {annotation['id']}") if known
+                  else f"annotations[{index}]")
         try:
-            image_id, row = parse_annotation(annotation, ids, listed, named, classes)
+            with refused_values(REFUSED_NUMBER):
+                image_id, row = parse_annotation(annotation, ids, listed, named, classes)
         except Skip as skip:
             tally.add(path, skip.reason, source, skip.detail)
             continue
@@ -228,7 +250,9 @@ def parse_annotation(annotation: Any, ids: set, listed: set, named: set,
     bbox = annotation.get("bbox")
     if not (isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox)):
         raise Skip(MALFORMED_ANNOTATION, "bbox is not [x, y, width, height]")
-    x, y, width, height = (float(v) for v in bbox)
+    x, y, width, height = (float(v) for v in bbox)  # an int past a float: OverflowError
+    if not all(math.isfinite(v) for v in (x, y, x + width, y + height)):
+        raise Skip(REFUSED_NUMBER, "a bbox value is not a finite float")
     if width <= 0 or height <= 0:
         raise Skip(ZERO_AREA, f"width {width:g}, height {height:g}")
     return image_id, [float(classes[category]), x, y, x + width, y + height]
@@ -243,5 +267,4 @@ def _is_count(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

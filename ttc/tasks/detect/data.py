@@ -33,7 +33,7 @@ from ttc.tasks.detect.canvases import (BUILTIN, BUILTIN_COUNT, BUILTIN_SEED, BUI
                                        CLASS_NAMES, digit_box_canvases)
 from ttc.tasks.detect.coco import list_coco
 from ttc.tasks.detect.tally import (CLIPPED, EDGE_SLACK, OUTSIDE, SIZE_MISMATCH,
-                                    UNREADABLE_IMAGE, Item, Skip, Tally)
+                                    UNREADABLE_IMAGE, Item, Skip, Tally, refused_values)
 from ttc.tasks.detect.yolo import LAYOUT_HINT, list_yolo
 from ttc.tasks.segment.data import (builtin_splits, check_builtin_options, check_bundle_size,
                                     cut_missing_splits, decoded_image_size, refuse_over_memory,
@@ -145,7 +145,8 @@ def decode_split(items: list[Item], preprocessing: dict, tally: Tally, options: 
     ids: list[str] = []
     for item in progress(items, desc=f"decode {split}", enabled=options.show_progress):
         try:
-            x[len(ids)], boxes = decode_item(item, preprocessing, tally)
+            with refused_values(UNREADABLE_IMAGE):
+                x[len(ids)], boxes = decode_item(item, preprocessing, tally)
         except Skip as skip:
             tally.add(item.where, skip.reason, item.name, skip.detail, image=item.image)
             continue

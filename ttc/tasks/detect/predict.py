@@ -32,10 +32,11 @@ from ttc.serving.batch import RecordWriter, raise_for_error_rows, utf8_name
 from ttc.tasks.detect.evaluate import (PREDICTED_COLOUR, DetectionRunner, Detections, draw_on,
                                        rgb_picture)
 from ttc.tasks.segment.predict import (ImageBatchOptions, ImageRun, Listed, default_overlay_dir,
-                                       listed_images, original_pixels, predicted_batch,
-                                       predicted_batches, unreadable, write_results)
+                                       images_json_path, listed_images, original_pixels,
+                                       predicted_batch, predicted_batches,
+                                       refuse_linked_subfolders, unreadable, write_results)
 from utils import (LOG, ConfigError, DataError, ExportError, atomic_write, atomic_write_stream,
-                   inside, same_file, unwritable)
+                   file_in_folder, inside, refuse_linked_folder, same_file, unwritable)
 
 ROW_FORMATS = (".csv", ".jsonl", ".parquet")
 OUTPUT_FORMATS = ("rows", "coco")
@@ -44,13 +45,6 @@ COLUMNS = ("image", "label", "class_index", "score", "x1", "y1", "x2", "y2", "er
 COORDINATE_DECIMALS = 4  # pixels of the image, to a ten-thousandth
 SCORE_DECIMALS = 6
 OVERLAY_LINE_PER_PIXELS = 400  # an overlay's box lines: 1 pixel wide per 400 of its longer side
-
-
-def images_json_path(output: Path) -> Path:
-    """--output_format coco: where the images' ids, file names and sizes (and the categories)
-    go: beside OUTPUT, OUTPUT-STEM_images.json."""
-    output = Path(output)
-    return output.parent / f"{output.stem}_images.json"
 
 
 @dataclass
@@ -146,6 +140,8 @@ def check_overlay_dir(options: DetectBatchOptions) -> None:
     """The overlays' folder: a folder (or one that can be made), neither holding the input nor
     inside it, and none of the outputs (exit 2)."""
     folder, source = options.overlay_dir, options.input
+    refuse_linked_folder(folder, "the overlay folder", "overlays",
+                         "remove the link, or give --output another name")
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"the overlay folder {folder} is a file", "move it away, or give "
                           "--output another name (the overlays go to OUTPUT-STEM_overlays)")
@@ -192,6 +188,8 @@ def checked_listing(options: DetectBatchOptions, labels: Sequence[str]) -> list[
         raise DataError(f"{options.input} holds no image to detect objects in; "
                         f"{options.output} was left as it was", "give an image or a folder of "
                         f"{'/'.join(IMAGE_EXTENSIONS)} files")
+    if options.overlay_dir is not None:
+        refuse_linked_subfolders([options.overlay_dir], listed)
     return listed
 
 
@@ -290,7 +288,8 @@ class Predicting:
                 pixels = original_pixels(item.path, size, self.preprocessing)
             except Exception as err:  # noqa: BLE001 - the file changed or fails at its size
                 return ImageDetections(item.id, error=unreadable(err, item.path))
-            write_overlay(self.options.overlay_dir / item.name, pixels, result, self.labels)
+            write_overlay(file_in_folder(self.options.overlay_dir, item.name), pixels, result,
+                          self.labels)
         return result
 
 

@@ -8,15 +8,17 @@ its file), a box left out, a box clipped or an image kept as background-only (re
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from ttc.tasks.segment.data import Skip  # noqa: F401 - the readers' (yolo.py, coco.py), from here
 from ttc.tasks.segment.data import ReasonCounts, with_article
 from ttc.tasks.segment.data import data_folder as existing_folder
-from utils import LOG, ConfigError, DataError, first_line
+from utils import LOG, ConfigError, DataError, first_line, quoted
 
 SHOWN = 10  # names a record lists
 EDGE_SLACK = 1e-6  # a normalised coordinate this far outside [0, 1] is on the edge, not clipped
@@ -32,6 +34,7 @@ MALFORMED_IMAGE = "malformed image record"
 DUPLICATE_IMAGE_ID = "duplicate image id"
 LISTED_TWICE = "image file listed twice"
 SIZE_MISMATCH = "image of another size than its COCO record"
+REFUSED_NAME = "file_name the file system refuses"
 # A box left out.
 MALFORMED_LINE = "malformed label line"
 MALFORMED_ANNOTATION = "malformed annotation"
@@ -42,6 +45,7 @@ OUTSIDE = "box outside the image"
 DUPLICATE_ANNOTATION_ID = "duplicate annotation id"
 NO_IMAGE_RECORD = "annotation of a missing image"
 CROWD = "crowd annotation"
+REFUSED_NUMBER = "number out of range"
 # Counted, and kept.
 CLIPPED = "box clipped to the image"
 NO_LABEL_FILE = "image without a label file (kept as background)"
@@ -51,6 +55,7 @@ NO_IMAGE = "label file without an image"
 
 KEPT = frozenset({CLIPPED, NO_LABEL_FILE, NO_ANNOTATIONS})
 NO_BOXES = np.zeros((0, 5), dtype=np.float32)
+SHOWN_NAME_CHARACTERS = 200  # a longer name (or one with control characters) is shown quoted, cut
 
 
 @dataclass
@@ -97,6 +102,27 @@ class Tally(ReasonCounts):
 
     def _record(self, where: str, reason: str, names: list[str], first: list[str]) -> dict:
         return {**super()._record(where, reason, names, first), "kept": reason in KEPT}
+
+
+@contextlib.contextmanager
+def refused_values(reason: str) -> Iterator[None]:
+    """One record's processing: an OSError, ValueError or OverflowError raised by the record's
+    own values (a file_name too long for the file system or holding a NUL byte, a number too
+    large for a float) becomes Skip(reason), so that record is counted and left out, never the
+    run."""
+    try:
+        yield
+    except (OSError, ValueError, OverflowError) as err:
+        detail = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+        raise Skip(reason, detail[:120]) from err
+
+
+def shown_name(name: str) -> str:
+    """A name a record gives, as counts and WARNINGs show it: as it is, or quoted and cut when
+    it is long or holds control characters (a NUL byte, a newline)."""
+    if len(name) <= SHOWN_NAME_CHARACTERS and name.isprintable():
+        return name
+    return quoted(name, 60)
 
 
 def read_bounded(path: Path, limit: int, what: str, hint: str) -> str:

@@ -230,8 +230,11 @@ def yaml_names(text: str, path: Path) -> list[str] | None:
     else:
         try:
             loaded = yaml.safe_load(text)
-        except yaml.YAMLError as err:
+        except (yaml.YAMLError, RecursionError) as err:
             raise DataError(f"cannot parse {path}: {first_line(err)}", NAMES_HINT) from err
+        except (ValueError, OverflowError) as err:  # int's digit limit
+            raise DataError(f"cannot parse {path}: a number in it is too long to read",
+                            NAMES_HINT) from err
         names = loaded.get("names") if isinstance(loaded, dict) else None
     if names is None:
         return None

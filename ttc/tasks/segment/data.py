@@ -39,6 +39,13 @@ MODEL_TYPE = "image_segmenter"
 KIND = "segmentation"
 DEFAULT_IGNORE_INDEX = 255
 MASK_MODES = ("L", "P")  # 8-bit gray, palette: both hold one 8-bit index per pixel
+# Formats whose compression changes pixel values (a blend of two classes' indices at every edge:
+# a phantom class), by the decoded format, whatever the file's suffix; WebP is lossy unless its
+# image chunk is VP8L, TIFF where its compression is JPEG or WebP.
+LOSSY_FORMATS = {"JPEG": "JPEG", "MPO": "JPEG (MPO)", "JPEG2000": "JPEG 2000", "AVIF": "AVIF",
+                 "HEIF": "HEIF"}
+LOSSY_TIFF_COMPRESSIONS = ("jpeg", "tiff_jpeg", "webp")
+WEBP_CHUNKS_READ = 8  # a WebP file's first chunks: VP8X, ICCP, ALPH, ... then its image chunk
 CLASSES_FILE = "classes.txt"
 MAX_CLASSES = 256  # a mask's indices are 8-bit
 MAX_CLASSES_FILE_BYTES = 1 << 20
@@ -54,6 +61,7 @@ DUPLICATE = "second file with one stem"
 UNREADABLE_IMAGE = "unreadable image"
 UNREADABLE_MASK = "unreadable mask"
 MASK_MODE = "mask not 8-bit gray or palette"
+LOSSY_MASK = "mask in a lossy format"
 SIZE_MISMATCH = "mask size differs from its image"
 BEYOND_CLASSES = "class index beyond the class list"
 ALL_VOID = "all-void mask"
@@ -482,6 +490,10 @@ def read_mask(path: Path) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as img:
+                lossy = lossy_encoding(img, path)
+                if lossy:
+                    raise Skip(LOSSY_MASK, f"{lossy}: its compression changes class indices; "
+                               "save masks as PNG")
                 if img.mode not in MASK_MODES:
                     raise Skip(MASK_MODE, f"mode {quoted(img.mode)}")
                 img = ImageOps.exif_transpose(img) or img
@@ -490,6 +502,34 @@ def read_mask(path: Path) -> np.ndarray:
         raise
     except Exception as err:  # noqa: BLE001 - any decoder failure means a bad file
         raise Skip(UNREADABLE_MASK, first_line(err)) from err
+
+
+def lossy_encoding(img, path: Path) -> str | None:
+    """What makes an opened mask's file lossy ("JPEG", "lossy WebP", "JPEG-compressed TIFF"),
+    by its decoded format; None for a lossless one (PNG, BMP, GIF, lossless WebP and TIFF)."""
+    if img.format in LOSSY_FORMATS:
+        return LOSSY_FORMATS[img.format]
+    if img.format == "TIFF" and img.info.get("compression") in LOSSY_TIFF_COMPRESSIONS:
+        return f"{img.info['compression'].removeprefix('tiff_').upper()}-compressed TIFF"
+    if img.format == "WEBP" and not _lossless_webp(path):
+        return "lossy WebP"
+    return None
+
+
+def _lossless_webp(path: Path) -> bool:
+    """Is a WebP file's image chunk VP8L (lossless), not VP8 (lossy)? Its RIFF chunks are walked
+    from the start, a few at most."""
+    with open(path, "rb") as handle:
+        handle.seek(12)  # "RIFF", the size, "WEBP"
+        for _ in range(WEBP_CHUNKS_READ):
+            header = handle.read(8)
+            if len(header) < 8:
+                return False
+            fourcc, size = header[:4], int.from_bytes(header[4:], "little")
+            if fourcc in (b"VP8 ", b"VP8L"):
+                return fourcc == b"VP8L"
+            handle.seek(size + (size & 1), 1)  # chunks are padded to an even size
+    return False
 
 
 def resize_mask(mask: np.ndarray, height: int, width: int) -> np.ndarray:

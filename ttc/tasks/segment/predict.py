@@ -29,8 +29,9 @@ from ttc.inputs.tables import IMAGE_EXTENSIONS
 from ttc.serving.batch import (RecordWriter, fail_without_predictions, folder_images,
                                printable_name, raise_for_error_rows, utf8_name, write_errors)
 from ttc.tasks.segment.masks import PALETTE_CLASSES, class_shares, write_mask, write_overlay
-from utils import (LOG, ConfigError, DataError, ExportError, atomic_write_stream, first_line,
-                   inside, progress, raise_if_interrupted, same_file, unwritable)
+from utils import (LOG, ConfigError, DataError, ExportError, atomic_write_stream,
+                   file_in_folder, first_line, inside, progress, raise_if_interrupted,
+                   refuse_linked_folder, same_file, unwritable)
 
 SUMMARY_FORMATS = (".csv", ".jsonl", ".parquet")
 MASK_SUFFIX = ".png"
@@ -40,17 +41,58 @@ Runner = Callable[[np.ndarray], np.ndarray]
 Result = TypeVar("Result")  # one image's outcome: a segmenter's SummaryRow, a detector's boxes
 
 
+# ----------------------------------------------------------------------------- beside --output
+# What an image model's --input writes besides --output and --errors, declared here once: the
+# options below and the path checks before any work (Config, through outputs_beside) read it.
+BESIDE_OUTPUT = "--output (its"  # the key of a path the tool chose beside --output
+
+
 def default_mask_dir(output: Path) -> Path:
     """Where the masks go unless --mask_dir says: OUTPUT's folder / OUTPUT-STEM_masks."""
     output = Path(output)
     return output.parent / f"{output.stem}_masks"
 
 
+def overlay_folder(output: Path, mask_dir: Path | None = None) -> Path:
+    """Where the overlays go: the mask folder's sibling OUTPUT-STEM_overlays (beside --output
+    when the masks' folder is the default, and for a detector, which writes no masks)."""
+    output = Path(output)
+    return (Path(mask_dir).parent if mask_dir is not None else output.parent) \
+        / f"{output.stem}_overlays"
+
+
 def default_overlay_dir(output: Path) -> Path:
     """Where the overlays go with the default mask folder: OUTPUT's folder /
-    OUTPUT-STEM_overlays (in general the mask folder's sibling of that name)."""
+    OUTPUT-STEM_overlays."""
+    return overlay_folder(output)
+
+
+def images_json_path(output: Path) -> Path:
+    """--output_format coco: where the images' ids, file names and sizes (and the categories)
+    go: beside OUTPUT, OUTPUT-STEM_images.json."""
     output = Path(output)
-    return output.parent / f"{output.stem}_overlays"
+    return output.parent / f"{output.stem}_images.json"
+
+
+def outputs_beside(output: Path, *, masks: bool, mask_dir: Path | None, overlay: bool,
+                   coco: bool) -> tuple[dict[str, Path], dict[str, Path]]:
+    """What an image model's --input writes besides --output and --errors, for the path checks:
+    (files, folders), each keyed as check_paths' paths are, by the flag that names it; those
+    the tool chose beside --output are keyed `--output (its ...)`. `masks`: a segmenter's mask
+    folder (`mask_dir`, else its default); `overlay`: the overlay folder; `coco`: a detector's
+    COCO images file."""
+    files, folders = {}, {}
+    if coco:
+        files[f"{BESIDE_OUTPUT} COCO images file)"] = images_json_path(output)
+    if masks:
+        if mask_dir is not None:
+            folders["--mask_dir"] = Path(mask_dir)
+        else:
+            folders[f"{BESIDE_OUTPUT} mask folder)"] = default_mask_dir(output)
+    if overlay:
+        folders[f"{BESIDE_OUTPUT} overlay folder)"] = overlay_folder(output, mask_dir
+                                                                     if masks else None)
+    return files, folders
 
 
 @dataclass
@@ -86,9 +128,7 @@ class SegmentBatchOptions(ImageBatchOptions):
     @property
     def overlay_dir(self) -> Path | None:
         """The overlays' folder (with --overlay): the mask folder's sibling OUTPUT-STEM_overlays."""
-        if not self.overlay:
-            return None
-        return self.mask_dir.parent / f"{self.output.stem}_overlays"
+        return overlay_folder(self.output, self.mask_dir) if self.overlay else None
 
 
 @dataclass
@@ -181,6 +221,9 @@ def check_options(options: SegmentBatchOptions, labels: Sequence[str]) -> None:
     if options.overlay_dir is not None:
         folders["the overlay folder"] = options.overlay_dir
     for name, folder in folders.items():
+        if name != "--mask_dir" or folder == default_mask_dir(options.output):
+            refuse_linked_folder(folder, name, "outputs", "remove the link, or give --output "
+                                 "another name")  # chosen beside --output: a real folder
         _check_folder(name, folder, options)
     if options.overlay_dir is not None:
         mask_dir, overlay_dir = options.mask_dir, options.overlay_dir
@@ -379,10 +422,10 @@ class Predicting:
                 picture = original_pixels(item.path, size, self.preprocessing)
             except Exception as err:  # noqa: BLE001 - the file changed or fails at its size
                 return SummaryRow(item.id, error=unreadable(err, item.path))
-        mask_path = options.mask_dir / item.name
+        mask_path = file_in_folder(options.mask_dir, item.name)
         _write(mask_path, lambda: write_mask(mask_path, mask))
         if picture is not None:
-            overlay_path = options.overlay_dir / item.name
+            overlay_path = file_in_folder(options.overlay_dir, item.name)
             _write(overlay_path, lambda: write_overlay(overlay_path, picture, mask))
         shown = Path(os.path.relpath(mask_path.absolute(), options.output.absolute().parent))
         return SummaryRow(item.id, shown.as_posix(), size[0], size[1],
@@ -457,7 +500,18 @@ def checked_listing(options: SegmentBatchOptions, labels: Sequence[str]) -> list
         raise DataError(f"{options.input} holds no image to segment; {options.output} was "
                         "left as it was", "give an image or a folder of "
                         f"{'/'.join(IMAGE_EXTENSIONS)} files")
+    refuse_linked_subfolders(filter(None, (options.mask_dir, options.overlay_dir)), listed)
     return listed
+
+
+def refuse_linked_subfolders(folders: Iterable[Path], listed: Sequence[Listed]) -> None:
+    """Before any file is written: no image's mask or overlay would go through a symbolic link
+    to a folder inside its folder (file_in_folder, which each write checks again)."""
+    parents = {item.name.parent for item in listed
+               if item.name is not None and item.name.parent != Path(".")}
+    for folder in folders:
+        for parent in sorted(parents):
+            file_in_folder(folder, parent / MASK_SUFFIX)
 
 
 class ResultWriter(Protocol):
