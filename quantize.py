@@ -23,9 +23,9 @@ import onnx
 from config import Config, build_parser, start_cli
 from ttc.convert.diagnosis import SHOWN_LAYERS, LayerError, diagnose
 from ttc.reporting.metrics import accuracy, top1_agreement
-from ttc.serving.runtime import (RuntimeOptions, batches_of, cpu_info, create_session, graph_padding_id,
-                     model_feeder, predict_proba, session_runner, time_runners,
-                     whole_batches)
+from ttc.serving.runtime import (CpuInfo, RuntimeOptions, batches_of, cpu_info, create_session,
+                                graph_padding_id, model_feeder, predict_proba, session_runner,
+                                time_runners, whole_batches)
 from ttc.serving.bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                     stamp_contract, write_manifest_section)
 from report import run_with_report
@@ -88,6 +88,8 @@ class VariantResult:
     op_sets: list[dict] | None = None  # --quantize_ops auto: the op sets tried, as judged
     slower_op_types: list[dict] | None = None  # --profile: where a slower variant's time grew
     cpu: dict | None = None  # the CPU that timed it (runtime.CpuInfo), for CPU providers
+    reduce_range: bool | None = None  # int8: 7-bit weights (ONNX Runtime's reduce_range)
+    reduce_range_reason: str | None = None  # why that range (--int8_range, the CPU)
     metric: str = "accuracy"  # what the accuracy* fields hold (segmenter: mean_iou; detector: map)
     test_metrics: dict | None = None  # other test figures, int8's and fp32's (a detector's map50)
 
@@ -140,6 +142,35 @@ def variant_scorer(manifest) -> ProbabilityScorer:
     ignore_index = manifest.preprocessing.spec["ignore_index"]
     return ProbabilityScorer("mean_iou", lambda probabilities, y: probabilities_mean_iou(
         probabilities, y, manifest.classes, ignore_index))
+
+
+@dataclass(frozen=True)
+class Int8Range:
+    """The int8 weights' range (--int8_range resolved) and why: the report's
+    quantize.reduce_range and quantize.reduce_range_reason, kept in the manifest."""
+
+    reduce_range: bool
+    reason: str
+
+
+def choose_int8_range(requested: str, cpu: CpuInfo) -> Int8Range:
+    """--int8_range: full or reduced as asked; auto: reduced (7-bit weights) where this CPU's
+    int8 kernels saturate full-range weights (x86 without VNNI or AMX: runtime.saturates) or
+    its instructions are unknown, full (the more precise) where they cannot saturate. Measured
+    on an AVX2-only EPYC: the detector's static int8 lost 17.8 mAP points with full range and
+    0.12 with reduced (docs/deploy.md)."""
+    if requested in ("full", "reduced"):
+        return Int8Range(requested == "reduced", f"--int8_range {requested}")
+    if cpu.int8_saturates is None:
+        return Int8Range(True, f"auto: the int8 instructions of this CPU ({cpu.name}) are "
+                               "unknown, and 7-bit weights saturate on none")
+    if cpu.int8_saturates:
+        return Int8Range(True, f"auto: this CPU ({cpu.name}) has no VNNI or AMX, and its int8 "
+                               "kernels saturate with full-range (8-bit) weights")
+    has = (f"has {', '.join(cpu.int8_dot_product)}" if cpu.int8_dot_product
+           else "is not x86 (its int8 kernels widen to 16 bits without pairing products)")
+    return Int8Range(False, f"auto: this CPU ({cpu.name}) {has}, where full-range (8-bit) "
+                            "weights do not saturate")
 
 
 def choose_mode(requested: str, model: onnx.ModelProto) -> str:
@@ -306,8 +337,10 @@ def name_unnamed_nodes(model: onnx.ModelProto) -> int:
 
 
 def quantize_prepared(prepared: Path, dst: Path, mode: str, op_types: Sequence[str],
-                      exclude: Sequence[str], feeds: Sequence[dict], config: Config) -> Path:
-    """Write the int8 graph of `prepared` to dst, with the nodes `exclude` names kept fp32."""
+                      exclude: Sequence[str], feeds: Sequence[dict], config: Config,
+                      reduce_range: bool = False) -> Path:
+    """Write the int8 graph of `prepared` to dst, with the nodes `exclude` names kept fp32 and
+    7-bit weights where `reduce_range` (choose_int8_range)."""
     from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
                                           quantize_dynamic, quantize_static)
 
@@ -320,6 +353,7 @@ def quantize_prepared(prepared: Path, dst: Path, mode: str, op_types: Sequence[s
             # (Attention after a failed symbolic inference), its MatMul's input is float
             quantize_dynamic(str(prepared), str(dst), weight_type=QuantType.QInt8,
                              op_types_to_quantize=list(op_types), nodes_to_exclude=list(exclude),
+                             reduce_range=reduce_range,
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
             return dst
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -329,7 +363,7 @@ def quantize_prepared(prepared: Path, dst: Path, mode: str, op_types: Sequence[s
                             quant_format=QuantFormat.QDQ, per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             calibrate_method=method, op_types_to_quantize=list(op_types),
-                            nodes_to_exclude=list(exclude))
+                            nodes_to_exclude=list(exclude), reduce_range=reduce_range)
     return dst
 
 
@@ -392,8 +426,10 @@ class Quantizer:
 
     def __init__(self, prepared: Path, mode: str, op_types: Sequence[str], feeds: Sequence[dict],
                  config: Config, val: Split | None, tag: str = "",
-                 scorer: ProbabilityScorer | None = None, fixed: Sequence[str] = ()) -> None:
+                 scorer: ProbabilityScorer | None = None, fixed: Sequence[str] = (),
+                 reduce_range: bool = False) -> None:
         self.prepared, self.mode, self.op_types, self.feeds = prepared, mode, op_types, feeds
+        self.reduce_range = reduce_range
         self.config, self.val, self.tag = config, val, tag
         self.scorer, self.fixed = scorer or ProbabilityScorer(), list(fixed)
         self._fp32 = None
@@ -404,7 +440,8 @@ class Quantizer:
         self._tries += 1
         dst = self.prepared.with_name(f"int8{self.tag}_{self._tries}.onnx")
         return quantize_prepared(self.prepared, dst, self.mode, self.op_types,
-                                 [*self.fixed, *exclude], self.feeds, self.config)
+                                 [*self.fixed, *exclude], self.feeds, self.config,
+                                 self.reduce_range)
 
     def diagnose(self, int8: Path) -> list[LayerError]:
         """The layers, worst first; none (and a WARNING) where the diagnosis itself fails: it
@@ -514,7 +551,7 @@ def judge(result: VariantResult, max_drop: float, force: bool, problems: Sequenc
                        else (result.accuracy, result.accuracy_fp32))
         result.problems.append(f"{label} loses {drop:.3f} {'validation' if on_val else 'test'} "
                                f"{metric} ({score:.4f} vs {fp32:.4f} for fp32; more than "
-                               f"--max_accuracy_drop {max_drop:g})")
+                               f"--max_accuracy_drop {max_drop:g}){saturation_note(result)}")
     if result.latency_ms_p50 > result.latency_ms_p50_fp32:
         result.problems.append(f"{label} is slower than fp32 at batch {result.batch_size} "
                                f"({result.latency_ms_p50:.3g} vs {result.latency_ms_p50_fp32:.3g} "
@@ -573,6 +610,14 @@ def cpu_section() -> dict:
     return {**asdict(info), "description": info.describe()}
 
 
+def saturation_note(result: VariantResult) -> str:
+    """Why a full-range int8 graph may have lost its accuracy on this CPU, or ''."""
+    if result.reduce_range is not False or not (result.cpu or {}).get("int8_saturates"):
+        return ""
+    return (f"; its full-range (8-bit) weights saturate on this CPU ({result.cpu['name']}: no "
+            "VNNI or AMX), which --int8_range reduced (or auto) avoids")
+
+
 def cpu_note(result: VariantResult) -> str:
     """Why int8 may not be faster here, where the CPU is known to lack int8 dot-product
     instructions (a fact about the machine, not a guess about the graph)."""
@@ -624,15 +669,18 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
     require_onnx_in_bundle(paths, manifest)
     source = onnx.load(str(paths.onnx))
     mode = choose_mode(config.quantize, source)
-    LOG.info("quantizing %s to int8 (%s%s)", paths.onnx.name, mode,
-             ", auto" if config.quantize == "auto" else "")
+    weights = choose_int8_range(config.int8_range, cpu_info())
+    LOG.info("quantizing %s to int8 (%s%s, %s-range weights: %s)", paths.onnx.name, mode,
+             ", auto" if config.quantize == "auto" else "",
+             "reduced" if weights.reduce_range else "full", weights.reason)
     scorer = variant_scorer(manifest)
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
         feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed,
                                   calibration_batch(manifest))
         trials, chosen = quantize_trials(config, prepared, mode, feeds, val, scorer,
-                                         manifest.preprocessing.kind == "detection")
+                                         manifest.preprocessing.kind == "detection",
+                                         weights.reduce_range)
         trial = trials[chosen]
         int8_bytes = stamp_contract(onnx.load(str(trial.int8)), manifest).SerializeToString()
     section = trial.exclusion
@@ -641,7 +689,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
         scorer=scorer, mode=mode,
         requested=config.quantize, path=str(paths.int8), op_types=trial.op_types,
         layers=[row.report_row() for row in trial.layers[:SHOWN_LAYERS]], exclusion=section,
-        op_sets=op_sets_section(trials, chosen),
+        op_sets=op_sets_section(trials, chosen), reduce_range=weights.reduce_range,
+        reduce_range_reason=weights.reason,
         calibration=None if mode == "dynamic" else {
             "method": config.calibration_method, "source": "train split",
             "samples": min(config.calibration_size, len(train_x))})
@@ -662,8 +711,8 @@ def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val
 
 
 def quantize_trials(config: Config, prepared: Path, mode: str, feeds: Sequence[dict],
-                    val: Split | None, scorer: ProbabilityScorer, detector: bool
-                    ) -> tuple[list[OpSetTrial], int]:
+                    val: Split | None, scorer: ProbabilityScorer, detector: bool,
+                    reduce_range: bool = False) -> tuple[list[OpSetTrial], int]:
     """Each op set of --quantize_ops quantized (with the nodes of --quantize_exclude, or those
     it searches for, kept fp32; a detector's head and NMS kept float besides: see
     ttc/tasks/detect/quantize.py), diagnosed and, where there is a choice, judged. Returns the
@@ -683,7 +732,8 @@ def quantize_trials(config: Config, prepared: Path, mode: str, feeds: Sequence[d
     trials = []
     for k, op_types in enumerate(candidates):
         quantizer = Quantizer(prepared, mode, op_types, feeds, config, val, tag=f"_{k}",
-                              scorer=scorer, fixed=parts.kept_float() if parts else ())
+                              scorer=scorer, fixed=parts.kept_float() if parts else (),
+                              reduce_range=reduce_range)
         trial = quantizer_step(mode, lambda: try_op_set(
             quantizer, manual, auto=exclusion == "auto" and on_val, judge=len(candidates) > 1))
         if parts is not None:

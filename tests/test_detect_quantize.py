@@ -93,3 +93,29 @@ def test_inference_serves_the_graph_the_gate_chose(int8_bundle):
     served = "model.int8.onnx" if quantize["used_for_inference"] else "model.onnx"
     assert Path(report["inference"]["model_path"]).name == served == "model.int8.onnx"
     assert report["evaluation"]["map"] == pytest.approx(quantize["accuracy"])
+
+
+def test_reduced_range_int8_keeps_the_detector_s_float_head(int8_bundle, tmp_path):
+    """--int8_range reduced (issue 61: 7-bit weights for CPUs without VNNI) on the detector:
+    the backbone's int8 weights lie in [-64, 64], the head and NMS stay float, and the report and
+    manifest record the range."""
+    import shutil
+
+    from ttc.tasks.detect.quantize import float_violations
+
+    for path in int8_bundle["model"].parent.glob("model.*"):
+        shutil.copy(path, tmp_path / path.name)
+    model = tmp_path / "model.onnx"
+    run = run_cli("quantize.py", "--dataset_path", int8_bundle["data"], "--output_model", model,
+                  "--quantize", "static", "--int8_range", "reduced", "--batch_size", "8",
+                  "--no_progress", "true", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-3000:]
+    quantize = json.loads(run.stdout)["quantize"]
+    assert quantize["reduce_range"] is True and quantize["metric"] == "map"
+    int8 = onnx.load(str(tmp_path / "model.int8.onnx"))
+    weights = [onnx.numpy_helper.to_array(init) for init in int8.graph.initializer
+               if init.data_type == onnx.TensorProto.INT8]
+    assert weights and all(w.min() >= -64 and w.max() <= 64 for w in weights)
+    kept = quantize["exclusion"]["kept_float"]
+    assert float_violations(int8, [*kept["head"], *kept["postprocessing"]]) == []
+    assert json.loads(model.with_suffix(".json").read_text())["quantization"]["reduce_range"]

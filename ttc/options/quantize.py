@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ttc.options.fields import bad, opt, parse_bool, positive
 
 QUANTIZE_MODES = ("none", "dynamic", "static", "auto")
+INT8_RANGES = ("auto", "full", "reduced")
 
 
 @dataclass
@@ -16,6 +17,11 @@ class QuantizeFlags:
                         "static (QDQ, per-channel, calibrated on training data), auto (static "
                         "for convolutional models, else dynamic)", "quantization",
                         choices=QUANTIZE_MODES, scripts="PQ")
+    int8_range: str = opt(
+        "auto", "int8 weight range: full (8 bits), reduced (7 bits: ONNX Runtime's "
+        "reduce_range), auto (reduced where this CPU's int8 kernels saturate: x86 without VNNI "
+        "or AMX, or an unknown CPU; else full); recorded in the report and manifest",
+        "quantization", choices=INT8_RANGES, scripts="PQ")
     calibration_size: int = opt(256, "training samples used to calibrate static quantization",
                                 "quantization", type=int, metavar="N", scripts="PQ")
     calibration_method: str = opt("minmax", "static calibration method", "quantization",

@@ -186,6 +186,9 @@ def format_quantize_details(quantize: dict) -> list[str]:
     lines = []
     if (quantize.get("cpu") or {}).get("description"):
         lines.append(f"  {'timed on':<26} {quantize['cpu']['description']}")
+    if quantize.get("reduce_range") is not None:
+        weights = "7-bit (reduced range)" if quantize["reduce_range"] else "8-bit (full range)"
+        lines.append(f"  {'int8 weights':<26} {weights}: {quantize.get('reduce_range_reason')}")
     if quantize.get("op_types") is not None:
         lines.append(f"  {'op types quantized':<26} {', '.join(quantize['op_types']) or 'none'}")
     if quantize.get("op_sets"):

@@ -143,18 +143,21 @@ class Calibration:
 @dataclass(frozen=True)
 class Variant:
     """What quantize.py recorded of a variant graph (int8 "quantization", "fp16"); an empty
-    record reads as none, as the stages have always read it."""
+    record reads as none, as the stages have always read it. `reduce_range`: int8 with 7-bit
+    weights (a record from before --int8_range reads as full range, what was written then)."""
 
     mode: str | None = None
     verdict: str | None = None
     used_for_inference: bool | None = None
+    reduce_range: bool = False
 
     @classmethod
     def from_dict(cls, entry: Any) -> "Variant | None":
         if not isinstance(entry, dict) or not entry:
             return None
         return cls(mode=entry.get("mode"), verdict=entry.get("verdict"),
-                   used_for_inference=entry.get("used_for_inference"))
+                   used_for_inference=entry.get("used_for_inference"),
+                   reduce_range=bool(entry.get("reduce_range")))
 
 
 COMPRESSED_VARIANTS = ("pruned", "qat", "pruned_qat")  # in the order training makes them
@@ -383,6 +386,17 @@ class Manifest:
             compressed = self.compression.get(key) if self.compression else None
             return compressed.as_variant() if compressed else None
         return self.quantization if key == "int8" else self.fp16 if key == "fp16" else None
+
+    def full_range_int8(self, key: str) -> bool:
+        """Whether the graph `key` has full-range (8-bit) int8 weights, which can saturate on
+        x86 CPUs without VNNI or AMX (runtime.saturates): int8 quantized without reduce_range
+        (as every int8 from before --int8_range was) and the quantization-aware variants
+        (ttc/compress/qat.py trains weights over the whole int8 range)."""
+        if key == "int8":
+            return not (self.quantization and self.quantization.reduce_range)
+        compressed = (self.compression.get(key) if self.compression and key in
+                      COMPRESSED_VARIANTS else None)
+        return bool(compressed and compressed.quantized)
 
 
 def as_manifest(manifest: "Manifest | Mapping") -> Manifest:

@@ -275,7 +275,9 @@ CALIBRATION = record({"temperature": POSITIVE, "method": STRING, "fitted_on": ST
                       "nll_gain_interval_90": optional(list_of(FINITE, length=2)),
                       "rule": optional(STRING)}, required=("temperature", "method"))
 VARIANT = record({"mode": optional(STRING), "verdict": optional(STRING),
-                  "used_for_inference": optional(either(True, False))})
+                  "used_for_inference": optional(either(True, False)),
+                  "reduce_range": optional(either(True, False)),
+                  "reduce_range_reason": optional(STRING)})
 COMPRESSED = record({
     "name": text(("pruned", "qat", "pruned_qat")), "quantized": either(True, False),
     "weights": optional(_must("a bare file name", _is_file_name)),

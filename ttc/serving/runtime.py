@@ -572,14 +572,25 @@ INT8_DOT_FLAGS = {"avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI", "amx_int
                   "asimddp": "Arm dot product", "i8mm": "Arm I8MM"}
 
 
+# x86 flags without which ONNX Runtime's u8 x s8 kernels multiply with vpmaddubsw (SSSE3, AVX2,
+# AVX512-BW without VNNI): it adds each pair of u8 * s8 products into int16 with saturation, so
+# full-range int8 weights (|w| up to 127: 2 * 255 * 127 > 32767) can clip. 7-bit weights
+# (quantize.py --int8_range reduced: |w| <= 64) keep every pair sum in range. Arm's kernels widen
+# to 16 bits without pairing, and VNNI/AMX accumulate in 32 bits: neither saturates.
+X86_FLAGS = ("sse2", "avx", "avx2")
+NON_SATURATING_X86 = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
 @dataclass
 class CpuInfo:
-    """What an int8 verdict depends on: the CPU's name, its logical cores and its int8
-    dot-product instructions (None: unknown, where /proc/cpuinfo cannot be read)."""
+    """What an int8 verdict depends on: the CPU's name, its logical cores, its int8
+    dot-product instructions (None: unknown, where /proc/cpuinfo cannot be read) and whether its
+    u8 x s8 kernels saturate full-range int8 weights (None: unknown)."""
 
     name: str
     logical_cores: int
     int8_dot_product: list[str] | None
+    int8_saturates: bool | None = None
 
     def describe(self) -> str:
         dot = ("unknown" if self.int8_dot_product is None
@@ -598,11 +609,14 @@ def usable_cpus() -> int:
 
 
 def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
-    """This machine's CPU from /proc/cpuinfo (or the given text of one); the platform module's
-    name, with the instructions unknown, where there is none (macOS, Windows)."""
+    """This machine's CPU from /proc/cpuinfo (or the given text of one; or the file
+    $TTC_CPUINFO names: another machine's /proc/cpuinfo, to quantize and check int8 for it); the
+    platform module's name, with the instructions unknown, where there is none (macOS,
+    Windows)."""
     if cpuinfo is None:
         try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+            source = Path(os.environ.get("TTC_CPUINFO") or "/proc/cpuinfo")
+            cpuinfo = source.read_text(encoding="utf-8", errors="replace")
         except OSError:
             cpuinfo = ""
     fields: dict[str, str] = {}
@@ -613,6 +627,23 @@ def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
             or platform.machine() or "unknown")
     flags = fields.get("flags", fields.get("features"))
     cores = len(re.findall(r"^processor\s*:\s*\d+", cpuinfo, flags=re.MULTILINE | re.IGNORECASE))
+    present = None if flags is None else set(flags.split())
     return CpuInfo(name=name, logical_cores=cores or os.cpu_count() or 1,
-                   int8_dot_product=None if flags is None else
-                   [label for flag, label in INT8_DOT_FLAGS.items() if flag in flags.split()])
+                   int8_dot_product=None if present is None else
+                   [label for flag, label in INT8_DOT_FLAGS.items() if flag in present],
+                   int8_saturates=saturates(present))
+
+
+def int8_saturating_cpu() -> str | None:
+    """This CPU's name where full-range int8 weights can saturate here (x86 without VNNI or
+    AMX), else None (also where its instructions are unknown)."""
+    cpu = cpu_info()
+    return cpu.name if cpu.int8_saturates else None
+
+
+def saturates(flags: set[str] | None) -> bool | None:
+    """Whether ONNX Runtime's u8 x s8 kernels can saturate on a CPU with these flags: an x86 CPU
+    without VNNI or AMX; None where the flags are unknown."""
+    if flags is None:
+        return None
+    return bool(flags & set(X86_FLAGS)) and not flags & set(NON_SATURATING_X86)
