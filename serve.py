@@ -13,13 +13,30 @@ docs/serve.md has the rest.
 """
 from __future__ import annotations
 
+import signal
 from typing import Sequence
 
-from config import build_parser, start_cli
-from utils import exit_cli, run_cli
+HELD_HANGUPS: list[int] = []  # SIGHUPs that came before the server took them over
+
+
+def hold_hangups() -> None:
+    """SIGHUP (a reload) before the server is up would end the process (exit 129): until the
+    server takes it over, one is held, and reloads the bundle once the server is up."""
+    try:
+        signal.signal(signal.SIGHUP, lambda signum, frame: HELD_HANGUPS.append(signum))
+    except (AttributeError, ValueError):  # no SIGHUP (Windows), or not the main thread
+        pass
+
+
+if __name__ == "__main__":
+    hold_hangups()  # before the imports below (0.2 s), which a SIGHUP would otherwise end
+
+from config import build_parser, start_cli  # noqa: E402 - after the SIGHUP hold
+from utils import exit_cli, run_cli  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    hold_hangups()
     parser = build_parser(
         "serve", "Serve a model bundle over HTTP (FastAPI on uvicorn, or Ray Serve with "
         "--engine ray): POST /predict, POST /predict/image, the Open Inference Protocol (/v2), "
@@ -35,20 +52,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_on_ray(config)
     from ttc.online.app import serve
 
-    return serve(config)
+    return serve(config, HELD_HANGUPS)
 
 
 def refuse_unserved_model_types(config) -> None:
-    """The server's endpoints answer a classifier's classes; a segmenter's masks and a
-    detector's boxes have no endpoint yet: one line and exit 2, before the port opens."""
+    """A model type the endpoints do not answer (a segmenter, a detector): one line and exit 2,
+    before the port opens. The server checks it again on the bundle it opens, at start-up and
+    on every reload (app.warmed_predictor)."""
+    from ttc.online.app import refuse_unserved_model_types as refuse
     from ttc.serving.bundle import BundlePaths, read_manifest
-    from utils import ConfigError
 
-    manifest = read_manifest(BundlePaths.from_model_path(config.output_model))
-    if manifest.preprocessing.kind in ("segmentation", "detection"):
-        raise ConfigError(f"serve.py serves classifiers, and this bundle is an "
-                          f"{manifest.model_type} (no endpoint returns masks or boxes yet)",
-                          "run inference.py --input on its images instead")
+    refuse(read_manifest(BundlePaths.from_model_path(config.output_model)))
 
 
 if __name__ == "__main__":

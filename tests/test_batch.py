@@ -157,3 +157,27 @@ def test_online_ttt_carries_over_from_chunk_to_chunk(tabular_bundle, tmp_path):
         outputs[name] = out.read_text()
     assert outputs["chunks of 64"] == outputs["at once"] == outputs["chunks of 48"]
     assert outputs["episodic"] != outputs["at once"]
+
+
+def test_a_row_whose_output_is_not_finite_is_an_error_row():
+    """The predict stage every batch path shares (local chunks and Ray workers): a row whose
+    probabilities or extra values hold NaN or infinity becomes an error row, never a written
+    prediction; its chunk's other rows keep their ids, labels and outputs."""
+    import numpy as np
+
+    from ttc.serving.batch import NON_FINITE_OUTPUT, Chunk, RowIds, predict_chunk
+
+    def predict(x):
+        probabilities = np.tile([[0.25, 0.75]], (len(x), 1))
+        probabilities[x[:, 0] > 1e30] = np.nan
+        return probabilities, {"uncertainty": np.where(x[:, 0] < -1e30, np.inf, 0.5)}
+
+    x = np.array([[0.0], [3e38], [1.0], [-3e38]], dtype=np.float32)
+    for ids in (["1", "2", "3", "4"], RowIds(np.arange(1, 5))):
+        done = predict_chunk(Chunk(ids, x, ["a", None, "b", "a"], [("9", "bad")]), predict)
+        assert list(done.ids) == ["1", "3"] and done.labels == ["a", "b"]
+        assert done.errors == [("9", "bad"), ("2", NON_FINITE_OUTPUT), ("4", NON_FINITE_OUTPUT)]
+        assert np.isfinite(done.probabilities).all() and len(done.probabilities) == 2
+        assert done.extra["uncertainty"].tolist() == [0.5, 0.5]
+    everything = predict_chunk(Chunk(["1"], x[1:2]), predict)
+    assert everything.probabilities is None and everything.errors == [("1", NON_FINITE_OUTPUT)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 
+import numpy as np
 import pytest
 
 from conftest import feature_rows, run_cli, topic_texts
@@ -90,6 +91,49 @@ def test_a_bad_row_fails_with_the_reason_the_batch_path_gives(tabular_bundle, tm
     with pytest.raises(RowError) as raised:
         Predictor.load(tabular_bundle["model"]).predict(rows)
     assert str(raised.value).startswith(f"row {ident}: {reason}")
+
+
+def test_a_request_the_network_overflows_on_fails_alone_under_ttt(tabular_bundle, monkeypatch):
+    """Test-time training adapts BatchNorm to the joined batch, whose statistics one
+    overflowing row turns NaN for every row: the request holding it gets a RowError (never NaN
+    in an answer), and the requests batched with it are run again without it and answered.
+    (The encoder's range check, which refuses such a number first, is lifted here.)"""
+    import ttc.inputs.preprocess as preprocess
+    from ttc.online.predictor import Predictor
+    from ttc.serving.records import RowError
+
+    monkeypatch.setattr(preprocess, "MAX_STANDARDISED", float("inf"))
+    predictor = Predictor.load(tabular_bundle["model"], ttt="bn")
+    rows = tabular_rows()
+    good = [dict(row, height="1.0", weight="-2.0") for row in rows[:6]]
+    overflowing = dict(rows[6], height="3.3e38", weight="-3.3e38")
+    outcomes = predictor.predict_parts([(good[:3], 1), ([good[3], overflowing], 5),
+                                        (good[4:], 1)])
+    assert isinstance(outcomes[1], RowError), outcomes[1]
+    assert "the model's output for this row is not a finite number" in str(outcomes[1])
+    for outcome in (outcomes[0], outcomes[2]):
+        assert not isinstance(outcome, Exception), outcome
+        assert np.isfinite(outcome[0]).all() and len(outcome[0]) in (2, 3)
+    with pytest.raises(RowError, match="^row [12]: the model's output"):
+        predictor.predict([good[0], overflowing])
+
+
+def test_any_exception_encoding_a_request_stays_with_it(tabular_bundle):
+    """Text no UTF-8 encoder takes (a lone surrogate, from the Python API or a JSON escape)
+    fails in a library, not in the tool's checks: the request holding it gets a RowError
+    naming its row, and the requests encoded in the same pass are answered."""
+    from ttc.online.predictor import Predictor
+    from ttc.serving.records import RowError
+
+    predictor = Predictor.load(tabular_bundle["model"])
+    rows = tabular_rows()[:6]
+    bad = [rows[2], dict(rows[3], color="red\udc9f")]
+    outcomes = predictor.predict_parts([(rows[:2], 1), (bad, 1), (rows[4:], 1)])
+    assert isinstance(outcomes[1], RowError)
+    assert str(outcomes[1]).startswith("row 2: a key or value holds text that is not valid "
+                                       "Unicode"), outcomes[1]
+    assert [len(o[0]) for o in (outcomes[0], outcomes[2])] == [2, 2]
+    assert predictor.predict(rows[:2]) == predictor.predictions(*outcomes[0])
 
 
 def test_a_missing_column_names_the_columns_the_model_takes(text_bundle):

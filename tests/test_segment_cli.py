@@ -177,6 +177,42 @@ def test_input_masks_are_the_test_split_s(segment_bundle, tmp_path):
     assert np.allclose(shares.sum(axis=1), 1.0)
 
 
+def test_the_mask_and_overlay_folders_are_real_folders_of_their_own(segment_bundle, tmp_path):
+    """The folders a segmenter's --input fills beside --output (OUTPUT-STEM_masks, and
+    OUTPUT-STEM_overlays) are refused, exit 2 before any file is written, when they are a
+    symbolic link, hold a linked subfolder, or would hold the plots; a --mask_dir the user
+    names is used as named, link or not (as --plots is)."""
+    folder = tmp_path / "new"
+    (folder / "sub").mkdir(parents=True)
+    image = sorted((segment_bundle["data"] / "images").iterdir())[0]
+    (folder / "sub" / "a.png").write_bytes(image.read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "sub").mkdir(parents=True)
+    (elsewhere / "sub" / "a.png").write_bytes(b"the user's")
+    (tmp_path / "linked_masks").symlink_to(elsewhere)
+    (tmp_path / "over_overlays").symlink_to(elsewhere)
+    (tmp_path / "deep_masks").mkdir()
+    (tmp_path / "deep_masks" / "sub").symlink_to(elsewhere / "sub")
+    infer = ["inference.py", "--model", segment_bundle["model"], "--input", folder]
+    for command, phrases in [
+            ([*infer, "--output", tmp_path / "linked.csv"], ["mask folder", "symbolic link"]),
+            ([*infer, "--output", tmp_path / "over.csv", "--overlay", "true"],
+             ["overlay folder", "symbolic link"]),
+            ([*infer, "--output", tmp_path / "deep.csv"], ["deep_masks/sub is a symbolic link"]),
+            ([*infer, "--output", tmp_path / "p.csv", "--report_json", tmp_path / "r.json",
+              "--plots", tmp_path / "p_masks"], ["--plots", "would replace it"])]:
+        run = run_cli(*command)
+        assert_clean_failure(run, EXIT_USAGE, *phrases)
+    assert (elsewhere / "sub" / "a.png").read_bytes() == b"the user's"
+    assert not any((tmp_path / name).exists() for name in ("linked.csv", "over.csv", "deep.csv",
+                                                            "p.csv", "p_masks"))
+    run = run_cli(*infer, "--output", tmp_path / "named.csv", "--mask_dir",
+                  tmp_path / "linked_masks")
+    assert run.returncode == 0, run.stderr[-2000:]
+    with Image.open(elsewhere / "sub" / "a.png") as mask:
+        assert mask.mode == "P"
+
+
 def test_train_and_export_alone_make_the_same_kind_of_bundle(segment_bundle, tmp_path):
     model = tmp_path / "alone" / "model.onnx"
     common = ["--dataset_path", segment_bundle["data"], "--no_progress", "true"]
@@ -221,3 +257,56 @@ def test_a_folder_without_masks_is_a_data_error(tmp_path):
     run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path",
                   tmp_path / "data", "--output_model", tmp_path / "m.onnx")
     assert_clean_failure(run, EXIT_DATA, "has no masks/ folder")
+
+
+def test_a_segmenter_s_int8_takes_the_asked_weight_range(segment_bundle, tmp_path):
+    """--int8_range reduced (issue 61: 7-bit weights for CPUs without VNNI) for a segmenter:
+    int8 weights in [-64, 64], judged on mean IoU, recorded in report and manifest."""
+    import onnx
+    from onnx import numpy_helper
+
+    from conftest import copy_bundle
+
+    model = copy_bundle(segment_bundle, tmp_path / "bundle")
+    run = run_cli("quantize.py", "--output_model", model, "--dataset_path",
+                  segment_bundle["data"], "--quantize", "static", "--int8_range", "reduced",
+                  "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-3000:]
+    quantize = json.loads(run.stdout)["quantize"]
+    assert quantize["metric"] == "mean_iou" and quantize["reduce_range"] is True
+    weights = [numpy_helper.to_array(init)
+               for init in onnx.load(str(model.with_suffix(".int8.onnx"))).graph.initializer
+               if init.data_type == onnx.TensorProto.INT8]
+    assert weights and all(w.min() >= -64 and w.max() <= 64 for w in weights)
+    record = json.loads(model.with_suffix(".json").read_text())["quantization"]
+    assert record["reduce_range_reason"] == "--int8_range reduced"
+
+
+def test_a_reload_onto_a_segmenter_keeps_the_classifier_serving(segment_bundle, tmp_path):
+    """serve.py refuses a segmenter at start-up; a reload onto one (its files copied over the
+    served classifier's) is refused by the same check, 400 with that line, and the classifier
+    keeps answering (it was {"loaded": true}, then every prediction 500)."""
+    import shutil
+
+    from test_serve import serving
+
+    refused = run_cli("serve.py", "--model", segment_bundle["model"], "--port", "1")
+    assert_clean_failure(refused, EXIT_USAGE, "serve.py serves classifiers", "image_segmenter")
+    served = tmp_path / "served" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
+                  "builtin:iris", "--epochs", "1", "--plots", "none", "--no_progress", "true",
+                  "--output_model", served)
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = {name: 1.0 for name in json.loads(served.with_suffix(".json").read_text())
+           ["preprocessing"]["feature_names"]}
+    with serving(served, logs=tmp_path) as server:
+        version = server.version()
+        for path in segment_bundle["dir"].glob("model.*"):
+            shutil.copyfile(path, served.parent / f".{path.name}.new")
+            (served.parent / f".{path.name}.new").replace(served.parent / path.name)
+        reload = server.post("/v2/repository/models/model/load")
+        assert reload.status_code == 400, reload.text
+        assert reload.json()["loaded"] is False and reload.json()["version"] == version
+        assert "serve.py serves classifiers" in reload.json()["error"]
+        assert server.version() == version
+        assert len(server.predict([row])) == 1

@@ -575,6 +575,113 @@ def test_a_bad_request_in_a_burst_leaves_the_others_alone(tabular_case):
             assert_same_predictions(response.json()["predictions"], want)
 
 
+# Written out by raw_json as 4,400 digits (Python's int(str), which json uses, takes 4,300)
+HUGE_INTEGER = "<an integer of 4,400 digits>"
+
+
+def raw_json(body: Any) -> bytes:
+    """A body as JSON text with every non-ASCII character escaped: how a client spells a lone
+    surrogate (\\udc80), which no UTF-8 encoder (httpx's json=) takes; HUGE_INTEGER written
+    out."""
+    return json.dumps(body).encode("ascii").replace(json.dumps(HUGE_INTEGER).encode(),
+                                                    b"7" * 4400)
+
+
+def v2_with(server: Server, changes: dict[str, dict], rows: list[dict] | None = None) -> dict:
+    """A V2 request of GOOD (or `rows`) whose tensors take `changes` by name."""
+    request = v2_request(server.metadata(), rows or [dict(GOOD)])
+    request["inputs"] = [dict(t, **changes.get(t["name"], {})) for t in request["inputs"]]
+    return request
+
+
+def test_a_number_the_network_would_overflow_on_is_an_error_row_and_422(tabular_case, tmp_path):
+    """A finite number far outside what the model was trained on (its standardisation in the
+    graph would overflow float32: NaN probabilities): an error row in the batch path (exit 3,
+    no NaN written), 422 with the same reason on /predict and V2, never a 500."""
+    rows = [tabular_case.rows[1], dict(tabular_case.rows[2], weight="-2.5e36")]
+    preds, errors = tmp_path / "p.jsonl", tmp_path / "errors.csv"
+    run = run_cli("inference.py", "--model", tabular_case.model, "--input",
+                  write_jsonl(tmp_path / "rows.jsonl", rows), "--output", preds,
+                  "--errors", errors)
+    assert_clean_failure(run, 3, "1 of 2 rows could not be predicted")
+    with open(errors, newline="", encoding="utf-8") as handle:
+        reasons = {row["id"]: row["reason"] for row in csv.DictReader(handle)}
+    assert list(reasons) == ["2"]
+    assert reasons["2"].startswith("value -2.5e+36 in column 'weight' is out of range ("), reasons
+    assert "nan" not in preds.read_text().lower() and len(preds.read_text().splitlines()) == 1
+    message = assert_error(tabular_case.server.post("/predict", {"instances": rows}), 422)
+    assert message.startswith(f"row 2: {reasons['2']};"), message
+    v2 = v2_with(tabular_case.server, {"height": {"data": [7e37]}})
+    assert_error(tabular_case.server.post(f"/v2/models/{NAME}/infer", v2), 422,
+                 "row 1: value 7e+37 in column 'height' is out of range", key="error")
+
+
+@pytest.mark.parametrize("path, body, phrase", [
+    ("/predict", {"instances": [dict(GOOD, height=HUGE_INTEGER)]}, "integer of more than 4,300 digits"),
+    ("/predict", {"instances": [dict(GOOD, color="blue\udc80")]}, "lone surrogate"),
+    ("/predict", {"instances": [{**GOOD, "\ud83d": "1"}]}, "lone surrogate"),
+    ("v2", {"color": {"data": ["\udbff red"]}}, "lone surrogate"),
+    ("v2", {"weight": {"data": [HUGE_INTEGER]}}, "integer of more than 4,300 digits"),
+], ids=["huge-integer", "surrogate-value", "surrogate-key", "v2-surrogate-bytes",
+        "v2-huge-integer"])
+def test_a_body_no_parser_reads_whole_is_400(tabular_case, path, body, phrase):
+    """Numbers with more digits than Python converts and lone UTF-16 surrogates (valid JSON
+    escapes, but no text): 400 with one line, at the body, before any row is encoded."""
+    server = tabular_case.server
+    if path == "v2":
+        path, body, key = f"/v2/models/{NAME}/infer", v2_with(server, body), "error"
+    else:
+        key = "detail"
+    assert_error(server.post(path, raw_json(body)), 400, phrase, key=key)
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    ({"height": {"datatype": "INT16", "data": [40000]}}, "40000 is outside INT16's range"),
+    ({"weight": {"datatype": "UINT32", "data": [-1]}}, "-1 is outside UINT32's range"),
+    ({"height": {"datatype": "INT8", "data": [1.5]}}, "INT8 data must be integers"),
+    ({"height": {"datatype": "FP16", "data": [70000.0]}}, "outside FP16's range"),
+    ({"weight": {"datatype": "FP64", "data": [10 ** 400]}}, "outside FP64's range"),
+    ({"weight": {"datatype": "BYTES", "data": ["4.8"]}}, "'weight' takes numbers"),
+    ({"height": {"datatype": "BOOL", "data": [True]}}, "not BOOL"),
+    ({"height": {"data": [False]}}, "FP64 data must be numbers"),
+    ({"color": {"datatype": "INT32", "data": [3]}}, "'color' takes BYTES"),
+], ids=["int16-over", "uint32-negative", "int8-fraction", "fp16-over", "fp64-over",
+        "bytes-for-fp64", "bool-for-fp64", "bool-in-fp64", "int-for-bytes"])
+def test_v2_tensors_must_hold_what_their_datatype_and_input_take(tabular_case, changes, phrase):
+    """A V2 tensor whose datatype the input does not take (its metadata's) or whose values its
+    datatype cannot hold: 400 naming the input; the same numbers in a datatype that holds them
+    are predicted."""
+    server, path = tabular_case.server, f"/v2/models/{NAME}/infer"
+    assert_error(server.post(path, v2_with(server, changes)), 400, phrase, key="error")
+    fits = v2_with(server, {"height": {"datatype": "INT16", "data": [1]},
+                            "weight": {"datatype": "UINT8", "data": [5]}})
+    assert server.post(path, fits).status_code == 200
+
+
+def test_bad_rows_of_every_kind_stay_with_their_request(tabular_case):
+    """Requests sent at once, each bad in another way (an overflowing number, a huge integer,
+    a lone surrogate in a value, a key or a V2 BYTES tensor, a UINT8 tensor out of range),
+    between good ones: each bad one its own 4xx, every good one its right 200."""
+    server, rows, expected = tabular_case.server, tabular_case.rows, tabular_case.expected
+    infer = f"/v2/models/{NAME}/infer"
+    bad = [("/predict", {"instances": [GOOD, dict(GOOD, height=-3.1e38)]}, 422),
+           ("/predict", raw_json({"instances": [dict(GOOD, weight=HUGE_INTEGER)]}), 400),
+           ("/predict", raw_json({"instances": [GOOD, dict(GOOD, color="\ud800 red")]}), 400),
+           ("/predict", raw_json({"instances": [{**GOOD, "\udfff": 1}]}), 400),
+           (infer, raw_json(v2_with(server, {"color": {"data": ["\ud800"]}})), 400),
+           (infer, v2_with(server, {"weight": {"datatype": "UINT8", "data": [-300]}}), 400)]
+    requests, wanted = [], []
+    for k, (path, body, status) in enumerate(bad):
+        requests += [("/predict", {"instances": rows[k:k + 2]}), (path, body)]
+        wanted += [(200, expected[k:k + 2]), (status, path)]
+    for response, (status, want) in zip(post_concurrently(server, requests), wanted):
+        if status == 200:
+            assert response.status_code == 200, response.text
+            assert_same_predictions(response.json()["predictions"], want)
+        else:
+            assert_error(response, status, key="error" if want.startswith("/v2") else "detail")
+
+
 # ----------------------------------------------------------------------------- 3-4. the limits
 
 
@@ -589,9 +696,10 @@ def limits_server(tabular_bundle, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def deadline_server(tabular_bundle, tmp_path_factory) -> Iterator[Server]:
-    """A lone row waits 5 s for others to join its batch, and its deadline is 200 ms."""
-    with serving(tabular_bundle["model"], "--max_queue_delay_ms", 5000, "--timeout_ms", 200,
-                 logs=tmp_path_factory.mktemp("serve_deadline")) as server:
+    """Batches of one row, and a deadline of 200 ms: a request of 2,000 rows (2,000 model runs,
+    each encoding its row) is not answered in time."""
+    with serving(tabular_bundle["model"], "--max_batch_size", 1, "--max_queue_delay_ms", 0,
+                 "--timeout_ms", 200, logs=tmp_path_factory.mktemp("serve_deadline")) as server:
         yield server
 
 
@@ -625,8 +733,9 @@ def test_a_body_over_max_body_mb_is_413(limits_server):
 
 
 def test_a_request_past_its_deadline_is_504(deadline_server):
-    assert_error(deadline_server.post("/predict", {"instances": [GOOD]}), 504, "--timeout_ms 200")
-    request = v2_request(deadline_server.metadata(), [GOOD])
+    many = [GOOD] * 2000
+    assert_error(deadline_server.post("/predict", {"instances": many}), 504, "--timeout_ms 200")
+    request = v2_request(deadline_server.metadata(), many)
     assert_error(deadline_server.post(f"/v2/models/{NAME}/infer", request), 504, "--timeout_ms",
                  key="error")
 

@@ -86,6 +86,13 @@ def requests_to_compare(rows: list[dict]) -> list[tuple[str, str, dict]]:
         ("GET", "/v2", {}),
         ("POST", "/v2/repository/index", {}),
         ("GET", "/no/such/path", {}),
+        # one request's bad value: an overflowing number, an integer of more digits than Python
+        # converts, a lone surrogate, a V2 value its datatype cannot hold
+        ("POST", "/predict", {"json": {"instances": [{**rows[0], "height": 3e38}]}}),
+        ("POST", "/predict", {"content": b'{"instances": [{"height": ' + b"9" * 4400 + b"}]}"}),
+        ("POST", "/predict", {"content": b'{"instances": [{"color": "\\ud800"}]}'}),
+        ("POST", "/v2/models/model/infer", {"json": {"inputs": [
+            dict(tensors[0], datatype="UINT8", data=[-5, 1, 2]), *tensors[1:]]}}),
     ]
 
 
@@ -120,7 +127,7 @@ def test_ray_serve_answers_as_the_local_server_and_stops_clean(tabular_bundle, t
                 assert answer(client, ray_url, method, path, args) == expected, (method, path)
             statuses = [answer(client, local_url, *r)[0] for r in requests_to_compare(rows)]
             assert statuses == [200, 200, 422, 400, 422, 413, 422, 200, 200, 400, 404, 200,
-                                200, 200, 200, 200, 404]
+                                200, 200, 200, 200, 404, 422, 400, 400, 400]
             # a reload reaches one replica only: refused on Ray, with the reason
             status, body = answer(client, ray_url, "POST", "/v2/repository/models/model/load",
                                   {})

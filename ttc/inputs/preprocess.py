@@ -355,6 +355,11 @@ def trim_padding(ids: np.ndarray, pad_id: int = PAD_ID) -> np.ndarray:
 # ----------------------------------------------------------------------------- tabular
 
 MAX_CATEGORIES = 50
+# The farthest a value may lie from its column's training mean, in training standard deviations.
+# The graph standardises in float32 and, with test-time training, squares the batch's
+# activations in BatchNorm: a value far beyond this overflows there (NaN probabilities, and with
+# --ttt the NaN statistics of a whole batch), and no real row lies a million deviations out.
+MAX_STANDARDISED = 1e6
 
 
 @dataclass
@@ -364,6 +369,9 @@ class TabularEncoder:
     missing category → all zeros)."""
 
     columns: list[dict] = field(default_factory=list)  # {"name", "type", "categories"?}
+    # per numeric column, the training (mean, std) the graph standardises it by; empty while
+    # fitting, or for a manifest without them
+    statistics: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, frame) -> "TabularEncoder":
@@ -397,8 +405,8 @@ class TabularEncoder:
             for i in np.flatnonzero(wrong):
                 cell = str(frame[col["name"]].iloc[i]).strip()[:40]
                 reasons[i] = reasons[i] or f"non-numeric value {cell!r} in column {col['name']!r}"
-            for i in np.flatnonzero(np.isinf(as_float32)):
-                reasons[i] = reasons[i] or out_of_range(numbers[i], col["name"])
+            for i in np.flatnonzero(self._out_of_range(as_float32, col["name"])):
+                reasons[i] = reasons[i] or self._range_reason(numbers[i], col["name"])
             parts.append(as_float32[:, None])
         x = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), 0), np.float32)
         return x, reasons
@@ -412,13 +420,37 @@ class TabularEncoder:
         """encode's rule over a whole block of an all-numeric encoder's rows, vectorised: its
         columns' numbers (rows, columns; float64, or float32 read as such; NaN where missing,
         imputed inside the graph) → float32 (rows, features), and why each row that cannot be
-        trusted cannot (by row index): the first column holding a number beyond float32."""
+        trusted cannot (by row index): the first column holding a number out of range."""
         x = float32_features(numbers)
+        names = [c["name"] for c in self.columns]
+        beyond = np.stack([self._out_of_range(x[:, j], name) for j, name in enumerate(names)],
+                          axis=1) if len(x) else np.zeros(x.shape, dtype=bool)
         reasons = {}
-        for i in np.flatnonzero(np.isinf(x).any(axis=1)):
-            j = int(np.flatnonzero(np.isinf(x[i]))[0])
-            reasons[int(i)] = out_of_range(numbers[i, j], self.columns[j]["name"])
+        for i in np.flatnonzero(beyond.any(axis=1)):
+            j = int(np.flatnonzero(beyond[i])[0])
+            reasons[int(i)] = self._range_reason(numbers[i, j], names[j])
         return x, reasons
+
+    def _out_of_range(self, values: np.ndarray, column: str) -> np.ndarray:
+        """Which float32 values of a numeric column the graph cannot take: infinite (a number
+        beyond float32), or more than MAX_STANDARDISED training deviations from the mean."""
+        beyond = np.isinf(values)
+        if column in self.statistics:
+            with np.errstate(invalid="ignore"):  # NaN (missing) compares False
+                beyond |= np.abs(self._standardised(values, column)) > MAX_STANDARDISED
+        return beyond
+
+    def _standardised(self, values: np.ndarray | float, column: str) -> np.ndarray:
+        mean, std = self.statistics[column]
+        with np.errstate(over="ignore"):  # a std near 0: inf, refused
+            return (np.asarray(values, dtype=np.float64) - mean) / std
+
+    def _range_reason(self, value: float, column: str) -> str:
+        if column not in self.statistics or np.isinf(float32_features(np.float64(value))):
+            return out_of_range(value, column)
+        deviations = abs(float(self._standardised(value, column)))
+        return (f"{out_of_range(value, column)} ({deviations:.2g} training standard deviations "
+                f"from its mean; the model takes at most {MAX_STANDARDISED:g})")
 
     def transform(self, frame) -> tuple[np.ndarray, int]:
         """Training: float32 (N, features), non-numbers left as missing (imputed in the graph),
@@ -440,7 +472,23 @@ class TabularEncoder:
 
     @classmethod
     def from_manifest(cls, spec: dict) -> "TabularEncoder":
-        return cls(columns=spec["columns"])
+        return cls(columns=spec["columns"], statistics=numeric_statistics(spec))
+
+
+def numeric_statistics(spec: dict) -> dict[str, tuple[float, float]]:
+    """Each numeric column's training (mean, std) in a tabular manifest section: its feature's
+    (a categorical column spans one feature per category). Empty without both lists."""
+    mean, std = spec.get("mean"), spec.get("std")
+    out, feature = {}, 0
+    for col in spec["columns"]:
+        if col["type"] == "numeric":
+            if mean is None or std is None or feature >= min(len(mean), len(std)):
+                return {}
+            out[col["name"]] = (float(mean[feature]), float(std[feature]))
+            feature += 1
+        else:
+            feature += len(col.get("categories", ()))
+    return out
 
 
 def float32_features(numbers: np.ndarray) -> np.ndarray:

@@ -2,39 +2,60 @@
 Inference Protocol's /v2 endpoints, /metrics, safe reloads and a graceful shutdown, around one
 `Predictor` and its micro-batcher.
 
-The request path: the body is parsed and its size bounded (413), its rows checked and queued
-for the batch thread (429 when --max_queue requests wait), joined with other requests' rows into
-a batch that is encoded in one pass and run (a bad row is 422 with the batch path's reason, and
-touches no other request), and answered in order; a request not answered by --timeout_ms is
-504. A failure of the model itself (not of the input) is 500 with its one line.
-A reload builds and warms the new model beside the old one, which keeps serving until the new
-one passed every check; a failed reload leaves the old one serving.
+The request path: the connection is one of at most --max_connections (503 beyond), its headers
+and body arrive within --read_timeout_s each (408), the body's size is bounded (413) and so are
+the bodies held at once (--max_inflight_mb, 429); it is parsed (off the event loop where it is
+large), its rows checked (at most --max_request_rows, 413; no row with far more keys than the
+model reads, 422), then queued for the batch thread (429 when --max_queue requests, or that many
+full batches of rows, wait), joined with other requests' rows into a batch that is encoded in one
+pass and run (a bad row is 422 with the batch path's reason, and touches no other request), and
+answered in order; a request not answered by --timeout_ms is 504. A failure of the model itself
+(not of the input) is 500 with its one line.
+A reload builds and warms the new model beside the old one with every check start-up applies
+(the same function), and the old one keeps serving until the new one passed them; a failed
+reload leaves the old one serving. SIGTERM drains within --drain_s: what is still running then is
+answered 503, and the last line says how many were.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import json
+import re
 import signal
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from fastapi import FastAPI, File, HTTPException, Request, UploadFile
+from fastapi import FastAPI, File, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from config import Config
 from ttc.online.batcher import BatcherClosed, DeadlineExceeded, MicroBatcher, QueueFull
+from ttc.online.guards import (MAX_HEADER_BYTES, SMALL_BODY, BodyLimit, BodyRefused,
+                               LedgerMiddleware, RequestLedger, connection_cap, drain_wait_s,
+                               guarded_http)
 from ttc.online.server_metrics import MetricsMiddleware, ServerMetrics
 from ttc.online.predictor import Predictor
 from ttc.online.v2 import (ProtocolError, input_metadata, output_metadata, request_rows,
                            response, wanted_outputs)
-from utils import LOG, DataError, PipelineError
+from utils import LOG, ConfigError, DataError, PipelineError, first_line, quoted, quoted_sample
+
+if TYPE_CHECKING:
+    from ttc.serving.manifest import Manifest
 
 SERVER_NAME = "ttc-serve"
+# Keys a row may have beyond the columns the model reads (ids, labels, what a client keeps with
+# its rows); a row with more is refused before any table is made of it.
+EXTRA_KEYS = 64
+# Parsing large bodies (and building large answers): one thread, off the event loop (one parse at
+# a time bounds the memory parsing takes; the loop answers small requests meanwhile)
+PARSING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
 
 
 # ----------------------------------------------------------------------------- typed bodies
@@ -93,6 +114,8 @@ class ModelServer:
         self.served: LiveModel | None = None
         self.reloading = asyncio.Lock()
         self.draining = False
+        self.ledger = RequestLedger()
+        self.held_hangups: list[int] = []  # SIGHUPs that came before the server was up
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -100,7 +123,15 @@ class ModelServer:
         config = self.config
         return MicroBatcher(predictor.predict_parts, max_batch_size=config.max_batch_size,
                             max_delay_s=config.max_queue_delay_ms / 1000,
-                            max_queue=config.max_queue, on_batch=self._count_batch)
+                            max_queue=config.max_queue, max_rows=self.max_queued_rows,
+                            on_batch=self._count_batch)
+
+    @property
+    def max_queued_rows(self) -> int:
+        """Rows that may wait for the model in all: --max_queue full batches, or one request
+        of --max_request_rows."""
+        config = self.config
+        return max(config.max_queue * config.max_batch_size, config.max_request_rows)
 
     def _count_batch(self, stats) -> None:
         self.metrics.batch_rows.observe(stats.rows)
@@ -132,12 +163,14 @@ class ModelServer:
             loop = asyncio.get_running_loop()
             try:
                 predictor = await loop.run_in_executor(None, warmed_predictor, self.config)
-            except PipelineError as err:
+            except Exception as err:  # noqa: BLE001 - whatever it is, the old model serves on
+                reason = err.one_line() if isinstance(err, PipelineError) else \
+                    f"{type(err).__name__}: {first_line(err)}"
                 self.metrics.reloads.labels("failed").inc()
                 LOG.error("reload failed, still serving version %s: %s",
-                          self.served.predictor.version, err.one_line())
+                          self.served.predictor.version, reason)
                 return {"loaded": False, "version": self.served.predictor.version,
-                        "error": err.one_line()}
+                        "error": reason}
             self._serve(predictor)
             self.metrics.reloads.labels("loaded").inc()
             LOG.info("reloaded %s: now serving version %s", predictor.paths.onnx,
@@ -154,20 +187,58 @@ class ModelServer:
         while True:
             served = self.served
             try:
-                served.predictor.reader.check(rows)
+                self.admit(served.predictor, rows)
                 probabilities, extra = await served.batcher.submit(rows, deadline)
                 return served.predictor, probabilities, extra
             except DataError as err:  # RowError too: this request's rows, alone
                 raise ServerError(422, request_reason(err)) from None
             except BatcherClosed:
                 continue  # a reload swapped the model between encoding and queueing
-            except QueueFull:
-                raise ServerError(429, f"{self.config.max_queue} requests are waiting for the "
-                                  "model (--max_queue); retry shortly",
-                                  {"Retry-After": "1"}) from None
+            except QueueFull as full:
+                raise ServerError(429, self.queue_full_reason(full), {"Retry-After": "1"}) \
+                    from None
             except DeadlineExceeded:
                 raise ServerError(504, f"not answered within --timeout_ms "
                                   f"{self.config.timeout_ms:g}") from None
+
+    def admit(self, predictor: Predictor, rows: Sequence) -> None:
+        """What a request's rows must be before they may wait for the model: at most
+        --max_request_rows (413), no row with far more keys than the model reads (422, before
+        a table is made of it), then the reader's own check."""
+        limit = self.config.max_request_rows
+        if len(rows) > limit:
+            raise ServerError(413, f"the request holds {len(rows):,} rows, over "
+                              f"--max_request_rows {limit}; send at most {limit} rows a "
+                              "request")
+        refuse_rows_of_many_keys(rows, predictor.inputs)
+        predictor.reader.check(rows)
+
+    def queue_full_reason(self, full: QueueFull) -> str:
+        if full.rows:
+            return (f"{self.max_queued_rows:,} rows may wait for the model at once, and this "
+                    "request's would pass that; retry shortly, or send fewer rows a request")
+        return (f"{self.config.max_queue} requests are waiting for the model (--max_queue); "
+                "retry shortly")
+
+
+def refuse_rows_of_many_keys(rows: Sequence, inputs: list[str]) -> None:
+    """422 for a row with more keys than the model's columns and EXTRA_KEYS: a table of a
+    million columns takes minutes and gigabytes to make, for one row."""
+    limit = len(inputs) + EXTRA_KEYS
+    for number, row in enumerate(rows, 1):
+        if isinstance(row, Mapping) and len(row) > limit:
+            raise ServerError(422, f"row {number} has {len(row):,} keys, and the model reads "
+                              f"{len(inputs)} ({quoted_sample(inputs, 10)}) and takes at most "
+                              f"{EXTRA_KEYS} more; send the columns the model reads")
+
+
+async def off_loop(function: Callable, *args: Any, large: bool = True) -> Any:
+    """function(*args) on the parsing thread where it is `large` (a body over SMALL_BODY, an
+    answer of more than a batch), while the event loop answers others; small work at once (a
+    small request never waits behind a large one's parse)."""
+    if not large:
+        return function(*args)
+    return await asyncio.get_running_loop().run_in_executor(PARSING, function, *args)
 
 
 def request_reason(err: DataError) -> str:
@@ -177,50 +248,23 @@ def request_reason(err: DataError) -> str:
 
 
 def warmed_predictor(config: Config) -> Predictor:
-    """The bundle of config, opened with every check, and run once."""
+    """The bundle of config, opened with every check serve.py applies, at start-up and on every
+    reload alike (this function is both): a model type the endpoints answer, the bundle's own
+    checks (inference.py's), and one warm-up run answered as a request is."""
     predictor = Predictor.from_config(config)
-    predictor.run(predictor.warmup_rows())
+    refuse_unserved_model_types(predictor.manifest)
+    probabilities, extra = predictor.run(predictor.warmup_rows())
+    predictor.predictions(probabilities, extra)
     return predictor
 
 
-# ----------------------------------------------------------------------------- the body limit
-
-
-class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than --max_body_mb "
-                         f"({limit / 1e6:g} MB)")
-
-
-class BodyLimit:
-    """413 for a body over the limit: by its Content-Length before it is read, or as it
-    streams in."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            error = BodyTooLarge(self.limit)
-            key = "error" if scope["path"].startswith("/v2") else "detail"
-            await JSONResponse({key: error.detail}, 413)(scope, receive, send)
-            return
-        received = 0
-
-        async def bounded():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise BodyTooLarge(self.limit)
-            return message
-
-        await self.app(scope, bounded, send)
+def refuse_unserved_model_types(manifest: Manifest) -> None:
+    """The server's endpoints answer a classifier's classes; a segmenter's masks and a
+    detector's boxes have no endpoint yet: one line, exit 2 at start-up (a failed reload)."""
+    if manifest.preprocessing.kind in ("segmentation", "detection"):
+        raise ConfigError(f"serve.py serves classifiers, and this bundle is an "
+                          f"{manifest.model_type} (no endpoint returns masks or boxes yet)",
+                          "run inference.py --input on its images instead")
 
 
 # ----------------------------------------------------------------------------- the application
@@ -231,8 +275,15 @@ def create_app(server: ModelServer) -> FastAPI:
     async def lifespan(app: FastAPI):
         await server.start()
         loop = asyncio.get_running_loop()
+
+        def reload_on_hangup() -> None:
+            if not server.draining:
+                loop.create_task(server.reload())
+
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
+            loop.add_signal_handler(signal.SIGHUP, reload_on_hangup)
+        if server.held_hangups:  # a SIGHUP while the server started: the reload it asked for
+            reload_on_hangup()
         yield
         await server.stop()
 
@@ -240,7 +291,11 @@ def create_app(server: ModelServer) -> FastAPI:
                   description="Predictions of one model bundle: /predict (rows as JSON), "
                   "/predict/image (one uploaded image), the Open Inference Protocol (/v2), "
                   "/metrics (Prometheus).")
-    app.add_middleware(BodyLimit, limit=int(server.config.max_body_mb * 1e6))
+    config = server.config
+    app.add_middleware(BodyLimit, limit=int(config.max_body_mb * 1e6),
+                       budget=int(config.max_inflight_mb * 1e6),
+                       read_timeout_s=config.read_timeout_s)
+    app.add_middleware(LedgerMiddleware, ledger=server.ledger)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
     add_error_handlers(app)
     add_predict_routes(app, server)
@@ -261,9 +316,10 @@ def add_error_handlers(app: FastAPI) -> None:
                 else {"detail": err.reason})
         return JSONResponse(body, err.status, headers=err.headers)
 
-    @app.exception_handler(BodyTooLarge)  # over the limit as it streamed in: /v2 gets "error"
-    async def too_large(request: Request, err: BodyTooLarge) -> JSONResponse:
-        return await server_error(request, ServerError(413, err.detail))
+    @app.exception_handler(BodyRefused)  # refused as it streamed in: /v2 gets "error"
+    async def body_refused(request: Request, err: BodyRefused) -> JSONResponse:
+        return await server_error(request, ServerError(err.status_code, err.detail,
+                                                       err.headers))
 
     @app.exception_handler(PipelineError)  # the model failed, not the request: one line
     async def model_failure(request: Request, err: PipelineError) -> JSONResponse:
@@ -299,7 +355,8 @@ def add_predict_routes(app: FastAPI, server: ModelServer) -> None:
         if not isinstance(body, dict) or not isinstance(body.get("instances"), list):
             raise ServerError(422, 'the body must be {"instances": [ROW, ...]}')
         predictor, probabilities, extra = await server.predict(body["instances"])
-        return json_response({"predictions": predictor.predictions(probabilities, extra)})
+        return await off_loop(prediction_response, predictor, probabilities, extra,
+                              large=len(probabilities) > server.config.max_batch_size)
 
     @app.post("/predict/image", response_model=PredictResponse, responses=ERRORS)
     async def predict_image(file: UploadFile = File(description="one image file")) -> Response:
@@ -307,7 +364,11 @@ def add_predict_routes(app: FastAPI, server: ModelServer) -> None:
         data = await file.read()
         row = {"image": base64.b64encode(data).decode("ascii")}
         predictor, probabilities, extra = await server.predict([row])
-        return json_response({"predictions": predictor.predictions(probabilities, extra)})
+        return prediction_response(predictor, probabilities, extra)
+
+
+def prediction_response(predictor: Predictor, probabilities, extra) -> Response:
+    return json_response({"predictions": predictor.predictions(probabilities, extra)})
 
 
 def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
@@ -352,13 +413,16 @@ def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
         body = await json_body(request)
         predictor = server.served.predictor
         try:
-            rows = request_rows(body, predictor.inputs)
+            rows = await off_loop(request_rows, body, predictor.inputs,
+                                  numeric_inputs(predictor), large=request.state.large_body)
             wanted = wanted_outputs(body, ["label", "probabilities", *predictor.extra])
         except ProtocolError as err:
             raise ServerError(400, str(err)) from None
         predictor, probabilities, extra = await server.predict(rows)
-        return json_response(response(server.name, predictor.version, body.get("id"),
-                                      predictor.manifest.labels, probabilities, extra, wanted))
+        answer = await off_loop(response, server.name, predictor.version, body.get("id"),
+                                predictor.manifest.labels, probabilities, extra, wanted,
+                                large=len(probabilities) > server.config.max_batch_size)
+        return json_response(answer)
 
     @app.post("/v2/repository/index")
     async def repository_index() -> list:
@@ -382,13 +446,58 @@ def numeric_inputs(predictor: Predictor) -> set[str]:
 
 
 async def json_body(request: Request) -> Any:
+    """The body parsed (off the event loop where it is large); anything the parser refuses is
+    400 with its reason (no exception of a body's parsing is the server's failure)."""
     raw = await request.body()
+    request.state.large_body = len(raw) > SMALL_BODY
+    return await off_loop(parsed_json, raw, large=request.state.large_body)
+
+
+def parsed_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ServerError(400, f"the body is not valid JSON: {err}") from None
+        body = json.loads(raw)
     except RecursionError:  # nested deeper than the parser goes
         raise ServerError(400, "the body is not valid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ServerError(400, f"the body is not valid JSON: {first_line(err)}") from None
+    except ValueError:  # valid JSON: an integer of more digits than int(str) converts
+        raise ServerError(400, f"the body holds an integer of more than "
+                          f"{sys.get_int_max_str_digits():,} digits (Python's limit for "
+                          "reading one); send numbers that fit a feature (a float such as 1e30 "
+                          "for a big one)") from None
+    refuse_lone_surrogates(raw, body)
+    return body
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON text spells a surrogate
+
+
+def refuse_lone_surrogates(raw: bytes, body: Any) -> None:
+    """400 for a string (a key or a value) holding a lone UTF-16 surrogate, which JSON's \\uD800
+    escape can spell and no UTF-8 text (a row's cells, the answer) can hold. Looked for only
+    where the raw body spells a surrogate escape."""
+    if not SURROGATE_ESCAPE.search(raw):
+        return
+    pending = [body]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            pending += value
+        elif isinstance(value, str) and not utf8_text(value):
+            raise ServerError(400, f"the body is not valid JSON text: the string "
+                              f"{quoted(value)} holds a lone surrogate (a \\uD800-\\uDFFF escape "
+                              "without its pair), which is no character; send text as valid "
+                              "UTF-8")
+
+
+def utf8_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def json_response(body: Any) -> Response:
@@ -419,10 +528,11 @@ def bound_socket(host: str, port: int):
     return sock
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, held_hangups: list[int] | None = None) -> int:
     """Bind the port (one in use: exit 5), load and warm the bundle (a bad one fails here, exit
     3/4, before any connection is accepted), then serve until SIGTERM (exit 0 once the accepted
-    requests are answered) or SIGINT (130)."""
+    requests are answered, or answered 503 after --drain_s) or SIGINT (130). `held_hangups`:
+    the SIGHUPs serve.py held while it started (one reloads the bundle once the server is up)."""
     import uvicorn
 
     from utils import EXIT_INTERRUPTED, hand_stops_to_server
@@ -431,9 +541,12 @@ def serve(config: Config) -> int:
     predictor = warmed_predictor(config)
     sock.listen(2048)
     server = ModelServer(config, predictor)
+    server.held_hangups = held_hangups if held_hangups is not None else []
     uv = uvicorn.Server(uvicorn.Config(
         create_app(server), log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=config.drain_s, timeout_keep_alive=30,
+        http=guarded_http(config.read_timeout_s, connection_cap(config.max_connections)),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # where httptools is not installed
+        timeout_graceful_shutdown=drain_wait_s(config.drain_s), timeout_keep_alive=30,
         log_level="debug" if config.log_level == "DEBUG" else "warning"))
     host, port = sock.getsockname()[:2]
     LOG.info("serving %s as %r on http://%s:%d (POST /predict, /v2/models/%s/infer; "
@@ -441,6 +554,9 @@ def serve(config: Config) -> int:
              f"[{host}]" if ":" in host else host, port, server.name)
     hand_stops_to_server()
     uv.run(sockets=[sock])
+    with contextlib.suppress(ValueError):  # the loop is gone: a SIGHUP now would end the exit
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stops = getattr(uv, "_captured_signals", [])
-    LOG.info("stopped: every accepted request was answered")
+    summary = server.ledger.summary(config.drain_s)
+    (LOG.info if summary.startswith("every") else LOG.warning)("stopped: %s", summary)
     return EXIT_INTERRUPTED if signal.SIGINT in stops else 0

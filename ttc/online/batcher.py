@@ -2,7 +2,11 @@
 requests wait in one bounded queue, and one model thread runs them joined into batches of up to
 `max_batch_size` rows, a batch leaving once it is full or once its oldest row has waited
 `max_delay_s`. A request of many rows is split across batches and its parts merged back in
-order; a request whose deadline passes while it waits is dropped from the queue, never run.
+order, and its batches take turns with newer requests: a batch takes the rows of requests not yet
+started first, then the rest of those under way, so that a one-row request waits about one batch
+behind a request of thousands, not all of it. The queue is bounded in requests (`max_queue`) and
+in rows (`max_rows`). A request whose deadline passes while it waits, or whose caller is gone (a
+shutdown cancelled it), is dropped from the queue, never run.
 
 The batch runs on one thread of its own: encoding the rows of all its requests in one pass (the
 encoders' cost is mostly per pass, not per row) and the model (ONNX Runtime releases the GIL, so
@@ -27,7 +31,12 @@ RunBatch = Callable[[list[tuple[Sequence, int]]], list["Result | Exception"]]
 
 
 class QueueFull(Exception):
-    """The queue holds `max_queue` requests: the caller answers 429."""
+    """The queue holds `max_queue` requests, or the request's rows would take it past `max_rows`:
+    the caller answers 429. `rows`: which of the two."""
+
+    def __init__(self, rows: bool = False) -> None:
+        super().__init__("rows" if rows else "requests")
+        self.rows = rows
 
 
 class DeadlineExceeded(Exception):
@@ -64,10 +73,12 @@ class MicroBatcher:
     """submit(x) → (probabilities, extra) of x's rows, run in batches with other requests."""
 
     def __init__(self, run: RunBatch, *, max_batch_size: int, max_delay_s: float,
-                 max_queue: int, on_batch: Callable[[BatchStats], None] | None = None) -> None:
+                 max_queue: int, max_rows: int | None = None,
+                 on_batch: Callable[[BatchStats], None] | None = None) -> None:
         self.run, self.on_batch = run, on_batch
         self.max_batch_size, self.max_delay_s, self.max_queue = (max_batch_size, max_delay_s,
                                                                  max_queue)
+        self.max_rows = max_rows or max_queue * max_batch_size
         self.queue: deque[Pending] = deque()
         self.wakeup = asyncio.Event()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
@@ -89,8 +100,11 @@ class MicroBatcher:
         answered for it), QueueFull, DeadlineExceeded, BatcherClosed."""
         if self.closing:
             raise BatcherClosed()
+        self._drop_expired()  # their places are free
         if len(self.queue) >= self.max_queue:
             raise QueueFull()
+        if self._queued_rows() + len(x) > self.max_rows:
+            raise QueueFull(rows=True)
         pending = Pending(x, deadline, asyncio.get_running_loop().create_future())
         self.queue.append(pending)
         self.in_flight += 1
@@ -99,13 +113,20 @@ class MicroBatcher:
             return await asyncio.wait_for(asyncio.shield(pending.future),
                                           max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            pending.future.add_done_callback(_retrieved)  # no one awaits its outcome now
-            if pending.taken == 0:
-                self._forget(pending)  # its place in the queue is free at once
-            pending.deadline = 0.0  # partly taken: the loop drops the rest; its answer is lost
+            self._abandon(pending)
             raise DeadlineExceeded() from None
+        except asyncio.CancelledError:  # the caller is gone (a shutdown past --drain_s)
+            self._abandon(pending)
+            raise
         finally:
             self.in_flight -= 1
+
+    def _abandon(self, pending: Pending) -> None:
+        """No one awaits the request's outcome now: its rows still queued are not run."""
+        pending.future.add_done_callback(_retrieved)
+        if pending.taken == 0:
+            self._forget(pending)  # its place in the queue is free at once
+        pending.deadline = 0.0  # partly taken: the loop drops the rest; its answer is lost
 
     async def _loop(self) -> None:
         while True:
@@ -140,21 +161,26 @@ class MicroBatcher:
         return sum(len(p.x) - p.taken for p in self.queue)
 
     def _take_batch(self) -> list[tuple[Pending, int, int]]:
-        """Up to max_batch_size rows from the head of the queue: (request, start, stop) each;
-        requests past their deadline leave the queue unrun."""
-        batch, rows, now = [], 0, time.monotonic()
-        while self.queue and rows < self.max_batch_size:
-            pending = self.queue[0]
-            if pending.deadline <= now or pending.future.done():
-                self.queue.popleft()
-                continue
+        """Up to max_batch_size rows: (request, start, stop) each, the requests not yet started
+        first (in arrival order), then those under way; requests past their deadline leave the
+        queue unrun."""
+        self._drop_expired()
+        batch, rows = [], 0
+        for pending in sorted(self.queue, key=lambda p: p.taken > 0):  # a stable sort
+            if rows == self.max_batch_size:
+                break
             stop = min(len(pending.x), pending.taken + self.max_batch_size - rows)
             batch.append((pending, pending.taken, stop))
             rows += stop - pending.taken
             pending.taken = stop
             if stop == len(pending.x):
-                self.queue.popleft()
+                self.queue.remove(pending)
         return batch
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        for pending in [p for p in self.queue if p.deadline <= now or p.future.done()]:
+            self.queue.remove(pending)
 
     async def _run(self, batch: list[tuple[Pending, int, int]]) -> None:
         parts = [(p.x[start:stop], start + 1) for p, start, stop in batch]
@@ -186,8 +212,10 @@ class MicroBatcher:
             pass
 
     async def close(self) -> None:
-        """Answer everything queued, then stop the loop and the model thread."""
+        """Answer everything queued (what no one awaits any more is dropped), then stop the loop
+        and the model thread."""
         self.closing = True
+        self._drop_expired()
         self.wakeup.set()
         if self.task is not None:
             await self.task

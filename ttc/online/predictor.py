@@ -24,11 +24,11 @@ import numpy as np
 
 from config import Config
 from ttc.options.ttt import no_batchnorm_error, norm_without_batchnorm
-from ttc.serving.batch import top_classes
+from ttc.serving.batch import NON_FINITE_OUTPUT, non_finite_rows, top_classes
 from ttc.serving.bundle import (BundlePaths, read_manifest, require_onnx_in_bundle,
                                 require_trusted_model_code)
-from ttc.serving.records import RecordReader
-from ttc.serving.runtime import create_session
+from ttc.serving.records import RecordReader, RowError
+from ttc.serving.runtime import create_session, int8_saturating_cpu
 from ttc.testtime.registry import asked_methods
 from ttc.testtime.served import Served, plain_predictor
 from utils import LOG, ConfigError, ExportError
@@ -69,6 +69,7 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     matches what the manifest promises."""
     manifest = read_manifest(paths)
     model_path = require_onnx_in_bundle(paths, manifest, variant)
+    warn_if_int8_saturates(manifest, variant, model_path)
     session = create_session(str(model_path), config.runtime(), classes=manifest.classes)
     graph_input = session.get_inputs()[0]
     if graph_input.name != manifest.input.name:
@@ -93,11 +94,40 @@ def served_variant(variant: str, manifest: Manifest) -> str:
     if variant != "auto":
         return GRAPH_OF[variant]
     chosen = manifest.compression.served if manifest.compression else None
-    if chosen and chosen in manifest.files:  # the compression gate chose among every variant
+    if not (chosen and chosen in manifest.files):  # else the compression gate chose among all
+        verdict = manifest.variant("int8")
+        chosen = "int8" if "int8" in manifest.files and verdict and verdict.used_for_inference \
+            else "onnx"
+    return unsaturated(chosen, manifest)
+
+
+def unsaturated(chosen: str, manifest: Manifest) -> str:
+    """--variant auto's graph where this CPU does not saturate it: a full-range int8 graph
+    (Manifest.full_range_int8) on an x86 CPU without VNNI or AMX gives way to the fastest other
+    graph that passed its gate, else fp32 (the gate's figures came from a CPU without
+    saturation, or its loss was the saturation's)."""
+    cpu = int8_saturating_cpu() if manifest.full_range_int8(chosen) else None
+    if cpu is None:
         return chosen
-    verdict = manifest.variant("int8")
-    return "int8" if "int8" in manifest.files and verdict and verdict.used_for_inference \
-        else "onnx"
+    passed = [(v.speedup or 0.0, v.name) for v in (manifest.compression.variants
+              if manifest.compression else ()) if v.used_for_inference
+              and v.name in manifest.files and not manifest.full_range_int8(v.name)]
+    instead = max(passed)[1] if passed else "onnx"
+    LOG.warning("--variant auto: the gate chose the %s graph, whose full-range int8 weights can "
+                "saturate on this CPU (%s: no VNNI or AMX): serving %s instead; quantize.py "
+                "--int8_range reduced (or auto, on this machine) makes an int8 graph this CPU "
+                "runs correctly", chosen, cpu, "fp32" if instead == "onnx" else instead)
+    return instead
+
+
+def warn_if_int8_saturates(manifest: Manifest, variant: str, model_path: Path) -> None:
+    """A full-range int8 graph opened on a CPU whose int8 kernels saturate it: one WARNING."""
+    cpu = int8_saturating_cpu() if manifest.full_range_int8(variant) else None
+    if cpu is not None:
+        LOG.warning("%s has full-range (8-bit) int8 weights, which can saturate on this CPU "
+                    "(%s: no VNNI or AMX): its accuracy may fall far below what quantize.py "
+                    "measured; re-quantize with quantize.py --int8_range reduced",
+                    model_path.name, cpu)
 
 
 def chunk_predictor(config: Config, paths: BundlePaths, manifest: Manifest,
@@ -260,29 +290,65 @@ class Predictor:
         return rows
 
     def predict(self, rows: Sequence[Mapping]) -> list[dict]:
-        """Rows → predictions, in order (what serve.py's /predict answers)."""
-        x = self.encode(rows)
-        probabilities, extra = self.run(x)
-        return self.predictions(probabilities, extra)
+        """Rows → predictions, in order (what serve.py's /predict answers). Raises DataError
+        for the request, records.RowError for a row."""
+        self.reader.check(rows)
+        outcome = self.predict_parts([(rows, 1)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return self.predictions(*outcome)
 
     def predict_parts(self, parts: Sequence[tuple[Sequence[Mapping], int]]) -> list:
         """A batch of several requests' rows (each part: a request's checked rows and the
-        number of its first row) → per part (probabilities, extra values), or the DataError
-        that request alone gets: encoded together where their keys agree, one model run."""
-        encoded = self.reader.encode_parts([rows for rows, _ in parts],
-                                           [first for _, first in parts])
+        number of its first row) → per part (probabilities, extra values), or the error that
+        request alone gets: encoded together where their keys agree, one model run."""
+        firsts = [first for _, first in parts]
+        encoded = self.reader.encode_parts([rows for rows, _ in parts], firsts)
         good = [k for k, x in enumerate(encoded) if not isinstance(x, Exception)]
         out: list = list(encoded)
-        if not good:
-            return out
-        probabilities, extra = self.run(join_inputs([encoded[k] for k in good],
-                                                    self.manifest.input.pad_id))
-        offset = 0
-        for k in good:
-            rows = slice(offset, offset + len(encoded[k]))
-            out[k] = (probabilities[rows], {name: v[rows] for name, v in extra.items()})
-            offset = rows.stop
+        for k, outcome in zip(good, self._run_parts([encoded[k] for k in good],
+                                                    [firsts[k] for k in good])):
+            out[k] = outcome
         return out
+
+    def _run_parts(self, inputs: list[np.ndarray], firsts: list[int]) -> list:
+        """Encoded parts → each one's (probabilities, extra), or its error: a row whose output
+        is not finite fails its part (a RowError naming it). A part that failed in the joined
+        run (or all, where the run raised) is run again alone, so that one request's rows never
+        cost another its answer (test-time training adapts to the whole batch: one overflowing
+        row makes every row's statistics NaN)."""
+        if not inputs:
+            return []
+        try:
+            outcomes = self._split_run(inputs, firsts)
+        except Exception as err:  # noqa: BLE001 - blamed below on the part that raises it
+            outcomes = [err] * len(inputs)
+        if len(inputs) == 1:
+            return outcomes
+        for k, outcome in enumerate(outcomes):
+            if isinstance(outcome, Exception):
+                try:
+                    outcomes[k] = self._split_run([inputs[k]], [firsts[k]])[0]
+                except Exception as err:  # noqa: BLE001 - this part's own failure
+                    outcomes[k] = err
+        return outcomes
+
+    def _split_run(self, inputs: list[np.ndarray], firsts: list[int]) -> list:
+        """One model run of the parts joined; each part's rows back, or its RowError."""
+        probabilities, extra = self.run(join_inputs(inputs, self.manifest.input.pad_id))
+        bad = non_finite_rows(probabilities, extra)
+        outcomes, offset = [], 0
+        for x, first in zip(inputs, firsts):
+            rows = slice(offset, offset + len(x))
+            offset = rows.stop
+            failed = np.flatnonzero(bad[rows])
+            if len(failed):
+                more = f" (and {len(failed) - 1} more rows)" if len(failed) > 1 else ""
+                outcomes.append(RowError(f"row {first + int(failed[0])}: {NON_FINITE_OUTPUT}"
+                                         f"{more}", "fix the row"))
+                continue
+            outcomes.append((probabilities[rows], {name: v[rows] for name, v in extra.items()}))
+        return outcomes
 
     # ------------------------------------------------------------------ describing
 

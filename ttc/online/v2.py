@@ -5,12 +5,18 @@ outputs, `label` (BYTES) and `probabilities` (FP32, [rows, classes]), and the te
 extra values (FP32, [rows]). A malformed tensor is a ProtocolError (400 with its reason)."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
-NUMERIC_TYPES = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16",
-                 "UINT32", "UINT64", "BOOL"}
+# each integer datatype's range, each float datatype's largest finite value
+INTEGER_RANGES = {f"{sign}INT{bits}": ((0, 2 ** bits - 1) if sign else
+                                       (-2 ** (bits - 1), 2 ** (bits - 1) - 1))
+                  for sign in ("", "U") for bits in (8, 16, 32, 64)}
+FLOAT_LIMITS = {"FP16": 65504.0, "FP32": float(np.finfo(np.float32).max),
+                "FP64": float(np.finfo(np.float64).max)}
+NUMBER_TYPES = set(INTEGER_RANGES) | set(FLOAT_LIMITS)  # what an FP64 input takes
+NUMERIC_TYPES = NUMBER_TYPES | {"BOOL"}
 DATATYPES = NUMERIC_TYPES | {"BYTES"}
 
 
@@ -29,8 +35,11 @@ def output_metadata(classes: int, extra: Sequence[str]) -> list[dict]:
             *({"name": name, "datatype": "FP32", "shape": [-1]} for name in extra)]
 
 
-def request_rows(body: Any, columns: Sequence[str]) -> list[dict]:
-    """A V2 infer request's input tensors → rows of the trained columns."""
+def request_rows(body: Any, columns: Sequence[str], numeric: Collection[str] = ()
+                 ) -> list[dict]:
+    """A V2 infer request's input tensors → rows of the trained columns; `numeric` the inputs
+    whose metadata says FP64 (the others are BYTES), each tensor checked against its input's
+    kind and its own datatype's range."""
     if not isinstance(body, Mapping) or not isinstance(body.get("inputs"), list):
         raise ProtocolError('the request has no "inputs" list of tensors')
     tensors = {}
@@ -42,7 +51,7 @@ def request_rows(body: Any, columns: Sequence[str]) -> list[dict]:
     if missing:
         raise ProtocolError(f"the request lacks the input tensors {missing}; the model takes "
                             f"{list(columns)}")
-    values = {name: tensor_values(tensors[name]) for name in columns}
+    values = {name: tensor_values(tensors[name], name in numeric) for name in columns}
     sizes = {len(v) for v in values.values()}
     if len(sizes) != 1:
         raise ProtocolError(f"the input tensors hold different numbers of rows: "
@@ -51,13 +60,19 @@ def request_rows(body: Any, columns: Sequence[str]) -> list[dict]:
     return [{name: values[name][k] for name in columns} for k in range(rows)]
 
 
-def tensor_values(tensor: Mapping) -> list:
-    """A tensor's data as one value per row (shape [rows] or [rows, 1]), checked."""
+def tensor_values(tensor: Mapping, numeric: bool | None = None) -> list:
+    """A tensor's data as one value per row (shape [rows] or [rows, 1]), checked: its datatype
+    one the input takes (`numeric`: FP64, numbers; False: BYTES; None: either) and every value
+    one that datatype holds."""
     name, datatype, shape, data = (tensor.get("name"), tensor.get("datatype"),
                                    tensor.get("shape"), tensor.get("data"))
     if datatype not in DATATYPES:
         raise ProtocolError(f"input {name!r}: datatype {datatype!r} is none of "
                             f"{sorted(DATATYPES)}")
+    if numeric is not None and datatype not in (NUMBER_TYPES if numeric else {"BYTES"}):
+        takes = "numbers (FP64, or another FP or INT datatype)" if numeric else "BYTES (strings)"
+        raise ProtocolError(f"input {name!r} takes {takes}, not {datatype}; its datatype is in "
+                            "the model's metadata")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 2
             or not all(isinstance(d, int) and d >= 0 for d in shape)
             or (len(shape) == 2 and shape[1] != 1)):
@@ -68,11 +83,42 @@ def tensor_values(tensor: Mapping) -> list:
     if len(flat) != shape[0]:
         raise ProtocolError(f"input {name!r}: {len(flat)} values for shape {shape}")
     for value in flat:
-        if datatype == "BYTES" and not isinstance(value, str):
-            raise ProtocolError(f"input {name!r}: BYTES data must be strings")
-        if datatype != "BYTES" and (isinstance(value, str) or value is None):
-            raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
+        wrong = value_outside(datatype, value)
+        if wrong:
+            raise ProtocolError(f"input {name!r}: {wrong}")
     return flat
+
+
+def value_outside(datatype: str, value: Any) -> str | None:
+    """Why `value` is no value of `datatype` (None when it is one): BYTES a string, BOOL true
+    or false, an INT an integer within its range, an FP a number within its range (JSON's
+    Infinity and NaN, which Python's parser reads, are left to the encoder's checks)."""
+    if datatype == "BYTES":
+        return None if isinstance(value, str) else "BYTES data must be strings"
+    if datatype == "BOOL":
+        return None if isinstance(value, bool) else "BOOL data must be true or false"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{datatype} data must be numbers"
+    if datatype in INTEGER_RANGES:
+        low, high = INTEGER_RANGES[datatype]
+        if isinstance(value, float) and not value.is_integer():
+            return f"{datatype} data must be integers, and {value!r} is not one"
+        if not low <= value <= high:
+            return f"{number_text(value)} is outside {datatype}'s range [{low}, {high}]"
+        return None
+    limit = FLOAT_LIMITS[datatype]
+    if abs(value) != float("inf") and abs(value) > limit:
+        return f"{number_text(value)} is outside {datatype}'s range (±{limit:.7g})"
+    return None
+
+
+def number_text(value: int | float) -> str:
+    """A number for a message: a float as %g, an integer as its digits (their count when too
+    many to show)."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    digits = str(value)
+    return digits if len(digits) <= 24 else f"an integer of {len(digits.lstrip('-'))} digits"
 
 
 def _flattened(data: list, levels: int = 2) -> list:

@@ -834,11 +834,38 @@ class Predicted:
     errors: list[tuple[str, str]]
 
 
+# Why a row whose model output is not finite is an error row, not a prediction
+NON_FINITE_OUTPUT = ("the model's output for this row is not a finite number (a value the "
+                     "network overflows on)")
+
+
+def non_finite_rows(probabilities: np.ndarray, extra: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Which rows of a prediction hold NaN or infinity, in the probabilities or an extra value:
+    such a row is an error, never an answer (every path that predicts checks here)."""
+    bad = ~np.isfinite(probabilities).all(axis=1)
+    for values in extra.values():
+        values = np.asarray(values, dtype=np.float64)
+        bad |= ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+    return bad
+
+
 def predict_chunk(chunk: Chunk, predict: Predictor) -> Predicted:
+    """A chunk's predictions; a row whose output is not finite becomes an error row."""
     if chunk.x is None:
         return Predicted([], None, {}, None, chunk.errors)
     probabilities, extra = predict(chunk.x)
-    return Predicted(chunk.ids, probabilities, extra, chunk.labels, chunk.errors)
+    bad = non_finite_rows(probabilities, extra)
+    if not bad.any():
+        return Predicted(chunk.ids, probabilities, extra, chunk.labels, chunk.errors)
+    ids = chunk.ids.numbers if isinstance(chunk.ids, RowIds) else np.array(chunk.ids, object)
+    errors = chunk.errors + [(str(ids[i]), NON_FINITE_OUTPUT) for i in np.flatnonzero(bad)]
+    if bad.all():
+        return Predicted([], None, {}, None, errors)
+    keep = ~bad
+    kept_ids = RowIds(ids[keep]) if isinstance(chunk.ids, RowIds) else ids[keep].tolist()
+    return Predicted(kept_ids, probabilities[keep], {k: np.asarray(v)[keep] for k, v in
+                                                     extra.items()},
+                     _kept(chunk.labels, keep) if chunk.labels else None, errors)
 
 
 def predict_input(options: BatchOptions, manifest: Manifest, predict: Predictor, report: dict

@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ttc.serving.batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
-                   folder_images, image_folder_frames, input_kind, write_predictions)
+                   folder_images, image_folder_frames, input_kind, predict_chunk,
+                   write_predictions)
 from ttc.inputs.limits import LIMITS, Limits, use_limits
 from ttc.serving.manifest import Manifest
 from ttc.serving.runtime import usable_cpus
@@ -424,20 +425,22 @@ class PredictWorker:
 
     def __call__(self, frame) -> dict:
         chunk = self.encoder.encode(frame)
-        rows = len(chunk.ids)
-        if chunk.x is not None:
-            probabilities, extra = self.predict(chunk.x)
+        labelled = chunk.labels is not None
+        done = predict_chunk(chunk, self.predict)  # the batch path's predict stage
+        rows = len(done.ids)
+        if done.probabilities is not None:
+            probabilities, extra = done.probabilities, done.extra
         else:  # every row failed: the same columns, empty
             probabilities = np.zeros((0, self.classes), dtype=np.float32)
             extra = {name: np.zeros(0) for name in self.extra_names}
-        failed = len(chunk.errors)
-        truth = chunk.labels or [None] * rows
+        failed = len(done.errors)
+        truth = done.labels or [None] * rows
         return {
-            "id": np.array(chunk.ids + [i for i, _ in chunk.errors], dtype=object),
-            "error": np.array([""] * rows + [r for _, r in chunk.errors], dtype=object),
+            "id": np.array(list(done.ids) + [i for i, _ in done.errors], dtype=object),
+            "error": np.array([""] * rows + [r for _, r in done.errors], dtype=object),
             "truth": np.array(["" if t is None else t for t in truth] + [""] * failed,
                               dtype=object),
-            "labelled": np.full(rows + failed, chunk.labels is not None),
+            "labelled": np.full(rows + failed, labelled),
             "probabilities": np.concatenate(
                 [np.asarray(probabilities, dtype=np.float32),
                  np.zeros((failed, self.classes), dtype=np.float32)]),

@@ -22,7 +22,7 @@ from ttc.inputs.tables import Columns, json_records, locate_column
 from ttc.serving.batch import (ROW_IMAGE, ROW_PATH, ROW_TEXT, BatchOptions, Chunk,
                                RowEncoder, TableReader)
 from ttc.serving.manifest import Manifest
-from utils import DataError, quoted_sample
+from utils import DataError, first_line, quoted_sample
 
 IMAGE_KEY = "image"
 REQUEST = Path("the request")  # how messages name where the rows came from
@@ -66,9 +66,10 @@ class RecordReader(TableReader):
         """Several requests' rows (each checked) → each one's model inputs, or the error that
         request alone gets. Requests whose rows have the same keys are encoded together, in one
         pass of the encoders (a pass costs about the same for one row as for a batch); where
-        that fails for the whole group (a nested value), each of them is encoded alone, so that
-        a bad request never fails another. `first_rows`: the number of each part's first row
-        in its request (a request split across batches), for the messages."""
+        that fails for the whole group (a nested value; any exception, a library's too), each
+        of them is encoded alone, so that a bad request never fails another. `first_rows`: the
+        number of each part's first row in its request (a request split across batches), for
+        the messages."""
         firsts = list(first_rows) or [1] * len(parts)
         groups: dict[tuple, list[int]] = {}
         for k, rows in enumerate(parts):
@@ -78,22 +79,38 @@ class RecordReader(TableReader):
         for members in groups.values():
             try:
                 chunk = self._chunk([row for k in members for row in parts[k]])
-            except DataError as err:
+            except Exception as err:  # noqa: BLE001 - whatever it is, it is one request's
                 if len(members) == 1:
-                    out[members[0]] = err
+                    out[members[0]] = self._failure(err, parts[members[0]], firsts[members[0]])
                     continue
                 for k in members:  # who is to blame
                     try:
                         out[k] = self._part_of(self._chunk(parts[k]), 0, len(parts[k]),
                                                firsts[k])
-                    except DataError as alone:
-                        out[k] = alone
+                    except Exception as alone:  # noqa: BLE001 - this request's own
+                        out[k] = self._failure(alone, parts[k], firsts[k])
                 continue
             start = 0
             for k in members:
                 out[k] = self._part_of(chunk, start, len(parts[k]), firsts[k])
                 start += len(parts[k])
         return out
+
+    def _failure(self, err: Exception, rows: Sequence[Mapping], first: int) -> DataError:
+        """What a request whose rows failed to encode gets: the DataError raised, or, for any
+        other exception (one the rows' values caused in a library), a RowError naming the first
+        row that fails alone."""
+        if isinstance(err, DataError):
+            return err
+        if len(rows) > 1:
+            for number, row in enumerate(rows, first):
+                try:
+                    self._chunk([row])
+                except DataError:
+                    continue  # alone it lacks what the others give it: not this failure
+                except Exception as alone:  # noqa: BLE001 - this row's own
+                    return encoding_failure(alone, f"row {number}")
+        return encoding_failure(err, f"row {first}" if len(rows) == 1 else "the rows")
 
     def _chunk(self, records: Sequence[Mapping]) -> Chunk:
         frame = json_records(records)
@@ -179,3 +196,13 @@ class RecordReader(TableReader):
         return "{" + ", ".join(f'"{name}": ...' for name in names[:4]) + \
             (", ..." if len(names) > 4 else "") + "}"
 
+
+def encoding_failure(err: Exception, where: str) -> RowError:
+    """The one line for rows whose values an encoder's library refused with an exception that
+    is not the tool's own: text that is no Unicode (a lone surrogate, which JSON's \\uD800
+    escapes can make, and Arrow and every UTF-8 encoder refuse), or the library's own words."""
+    if isinstance(err, UnicodeError):
+        return RowError(f"{where}: a key or value holds text that is not valid Unicode (a lone "
+                        "surrogate such as \\ud800)", "send text as valid UTF-8 (a character "
+                        "beyond U+FFFF as its surrogate pair)")
+    return RowError(f"{where}: its values cannot be encoded: {first_line(err)}", "fix the row")
