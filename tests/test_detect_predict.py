@@ -18,9 +18,8 @@ from PIL import Image
 from config import build_parser, parse_config
 from ttc.inputs.preprocess import decode_image_file
 from ttc.tasks.detect.evaluate import detection_runner
-from ttc.tasks.detect.predict import (DetectBatchOptions, images_json_path,
-                                      predict_detections_input)
-from ttc.tasks.segment.predict import default_overlay_dir
+from ttc.tasks.detect.predict import DetectBatchOptions, predict_detections_input
+from ttc.tasks.outputs import default_overlay_dir, images_json_path
 from utils import ConfigError, DataError, ExportError
 
 LABELS = ["=zero", "one", "two"]  # "=zero": a CSV cell that must not run as a formula

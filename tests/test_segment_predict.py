@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from ttc.inputs.preprocess import decode_image_file
-from ttc.tasks.segment.predict import (SegmentBatchOptions, default_mask_dir,
-                                       default_overlay_dir, predict_images)
+from ttc.tasks.outputs import default_mask_dir, default_overlay_dir
+from ttc.tasks.segment.predict import SegmentBatchOptions, predict_images
 from utils import ConfigError, DataError
 
 LABELS = ["background", "digit", "edge"]

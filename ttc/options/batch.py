@@ -112,12 +112,12 @@ class BatchFlags:
     def input_outputs(self, segmenter: bool = False
                       ) -> tuple[dict[str, Path], dict[str, Path]]:
         """What an image model's --input writes besides --output and --errors, for the path
-        checks (ttc/tasks/segment/predict.py: outputs_beside): (files, folders). From the flags
+        checks (ttc/tasks/outputs.py: outputs_beside): (files, folders). From the flags
         alone, a detector's COCO images file, the overlay folder and a --mask_dir; with
         `segmenter` (a bundle's model type) also the default mask folder."""
         if not (self.input and self.output):
             return {}, {}
-        from ttc.tasks.segment.predict import outputs_beside
+        from ttc.tasks.outputs import outputs_beside
 
         return outputs_beside(Path(self.output), masks=segmenter or self.mask_dir is not None,
                               mask_dir=Path(self.mask_dir) if self.mask_dir else None,

@@ -31,9 +31,9 @@ from ttc.inputs.tables import IMAGE_EXTENSIONS
 from ttc.serving.batch import RecordWriter, raise_for_error_rows, utf8_name
 from ttc.tasks.detect.evaluate import (PREDICTED_COLOUR, DetectionRunner, Detections, draw_on,
                                        rgb_picture)
-from ttc.tasks.segment.predict import (ImageBatchOptions, ImageRun, Listed, default_overlay_dir,
-                                       images_json_path, listed_images, original_pixels,
-                                       predicted_batch, predicted_batches,
+from ttc.tasks.outputs import default_overlay_dir, images_json_path
+from ttc.tasks.segment.predict import (ImageBatchOptions, ImageRun, Listed, listed_images,
+                                       original_pixels, predicted_batch, predicted_batches,
                                        refuse_linked_subfolders, unreadable, write_results)
 from utils import (LOG, ConfigError, DataError, ExportError, atomic_write, atomic_write_stream,
                    file_in_folder, inside, refuse_linked_folder, same_file, unwritable)
