@@ -83,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = BundlePaths.from_model_path(config.output_model)
 
     def stages(report: dict) -> None:
+        if config.device.startswith("cuda"):  # a GPU that is not there: before the data
+            from train import check_training_device
+
+            check_training_device(config)
         dataset = load_dataset(DataOptions.from_config(config))
         report["dataset"] = dataset.report_section()
         # Heavy imports only once the flags and the data are known to be good: a typo or a bad

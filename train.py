@@ -34,6 +34,17 @@ def cap_batch_size(config: Config, dataset: Dataset) -> None:
         config.batch_size = samples
 
 
+def check_training_device(config: Config) -> None:
+    """--device and --amp against what torch sees (a local run; a Ray run's workers check
+    their own): exit 2 for a GPU that is not there, before any data is read where one is
+    named."""
+    if config.trains_on_ray():
+        return
+    from ttc.nets.device import precision_for, training_device
+
+    precision_for(config.amp, training_device(config.device))
+
+
 def train_stage(config: Config, dataset: Dataset, report: dict,
                 teacher_lm: dspy.BaseLM | None = None) -> tuple[TrainedModel, Dataset]:
     """Training as pipeline.py and train.py run it: with --teacher_lm, the teacher labels the
@@ -42,6 +53,7 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     `teacher_lm` replaces the LM --teacher_lm names (tests pass dspy.utils.DummyLM)."""
     from ttc.tasks.registry import task_for
 
+    check_training_device(config)
     train_classifier = task_for(config.model_type).part("trainer")
     if config.trains_on_ray():  # a classifier on Ray Train (config refused the other types)
         from ttc.distributed.driver import train_on_ray
@@ -364,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_torch_threads(config.num_threads)
 
     def stages(report: dict) -> None:
+        check_training_device(config)
         # With a teacher, the test split measures what its labels bought.
         splits = ("train", "val", "test") if config.teacher_lm else ("train", "val")
         dataset = load_dataset(DataOptions.from_config(config), splits=splits)

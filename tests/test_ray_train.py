@@ -253,8 +253,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
         (["--use_gpu", "true"], 2, "--use_gpu applies only to --engine ray"),
         (["--lr_candidates", "1e-3,3e-3", "--resume", "true", "--checkpoint_dir",
           str(tmp_path / "empty")], 2, "holds no checkpoint"),
-        (["--model_type", "image_segmenter", "--dataset_path", "builtin:digit_canvases",
-          "--engine", "ray", "--use_gpu", "true"], 2, "not built yet"),
+        (["--engine", "ray", "--device", "cuda"], 2, "replace --device with --use_gpu"),
         (["--resume", "true", "--checkpoint_dir", str(tmp_path / "empty")], 2,
          "holds no checkpoint"),
         (["--checkpoint_dir", out], 2, "is the same path as --output_model"),
@@ -264,6 +263,9 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
     if torch.cuda.device_count() == 0:
         cases.append((["--engine", "ray", "--num_workers", "1", "--use_gpu", "true"], 2,
                       "need a GPU each"))
+        cases.append((["--model_type", "image_segmenter", "--dataset_path",
+                       "builtin:digit_canvases", "--engine", "ray", "--num_workers", "1",
+                       "--use_gpu", "true"], 2, "need a GPU each"))
     return [(case, code, phrase) for case, code, phrase in cases]
 
 

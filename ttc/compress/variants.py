@@ -85,7 +85,12 @@ class FineTuner:
     def __init__(self, config: "Config", trained: "TrainedModel", dataset: "Dataset") -> None:
         self.config, self.trained, self.dataset = config, trained, dataset
 
-    def __call__(self, net: nn.Module, epochs: int, what: str) -> tuple[nn.Module, list[dict]]:
+    def __call__(self, net: nn.Module, epochs: int, what: str, mixed_precision: bool = True
+                 ) -> tuple[nn.Module, list[dict]]:
+        """Fine-tune `net` for `epochs` on --device; in --amp's precision unless
+        `mixed_precision` is False (quantization-aware training: its fake quantizers model int8
+        from float32 values)."""
+        from ttc.nets.device import training_device
         from ttc.nets.program import (ClassifierProgram, WeightTrainer, label_match,
                                       text_tokenizer, to_examples)
         from ttc.tasks.registry import task_of_kind
@@ -104,7 +109,9 @@ class FineTuner:
             label_match, epochs=epochs, batch_size=config.batch_size, learning_rate=rate,
             recipe=config.recipe(config.model_type, config.arch, config.model_def),
             augment=config.train_augment and task.augments, seed=self.trained.seed,
-            show_progress=not config.no_progress, pad_id=pad_id)
+            show_progress=not config.no_progress, pad_id=pad_id,
+            device=training_device(config.device),
+            amp=config.amp if mixed_precision else "off")
         tuned = trainer.compile(program,
                                 trainset=to_examples(dataset.train, dataset.labels,
                                                      task.input_field),
@@ -184,7 +191,8 @@ def pruned_variant(config: "Config", net: nn.Module, example: torch.Tensor,
 def qat_variant(net: nn.Module, example: torch.Tensor, tune: FineTuner, recipe: dict,
                 name: str, epochs: int, source: CompressedNet | None) -> CompressedNet:
     prepared = prepare_qat(net.eval(), example)
-    tuned, history = tune(prepared, epochs, f"quantization-aware training ({name})")
+    tuned, history = tune(prepared, epochs, f"quantization-aware training ({name})",
+                          mixed_precision=False)
     frozen = frozen_for_export(tuned)
     return CompressedNet(name=name, net=frozen, recipe=recipe, quantized=True,
                          params=count_parameters(net), macs=count_macs(net, example),

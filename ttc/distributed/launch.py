@@ -14,6 +14,7 @@ from config import Config
 from ttc.distributed.worker import WorkerPayload, build_program
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import latest_single_run, new_run_id
+from ttc.nets.device import precision_for
 from ttc.nets.program import (CandidateSearch, EpochRecord, EpochRunner, ImagePlan, ImageRunner,
                               TrainedModel, TrainingPlan, WeightTrainer, label_match,
                               require_finite_weights, run_fingerprint, to_examples, trained_model)
@@ -82,10 +83,22 @@ def trained_of(plan: TrainingPlan | ImagePlan, program, search: CandidateSearch,
     """The TrainedModel a local run of this model type hands to export, for the search's kept
     candidate."""
     if isinstance(plan, ImagePlan):
-        return plan.trained(program, search, dataset, plan.architecture, plan.started, config,
-                            plan.transfer)
-    return trained_model(program, search, dataset, plan.architecture, plan.started,
-                         plan.transfer, config)
+        trained = plan.trained(program, search, dataset, plan.architecture, plan.started, config,
+                               plan.transfer)
+    else:
+        trained = trained_model(program, search, dataset, plan.architecture, plan.started,
+                                plan.transfer, config)
+    trained.device, trained.amp = workers_device(config.use_gpu, config.amp)
+    return trained
+
+
+def workers_device(use_gpu: bool, amp: str) -> tuple[str, str]:
+    """train.device and train.amp of a Ray run: its workers' (each resolves --amp on its own
+    GPU, which the driver may not have)."""
+    if not use_gpu:
+        return "cpu", precision_for(amp, torch.device("cpu")).mode
+    return "cuda (one GPU per worker)", (
+        "auto: bf16 on a worker GPU that has it, else fp16" if amp == "auto" else amp)
 
 
 def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan, student,

@@ -31,6 +31,8 @@ from torch import nn
 from config import Config
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.checkpoints import CheckpointStore, new_run_id, state_problem
+from ttc.nets.device import (Precision, backward_step, device_name, precision_for, to_device,
+                             training_device)
 from ttc.nets.shards import Shard
 from ttc.nets.models import architecture_for, build_model, count_parameters, user_architecture
 from ttc.inputs.preprocess import PAD_ID, HFTokenizer, Tokenizer, text_tokenizer, trim_padding
@@ -116,7 +118,7 @@ def network_batch(x: np.ndarray | torch.Tensor, pad_id: int, device: torch.devic
         x = trim_padding(np.asarray(x), pad_id)
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(x))
-    return x.to(device)
+    return to_device(x, device)
 
 
 def to_examples(split: Split, labels: Sequence[str], field: str) -> list[dspy.Example]:
@@ -151,8 +153,9 @@ def random_shift(pixels: torch.Tensor, max_shift: int, generator: torch.Generato
 
 
 def recalibrate_batchnorm(net: nn.Module, x: torch.Tensor, batch_size: int,
-                          max_samples: int = 4096) -> None:
-    """Re-estimate BatchNorm running statistics for the current weights on clean training data.
+                          max_samples: int = 4096, device: torch.device | None = None) -> None:
+    """Re-estimate BatchNorm running statistics for the current weights on clean training data
+    (`x` on the host, each batch copied to `device`, the network's).
 
     The running averages lag the weights (momentum 0.1): on small datasets with few steps they
     are far off, and eval-mode accuracy collapses although training accuracy is perfect.
@@ -169,7 +172,7 @@ def recalibrate_batchnorm(net: nn.Module, x: torch.Tensor, batch_size: int,
         for start in range(0, min(len(x), max_samples), batch_size):
             batch = x[start:start + batch_size]
             if len(batch) > 1:
-                net(batch)
+                net(batch if device is None else to_device(batch, device))
     for m, momentum in zip(norms, saved):
         m.momentum = momentum
     net.eval()
@@ -327,8 +330,8 @@ class WeightTrainer(Teleprompter):
     """A DSPy optimizer for a program's torch weights: AdamW under the `recipe`'s schedule,
     weight decay, label smoothing and max-norm (ttc/nets/fitting.py), or for fine-tuning a
     pretrained transformer (`fine_tune`) the standard recipe: linear warm-up over the first
-    tenth of the steps, linear decay to zero, gradients clipped to norm 1, on a GPU when there
-    is one, with mixed precision there.
+    tenth of the steps, linear decay to zero, gradients clipped to norm 1. It trains on
+    `device` (--device) in the precision `amp` asks for there (--amp: ttc/nets/device.py).
 
     Each epoch is scored by dspy.Evaluate on the validation set; the best epoch's weights win,
     and training stops early once the validation loss has not improved for recipe.patience
@@ -343,10 +346,11 @@ class WeightTrainer(Teleprompter):
                  recipe: Recipe, augment: bool, seed: int, show_progress: bool = True,
                  view_transforms: Sequence = (), freeze_epochs: int = 0,
                  fine_tune: bool = False, pad_id: int = PAD_ID,
-                 checkpoints: CheckpointStore | None = None) -> None:
+                 checkpoints: CheckpointStore | None = None,
+                 device: torch.device | None = None, amp: str = "off") -> None:
         super().__init__()
         self.fine_tune, self.pad_id = fine_tune, pad_id
-        self.device = torch.device("cuda" if fine_tune and torch.cuda.is_available() else "cpu")
+        self.device, self.amp = device or torch.device("cpu"), amp
         self.freeze_epochs = freeze_epochs  # epochs that train the classifier head alone
         # TTA transforms to train on (their random forms), so that test-time views are in
         # distribution.
@@ -379,13 +383,9 @@ class WeightTrainer(Teleprompter):
                               "has no nn.Linear layer", "drop --max_norm (or pass --max_norm 0)")
         return net.get_submodule(name)
 
-    def precision(self, device: torch.device):
-        """Mixed precision when fine-tuning on a GPU only: bfloat16 autocast where the GPU has
-        it (no loss scaling needed); float32 on older GPUs, on the CPU, and for the networks a
-        Ray worker trains on its GPU from scratch (as a local run trains them on the CPU)."""
-        if not self.fine_tune or device.type != "cuda" or not torch.cuda.is_bf16_supported():
-            return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    def precision(self, device: torch.device) -> Precision:
+        """--amp on the device a runner trains on (a Ray worker's GPU or CPU included)."""
+        return precision_for(self.amp, device)
 
     def freeze_body(self, net: nn.Module, frozen: bool) -> None:
         """--freeze_epochs: gradients for the head only (a parameter without a gradient is
@@ -541,6 +541,8 @@ class EpochRunner(EpochLoop):
                                                trainer.recipe.lr_schedule,
                                                trainer.learning_rate, trainer.fine_tune)
         self.net.to(self.device)
+        self.precision = trainer.precision(self.device)
+        self.scaler = self.precision.scaler()
         self.max_shift = max(1, round(min(x.shape[2:]) / 8)) if trainer.augment else 0
         self.best = BestEpoch(trainer.recipe.patience)
         self.bounded = trainer.max_norm_layer(self.net)
@@ -554,7 +556,8 @@ class EpochRunner(EpochLoop):
         trainer.freeze_body(self.net, epoch <= trainer.freeze_epochs)
         loss, accuracy = self._train_epoch(epoch)
         recalibrate_batchnorm(self.net, self.x[self.shard.local(
-            torch.randperm(self.shard.total, generator=self.generator))], trainer.batch_size)
+            torch.randperm(self.shard.total, generator=self.generator))], trainer.batch_size,
+            device=self.device)
         pool_batchnorm(self.net, self.sync)
         self._check_weights(epoch)
         stop = False
@@ -635,9 +638,9 @@ class EpochRunner(EpochLoop):
         part of the batch, so that the workers' averaged gradients are the whole batch's."""
         trainer, sync = self.trainer, self.sync
         inputs, targets = self._inputs(batch), self.y[self.shard.local(batch)]
-        with trainer.precision(self.device):
+        with self.precision.autocast():
             logits = self.train_net(network_batch(inputs, trainer.pad_id, self.device))
-            loss = F.cross_entropy(logits.float(), targets.to(self.device),
+            loss = F.cross_entropy(logits.float(), to_device(targets, self.device),
                                    label_smoothing=trainer.recipe.label_smoothing)
         weight = len(targets) * sync.world / len(batch)  # 1.0 in a local run
         right = int((logits.argmax(1).cpu() == targets).sum())
@@ -651,10 +654,8 @@ class EpochRunner(EpochLoop):
             raise TrainingDiverged(epoch, number, f"the loss became {value}",
                                    trainer.learning_rate, trainer.seed)
         self.optimizer.zero_grad(set_to_none=True)
-        (loss * weight if weight != 1.0 else loss).backward()
-        if trainer.fine_tune:
-            torch.nn.utils.clip_grad_norm_(self.train_net.parameters(), CLIP_NORM)
-        self.optimizer.step()
+        backward_step(loss * weight if weight != 1.0 else loss, self.optimizer, self.scaler,
+                      (self.train_net.parameters(), CLIP_NORM) if trainer.fine_tune else None)
         if self.bounded is not None:
             restrict_row_norms(self.bounded, trainer.recipe.max_norm)
         self.schedule.step()
@@ -708,6 +709,7 @@ class ImageTrainer(Teleprompter):
         self.show_progress = show_progress
         self.metric = metric
         self.checkpoints = checkpoints
+        self.device, self.amp = torch.device("cpu"), "off"  # --device, --amp: the plan's
         self.history: list[EpochRecord] = []
         self.best_epoch = 0
         self.batches_run = 0  # in the current epoch
@@ -776,8 +778,7 @@ class ImageTrainer(Teleprompter):
                                    self.learning_rate, self.seed)
         runner.optimizer.zero_grad(set_to_none=True)
         weight = count * sync.world / whole if whole else 1.0  # 1.0 in a local run
-        (loss * weight if weight != 1.0 else loss).backward()
-        runner.optimizer.step()
+        backward_step(loss * weight if weight != 1.0 else loss, runner.optimizer, runner.scaler)
         runner.schedule.step()
         return value, summed
 
@@ -822,7 +823,10 @@ class ImageRunner(EpochLoop):
                  train_net: nn.Module | None = None, device: torch.device | None = None,
                  shard: Shard | None = None) -> None:
         self._bind(trainer, program, x, y, devset, sync, train_net,
-                   device or torch.device("cpu"), shard or Shard(len(x), units=trainer._units(y)))
+                   device or trainer.device, shard or Shard(len(x), units=trainer._units(y)))
+        self.net.to(self.device)
+        self.precision = precision_for(trainer.amp, self.device)
+        self.scaler = self.precision.scaler()
         self.optimizer = torch.optim.AdamW(self.train_net.parameters(), lr=trainer.learning_rate,
                                            weight_decay=trainer.weight_decay)
         self.schedule = learning_rate_schedule(
@@ -847,7 +851,8 @@ class ImageRunner(EpochLoop):
         loss, running = trainer._train_epoch(self, epoch)
         order = torch.randperm(self.shard.total,
                                generator=self.generator)[:DENSE_RECALIBRATION_IMAGES]
-        recalibrate_batchnorm(self.net, self.x[self.shard.local(order)], trainer.batch_size)
+        recalibrate_batchnorm(self.net, self.x[self.shard.local(order)], trainer.batch_size,
+                              device=self.device)
         pool_batchnorm(self.net, self.sync)
         require_finite_weights(self.net, epoch, trainer.batches_run, trainer.learning_rate,
                                trainer.seed)
@@ -1092,6 +1097,8 @@ class TrainedModel:
     compressed: list = field(default_factory=list)  # --prune / --qat (compress.CompressedNet)
     fp32_record: dict | None = None  # the trained network's parameters and MACs, when compressed
     engine: dict | None = None  # where it trained: --engine ray's workers and timings
+    device: str = "cpu"  # what it trained on (--device): "cpu", "cuda:0 (NAME)"
+    amp: str = "off"  # its precision there (--amp): off, bf16, fp16
 
     def report_section(self) -> dict:
         searched = len(self.candidates) + len(self.diverged_candidates) > 1
@@ -1109,7 +1116,7 @@ class TrainedModel:
                 "diverged_candidates": self.diverged_candidates if searched else None,
                 "init_weights": self.transfer.report_section() if self.transfer else None,
                 "freeze_epochs": self.freeze_epochs,
-                "engine": self.engine,
+                "engine": self.engine, "device": self.device, "amp": self.amp,
                 "history": [vars(record) for record in self.history]}
 
 
@@ -1147,6 +1154,7 @@ def plan_training(config: Config, dataset: Dataset, engine: str = "local") -> Tr
     tokenizer = text_tokenizer(dataset.preprocessing) if task.input_role == "text" else None
     pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
     fine_tune = architecture["name"] == "HFTextNet"
+    device = training_device(config.device)
     transfers: list[Transfer] = []
 
     def make_student(seed: int) -> ClassifierProgram:
@@ -1176,7 +1184,7 @@ def plan_training(config: Config, dataset: Dataset, engine: str = "local") -> Tr
                              augment=config.train_augment and task.augments, seed=seed,
                              show_progress=not config.no_progress, view_transforms=views,
                              freeze_epochs=config.freeze_epochs, fine_tune=fine_tune,
-                             pad_id=pad_id, checkpoints=store)
+                             pad_id=pad_id, checkpoints=store, device=device, amp=config.amp)
 
     return TrainingPlan(architecture, make_student, make_trainer, transfers, started,
                         task.input_field)
@@ -1259,7 +1267,13 @@ def image_trained_model(program: dspy.Module, search: CandidateSearch, dataset: 
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
                         epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
-                        transfer=transfer)
+                        transfer=transfer, **trained_on(trainer))
+
+
+def trained_on(trainer: WeightTrainer | ImageTrainer) -> dict:
+    """TrainedModel's device and amp: where a local run's kept candidate trained, and how."""
+    return {"device": device_name(trainer.device),
+            "amp": precision_for(trainer.amp, trainer.device).mode}
 
 
 def checkpoint_store(config, dataset: Dataset, architecture: dict,
@@ -1348,7 +1362,8 @@ def trained_model(program: ClassifierProgram, search: CandidateSearch, dataset: 
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
                         transfer=transfer, freeze_epochs=config.freeze_epochs,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss)
+                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
+                        **trained_on(trainer))
 
 
 def network_architecture(config: Config, dataset: Dataset) -> dict:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ttc.options.fields import opt, parse_bool
-from ttc.tasks.registry import find_task
 from utils import ConfigError, same_file, unwritable
 
 TRAINING_SCRIPTS = ("pipeline", "train")
@@ -52,14 +51,19 @@ class DistributedFlags:
         return None
 
     def check_distributed(self) -> None:
-        """--use_gpu only on Ray; what --engine ray and the checkpoints do not train yet (a
-        segmenter's or a detector's --use_gpu among them)."""
+        """--use_gpu only on Ray (--device names a local run's GPU); what --engine ray and the
+        checkpoints do not train yet."""
         if getattr(self, "script", None) not in TRAINING_SCRIPTS:
             return
         if self.use_gpu and self.engine != "ray":
             raise ConfigError("--use_gpu applies only to --engine ray (a local run trains on "
-                              "the CPU, a Hugging Face model on the GPU when there is one)",
-                              "add --engine ray, or drop --use_gpu")
+                              "--device: the first GPU when there is one)",
+                              "add --engine ray, or drop --use_gpu (and pick the GPU with "
+                              "--device cuda:N)")
+        if self.engine == "ray" and self.device.startswith("cuda"):
+            raise ConfigError(f"--device {self.device} names the GPU of a local run; on "
+                              "--engine ray each worker gets its own GPU with --use_gpu",
+                              "replace --device with --use_gpu")
         if self.engine == "ray":  # a candidate search runs as parallel Ray Tune trials
             self._refuse_not_built("--engine ray", search_built=True)
             workers = self.ray_workers()
@@ -76,10 +80,6 @@ class DistributedFlags:
         return len(self.learning_rates()) * self.num_candidates > 1
 
     def _refuse_not_built(self, what: str, search_built: bool = False) -> None:
-        task = find_task(self.model_type)
-        if task is not None and (task.dense or task.kind == "detection") and self.use_gpu:
-            raise ConfigError(f"{what} with --use_gpu for a {task.name} is not built yet "
-                              "(classifiers only)", "drop --use_gpu: the workers train on CPUs")
         searched = self.searches() and not search_built
         for given, name in ((searched, "a candidate search (--lr_candidates, "
                                        "--num_candidates)"),

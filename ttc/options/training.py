@@ -3,6 +3,7 @@ optimiser, the candidate search and the calibration fitted after training; and w
 must know of the networks without importing torch."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ TORCHVISION_ARCHS = ARCHS["image_classifier"][1:]
 # a segmenter's and a detector's torchvision networks: --pretrained loads their ImageNet backbone.
 BACKBONE_ARCHS = {"image_segmenter": ARCHS["image_segmenter"][1:],
                   "object_detector": ARCHS["object_detector"][1:]}
+AMP_MODES = ("auto", "bf16", "fp16", "off")  # ttc/nets/device.py's (config imports no torch)
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The peak learning rate when --learning_rate is not given: fine-tuning a pretrained transformer
 # takes the usual 2e-5, training from scratch a hundred times more.
 LEARNING_RATE = 3e-3
@@ -104,6 +107,14 @@ class TrainingFlags:
                          "(the report says which); temperature_always: apply the fitted T "
                          "whatever the intervals say; none: softmax(logits)", "training",
                          choices=("temperature", "temperature_always", "none"), scripts="PT")
+    device: str = opt("auto", "where the network trains: auto (the first GPU when torch sees "
+                      "one, else the CPU), cpu, cuda or cuda:N; export, quantization and "
+                      "inference read the trained weights on the CPU, so the bundle is the same "
+                      "in form (--engine ray: --use_gpu instead)", "training", metavar="DEVICE",
+                      scripts="PT")
+    amp: str = opt("auto", "mixed-precision training: auto (bf16 on a GPU that has it, else "
+                   "fp16; off on the CPU), bf16 (autocast), fp16 (autocast with loss scaling), "
+                   "off (float32)", "training", choices=AMP_MODES, scripts="PT")
 
     def check_rates(self) -> None:
         """--learning_rate takes its arch's default when not given; the counts are positive."""
@@ -114,9 +125,10 @@ class TrainingFlags:
             positive(name, getattr(self, name))
 
     def check_training(self, model_type: str) -> None:
-        """--lr_candidates, and the network: --arch for `model_type`, or --model_def, and its
-        starting weights."""
+        """--lr_candidates, --device, and the network: --arch for `model_type`, or --model_def,
+        and its starting weights."""
         self.learning_rates()
+        self.check_device()
         names = ARCHS.get(model_type, ())
         if is_hf_arch(self.arch):
             task = find_task(model_type)
@@ -130,6 +142,12 @@ class TrainingFlags:
             bad("arch", self.arch, f"a {model_type} takes one of: {', '.join(names)}, "
                 "or for text hf:NAME_OR_PATH")
         self._check_network_source(model_type)
+
+    def check_device(self) -> None:
+        """--device's form (whether the GPU is there is the training stage's check, which
+        imports torch: ttc/nets/device.py)."""
+        if not DEVICE_FORM.fullmatch(self.device):
+            bad("device", self.device, "use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
 
     def _check_network_source(self, model_type: str | None = None) -> None:
         """--model_def, --init_weights, --pretrained and --freeze_epochs."""

@@ -168,10 +168,9 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
         fallback(f"{', '.join(missing)} not in this onnxruntime build (it has "
                  f"{', '.join(available)})", strict)
     usable = [p for p in runtime.providers if p in available] or ["CPUExecutionProvider"]
-    with_options = [(p, runtime.provider_options.get(p, {})) for p in usable]
-    cache = runtime.provider_options.get("TensorrtExecutionProvider", {}).get("trt_engine_cache_path")
-    if cache:
-        Path(cache).mkdir(parents=True, exist_ok=True)
+    provider_options = with_engine_cache(runtime.provider_options, usable,
+                                         bundle_folder(model, source))
+    with_options = [(p, provider_options.get(p, {})) for p in usable]
     options = session_options(runtime, profile_prefix)
     # ORT's SkipLayerNormalization CPU kernel is ~4x slower than the Add + LayerNormalization it
     # replaces (hidden 128, onnxruntime 1.31: 2.6 vs 0.6 ms on 32 x 100 x 128): not fused on the
@@ -189,6 +188,40 @@ def create_session(model: str | bytes, runtime: RuntimeOptions,
         named = source or (model if isinstance(model, str) else "the bundle's graph")
         expect_classes(session, classes, str(named))
     return session
+
+
+TENSORRT = "TensorrtExecutionProvider"
+ENGINE_CACHE = "tensorrt_cache"  # TensorRT's engines, in the bundle's folder
+
+
+def bundle_folder(model: str | bytes, source: str | Path | None) -> Path | None:
+    """The folder of the bundle file a session's graph comes from (None: a graph made in
+    memory from no file)."""
+    named = model if isinstance(model, str) else source
+    return Path(named).parent if named else None
+
+
+def with_engine_cache(options: dict[str, dict[str, str]], providers: list[str],
+                      folder: Path | None) -> dict[str, dict[str, str]]:
+    """TensorRT builds an engine per graph and input shape, which takes seconds to minutes:
+    kept between runs (a cron job's, a server's restarts) in FOLDER/tensorrt_cache beside the
+    bundle's graphs unless --ep_options names a trt_engine_cache_path. A folder that cannot be
+    written (a read-only deployment) runs without the cache, with a WARNING."""
+    if TENSORRT not in providers:
+        return options
+    trt = dict(options.get(TENSORRT, {}))
+    if "trt_engine_cache_path" not in trt and folder is not None:
+        trt.update(trt_engine_cache_enable="true",
+                   trt_engine_cache_path=str(folder / ENGINE_CACHE))
+    cache = trt.get("trt_engine_cache_path")
+    if cache:
+        try:
+            Path(cache).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            LOG.warning("TensorRT's engine cache %s cannot be made (%s): engines are built "
+                        "afresh at every start", cache, err.strerror or err)
+            trt = {k: v for k, v in trt.items() if not k.startswith("trt_engine_cache")}
+    return {**options, TENSORRT: trt}
 
 
 def session_options(runtime: RuntimeOptions, profile_prefix: str | None
@@ -436,6 +469,15 @@ def model_feeder(model) -> Feeder:
 GPU_DEVICES = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
 
 
+def gpu_runs_first(providers: Sequence[str]) -> bool:
+    """Whether a GPU provider heads --ep and this onnxruntime build has it (what --variant auto
+    prefers the fp16 graph for)."""
+    import onnxruntime as ort
+
+    return bool(providers) and providers[0] in GPU_DEVICES and \
+        providers[0] in ort.get_available_providers()
+
+
 def session_device(session: ort.InferenceSession) -> str | None:
     """The device IOBinding should use: "cuda" when a CUDA-type provider runs the session."""
     return GPU_DEVICES.get(session.get_providers()[0])
@@ -459,6 +501,32 @@ def iobinding_runner(session: ort.InferenceSession, device: str, device_id: int 
         values = binding.copy_outputs_to_cpu()[0]
         check_classes(session, output, values)
         return values
+
+    return run
+
+
+def outputs_runner(session: ort.InferenceSession, outputs: Sequence[str]
+                   ) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """A feed → the named outputs, through IOBinding when a GPU provider runs the session (the
+    inputs copied to the GPU once, the outputs allocated there and read back once): what a
+    segmenter's and a detector's runners call."""
+    device = session_device(session)
+    if device is None:
+        return lambda feed: session.run(list(outputs), feed)
+    import onnxruntime as ort
+
+    provider = session.get_providers()[0]
+    device_id = int(session.get_provider_options().get(provider, {}).get("device_id", 0))
+    binding = session.io_binding()
+
+    def run(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        for name, value in feed.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(
+                np.ascontiguousarray(value), device, device_id))
+        for name in outputs:
+            binding.bind_output(name, device, device_id)
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
 
     return run
 

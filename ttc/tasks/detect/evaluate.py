@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ttc.serving.runtime import time_runners, whole_batches
+from ttc.serving.runtime import outputs_runner, time_runners, whole_batches
 from ttc.tasks.detect.metrics import (detection_metrics, detection_verdict,
                                       detection_warnings)
 from utils import RuntimeFailure
@@ -36,8 +36,8 @@ def unpadded(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
 
 def detection_runner(session) -> DetectionRunner:
     """An ONNX Runtime session's detections for a batch, per image, padding removed."""
-    name = session.get_inputs()[0].name
-    return lambda batch: unpadded(*session.run(OUTPUTS, {name: batch}))
+    name, run = session.get_inputs()[0].name, outputs_runner(session, OUTPUTS)
+    return lambda batch: unpadded(*run({name: batch}))
 
 
 def predict_detections(run: DetectionRunner, x: np.ndarray, batch_size: int

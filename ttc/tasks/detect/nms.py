@@ -83,8 +83,8 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float,
 
     n, m = boxes.shape[0], int(max_detections)
     out = DetectionBatch(boxes.new_zeros(n, m, 4), scores.new_zeros(n, m),
-                         torch.full((n, m), -1, dtype=torch.int64),
-                         torch.zeros(n, dtype=torch.int64))
+                         torch.full((n, m), -1, dtype=torch.int64, device=boxes.device),
+                         torch.zeros(n, dtype=torch.int64, device=boxes.device))
     for i in range(n):
         classes, anchors = (scores[i] > score_threshold).nonzero(as_tuple=True)
         picked, kept_boxes = scores[i, classes, anchors], boxes[i, anchors]

@@ -99,15 +99,16 @@ class TorchvisionSSD(nn.Module):
 
         regression, logits = outputs
         height, width = images.shape[-2:]
-        scale = torch.tensor([SIZE / width, SIZE / height] * 2)
+        device = self.anchors.device
+        scale = torch.tensor([SIZE / width, SIZE / height] * 2, device=device)
         targets, matched = [], []
         for rows in boxes:
-            rows = torch.as_tensor(np.asarray(rows, np.float32).reshape(-1, 5))
+            rows = torch.as_tensor(np.asarray(rows, np.float32).reshape(-1, 5), device=device)
             target = {"boxes": rows[:, 1:] * scale, "labels": rows[:, 0].long() + 1}
             targets.append(target)
             matched.append(self.body.proposal_matcher(box_iou(target["boxes"], self.anchors))
                            if len(rows) else torch.full((len(self.anchors),), -1,
-                                                        dtype=torch.int64))
+                                                        dtype=torch.int64, device=device))
         losses = self.body.compute_loss(
             targets, {"bbox_regression": regression, "cls_logits": logits},
             [self.anchors] * len(targets), matched)

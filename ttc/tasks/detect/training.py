@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ttc.inputs.data import Dataset, Split
+from ttc.nets.device import float_outputs, module_device, to_device, training_device
 from ttc.nets.models import count_parameters, network_modules, user_architecture
 from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
                               TrainedModel, checkpoint_store, image_trained_model,
@@ -119,12 +120,13 @@ class DetectorProgram(dspy.Module):
         """(N, C, H, W) pixels → per image (boxes, scores, labels), padding rows removed, in
         eval mode."""
         self.net.eval()
+        device = module_device(self.net)
         found: list[Detections] = []
         with torch.no_grad():
             for start in range(0, len(pixels), batch_size):
-                batch = torch.from_numpy(np.ascontiguousarray(pixels[start:start + batch_size],
-                                                              dtype=np.float32))
-                boxes, scores, labels, count = (t.numpy() for t in detect(
+                batch = to_device(torch.from_numpy(np.ascontiguousarray(
+                    pixels[start:start + batch_size], dtype=np.float32)), device)
+                boxes, scores, labels, count = (t.cpu().numpy() for t in detect(
                     self.net, batch, self.nms.iou_threshold, self.nms.score_threshold,
                     self.nms.max_detections))
                 found.extend((boxes[i, :n], scores[i, :n], labels[i, :n])
@@ -135,11 +137,11 @@ class DetectorProgram(dspy.Module):
                   batch_size: int = EVAL_BATCH) -> float:
         """The detector's loss over these images, in eval mode, weighted by batch size."""
         self.net.eval()
-        total = 0.0
+        device, total = module_device(self.net), 0.0
         with torch.no_grad():
             for start in range(0, len(pixels), batch_size):
-                batch = torch.from_numpy(np.ascontiguousarray(pixels[start:start + batch_size],
-                                                              dtype=np.float32))
+                batch = to_device(torch.from_numpy(np.ascontiguousarray(
+                    pixels[start:start + batch_size], dtype=np.float32)), device)
                 loss, _ = network_loss(self.net, batch, boxes[start:start + batch_size],
                                        len(self.labels))
                 total += float(loss) * len(batch)
@@ -269,7 +271,7 @@ class DetectionTrainer(ImageTrainer):
             mine = shard.local(batch).tolist()
             objects = max(1, int(shard.units_of(batch)))
             mine_objects = max(1, sum(len(runner.y[i]) for i in mine))
-            loss = share_loss(runner, runner.x[mine].to(runner.device),
+            loss = share_loss(runner, to_device(runner.x[mine], runner.device),
                               [runner.y[i] for i in mine], len(runner.program.labels))
             value, _ = self._step(runner, loss, mine_objects, objects, bar, epoch, number)
             total += value * len(batch)
@@ -283,8 +285,9 @@ def share_loss(runner: ImageRunner, images: torch.Tensor, boxes: list[np.ndarray
     """nets.network_loss through runner.train_net: the forward pass goes through the
     DistributedDataParallel wrapper on a Ray worker (so that its gradients are all-reduced),
     then the network's own loss of those outputs (an SSD's) or the two heads' (CenterNet, a
-    --model_def module)."""
-    outputs = runner.train_net(images)
+    --model_def module). The forward pass runs in --amp's precision, the loss in float32."""
+    with runner.precision.autocast():
+        outputs = float_outputs(runner.train_net(images))
     own = getattr(runner.net, "outputs_loss", None)
     if own is not None:
         return own(outputs, images, boxes)[0]
@@ -411,6 +414,7 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
     store = checkpoint_store(config, dataset, architecture, engine)
+    device = training_device(config.device)
 
     def make_trainer(learning_rate: float, seed: int) -> DetectionTrainer:
         trainer = DetectionTrainer(epochs=config.epochs, batch_size=config.batch_size,
@@ -419,6 +423,7 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
                                    lr_schedule=config.lr_schedule, patience=config.patience,
                                    show_progress=not getattr(config, "no_progress", False))
         trainer.checkpoints = store
+        trainer.device, trainer.amp = device, config.amp
         return trainer
 
     return ImagePlan(architecture, make_student, make_trainer, DetectorSearch, BoxRecall(),

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ttc.serving.runtime import time_runners, whole_batches
+from ttc.serving.runtime import outputs_runner, time_runners, whole_batches
 from ttc.tasks.segment.metrics import PixelConfusion, segmentation_scores, summary_scores
 from utils import RuntimeFailure
 
@@ -32,8 +32,8 @@ def predict_masks(run: MaskRunner, x: np.ndarray, batch_size: int) -> np.ndarray
 
 def mask_runner(session) -> MaskRunner:
     """An ONNX Runtime session's `mask` output for a batch."""
-    name = session.get_inputs()[0].name
-    return lambda batch: session.run(["mask"], {name: batch})[0]
+    name, run = session.get_inputs()[0].name, outputs_runner(session, ["mask"])
+    return lambda batch: run({name: batch})[0]
 
 
 def probabilities_mean_iou(probabilities: np.ndarray, truth: np.ndarray, num_classes: int,

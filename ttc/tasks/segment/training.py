@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttc.inputs.data import Dataset, Split
+from ttc.nets.device import float_outputs, module_device, to_device, training_device
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
 from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
                               TrainedModel, checkpoint_store, image_trained_model,
@@ -113,11 +114,12 @@ class SegmenterProgram(dspy.Module):
                       batch_size: int = EVAL_BATCH) -> Iterator[tuple[int, torch.Tensor]]:
         """(start, float32 logits of images[start:start + batch_size]) over the images."""
         self.net.eval()
+        device = module_device(self.net)
         with torch.no_grad():
             for start in range(0, len(images), batch_size):
                 batch = np.ascontiguousarray(np.stack(images[start:start + batch_size]),
                                              dtype=np.float32)
-                yield start, self.net(torch.from_numpy(batch)).float()
+                yield start, self.net(to_device(torch.from_numpy(batch), device)).float().cpu()
 
 
 def to_examples(split: Split) -> list[dspy.Example]:
@@ -224,9 +226,10 @@ class SegmentationTrainer(ImageTrainer):
                 runner.schedule.step()
                 continue
             rows = shard.local(batch)
-            mine = runner.y[rows].to(runner.device)
+            mine = to_device(runner.y[rows], runner.device)
             keep = mine != self.ignore_index
-            logits = net(runner.x[rows].to(runner.device))
+            with runner.precision.autocast():
+                logits = float_outputs(net(to_device(runner.x[rows], runner.device)))
             mine_pixels = int(keep.sum())
             loss = (F.cross_entropy(logits, mine, ignore_index=self.ignore_index) if mine_pixels
                     else logits.sum() * 0.0)  # a share of void pixels only: no gradient
@@ -369,6 +372,7 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
     store = checkpoint_store(config, dataset, architecture, engine)
+    device = training_device(config.device)
 
     def make_trainer(learning_rate: float, seed: int) -> SegmentationTrainer:
         trainer = SegmentationTrainer(epochs=config.epochs, batch_size=config.batch_size,
@@ -377,6 +381,7 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
                                       patience=config.patience, ignore_index=ignore_index,
                                       show_progress=not getattr(config, "no_progress", False))
         trainer.checkpoints = store
+        trainer.device, trainer.amp = device, config.amp
         return trainer
 
     return ImagePlan(architecture, make_student, make_trainer, SegmenterSearch,
