@@ -19,24 +19,25 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ttc.reporting.kinds import report_part
 from ttc.reporting.sections import (JSON_KEYS, PLOT_NAMES, PREDICTION_KEYS, SUMMARY_KEYS,
                                     summary_order)
-from ttc.reporting.summary import format_keys
 from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, ConfigError, DataError,
                    PipelineError, atomic_write_json, check_paths, exit_cli, first_line,
                    nesting_depth, run_cli, setup_logging, stop_error, user_code_error)
 
 def format_summary(report: dict) -> str:
     """The human-readable final summary: one block per section the run filled (SECTIONS says
-    which lines), then where the plots and the page went."""
+    which lines, the model type's report part adds its own), then where the plots and the page
+    went."""
+    kind = report_part(report)
     lines = [f"status: {report.get('status')}"]
     if report.get("error"):
         lines.append(f"error: {report['error']['message']} (exit {report['error']['code']})")
     for section in summary_order(report):
         data = report.get(section.key)
         if data:
-            lines += [f"{section.key}:", *format_keys(data, section.keys),
-                      *(section.details(data) if section.details else [])]
+            lines += [f"{section.key}:", *kind.summary(section, data)]
     if report.get("plots"):
         folder = Path(next(iter(report["plots"].values()))).parent
         lines.append(f"plots: {len(report['plots'])} PNG in {folder}")

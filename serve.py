@@ -1,4 +1,6 @@
-"""Serve a model bundle over HTTP: predictions of rows as JSON, with dynamic batching.
+"""Serve a model bundle over HTTP: predictions of rows as JSON, with dynamic batching. Every
+model type: a classifier answers its classes, a detector boxes, a segmenter a mask, the values
+`inference.py --input` writes for the same image.
 
     python serve.py --model runs/sms/model.onnx --port 8000
     curl -s localhost:8000/predict -d '{"instances": [{"text": "WINNER! Claim your prize"}]}'
@@ -45,7 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python serve.py --model runs/sms/model.onnx --port 8000\n"
                "  curl -s localhost:8000/predict -d '{\"instances\": [{\"text\": \"hi\"}]}'")
     config = start_cli(parser, argv)
-    refuse_unserved_model_types(config)
     if config.engine == "ray":
         from ttc.online.ray_serve import serve_on_ray
 
@@ -53,16 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ttc.online.app import serve
 
     return serve(config, HELD_HANGUPS)
-
-
-def refuse_unserved_model_types(config) -> None:
-    """A model type the endpoints do not answer (a segmenter, a detector): one line and exit 2,
-    before the port opens. The server checks it again on the bundle it opens, at start-up and
-    on every reload (app.warmed_predictor)."""
-    from ttc.online.app import refuse_unserved_model_types as refuse
-    from ttc.serving.bundle import BundlePaths, read_manifest
-
-    refuse(read_manifest(BundlePaths.from_model_path(config.output_model)))
 
 
 if __name__ == "__main__":

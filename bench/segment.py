@@ -168,32 +168,13 @@ def agreement_at(session, graph, x: np.ndarray, size: tuple[int, int]) -> float:
 
 
 def view_functions(spec: str):
-    """Per view of the spec (the identity first): (forward, back) on numpy arrays, as
-    ttc.tasks.segment.tta's modules do in the graph."""
-    import torch
-    import torch.nn.functional as F
-
+    """Per view of the spec (the identity first): (forward, back) on numpy arrays, from the one
+    transform table (ttc/testtime/transforms.py) the segmenter's TTA graph is built from."""
     from ttc.tasks.segment.views import parse_view_specs
+    from ttc.testtime.transforms import image_views
 
-    def scale(factor: float):
-        def forward(x: np.ndarray) -> np.ndarray:
-            return F.interpolate(torch.from_numpy(x), scale_factor=factor, mode="bilinear",
-                                 align_corners=False).numpy()
-
-        def back(logits: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-            return F.interpolate(torch.from_numpy(logits), size=size, mode="bilinear",
-                                 align_corners=False).numpy()
-
-        return forward, back
-
-    def flip(axis: int):
-        return (lambda x: np.ascontiguousarray(np.flip(x, axis)),
-                lambda logits, size: np.flip(logits, axis))
-
-    same = (lambda x: x, lambda logits, size: logits)
-    table = {"identity": lambda _: same, "hflip": lambda _: flip(-1),
-             "vflip": lambda _: flip(-2), "scale": scale}
-    return [table[name](factor) for name, factor in parse_view_specs(spec)]
+    return [(view.augment, view.deaugment_mask)
+            for view in image_views(parse_view_specs(spec)[1:], "mask")]
 
 
 def tta_loop(session, spec: str):

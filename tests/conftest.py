@@ -294,6 +294,49 @@ def pipeline_bundle(out: Path, *args: object) -> dict:
             "report": json.loads((out / "report.json").read_text())}
 
 
+SEGMENT_SIDE, DETECT_SIDE = 20, 32  # the tiny canvases of the segmenter's and detector's bundles
+
+
+@pytest.fixture(scope="session")
+def segment_bundle(tmp_path_factory) -> dict:
+    """A segmenter trained on tiny digit canvases, shared by its CLI and serving tests."""
+    from ttc.tasks.segment.canvases import write_digit_canvases
+
+    root = tmp_path_factory.mktemp("segment")
+    data = write_digit_canvases(root / "canvases", 80, size=SEGMENT_SIDE, seed=0)
+    out = root / "run"
+    model = out / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path", data,
+                  "--epochs", "2", "--batch_size", "16", "--tta", "true", "--ttt", "true",
+                  "--quantize", "static", "--force_quantized", "true",
+                  "--eval_shift", "gaussian_noise", "--output_model", model, "--report_json",
+                  out / "report.json", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"data": data, "dir": out, "model": model, "run": run,
+            "report": json.loads((out / "report.json").read_text())}
+
+
+@pytest.fixture(scope="session")
+def detect_bundle(tmp_path_factory) -> dict:
+    """A detector trained on tiny COCO canvases, shared by its CLI and serving tests."""
+    from ttc.tasks.detect.canvases import write_coco_canvases
+
+    root = tmp_path_factory.mktemp("detect")
+    images, annotations = root / "images", root / "instances.json"
+    write_coco_canvases(images, annotations, 80, size=DETECT_SIDE, seed=0)
+    out = root / "run"
+    model = out / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", images,
+                  "--annotations", annotations, "--epochs", "2", "--batch_size", "16",
+                  "--max_detections", "20", "--ttt", "true", "--eval_shift", "contrast",
+                  "--tta", "true",
+                  "--output_model", model, "--report_json",
+                  out / "report.json", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"images": images, "annotations": annotations, "dir": out, "model": model,
+            "run": run, "report": json.loads((out / "report.json").read_text())}
+
+
 # The bundles whose tests check a temperature baked into every graph (test_calibration.py,
 # test_iterative.py, test_hf_ttc.py): the fitted T applied even where its validation split shows
 # no evidence for it (docs/calibration.md), as before issue 41.

@@ -16,29 +16,11 @@ import pytest
 from PIL import Image
 
 from conftest import assert_clean_failure, run_cli
-from ttc.tasks.detect.canvases import write_coco_canvases, write_yolo_canvases
+from ttc.tasks.detect.canvases import write_yolo_canvases
 from utils import EXIT_DATA, EXIT_USAGE
 
 SIDE = 32
 OUTPUTS = ["boxes", "scores", "labels", "num_detections"]
-
-
-@pytest.fixture(scope="module")
-def detect_bundle(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("detect")
-    images, annotations = root / "images", root / "instances.json"
-    write_coco_canvases(images, annotations, 80, size=SIDE, seed=0)
-    out = root / "run"
-    model = out / "model.onnx"
-    run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", images,
-                  "--annotations", annotations, "--epochs", "2", "--batch_size", "16",
-                  "--max_detections", "20", "--ttt", "true", "--eval_shift", "contrast",
-                  "--tta", "true",
-                  "--output_model", model, "--report_json",
-                  out / "report.json", "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return {"images": images, "annotations": annotations, "dir": out, "model": model,
-            "run": run, "report": json.loads((out / "report.json").read_text())}
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -163,6 +145,11 @@ def test_input_rows_are_the_graph_s_detections_scaled_to_each_image(detect_bundl
         assert mine["class_index"].tolist() == labels[0, :counts[0]].tolist()
     assert len(list((tmp_path / "dets_overlays").iterdir())) == 6
     assert "predictions:" in run.stdout
+    # the summary counts images and boxes (issue 63: not "rows predicted" for images)
+    summary = {line[2:28].rstrip(): line[29:] for line in run.stdout.splitlines()
+               if line.startswith("  ")}
+    assert summary["images read"] == summary["images predicted"] == "6"
+    assert summary["boxes found"] == str(len(rows)) and "rows predicted" not in summary
 
 
 def test_outputs_beside_the_output_are_checked_with_every_other_path(detect_bundle, tmp_path):
@@ -230,7 +217,8 @@ def test_train_and_export_alone_bake_export_s_nms_thresholds(tmp_path):
 
 @pytest.mark.parametrize("flags,phrase", [
     (["--tta_merge", "max"], "--tta_merge"), (["--fp16", "true"], "--fp16"),
-    (["--tta", "true", "--tta_transforms", "rot90"], "'rot90' is not a detection view"),
+    (["--tta", "true", "--tta_transforms", "rotate:10"],
+     "'rotate:10' does not fit detection models"),
     (["--ignore_index", "3"], "--ignore_index"),
     (["--ttt", "true", "--ttt_method", "tent"], "--ttt_method tent"),
     (["--eval_shift", "blur"], "add --ttt true")])
@@ -280,11 +268,6 @@ def test_the_guide_s_python_snippet_reads_the_graph(detect_bundle, tmp_path):
     count = session(detect_bundle["model"]).run(["num_detections"], {"image": np.asarray(
         Image.open(first).convert("L"), np.float32)[None, None] / 255.0})[0][0]
     assert len(done.stdout.splitlines()) == count
-
-
-def test_the_server_refuses_a_detector_before_its_port_opens(detect_bundle):
-    run = run_cli("serve.py", "--model", detect_bundle["model"], "--port", "1")
-    assert_clean_failure(run, EXIT_USAGE, "serve.py serves classifiers", "object_detector")
 
 
 def test_tta_and_ttt_on_new_images_are_refused_not_ignored(detect_bundle, tmp_path):

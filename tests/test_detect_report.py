@@ -25,6 +25,7 @@ from report import format_summary
 from ttc.reporting import plots
 from ttc.reporting.page import render_page, write_page
 from ttc.reporting.sections import PREDICTION_KEYS, SUMMARY_KEYS
+from ttc.tasks.detect import report_plots
 from ttc.tasks.detect.evaluate import evaluation_section, example_pictures
 
 LABELS = ["zero", "<b>one</b>", 'sign "stop" & co', "never"]  # "never": no true box
@@ -158,6 +159,26 @@ def test_the_summary_prints_the_detector_s_figures_training_and_check(report):
     assert row(inference, "test mAP@[.5:.95]") == f"{evaluation['map']:.4g}"
 
 
+
+def test_the_summary_counts_a_detector_s_boxes_and_images():
+    """inference.py --input on a detector: its predictions count images and boxes (issue 63:
+    not "rows predicted 5" for 7 boxes in 5 images), in the summary and on the page; the report
+    names no model type, and the detector's part recognises its section."""
+    predictions = {"input": "new", "output": "dets.csv", "output_format": "rows",
+                   "images_json": None, "overlay_dir": None, "min_score": 0.3, "images": 6,
+                   "predicted": 5, "errors": 1, "errors_path": "errors.csv", "boxes": 7,
+                   "images_without_detections": 1, "boxes_per_class": {"zero": 3, "one": 4},
+                   "seconds": 1.0, "images_per_second": 5.0}
+    report = {"version": 1, "status": "ok", "error": None, "config": {"input": "new"},
+              "predictions": predictions}
+    lines = summary_block(format_summary(report) + "\nend", "predictions")
+    assert row(lines, "images read") == "6" and row(lines, "images predicted") == "5"
+    assert row(lines, "boxes found") == "7" and row(lines, "images failed") == "1"
+    assert not any("rows" in line for line in lines)
+    page = section_html(render_page(report, {}, SUMMARY_KEYS, PREDICTION_KEYS), "predictions")
+    assert "<th>boxes found</th><td>7</td>" in page.replace(' class="second"', "")
+    assert "rows predicted" not in page
+
 def test_the_page_shows_the_per_class_table_the_examples_and_the_plots(report, written):
     text = render_page(report, written, SUMMARY_KEYS, PREDICTION_KEYS)
     evaluation = section_html(text, "evaluation")
@@ -218,13 +239,13 @@ def test_report_py_writes_the_detector_plots_and_no_classifier_gets_them(report,
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     assert len(images_of(section_html(page, "evaluation"))) == 2 * IMAGES + len(DET_PLOTS)
     # the curves drawn: one per class with a true box, and the mean over them, in black
-    figure = plots.pr_curve(report)
+    figure = report_plots.pr_curve(report)
     lines = figure.axes[0].lines
     assert [line.get_label() for line in lines] == [
         "zero", "<b>one</b>", 'sign "stop" & co',
         f"all classes (mAP@.5 {report['evaluation']['map50']:.3f})"]
     assert np.mean(lines[-1].get_ydata()) == pytest.approx(report["evaluation"]["map50"])
-    bars = plots.class_ap(report).axes[0]
+    bars = report_plots.class_ap(report).axes[0]
     assert [t.get_text() for t in bars.texts][-1] == "no true box"
     curves = plots.training_curves(report).axes[1]
     assert curves.get_title() == "box recall, mAP per epoch"
@@ -236,7 +257,7 @@ def test_report_py_writes_the_detector_plots_and_no_classifier_gets_them(report,
         assert plots.PLOTS[name](classifier) is None and plots.PLOTS[name]({}) is None
     no_curve = copy.deepcopy(report)
     no_curve["evaluation"]["pr_curve"] = {"recall": "broken"}
-    assert plots.pr_curve(no_curve) is None and plots.class_ap(no_curve) is not None
+    assert report_plots.pr_curve(no_curve) is None and report_plots.class_ap(no_curve) is not None
 
 
 def solid_png(colour: tuple[int, int, int]) -> str:

@@ -18,9 +18,10 @@ from ttc.tasks.detect.fusion import (FusionSettings, append_fusion, class_nms,
                                      fuse_candidates, graph_settings, inner_runner,
                                      view_output_names, with_inner_outputs)
 from ttc.tasks.detect.nms import DETECTION_OUTPUTS
-from ttc.tasks.detect.tta import (HorizontalFlip, Identity, Rescale, VerticalFlip,
-                                  ViewCandidates, export_view_candidates, parse_box_views,
+from ttc.tasks.detect.tta import (ViewCandidates, export_view_candidates, parse_box_views,
                                   tta_reference)
+from ttc.testtime.transforms import (HorizontalFlip, Identity, Scale, VerticalFlip, View,
+                                     image_views)
 from ttc.tasks.detect.wbf import weighted_box_fusion
 from utils import ConfigError
 
@@ -47,12 +48,14 @@ def one_thread():
 
 def test_each_view_maps_a_known_box_back_onto_the_input():
     box = torch.tensor([[[2.0, 3.0, 10.0, 7.0]]])  # in a 12 x 20 (H x W) input's view
-    assert HorizontalFlip().back(box, (12, 20), (12, 20)).tolist() == [[[10, 3, 18, 7]]]
-    assert VerticalFlip().back(box, (12, 20), (12, 20)).tolist() == [[[2, 5, 10, 9]]]
-    view = Rescale(0.75)
-    seen = view(torch.zeros(1, 1, 17, 23)).shape[-2:]
+    assert View(HorizontalFlip()).deaugment_boxes(box, (12, 20), (12, 20)).tolist() == [
+        [[10, 3, 18, 7]]]
+    assert View(VerticalFlip()).deaugment_boxes(box, (12, 20), (12, 20)).tolist() == [
+        [[2, 5, 10, 9]]]
+    view = View(Scale(0.75), True)  # a box view: on its real size's grid
+    seen = view.augment(torch.zeros(1, 1, 17, 23)).shape[-2:]
     assert tuple(seen) == (12, 17)  # floor(17 × 0.75), floor(23 × 0.75)
-    back = view.back(torch.tensor([[[3.0, 6.0, 9.0, 12.0]]]), seen, (17, 23))
+    back = view.deaugment_boxes(torch.tensor([[[3.0, 6.0, 9.0, 12.0]]]), seen, (17, 23))
     expected = [3 * 23 / 17, 6 * 17 / 12, 9 * 23 / 17, 12 * 17 / 12]  # the real ratio, not 4/3
     np.testing.assert_allclose(back[0, 0].numpy(), expected, rtol=1e-6)
 
@@ -85,23 +88,24 @@ def peak_boxes(boxes: torch.Tensor, scores: torch.Tensor) -> np.ndarray:
     return boxes[0][rows][order].numpy()
 
 
-@pytest.mark.parametrize("view", [HorizontalFlip(), VerticalFlip()])
-def test_a_flipped_view_finds_the_blob_where_the_identity_does(view):
+@pytest.mark.parametrize("spec", ["hflip", "vflip", "rot180"])
+def test_a_flipped_view_finds_the_blob_where_the_identity_does(spec):
     """The flip undone: the same boxes as the plain view; a forgotten un-flip would put the
     blob on the other side of this asymmetric image."""
+    view = image_views([(spec, None)], "boxes")[1]
     with torch.no_grad():
-        plain_boxes, plain_scores, boxes, scores = ViewCandidates(BlobNet(), [Identity(), view])(
-            blob_image())
+        plain_boxes, plain_scores, boxes, scores = ViewCandidates(
+            BlobNet(), [View(Identity()), view])(blob_image())
     assert peak_boxes(plain_boxes, plain_scores)[0].tolist() == [6, 2, 14, 10]
     np.testing.assert_allclose(peak_boxes(boxes, scores), peak_boxes(plain_boxes,
                                                                       plain_scores), atol=1e-5)
-    unflipped = view.back(boxes, (32, 48), (32, 48))  # mapped back twice: the mirror image
+    unflipped = view.deaugment_boxes(boxes, (32, 48), (32, 48))  # mapped back twice: mirrored
     assert not np.allclose(peak_boxes(unflipped, scores)[0], [6, 2, 14, 10])
 
 
 def test_a_rescaled_view_finds_the_blob_at_the_input_s_pixels():
     with torch.no_grad():
-        outputs = ViewCandidates(BlobNet(), [Identity(), Rescale(2.0), Rescale(0.5)])(
+        outputs = ViewCandidates(BlobNet(), image_views([("scale", 2.0), ("scale", 0.5)], "boxes"))(
             blob_image())
     centres = [peak_boxes(b, s)[0].reshape(2, 2).mean(0) for b, s in
                zip(outputs[0::2], outputs[1::2])]
@@ -111,13 +115,18 @@ def test_a_rescaled_view_finds_the_blob_at_the_input_s_pixels():
     np.testing.assert_allclose(doubled[2:] - doubled[:2], [4, 4], atol=1e-5)
 
 
-@pytest.mark.parametrize("spec,words", [("rot90", "'rot90' is not a detection view"),
-                                        ("scale:1", "scale '1' is not a factor"),
-                                        (",", "names no view")])
+@pytest.mark.parametrize("spec,words", [
+    ("rotate:10", "'rotate:10' does not fit detection models: a rotated box's"),
+    ("crop:0.9", "'crop:0.9' does not fit detection models"),
+    ("token_dropout:0.1", "unknown TTA transform 'token_dropout:0.1' for detection models"),
+    ("scale:1", "'scale:1': the parameter must be a factor in (0, 4], not 1"),
+    (",", "names no view")])
 def test_bad_views_are_refused_in_one_line(spec, words):
     with pytest.raises(ConfigError) as refused:
         parse_box_views(spec)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+    if spec != "scale:1":  # the others name what a detector does take
+        assert "rot90" in refused.value.hint and "rotate" not in refused.value.hint
 
 
 # ----------------------------------------------------------------------------- the fusion
@@ -315,3 +324,26 @@ def test_the_tta_graph_keeps_the_contract_and_fuses_as_pytorch(tta_graph, batch,
         assert (boxes[i, :n, 2] <= size[1] + 1e-4).all() and (boxes[i, :n] >= 0).all()
         result = matched((boxes[i, :n], scores[i, :n], labels[i, :n]), expected[i])
         assert result is not None and result[0] >= 0.99 and result[1] <= 1e-4
+
+
+def test_rot90_through_the_cli_on_a_detector(tmp_path):
+    """pipeline.py with --tta_transforms rot90: the TTA graph fuses the plain and the turned
+    view (model.json names it) and the report's TTA section says so."""
+    import json
+
+    from conftest import run_cli
+    from ttc.tasks.detect.canvases import write_coco_canvases
+
+    images, annotations = tmp_path / "images", tmp_path / "instances.json"
+    write_coco_canvases(images, annotations, 40, size=32, seed=0)
+    model = tmp_path / "run" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "object_detector", "--dataset_path", images,
+                  "--annotations", annotations, "--epochs", "1", "--batch_size", "16",
+                  "--tta", "true", "--tta_transforms", "rot90", "--output_model", model,
+                  "--report_json", tmp_path / "report.json", "--plots", "none",
+                  "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    graph = json.loads(model.with_suffix(".json").read_text())["extra_graphs"]["tta"]
+    assert graph["views"] == "rot90"
+    section = json.loads((tmp_path / "report.json").read_text())["tta"]
+    assert section["transforms"] == "rot90" and section["views"] == 2

@@ -107,7 +107,9 @@ ALLOWED = {
     "serving": {"utils", "ttc.inputs.*", "ttc.reporting.evaluation", "ttc.tasks.*"},
     "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
                  "ttc.tasks.*"},
-    "reporting": {"utils"},
+    # the registry, to ask the model type that made a report for its report part (never a
+    # type's code: ttc/reporting/kinds.py resolves it through the entry's Parts)
+    "reporting": {"utils", "ttc.tasks.registry", "ttc.tasks.base"},
     "convert": {"utils", "ttc.serving.runtime"},
     "compress": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.*",
                  "ttc.options.compress", "ttc.tasks.*"},
@@ -166,9 +168,10 @@ def test_every_model_type_s_parts_resolve_to_its_code():
     from ttc.tasks.registry import TASKS
 
     roles = [f.name for f in dataclasses.fields(Parts)]
-    assert roles == ["reader", "rows", "networks", "modules", "evaluation", "trainer"]
+    assert roles[:7] == ["reader", "rows", "networks", "modules", "evaluation", "trainer",
+                         "served"]
     for task in TASKS:
-        for role in ("reader", "rows", "evaluation", "trainer"):
+        for role in ("reader", "rows", "evaluation", "trainer", "served"):
             assert callable(task.part(role)), (task.name, role)
         assert list(task.part("networks")) == list(task.archs), task.name
         assert all(callable(build) for build in task.part("networks").values())
@@ -240,3 +243,45 @@ def test_readme_is_short_and_its_doc_links_resolve():
     assert readme.count("```bash") >= 2 and ".venv/bin/python -m pytest -q" in readme
     links = re.findall(r"\]\((docs/[^)#]+)", readme)
     assert links and all((REPO / link).is_file() for link in links), links
+
+
+# The keys only a model type's report holds (a segmenter's pixel figures, a detector's mAPs):
+# ttc/reporting asks the type that made a report (its Parts.report) instead of looking for them.
+TYPE_REPORT_KEYS = ("mean_iou", "pixel_acc", "val_map", "train_map", '"map', "map50")
+
+
+def test_reporting_sniffs_no_model_type_s_keys():
+    """Not one report key-sniff in ttc/reporting: the summary, the page and the plots get a
+    type's rows, labels, renderers and plots from its report part (ttc/tasks/TYPE/report.py)."""
+    offenders = {str(path.relative_to(REPO)): [key for key in TYPE_REPORT_KEYS if key in text]
+                 for path in sorted((REPO / PACKAGE / "reporting").glob("*.py"))
+                 if any(key in (text := path.read_text(encoding="utf-8"))
+                        for key in TYPE_REPORT_KEYS)}
+    assert offenders == {}
+
+
+def test_every_model_type_s_report_part_answers_the_reporting_layer():
+    """Each type's report part (Parts.report) is a ClassifierReport, the interface ttc/reporting
+    asks; it draws only plots the sections' table names, and every plot of the table is drawn by
+    plots.py or by a type; a report names its type, or a type recognises it, or it is a
+    classifier's."""
+    from ttc.reporting import plots
+    from ttc.reporting.classifier_report import REPORT, ClassifierReport
+    from ttc.reporting.kinds import report_part
+    from ttc.reporting.sections import PLOT_NAMES
+    from ttc.tasks.base import Parts
+    from ttc.tasks.registry import TASKS
+
+    assert "report" in [f.name for f in dataclasses.fields(Parts)]
+    parts = {task.name: task.part("report") for task in TASKS}
+    assert all(isinstance(part, ClassifierReport) for part in parts.values())
+    own = {name for part in parts.values() for name in part.plots()}
+    assert own <= set(PLOT_NAMES)
+    assert {name for name in PLOT_NAMES if name not in own} <= set(vars(plots))
+    for name, part in parts.items():
+        assert report_part({"dataset": {"model_type": name}}) is part
+        assert report_part({"config": {"model_type": name}}) is part
+    assert report_part({}) is REPORT and report_part({"dataset": {"model_type": 3}}) is REPORT
+    assert report_part({"evaluation": {"mean_iou": 0.5}}) is parts["image_segmenter"]
+    assert report_part({"predictions": {"boxes_per_class": {}}}) is parts["object_detector"]
+

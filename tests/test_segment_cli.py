@@ -15,31 +15,13 @@ import pytest
 from PIL import Image
 
 from conftest import assert_clean_failure, run_cli
-from ttc.tasks.segment.canvases import write_digit_canvases
+
 from utils import EXIT_DATA, EXIT_USAGE
 
 SIDE = 20
 
-
-@pytest.fixture(scope="module")
-def segment_bundle(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("segment")
-    data = write_digit_canvases(root / "canvases", 80, size=SIDE, seed=0)
-    out = root / "run"
-    model = out / "model.onnx"
-    run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path", data,
-                  "--epochs", "2", "--batch_size", "16", "--tta", "true", "--ttt", "true",
-                  "--quantize", "static", "--force_quantized", "true",
-                  "--eval_shift", "gaussian_noise", "--output_model", model, "--report_json",
-                  out / "report.json", "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return {"data": data, "dir": out, "model": model, "run": run,
-            "report": json.loads((out / "report.json").read_text())}
-
-
 def session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
 
 def test_the_bundle_holds_the_three_graphs_and_a_segmenter_s_manifest(segment_bundle):
     folder = segment_bundle["dir"]
@@ -56,7 +38,6 @@ def test_the_bundle_holds_the_three_graphs_and_a_segmenter_s_manifest(segment_bu
     assert sum(manifest["dataset"]["train_class_counts"]) == \
         segment_bundle["report"]["dataset"]["train"] * SIDE * SIDE  # pixels, no void here
 
-
 @pytest.mark.parametrize("size", [(SIDE, SIDE), (31, 17)])
 def test_the_graph_s_mask_is_the_argmax_of_its_logits_at_any_size(segment_bundle, size):
     graph = session(segment_bundle["model"])
@@ -71,7 +52,6 @@ def test_the_graph_s_mask_is_the_argmax_of_its_logits_at_any_size(segment_bundle
     scaled = logits / temperature  # the graph's softmax over the class axis, written out
     expected = np.exp(scaled - scaled.max(axis=1, keepdims=True))
     assert np.allclose(probabilities, expected / expected.sum(axis=1, keepdims=True), atol=1e-6)
-
 
 def test_the_report_scores_pixels(segment_bundle):
     report = segment_bundle["report"]
@@ -99,6 +79,24 @@ def test_the_report_scores_pixels(segment_bundle):
     summary = segment_bundle["run"].stderr + (segment_bundle["dir"] / "report.html").read_text()
     assert "mean IoU" in summary
 
+def test_the_summary_says_pixel_accuracy_and_mean_iou_with_their_values(segment_bundle):
+    """Issue 63: the run's summary shows the segmenter's training mean IoUs under that name (not
+    as "train accuracy"), and its pixel accuracy and mean IoU as the report holds them."""
+    from ttc.reporting.summary import fmt
+
+    report, lines = segment_bundle["report"], segment_bundle["run"].stdout.splitlines()
+    blocks: dict[str, dict[str, str]] = {}
+    for line in lines:
+        if line and not line.startswith(" ") and line.endswith(":"):
+            blocks[line[:-1]] = rows = {}
+        elif line.startswith("  ") and blocks:
+            rows[line[2:28].rstrip()] = line[29:]
+    train, evaluation = blocks["train"], blocks["evaluation"]
+    assert train["train mean IoU"] == fmt(report["train"]["train_mean_iou"])
+    assert train["val mean IoU"] == fmt(report["train"]["val_mean_iou"])
+    assert "train accuracy" not in train and "val accuracy" not in train
+    assert evaluation["pixel accuracy"] == fmt(report["evaluation"]["pixel_accuracy"])
+    assert evaluation["mean IoU"] == fmt(report["evaluation"]["mean_iou"])
 
 def test_int8_is_judged_on_mean_iou_and_serves_the_masks(segment_bundle):
     """--quantize static for a segmenter: judged on validation mean IoU (forced into use here,
@@ -113,7 +111,6 @@ def test_int8_is_judged_on_mean_iou_and_serves_the_masks(segment_bundle):
     logits, _, mask = int8.run(None, {"image": x})
     assert np.array_equal(mask, logits.argmax(axis=1))
     assert report["evaluation"]["mean_iou"] == pytest.approx(quantize["accuracy"])
-
 
 def test_tent_minimises_pixel_entropy_beside_bn(segment_bundle):
     """--ttt_method all: bn and tent (entropy over each pixel's classes, EATA's pixel filter),
@@ -131,7 +128,6 @@ def test_tent_minimises_pixel_entropy_beside_bn(segment_bundle):
         segment_bundle["report"]["ttt"]["clean"]["mean_iou_source"])
     assert "tent" in ttt["verdict"]
 
-
 def test_inference_alone_scores_the_same_test_split(segment_bundle):
     """The int8 graph the pipeline served (--quantized true), on the same split."""
     run = run_cli("inference.py", "--model", segment_bundle["model"], "--dataset_path",
@@ -141,7 +137,6 @@ def test_inference_alone_scores_the_same_test_split(segment_bundle):
     assert report["evaluation"]["mean_iou"] == segment_bundle["report"]["evaluation"]["mean_iou"]
     assert report["evaluation"]["confusion_matrix"] == \
         segment_bundle["report"]["evaluation"]["confusion_matrix"]
-
 
 def test_input_masks_are_the_test_split_s(segment_bundle, tmp_path):
     """--input on the test split's own files: each mask PNG holds the indices the graph gives
@@ -175,7 +170,6 @@ def test_input_masks_are_the_test_split_s(segment_bundle, tmp_path):
     assert broken["error"] and not broken["mask"]
     shares = table[table["error"] == ""].filter(like="share_").to_numpy()
     assert np.allclose(shares.sum(axis=1), 1.0)
-
 
 def test_the_mask_and_overlay_folders_are_real_folders_of_their_own(segment_bundle, tmp_path):
     """The folders a segmenter's --input fills beside --output (OUTPUT-STEM_masks, and
@@ -212,7 +206,6 @@ def test_the_mask_and_overlay_folders_are_real_folders_of_their_own(segment_bund
     with Image.open(elsewhere / "sub" / "a.png") as mask:
         assert mask.mode == "P"
 
-
 def test_train_and_export_alone_make_the_same_kind_of_bundle(segment_bundle, tmp_path):
     model = tmp_path / "alone" / "model.onnx"
     common = ["--dataset_path", segment_bundle["data"], "--no_progress", "true"]
@@ -229,13 +222,12 @@ def test_train_and_export_alone_make_the_same_kind_of_bundle(segment_bundle, tmp
     logits, _, mask = session(model.with_suffix(".tta.onnx")).run(None, {"image": x})
     assert mask.shape == (2, 15, 22) and np.array_equal(mask, logits.argmax(axis=1))
 
-
 @pytest.mark.parametrize("flags, phrase", [
     (["--ensemble_size", "3"], "--ensemble_size does not apply to an image_segmenter"),
     (["--ttt", "true", "--ttt_mode", "online"], "each batch on its own"),
     (["--ttt", "true", "--eval_shift", "shift"], "unknown --eval_shift corruption 'shift'"),
     (["--eval_shift", "blur"], "add --ttt true"),
-    (["--tta", "true", "--tta_transforms", "rot90"], "not a segmentation view"),
+    (["--tta", "true", "--tta_transforms", "rotate:10"], "does not fit segmentation models"),
     (["--ignore_index", "300"], "--ignore_index"),
 ])
 def test_flags_a_segmenter_does_not_take_are_refused_before_any_work(tmp_path, flags, phrase):
@@ -244,12 +236,10 @@ def test_flags_a_segmenter_does_not_take_are_refused_before_any_work(tmp_path, f
     assert_clean_failure(run, EXIT_USAGE, phrase)
     assert not (tmp_path / "m.onnx").exists()
 
-
 def test_ignore_index_is_refused_for_a_classifier(tmp_path):
     run = run_cli("pipeline.py", "--dataset_path", "builtin:digits", "--ignore_index", "3",
                   "--output_model", tmp_path / "m.onnx")
     assert_clean_failure(run, EXIT_USAGE, "--ignore_index", "no masks")
-
 
 def test_a_folder_without_masks_is_a_data_error(tmp_path):
     (tmp_path / "data" / "images").mkdir(parents=True)
@@ -257,7 +247,6 @@ def test_a_folder_without_masks_is_a_data_error(tmp_path):
     run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path",
                   tmp_path / "data", "--output_model", tmp_path / "m.onnx")
     assert_clean_failure(run, EXIT_DATA, "has no masks/ folder")
-
 
 def test_a_segmenter_s_int8_takes_the_asked_weight_range(segment_bundle, tmp_path):
     """--int8_range reduced (issue 61: 7-bit weights for CPUs without VNNI) for a segmenter:
@@ -281,17 +270,14 @@ def test_a_segmenter_s_int8_takes_the_asked_weight_range(segment_bundle, tmp_pat
     record = json.loads(model.with_suffix(".json").read_text())["quantization"]
     assert record["reduce_range_reason"] == "--int8_range reduced"
 
-
 def test_a_reload_onto_a_segmenter_keeps_the_classifier_serving(segment_bundle, tmp_path):
-    """serve.py refuses a segmenter at start-up; a reload onto one (its files copied over the
-    served classifier's) is refused by the same check, 400 with that line, and the classifier
-    keeps answering (it was {"loaded": true}, then every prediction 500)."""
+    """A reload onto a segmenter (its files copied over the served classifier's) is refused,
+    400 with one line (a reload keeps the model type), and the classifier keeps answering (it
+    was {"loaded": true}, then every prediction 500)."""
     import shutil
 
     from test_serve import serving
 
-    refused = run_cli("serve.py", "--model", segment_bundle["model"], "--port", "1")
-    assert_clean_failure(refused, EXIT_USAGE, "serve.py serves classifiers", "image_segmenter")
     served = tmp_path / "served" / "model.onnx"
     run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
                   "builtin:iris", "--epochs", "1", "--plots", "none", "--no_progress", "true",
@@ -307,6 +293,6 @@ def test_a_reload_onto_a_segmenter_keeps_the_classifier_serving(segment_bundle, 
         reload = server.post("/v2/repository/models/model/load")
         assert reload.status_code == 400, reload.text
         assert reload.json()["loaded"] is False and reload.json()["version"] == version
-        assert "serve.py serves classifiers" in reload.json()["error"]
+        assert "a reload keeps the model type" in reload.json()["error"]
         assert server.version() == version
         assert len(server.predict([row])) == 1

@@ -18,12 +18,15 @@ import pytest
 from PIL import Image
 
 from conftest import chromium_screenshot
+from report import format_summary
 from ttc.reporting import plots
 from ttc.reporting.page import render_page, write_page
 from ttc.reporting.sections import PREDICTION_KEYS, SUMMARY_KEYS
-from ttc.reporting.summary import format_evaluation
+from ttc.reporting.summary import fmt
+from ttc.tasks.segment import report_plots
 from ttc.tasks.segment.evaluate import example_overlays, train_pixel_counts
 from ttc.tasks.segment.metrics import PixelConfusion, segmentation_scores
+from ttc.tasks.segment.report import format_evaluation
 
 LABELS = ["background", "road", "<b>car</b>", 'sign "stop" & co']
 IGNORE = 255
@@ -164,7 +167,7 @@ def test_a_broken_example_is_named_not_shown(report):
     assert text.count("true mask: not shown") == 1 and text.count("image: not shown") == 1
     assert len(images_of(section_html(text, "evaluation"))) == 3 * IMAGES - 2
     # the grid plot leaves both examples out rather than failing
-    figure = plots.segmentation_examples(broken)
+    figure = report_plots.segmentation_examples(broken)
     assert figure is not None and len(figure.axes) == 3 * (IMAGES - 2)
 
 
@@ -184,8 +187,8 @@ def test_the_segmenter_plots_are_written_and_absent_for_a_classifier(report, wri
         assert plots.PLOTS[name]({}) is None
     no_examples = copy.deepcopy(report)
     no_examples["evaluation"]["examples"] = []
-    assert plots.segmentation_examples(no_examples) is None
-    assert plots.class_iou(no_examples) is not None
+    assert report_plots.segmentation_examples(no_examples) is None
+    assert report_plots.class_iou(no_examples) is not None
 
 
 def test_the_charts_name_a_segmenter_s_scores_and_colours(report):
@@ -199,9 +202,35 @@ def test_the_charts_name_a_segmenter_s_scores_and_colours(report):
     assert f'{report["evaluation"]["pixels"]:,} pixels, pixel accuracy' in \
         matrix.axes[0].get_title()
     # the legend under the examples colours each class as the overlays do
-    assert [np.round(np.array(plots.voc_colour(k)) * 255).tolist() for k in range(256)] == \
+    assert [np.round(np.array(report_plots.voc_colour(k)) * 255).tolist() for k in range(256)] == \
         voc_palette().tolist()
 
+
+
+def summary_rows(text: str, name: str) -> dict[str, str]:
+    """The summary's labelled rows of section `name`: label -> value."""
+    lines = text.splitlines()
+    start = lines.index(f"{name}:") + 1
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith(" ")),
+               len(lines))
+    return {line[2:28].rstrip(): line[29:] for line in lines[start:end]}
+
+
+def test_the_summary_names_a_segmenter_s_figures(report):
+    """Issue 63: a segmenter's training scores are mean IoUs, shown as such (never as "train
+    accuracy"), and its evaluation says pixel accuracy and mean IoU with their values."""
+    text = format_summary(report)
+    train = summary_rows(text, "train")
+    assert train["train mean IoU"] == "0.8" and train["val mean IoU"] == "0.6"
+    assert "train accuracy" not in train and "val accuracy" not in train
+    evaluation = summary_rows(text, "evaluation")
+    assert evaluation["pixel accuracy"] == fmt(report["evaluation"]["pixel_accuracy"])
+    assert evaluation["mean IoU"] == fmt(report["evaluation"]["mean_iou"])
+    inference = summary_rows(text, "inference")
+    assert inference["test mean IoU"] == fmt(report["evaluation"]["mean_iou"])
+    page = section_html(render_page(report, {}, SUMMARY_KEYS, PREDICTION_KEYS), "train")
+    assert "train accuracy" not in page and "<th>train mean IoU</th>" in page.replace(
+        ' class="second"', "")
 
 def test_the_summary_does_not_print_the_examples(report):
     lines = format_evaluation(report["evaluation"])

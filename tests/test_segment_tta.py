@@ -48,7 +48,7 @@ def test_rescaled_views_come_back_at_the_input_size():
     net = pointwise_net()
     x = torch.rand(2, 1, 17, 23)
     views = parse_views("scale:0.75,1.25")
-    assert [type(v).__name__ for v in views] == ["Identity", "Rescale", "Rescale"]
+    assert [v.transform.spec for v in views] == ["identity", "scale:0.75", "scale:1.25"]
     with torch.no_grad():
         merged = SegmentationTTA(net, views)(x)
         smooth = torch.ones(1, 1, 17, 23) * 0.3  # a constant image rescales to itself
@@ -57,10 +57,12 @@ def test_rescaled_views_come_back_at_the_input_size():
 
 
 @pytest.mark.parametrize("spec,words", [
-    ("rotate:10", "'rotate:10' is not a segmentation view"),
-    ("scale:1", "scale '1' is not a factor"),
-    ("scale:5", "scale '5' is not a factor"),
-    ("hflip,0.5", "'0.5' is not a segmentation view"),
+    ("rotate:10", "'rotate:10' does not fit segmentation models: rotating the logits back"),
+    ("crop:0.9", "'crop:0.9' does not fit segmentation models"),
+    ("jitter:0.1", "unknown TTA transform 'jitter:0.1' for segmentation models"),
+    ("scale:1", "'scale:1': the parameter must be a factor in (0, 4], not 1"),
+    ("scale:5", "'scale:5': the parameter must be a factor in (0, 4], not 1"),
+    ("hflip,0.5", "unknown TTA transform '0.5'"),
     (",", "names no view"),
 ])
 def test_bad_views_are_refused_in_one_line(spec, words):
@@ -69,6 +71,8 @@ def test_bad_views_are_refused_in_one_line(spec, words):
     with pytest.raises(ConfigError) as refused:
         parse_views(spec)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+    if "parameter" not in words:  # the others name what a segmenter does take
+        assert "rot90" in refused.value.hint and "rotate" not in refused.value.hint
 
 
 def test_the_tta_graph_exports_with_dynamic_height_and_width():
@@ -79,7 +83,7 @@ def test_the_tta_graph_exports_with_dynamic_height_and_width():
 
     torch.manual_seed(0)
     net = SegmentationTTA(UNet(in_channels=1, num_classes=3, widths=(8, 16)).eval(),
-                          parse_views("hflip,vflip,scale:0.75,1.25")).eval()
+                          parse_views("hflip,vflip,rot90,shift:1,scale:0.75,1.25")).eval()
     spec = InputSpec(name="image", shape=("batch", 1, "height", "width"), dtype="float32",
                      padding_id=None, max_length=None, extra_inputs=())
     graph = export_graph(net, np.random.default_rng(0).random((2, 1, 20, 24), np.float32), 18,
@@ -91,3 +95,23 @@ def test_the_tta_graph_exports_with_dynamic_height_and_width():
             expected = net(torch.from_numpy(x)).numpy()
         got = session.run(["logits"], {"image": x})[0]
         np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_rot90_through_the_cli_on_a_segmenter(tmp_path):
+    """pipeline.py with --tta_transforms rot90: the TTA graph runs the quarter turn (model.json
+    names it) and the report's TTA section compares it with the plain graph."""
+    import json
+
+    from conftest import run_cli
+    from ttc.tasks.segment.canvases import write_digit_canvases
+
+    data = write_digit_canvases(tmp_path / "canvases", 40, size=20, seed=0)
+    model = tmp_path / "run" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "image_segmenter", "--dataset_path", data,
+                  "--epochs", "1", "--batch_size", "16", "--tta", "true", "--tta_transforms",
+                  "rot90", "--output_model", model, "--report_json", tmp_path / "report.json",
+                  "--plots", "none", "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(model.with_suffix(".json").read_text())["extra_graphs"]["tta"][
+        "views"] == "rot90"
+    assert json.loads((tmp_path / "report.json").read_text())["tta"]["transforms"] == "rot90"

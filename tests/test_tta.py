@@ -427,3 +427,120 @@ def test_transform_of_another_model_type_exits_2(tmp_path):
                   "builtin:iris", "--output_model", tmp_path / "m.onnx", "--tta", "true",
                   "--tta_transforms", "hflip")
     assert_clean_failure(run, 2, "for tabular models", "jitter:X")
+
+
+# ----------------------------------------------------------------------------- one vocabulary
+
+GEOMETRIC = ["hflip", "vflip", "rot90", "rot180", "rot270", "shift:2"]
+
+
+def views_of(spec, output):
+    from ttc.testtime.transforms import image_views, parse_transform_specs
+
+    kind = {"mask": "segmentation", "boxes": "detection"}[output]
+    return image_views(parse_transform_specs(spec, kind), output)[1:]
+
+
+def rectangle(height=14, width=22, box=(3, 2, 13, 6)):
+    """A (1, 1, H, W) image of zeros with ones inside the xyxy `box` (pixel edges)."""
+    import torch
+
+    image = torch.zeros(1, 1, height, width)
+    x1, y1, x2, y2 = box
+    image[..., y1:y2, x1:x2] = 1.0
+    return image
+
+
+def box_in(image):
+    """The xyxy box (pixel edges) around the pixels above 0.5, as (1, 1, 4)."""
+    import torch
+
+    ys, xs = torch.nonzero(image[0, 0] > 0.5, as_tuple=True)
+    return torch.tensor([[[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]]], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("spec", GEOMETRIC)
+def test_a_geometric_view_s_mask_comes_back_onto_the_original_pixels(spec):
+    """A per-pixel 'model' that returns its input: each view's planes, de-augmented, are the
+    original's (non-square, so a quarter turn's view has the other shape); a shift's border
+    rows, replicated in the view, are the only pixels left out."""
+    import torch
+
+    x = torch.rand(2, 3, 9, 13)
+    for view in views_of(spec, "mask"):
+        seen = view.augment(x)
+        assert seen.shape[-2:] == ((13, 9) if spec in ("rot90", "rot270") else (9, 13))
+        back = view.deaugment_mask(seen, x.shape[-2:])
+        inner = (slice(None),) * 2 + ((slice(2, -2),) * 2 if spec == "shift:2" else ())
+        torch.testing.assert_close(back[inner], x[inner], rtol=0, atol=0)
+        assert not torch.equal(seen, x)
+
+
+def test_a_rescaled_mask_comes_back_at_the_original_size():
+    import torch
+
+    x = torch.full((1, 2, 9, 13), 0.25)
+    for view in views_of("scale:0.5,1.5", "mask"):
+        seen = view.augment(x)
+        assert seen.shape[-2:] != x.shape[-2:]
+        torch.testing.assert_close(view.deaugment_mask(seen, x.shape[-2:]), x)
+
+
+@pytest.mark.parametrize("spec", [*GEOMETRIC, "scale:2"])
+def test_a_view_s_boxes_come_back_onto_the_original_pixels(spec):
+    """The box around a drawn rectangle, found in each view and mapped back, is the
+    rectangle's box in the original (the rectangle off-centre, the image not square)."""
+    image = rectangle()
+    for view in views_of(spec, "boxes"):
+        seen = view.augment(image)
+        found = box_in(seen)
+        assert found.tolist() != [[[3, 2, 13, 6]]]
+        back = view.deaugment_boxes(found, seen.shape[-2:], image.shape[-2:])
+        assert back.tolist() == [[[3, 2, 13, 6]]], (spec, view.setting)
+
+
+@pytest.mark.parametrize("spec", ["brightness:0.2", "contrast:1.5"])
+def test_a_photometric_view_moves_nothing(spec):
+    import torch
+
+    x = torch.rand(2, 1, 9, 13)
+    planes, boxes = torch.rand(2, 3, 9, 13), torch.rand(2, 5, 4) * 9
+    for output in ("mask", "boxes"):
+        for view in views_of(spec, output):
+            seen = view.augment(x)
+            assert not torch.equal(seen, x) and 0 <= seen.min() and seen.max() <= 1
+            assert torch.equal(view.deaugment_mask(planes, x.shape[-2:]), planes)
+            assert torch.equal(view.deaugment_boxes(boxes, (9, 13), (9, 13)), boxes)
+
+
+def test_the_numpy_and_torch_augmentations_agree():
+    """One class, one augmentation: a classifier's numpy view and a segmenter's torch view."""
+    import torch
+
+    x = np.random.default_rng(3).random((2, 1, 6, 6)).astype(np.float32)
+    for spec in ("hflip", "vflip", "rot90", "rot270", "shift:1", "brightness:0.1", "contrast:2"):
+        numpy_views = build(spec, {**IMAGE, "channels": 1})[0].views(x)
+        torch_views = [v.augment(torch.from_numpy(x)).numpy() for v in views_of(spec, "mask")]
+        for a, b in zip(numpy_views, torch_views, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_every_transform_maps_each_output_back_or_says_why():
+    from ttc.testtime.transforms import OUTPUTS, TRANSFORMS, accepted
+
+    for cls in TRANSFORMS:
+        assert set(cls.cannot) <= set(OUTPUTS) and all(len(why) > 20 for why in cls.cannot.values())
+    for kind in ("segmentation", "detection"):
+        names = set(accepted(kind))
+        assert {"hflip", "vflip", "rot90", "rot180", "rot270", "shift", "scale", "brightness",
+                "contrast"} <= names
+        assert not names & {"rotate", "crop", "token_dropout", "window", "jitter"}
+    assert set(accepted("image")) >= {"rot90", "rotate", "crop", "shift", "scale"}
+
+
+def test_rot90_runs_on_a_classifier_bundle(digits_bundle):
+    run = run_cli("inference.py", "--model", digits_bundle["model"], "--tta", "true",
+                  "--tta_transforms", "rot90", "--report_json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    tta = json.loads(run.stdout)["tta"]
+    assert tta["transforms"] == ["rot90"] and tta["views"] == 2

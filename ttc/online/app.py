@@ -1,6 +1,7 @@
 """serve.py's HTTP application (FastAPI on uvicorn): /predict and /predict/image, the Open
 Inference Protocol's /v2 endpoints, /metrics, safe reloads and a graceful shutdown, around one
-`Predictor` and its micro-batcher.
+`Predictor` and its micro-batcher. Every model type is served: a classifier answers its classes,
+a detector its boxes, a segmenter its mask (the Predictor's served part says what).
 
 The request path: the connection is one of at most --max_connections (503 beyond), its headers
 and body arrive within --read_timeout_s each (408), the body's size is bounded (413) and so are
@@ -28,7 +29,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from fastapi import FastAPI, File, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -42,12 +43,8 @@ from ttc.online.guards import (MAX_HEADER_BYTES, SMALL_BODY, BodyLimit, BodyRefu
                                guarded_http)
 from ttc.online.server_metrics import MetricsMiddleware, ServerMetrics
 from ttc.online.predictor import Predictor
-from ttc.online.v2 import (ProtocolError, input_metadata, output_metadata, request_rows,
-                           response, wanted_outputs)
+from ttc.online.v2 import ProtocolError, input_metadata, request_rows, response, wanted_outputs
 from utils import LOG, ConfigError, DataError, PipelineError, first_line, quoted, quoted_sample
-
-if TYPE_CHECKING:
-    from ttc.serving.manifest import Manifest
 
 SERVER_NAME = "ttc-serve"
 # Keys a row may have beyond the columns the model reads (ids, labels, what a client keeps with
@@ -68,13 +65,44 @@ class PredictRequest(BaseModel):
 
 
 class Prediction(BaseModel, extra="allow"):
+    """A classifier's answer."""
+
     label: str
     confidence: float
     top: list[tuple[str, float]] = Field(description="the --top_k classes, most probable first")
 
 
+class Box(BaseModel):
+    label: str
+    class_index: int
+    score: float
+    x1: float = Field(description="in the image's own pixels, as inference.py --input writes")
+    y1: float
+    x2: float
+    y2: float
+
+
+class Detection(BaseModel):
+    """A detector's answer: the image's size and its boxes, best first."""
+
+    height: int
+    width: int
+    boxes: list[Box]
+
+
+class Segmentation(BaseModel):
+    """A segmenter's answer: the mask at the image's size and each class's pixels."""
+
+    height: int
+    width: int
+    mask: str = Field(description="a palette PNG of class indices, base64 (inference.py "
+                      "--input's mask file)")
+    pixels: dict[str, int] = Field(description="each class's pixel count")
+    shares: dict[str, float] = Field(description="each class's share of the pixels")
+
+
 class PredictResponse(BaseModel):
-    predictions: list[Prediction]
+    predictions: list[Prediction | Detection | Segmentation]
 
 
 class ErrorBody(BaseModel):
@@ -162,7 +190,9 @@ class ModelServer:
         async with self.reloading:
             loop = asyncio.get_running_loop()
             try:
-                predictor = await loop.run_in_executor(None, warmed_predictor, self.config)
+                predictor = await loop.run_in_executor(
+                    None, warmed_predictor, self.config,
+                    self.served.predictor.manifest.model_type)
             except Exception as err:  # noqa: BLE001 - whatever it is, the old model serves on
                 reason = err.one_line() if isinstance(err, PipelineError) else \
                     f"{type(err).__name__}: {first_line(err)}"
@@ -180,7 +210,7 @@ class ModelServer:
     # ------------------------------------------------------------------ predicting
 
     async def predict(self, rows: list) -> tuple[Predictor, Any, dict]:
-        """Rows → (the predictor that answered, probabilities, extra values)."""
+        """Rows → (the predictor that answered, its outputs, extra values)."""
         if self.draining or self.served is None:
             raise ServerError(503, "the server is shutting down")
         deadline = time.monotonic() + self.config.timeout_ms / 1000
@@ -247,24 +277,25 @@ def request_reason(err: DataError) -> str:
     return err.one_line() if err.hint and "--" not in err.hint else err.message.rstrip(".")
 
 
-def warmed_predictor(config: Config) -> Predictor:
+def warmed_predictor(config: Config, model_type: str | None = None) -> Predictor:
     """The bundle of config, opened with every check serve.py applies, at start-up and on every
-    reload alike (this function is both): a model type the endpoints answer, the bundle's own
-    checks (inference.py's), and one warm-up run answered as a request is."""
+    reload alike (this function is both): the bundle's own checks (inference.py's) and its
+    model type's (the flags it is served with), the model type served so far on a reload
+    (`model_type`: its clients expect its answers), and one warm-up run answered as a request
+    is."""
     predictor = Predictor.from_config(config)
-    refuse_unserved_model_types(predictor.manifest)
-    probabilities, extra = predictor.run(predictor.warmup_rows())
-    predictor.predictions(probabilities, extra)
+    refuse_another_model_type(predictor, model_type)
+    predictor.warm_up()
     return predictor
 
 
-def refuse_unserved_model_types(manifest: Manifest) -> None:
-    """The server's endpoints answer a classifier's classes; a segmenter's masks and a
-    detector's boxes have no endpoint yet: one line, exit 2 at start-up (a failed reload)."""
-    if manifest.preprocessing.kind in ("segmentation", "detection"):
-        raise ConfigError(f"serve.py serves classifiers, and this bundle is an "
-                          f"{manifest.model_type} (no endpoint returns masks or boxes yet)",
-                          "run inference.py --input on its images instead")
+def refuse_another_model_type(predictor: Predictor, model_type: str | None) -> None:
+    """A reload onto a bundle of another model type than the one served (its answers have
+    another shape than the clients read): one line, the old model serves on."""
+    if model_type is not None and predictor.manifest.model_type != model_type:
+        raise ConfigError(f"the bundle is now an {predictor.manifest.model_type}, and this "
+                          f"server serves an {model_type}: a reload keeps the model type",
+                          "restart serve.py to serve another model type")
 
 
 # ----------------------------------------------------------------------------- the application
@@ -328,20 +359,21 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
-        reason, status = validation_reason(err.errors())
+        reason, status = validation_reason(err.errors(), request.url.path)
         body = {"error": reason} if request.url.path.startswith("/v2") else {"detail": reason}
         return JSONResponse(body, status)
 
 
-def validation_reason(errors) -> tuple[str, int]:
+def validation_reason(errors, path: str = "/predict") -> tuple[str, int]:
     """One line for FastAPI's validation errors; 400 for a body that is not JSON at all."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), 400
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     message = first.get("msg", "invalid request")
-    return (f"{where}: {message}" if where else message) + \
-        ' (expected {"instances": [ROW, ...]})', 422
+    expected = ('multipart/form-data with the image file in the field "file"'
+                if path == "/predict/image" else '{"instances": [ROW, ...]}')
+    return (f"{where}: {message}" if where else message) + f" (expected {expected})", 422
 
 
 def add_predict_routes(app: FastAPI, server: ModelServer) -> None:
@@ -350,25 +382,28 @@ def add_predict_routes(app: FastAPI, server: ModelServer) -> None:
                   "application/json": {"schema": PredictRequest.model_json_schema()}}}})
     async def predict(request: Request) -> Response:
         """Predict rows: each an object of the trained columns (images as base64). The body is
-        read as JSON whatever its Content-Type says (`curl -d` sends a form's)."""
+        read as JSON whatever its Content-Type says (`curl -d` sends a form's). A classifier
+        answers its label and classes, a detector boxes, a segmenter a mask."""
         body = await json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("instances"), list):
             raise ServerError(422, 'the body must be {"instances": [ROW, ...]}')
-        predictor, probabilities, extra = await server.predict(body["instances"])
-        return await off_loop(prediction_response, predictor, probabilities, extra,
-                              large=len(probabilities) > server.config.max_batch_size)
+        predictor, outputs, extra = await server.predict(body["instances"])
+        return await off_loop(prediction_response, predictor, outputs, extra,
+                              large=len(outputs) > server.config.max_batch_size)
 
     @app.post("/predict/image", response_model=PredictResponse, responses=ERRORS)
     async def predict_image(file: UploadFile = File(description="one image file")) -> Response:
-        """Predict one uploaded image (multipart/form-data, field `file`)."""
+        """Predict one uploaded image (multipart/form-data, field `file`), within --max_body_mb
+        and --read_timeout_s as every body; one that does not decode is 422."""
         data = await file.read()
         row = {"image": base64.b64encode(data).decode("ascii")}
-        predictor, probabilities, extra = await server.predict([row])
-        return prediction_response(predictor, probabilities, extra)
+        predictor, outputs, extra = await server.predict([row])
+        return await off_loop(prediction_response, predictor, outputs, extra,
+                              large=len(data) > SMALL_BODY)
 
 
-def prediction_response(predictor: Predictor, probabilities, extra) -> Response:
-    return json_response({"predictions": predictor.predictions(probabilities, extra)})
+def prediction_response(predictor: Predictor, outputs, extra) -> Response:
+    return json_response({"predictions": predictor.predictions(outputs, extra)})
 
 
 def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
@@ -403,7 +438,7 @@ def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
         return {"name": server.name, "versions": [predictor.version],
                 "platform": "onnxruntime_onnx",
                 "inputs": input_metadata(predictor.inputs, numeric_inputs(predictor)),
-                "outputs": output_metadata(predictor.manifest.classes, predictor.extra),
+                "outputs": predictor.output_metadata(),
                 "parameters": {k: about[k] for k in ("model_type", "classes", "variant",
                                                      "temperature", "test_time")}}
 
@@ -415,13 +450,12 @@ def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
         try:
             rows = await off_loop(request_rows, body, predictor.inputs,
                                   numeric_inputs(predictor), large=request.state.large_body)
-            wanted = wanted_outputs(body, ["label", "probabilities", *predictor.extra])
+            wanted = wanted_outputs(body, [o["name"] for o in predictor.output_metadata()])
         except ProtocolError as err:
             raise ServerError(400, str(err)) from None
-        predictor, probabilities, extra = await server.predict(rows)
-        answer = await off_loop(response, server.name, predictor.version, body.get("id"),
-                                predictor.manifest.labels, probabilities, extra, wanted,
-                                large=len(probabilities) > server.config.max_batch_size)
+        predictor, outputs, extra = await server.predict(rows)
+        answer = await off_loop(v2_answer, server.name, predictor, body.get("id"), outputs,
+                                extra, wanted, large=len(outputs) > server.config.max_batch_size)
         return json_response(answer)
 
     @app.post("/v2/repository/index")
@@ -436,6 +470,13 @@ def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
         require_model(name)
         outcome = await server.reload()
         return JSONResponse(outcome, 200 if outcome["loaded"] else 400)
+
+
+def v2_answer(name: str, predictor: Predictor, request_id: Any, outputs, extra: dict,
+              wanted: list[str] | None) -> dict:
+    """The V2 infer response: the model type's output tensors, those the request named."""
+    return response(name, predictor.version, request_id, predictor.v2_outputs(outputs, extra),
+                    wanted)
 
 
 def numeric_inputs(predictor: Predictor) -> set[str]:

@@ -7,28 +7,31 @@ split, --input, Ray Data workers), serve.py, and users' own code through the pub
     # [{"label": "spam", "confidence": 0.98, "top": [["spam", 0.98]]}]
 
 Opening checks the bundle as inference.py always has (manifest, the graph's fingerprint, a
-tokenizer's hash, a --model_def network's trust), picks the graph (fp32, int8, fp16), and builds
-the predictor of the test-time method asked for (the registry's). Rows are encoded by
-records.RecordReader, the rules of an `inference.py --input` JSONL file; predictions are rounded
-as every prediction file is. ONNX Runtime only: neither torch nor DSPy is imported here (Tent
-rebuilds its network in PyTorch when asked for; as_dspy_tool imports DSPy).
+tokenizer's hash, a --model_def network's trust), picks the graph (fp32, int8, fp16), and hands
+it to the model type's `served` part (Parts.served; ttc/online/served.py says its shape), which
+predicts and answers: a classifier's builds the predictor of the test-time method asked for (the
+registry's) and encodes rows by records.RecordReader, the rules of an `inference.py --input`
+JSONL file; a detector's answers boxes and a segmenter's masks, the values `inference.py --input`
+writes for the image. Predictions are rounded as every prediction file is. ONNX Runtime only:
+neither torch nor DSPy is imported here (Tent rebuilds its network in PyTorch when asked for;
+as_dspy_tool imports DSPy); nor any model type's own folder (the part is resolved by name).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from config import Config
 from ttc.options.ttt import no_batchnorm_error, norm_without_batchnorm
-from ttc.serving.batch import NON_FINITE_OUTPUT, non_finite_rows, top_classes
 from ttc.serving.bundle import (BundlePaths, read_manifest, require_onnx_in_bundle,
                                 require_trusted_model_code)
-from ttc.serving.records import RecordReader, RowError
-from ttc.serving.runtime import create_session, int8_saturating_cpu
+from ttc.serving.records import RecordReader
+from ttc.serving.runtime import create_session, gpu_runs_first, int8_saturating_cpu
+from ttc.tasks.registry import task_of_kind
 from ttc.testtime.registry import asked_methods
 from ttc.testtime.served import Served, plain_predictor
 from utils import LOG, ConfigError, ExportError
@@ -38,8 +41,6 @@ if TYPE_CHECKING:
 
     from ttc.serving.batch import Predictor as BatchPredictor
     from ttc.serving.manifest import Manifest
-    from ttc.tasks.detect.evaluate import DetectionRunner
-    from ttc.tasks.segment.evaluate import MaskRunner
 
 # --variant → the bundle's file key
 GRAPH_OF = {"fp32": "onnx", "int8": "int8", "fp16": "fp16", "pruned": "pruned", "qat": "qat",
@@ -84,15 +85,18 @@ def input_variant(config: Config, manifest: Manifest | None = None) -> str:
         return "fp16" if config.fp16 else "int8"
     if config.variant == "auto" and manifest is None:
         manifest = read_manifest(BundlePaths.from_model_path(config.output_model))
-    return served_variant(config.variant, manifest)
+    return served_variant(config.variant, manifest, gpu_runs_first(config.runtime().providers))
 
 
-def served_variant(variant: str, manifest: Manifest) -> str:
-    """serve.py's --variant as the bundle's file key; auto: int8 where quantize.py judged it
-    worth using for inference, else fp32. A variant the bundle lacks is exit 4 (the graph check
-    names the command that adds it)."""
+def served_variant(variant: str, manifest: Manifest, gpu: bool = False) -> str:
+    """serve.py's --variant as the bundle's file key; auto: on a GPU (`gpu`: a CUDA or
+    TensorRT provider runs first) the fp16 graph where the bundle has one, else int8 where
+    quantize.py judged it worth using for inference (a CPU's judgement), else fp32. A variant
+    the bundle lacks is exit 4 (the graph check names the command that adds it)."""
     if variant != "auto":
         return GRAPH_OF[variant]
+    if gpu and "fp16" in manifest.files:
+        return "fp16"
     chosen = manifest.compression.served if manifest.compression else None
     if not (chosen and chosen in manifest.files):  # else the compression gate chose among all
         verdict = manifest.variant("int8")
@@ -186,38 +190,35 @@ def worker_predictor(config: Config) -> tuple[BatchPredictor, list[str]]:
     return chunk_predictor(config, paths, manifest, session, model_path)
 
 
-def worker_mask_runner(config: Config) -> MaskRunner:
-    """A segmenter's `mask` output in a session of its own, built on a Ray Data worker
-    (ttc/tasks/segment/cluster.py's RunnerFactory): the graph inference.py's local engine runs."""
-    from ttc.tasks.segment.evaluate import mask_runner
-
+def worker_runner(config: Config) -> Callable[[np.ndarray], Any]:
+    """A segmenter's or a detector's batch run (its served part's `runner`: the masks, or the
+    detections with padding removed) in a session of its own, built on a Ray Data worker
+    (ttc/tasks/segment/cluster.py's and ttc/tasks/detect/cluster.py's RunnerFactory): the graph
+    inference.py's local engine runs."""
     paths = BundlePaths.from_model_path(config.output_model)
-    _, session, _ = load_bundle_session(paths, config, input_variant(config))
-    return mask_runner(session)
+    manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
+    return served_part(manifest).runner(session)
 
 
-def worker_detection_runner(config: Config) -> DetectionRunner:
-    """A detector's detections (padding removed) in a session of its own, built on a Ray Data
-    worker (ttc/tasks/detect/cluster.py's RunnerFactory): the graph inference.py's local engine
-    runs."""
-    from ttc.tasks.detect.evaluate import detection_runner
-
-    paths = BundlePaths.from_model_path(config.output_model)
-    _, session, _ = load_bundle_session(paths, config, input_variant(config))
-    return detection_runner(session)
+worker_mask_runner = worker_detection_runner = worker_runner  # inference.py's names for it
 
 
-def join_inputs(parts: list[np.ndarray], pad_id: int) -> np.ndarray:
-    """Inputs of several requests as one batch: token ids of different lengths are right-padded
-    with the graph's padding id (batches_of trims what no row needs)."""
-    if len(parts) == 1:
-        return parts[0]
-    if parts[0].ndim == 2 and parts[0].dtype == np.int64:
-        width = max(p.shape[1] for p in parts)
-        parts = [p if p.shape[1] == width else
-                 np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=pad_id)
-                 for p in parts]
-    return np.concatenate(parts)
+def served_part(manifest: Manifest) -> type:
+    """The bundle's model type's `served` part (a class; ttc/online/served.py)."""
+    return task_of_kind(manifest.preprocessing.kind).part("served")
+
+
+@dataclass
+class Opened:
+    """A bundle opened for prediction, what a served part is built from: serve.py's flags,
+    its paths, manifest, chosen graph (its session and file), and the request rows' reader."""
+
+    config: Config
+    paths: BundlePaths
+    manifest: Manifest
+    session: ort.InferenceSession
+    model_path: Path
+    reader: RecordReader
 
 
 # ----------------------------------------------------------------------------- the public API
@@ -225,9 +226,9 @@ def join_inputs(parts: list[np.ndarray], pad_id: int) -> np.ndarray:
 
 @dataclass
 class Predictor:
-    """A bundle ready to predict rows: `encode` (rows → model inputs, in the caller's thread),
-    `run` (inputs → probabilities and the method's extra values, one batch), `predictions`
-    (→ the response rows); `predict` chains them."""
+    """A bundle ready to predict rows: `predict` (rows → one answer each), built on
+    `predict_parts` (several requests' rows, one model run: what serve.py's batcher calls) and
+    `predictions` (their outputs → the answers), which the model type's served part does."""
 
     config: Config
     paths: BundlePaths
@@ -235,8 +236,7 @@ class Predictor:
     variant: str  # the graph's file key: "onnx" (fp32), "int8" or "fp16"
     model_path: Path
     providers: list[str]
-    run: BatchPredictor
-    extra: list[str]
+    serving: Any  # its model type's served part (ttc/online/served.py's TypeServing shape)
     reader: RecordReader
 
     @classmethod
@@ -257,37 +257,42 @@ class Predictor:
         """The bundle of --model with serve.py's flags (a validated Config)."""
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = check_bundle(config, paths)
-        variant = served_variant(config.variant, manifest)
+        variant = served_variant(config.variant, manifest,
+                                 gpu_runs_first(config.runtime().providers))
         config = dataclasses.replace(config, batch_size=config.max_batch_size)
         config.script = "serve"
         manifest, session, model_path = load_bundle_session(paths, config, variant)
-        run, extra = chunk_predictor(config, paths, manifest, session, model_path)
+        reader = RecordReader(manifest)
+        serving = served_part(manifest)(Opened(config, paths, manifest, session, model_path,
+                                               reader))
         LOG.info("serving %s (%s graph, %s) on %s", paths.onnx, variant, manifest.model_type,
                  ", ".join(session.get_providers()))
-        return cls(config, paths, manifest, variant, model_path, session.get_providers(), run,
-                   extra, RecordReader(manifest))
+        return cls(config, paths, manifest, variant, model_path, session.get_providers(),
+                   serving, reader)
 
     # ------------------------------------------------------------------ predicting
+
+    @property
+    def run(self) -> BatchPredictor:
+        """The served graph's batch run (model inputs → its outputs)."""
+        return self.serving.run
+
+    @property
+    def extra(self) -> list[str]:
+        """The test-time method's extra values in each answer (uncertainty, ...)."""
+        return self.serving.extra
 
     def encode(self, rows: Sequence[Mapping]) -> np.ndarray:
         """Rows (dicts of the trained columns; images as {"image": base64}) → model inputs.
         Raises DataError for the request, records.RowError for a row."""
         return self.reader.encode(rows)
 
-    def predictions(self, probabilities: np.ndarray, extra: Mapping[str, np.ndarray]
-                    ) -> list[dict]:
-        """Probabilities → [{"label", "confidence", "top": [[label, p], ...], extras}], the
-        values rounded as in a prediction file."""
-        labels = self.manifest.labels
-        order, top = top_classes(probabilities, min(self.config.top_k, len(labels)))
-        rows = []
-        for k in range(len(probabilities)):
-            row = {"label": labels[order[k, 0]], "confidence": float(top[k, 0]),
-                   "top": [[labels[c], float(p)] for c, p in zip(order[k], top[k])]}
-            for name, values in extra.items():
-                row[name] = round(float(values[k]), 6)
-            rows.append(row)
-        return rows
+    def predictions(self, outputs: np.ndarray, extra: Mapping[str, np.ndarray]) -> list[dict]:
+        """A part's outputs → one answer per row: a classifier's {"label", "confidence", "top":
+        [[label, p], ...], extras}, a detector's {"height", "width", "boxes"}, a segmenter's
+        {"height", "width", "mask", "pixels", "shares"}; values rounded as in a prediction
+        file."""
+        return self.serving.answers(outputs, extra)
 
     def predict(self, rows: Sequence[Mapping]) -> list[dict]:
         """Rows → predictions, in order (what serve.py's /predict answers). Raises DataError
@@ -300,55 +305,21 @@ class Predictor:
 
     def predict_parts(self, parts: Sequence[tuple[Sequence[Mapping], int]]) -> list:
         """A batch of several requests' rows (each part: a request's checked rows and the
-        number of its first row) → per part (probabilities, extra values), or the error that
-        request alone gets: encoded together where their keys agree, one model run."""
-        firsts = [first for _, first in parts]
-        encoded = self.reader.encode_parts([rows for rows, _ in parts], firsts)
-        good = [k for k, x in enumerate(encoded) if not isinstance(x, Exception)]
-        out: list = list(encoded)
-        for k, outcome in zip(good, self._run_parts([encoded[k] for k in good],
-                                                    [firsts[k] for k in good])):
-            out[k] = outcome
-        return out
+        number of its first row) → per part (outputs, extra values), or the error that
+        request alone gets; one model run."""
+        return self.serving.predict_parts(parts)
 
-    def _run_parts(self, inputs: list[np.ndarray], firsts: list[int]) -> list:
-        """Encoded parts → each one's (probabilities, extra), or its error: a row whose output
-        is not finite fails its part (a RowError naming it). A part that failed in the joined
-        run (or all, where the run raised) is run again alone, so that one request's rows never
-        cost another its answer (test-time training adapts to the whole batch: one overflowing
-        row makes every row's statistics NaN)."""
-        if not inputs:
-            return []
-        try:
-            outcomes = self._split_run(inputs, firsts)
-        except Exception as err:  # noqa: BLE001 - blamed below on the part that raises it
-            outcomes = [err] * len(inputs)
-        if len(inputs) == 1:
-            return outcomes
-        for k, outcome in enumerate(outcomes):
-            if isinstance(outcome, Exception):
-                try:
-                    outcomes[k] = self._split_run([inputs[k]], [firsts[k]])[0]
-                except Exception as err:  # noqa: BLE001 - this part's own failure
-                    outcomes[k] = err
-        return outcomes
+    def warm_up(self) -> None:
+        """One row predicted and answered as a request is (before serving, on a reload)."""
+        self.serving.warm_up()
 
-    def _split_run(self, inputs: list[np.ndarray], firsts: list[int]) -> list:
-        """One model run of the parts joined; each part's rows back, or its RowError."""
-        probabilities, extra = self.run(join_inputs(inputs, self.manifest.input.pad_id))
-        bad = non_finite_rows(probabilities, extra)
-        outcomes, offset = [], 0
-        for x, first in zip(inputs, firsts):
-            rows = slice(offset, offset + len(x))
-            offset = rows.stop
-            failed = np.flatnonzero(bad[rows])
-            if len(failed):
-                more = f" (and {len(failed) - 1} more rows)" if len(failed) > 1 else ""
-                outcomes.append(RowError(f"row {first + int(failed[0])}: {NON_FINITE_OUTPUT}"
-                                         f"{more}", "fix the row"))
-                continue
-            outcomes.append((probabilities[rows], {name: v[rows] for name, v in extra.items()}))
-        return outcomes
+    def output_metadata(self) -> list[dict]:
+        """The V2 output tensors this model answers."""
+        return self.serving.output_metadata()
+
+    def v2_outputs(self, outputs: np.ndarray, extra: Mapping[str, np.ndarray]) -> list[dict]:
+        """A request's outputs as the V2 output tensors (output_metadata's)."""
+        return self.serving.v2_outputs(outputs, extra)
 
     # ------------------------------------------------------------------ describing
 
@@ -380,23 +351,11 @@ class Predictor:
         asked = asked_methods(self.config)
         return asked[0].flag.removeprefix("--") if asked else "none"
 
-    def warmup_rows(self) -> np.ndarray:
-        """Model inputs of one row, to run once before serving (a reload's warm-up)."""
-        if self.reader.task.image_files:
-            return np.zeros((1, *self.manifest_image_shape()), dtype=np.float32)
-        if self.reader.role == "text":
-            return self.reader.encode([{name: "warm up" for name in self.inputs}])
-        features = self.manifest.input.shape[-1]
-        return np.zeros((1, int(features)), dtype=np.float32)
-
-    def manifest_image_shape(self) -> tuple[int, int, int]:
-        spec = self.manifest.preprocessing.spec
-        return (int(spec["channels"]), *map(int, spec["image_size"]))
-
     def as_dspy_tool(self) -> Any:
         """This model as a `dspy.Tool`: its name, description and arguments from the manifest
-        (task, classes, input columns); calling it runs ONNX Runtime on one row and returns the
-        label and confidence."""
+        (task, classes, input columns); calling it runs ONNX Runtime on one row and returns its
+        answer (a classifier's label and confidence, a detector's boxes, a segmenter's mask and
+        pixel counts)."""
         from ttc.online.tool import model_tool
 
         return model_tool(self)

@@ -1,7 +1,8 @@
 """A bundle as a DSPy tool: one step a DSPy program or agent (dspy.ReAct) can call, running ONNX
 Runtime on one row. Its name, description and argument schema come from the manifest: the model
 type, the classes, and the input columns (text as strings, numeric features as numbers,
-categories as strings, an image as its file's bytes in base64)."""
+categories as strings, an image as its file's bytes in base64); what it says it returns, from the
+model type's served part (a classifier's label, a detector's boxes, a segmenter's mask)."""
 from __future__ import annotations
 
 import re
@@ -17,8 +18,9 @@ WHAT = {"text": "text", "feature": "row of features", "image": "image"}
 
 
 def model_tool(predictor: Predictor, name: str | None = None) -> dspy.Tool:
-    """predictor as a dspy.Tool: call it with the row's columns as arguments; it returns
-    {"label", "confidence", "top"} (and the test-time method's extra values)."""
+    """predictor as a dspy.Tool: call it with the row's columns as arguments; it returns the
+    row's answer, as /predict does (a classifier's {"label", "confidence", "top"} and the
+    test-time method's extra values; a detector's boxes; a segmenter's mask and pixels)."""
     import dspy
 
     args, types = tool_arguments(predictor)
@@ -26,8 +28,8 @@ def model_tool(predictor: Predictor, name: str | None = None) -> dspy.Tool:
     def predict(**row: Any) -> dict:
         return predictor.predict([row])[0]
 
-    return dspy.Tool(predict, name=name or tool_name(predictor), desc=tool_description(predictor),
-                     args=args, arg_types=types)
+    return dspy.Tool(predict, name=name or tool_name(predictor),
+                     desc=predictor.serving.tool_description(), args=args, arg_types=types)
 
 
 def tool_name(predictor: Predictor) -> str:
@@ -35,9 +37,9 @@ def tool_name(predictor: Predictor) -> str:
     return re.sub(r"\W+", "_", predictor.manifest.model_type).strip("_") or "classifier"
 
 
-def tool_description(predictor: Predictor) -> str:
-    manifest = predictor.manifest
-    what = WHAT.get(predictor.reader.role, "input")
+def classifier_description(manifest: Any, role: str) -> str:
+    """A classifier's tool description (`role`: its input role, text, feature or image)."""
+    what = WHAT.get(role, "input")
     classes = ", ".join(repr(label) for label in manifest.labels[:20])
     more = f" and {len(manifest.labels) - 20} more" if len(manifest.labels) > 20 else ""
     return (f"Classifies a {what} into one of {manifest.classes} classes ({classes}{more}) with "

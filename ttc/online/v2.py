@@ -1,8 +1,10 @@
 """The Open Inference Protocol (KServe V2, which Triton speaks too) in JSON, translated to and
 from the rows /predict takes: one input tensor per trained column (text and categories as BYTES,
-numbers as FP32/FP64/INT, an image's file bytes as BYTES holding base64), shape [rows]; two
-outputs, `label` (BYTES) and `probabilities` (FP32, [rows, classes]), and the test-time method's
-extra values (FP32, [rows]). A malformed tensor is a ProtocolError (400 with its reason)."""
+numbers as FP32/FP64/INT, an image's file bytes as BYTES holding base64), shape [rows]; a
+classifier's outputs are `label` (BYTES) and `probabilities` (FP32, [rows, classes]), and the
+test-time method's extra values (FP32, [rows]); a detector's and a segmenter's are their served
+parts' (boxes, scores, labels and num_detections; mask and pixels). A malformed tensor is a
+ProtocolError (400 with its reason)."""
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping, Sequence
@@ -129,11 +131,10 @@ def _flattened(data: list, levels: int = 2) -> list:
     return [w for v in data for w in (_flattened(v, levels - 1) if isinstance(v, list) else [v])]
 
 
-def response(model_name: str, version: str, request_id: str | None, labels: Sequence[str],
-             probabilities: np.ndarray, extra: Mapping[str, np.ndarray],
-             wanted: Sequence[str] | None) -> dict:
-    """The infer response: label, probabilities (as every prediction output rounds them) and the
-    extras; `wanted` the outputs the request named (None: all)."""
+def classifier_outputs(labels: Sequence[str], probabilities: np.ndarray,
+                       extra: Mapping[str, np.ndarray]) -> list[dict]:
+    """A classifier's output tensors: label, probabilities (as every prediction output rounds
+    them) and the extras."""
     rows, classes = probabilities.shape
     rounded = probabilities.astype(np.float64).round(6)
     outputs = [{"name": "label", "datatype": "BYTES", "shape": [rows],
@@ -143,6 +144,13 @@ def response(model_name: str, version: str, request_id: str | None, labels: Sequ
     outputs += [{"name": name, "datatype": "FP32", "shape": [rows],
                  "data": np.round(np.asarray(values, np.float64), 6).tolist()}
                 for name, values in extra.items()]
+    return outputs
+
+
+def response(model_name: str, version: str, request_id: str | None, outputs: list[dict],
+             wanted: Sequence[str] | None) -> dict:
+    """The infer response of the model's output tensors (its type's: classifier_outputs, or a
+    dense type's served part's); `wanted` the outputs the request named (None: all)."""
     if wanted is not None:
         outputs = [o for o in outputs if o["name"] in wanted]
     body = {"model_name": model_name, "model_version": version, "outputs": outputs}

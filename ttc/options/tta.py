@@ -19,7 +19,9 @@ class TTAFlags:
                               "shift:PX, crop:FRACTION, scale:FACTOR, brightness:DELTA, "
                               "contrast:FACTOR; text: token_dropout:P, window:N; tabular: "
                               "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1); "
-                              "segmentation: hflip, vflip, scale:F[,F...] (default hflip)",
+                              "segmenters and detectors: identity, hflip, vflip, rot90, rot180, "
+                              "rot270, shift:PX, scale:F[,F...], brightness:DELTA, "
+                              "contrast:FACTOR (default hflip)",
                               "ttc", metavar="LIST", scripts="PTEIS")
     tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
                          choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PIS")

@@ -7,6 +7,8 @@ values, dict keys) goes through `_esc`; markup built here is an `_Html` string, 
 inserted as is. stdlib + utils only; which sections, in what order, under which title, with which
 plots: the table of ttc/reporting/sections.py. report.py passes its label lists (`summary_keys`,
 `prediction_keys`); without them each section shows its plain keys under their own names.
+The model type that made the report (its report part, ttc/reporting/kinds.py) adds its own rows,
+renderers and headline; its renderers build on the helpers named at the end of this module.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from ttc.reporting.classifier_report import ClassifierReport
+from ttc.reporting.kinds import report_part
 from ttc.reporting.sections import PLOT_CAPTIONS, SECTION, SECTIONS, KeyLabels, Section
-from ttc.reporting.summary import detector_training, shown_keys
 from utils import atomic_write_text
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,28 +35,7 @@ EVALUATION_KEYS = [("split", "split"), ("samples", "samples"), ("accuracy", "acc
                    ("ece", "ECE (15 bins)"), ("baseline_accuracy", "baseline accuracy"),
                    ("baseline_class", "baseline class (always answered)"),
                    ("baseline_source", "baseline counted on")]
-# a segmenter's evaluation (ttc/tasks/segment/metrics.py): its figures over the test pixels
-SEGMENTATION_KEYS = [("split", "split"), ("pixels", "pixels"),
-                     ("pixel_accuracy", "pixel accuracy"), ("mean_iou", "mean IoU"),
-                     ("mean_dice", "mean Dice"),
-                     ("frequency_weighted_iou", "frequency-weighted IoU"),
-                     ("baseline_mean_iou", "baseline mean IoU"),
-                     ("baseline_pixel_accuracy", "baseline pixel accuracy"),
-                     ("baseline_class", "baseline class (always answered)"),
-                     ("baseline_source", "baseline counted on")]
-# a detector's evaluation (ttc/tasks/detect/metrics.py): COCO's figures over the test boxes
-DETECTION_KEYS = [("split", "split"), ("images", "images"), ("instances", "true boxes"),
-                  ("detections", "detections"), ("map", "mAP@[.5:.95]"), ("map50", "mAP@.5"),
-                  ("map75", "mAP@.75"), ("recall_100", "recall@100 (AR)"),
-                  ("map_small", "mAP small (< 32²)"), ("map_medium", "mAP medium"),
-                  ("map_large", "mAP large (≥ 96²)"),
-                  ("baseline_map", "baseline mAP (an empty detector)")]
 EXAMPLE_SIDE = 96  # CSS pixels: the longer side of an example picture on the page
-DETECTION_EXAMPLE_SIDE = 192  # a detector's: its boxes' class names legible
-# an example's pictures: (its key, the caption under it)
-SEGMENTATION_PICTURES = (("image", "image"), ("truth", "true mask"),
-                         ("predicted", "predicted mask"))
-DETECTION_PICTURES = (("truth", "true boxes"), ("predicted", "predicted boxes"))
 # an example's picture as the report holds it; anything else is not put in an <img>
 PNG_DATA_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/]+={0,2}")
 # the calibration section's before/after rows: (key prefix of `_before` and `_after`, label)
@@ -284,13 +266,15 @@ class _Plots:
 @dataclass(frozen=True)
 class _View:
     """What a section's renderer gets besides its data: its row of the table, the caller's
-    labels for its keys (None: its plain keys), the plots, and the section that shows the
-    reliability diagram (None: the iterative block)."""
+    labels for its keys (None: its plain keys), the plots, the section that shows the
+    reliability diagram (None: the iterative block), and the report part of the model type
+    that made the report."""
 
     section: Section
     keys: KeyLabels | None
     plots: _Plots
     diagram_in: str | None
+    kind: ClassifierReport
 
     def figures(self) -> _Html:
         """The plots this section owns, the reliability diagram only in its one place."""
@@ -316,7 +300,7 @@ def _banner(report: dict) -> _Html:
     return _Html(f'<div class="banner {klass}">status: {_esc(status)}</div>')
 
 
-def _headline(report: dict, sections: Sequence[str]) -> _Html:
+def _headline(report: dict, sections: Sequence[str], kind: ClassifierReport) -> _Html:
     dataset = _dict(report.get("dataset"))
     config = _dict(report.get("config"))
     evaluation = _dict(report.get("evaluation"))
@@ -324,23 +308,9 @@ def _headline(report: dict, sections: Sequence[str]) -> _Html:
     path = dataset.get("path") or config.get("dataset_path")
     sub = " · ".join(str(v) for v in (model_type, path) if v)
     parts = ["<h1>Run report</h1>", f'<p class="sub">{_esc(sub)}</p>' if sub else ""]
-    accuracy = evaluation.get("accuracy")
-    accuracy_from = f"{evaluation.get('split') or 'test'} accuracy"
-    if accuracy is None and _dict(report.get("inference")).get("accuracy") is not None:
-        accuracy, accuracy_from = report["inference"]["accuracy"], "test accuracy"
-    stats = [(accuracy_from, accuracy), ("macro-F1", evaluation.get("macro_f1")),
-             ("balanced accuracy", evaluation.get("balanced_accuracy")),
-             ("baseline accuracy", evaluation.get("baseline_accuracy"))]
-    if "mean_iou" in evaluation:  # a segmenter's
-        split = evaluation.get("split") or "test"
-        stats = [(f"{split} mean IoU", evaluation.get("mean_iou")),
-                 ("pixel accuracy", evaluation.get("pixel_accuracy")),
-                 ("mean Dice", evaluation.get("mean_dice")),
-                 ("baseline mean IoU", evaluation.get("baseline_mean_iou"))]
-    elif _detector(evaluation):
-        stats = _detection_stats(evaluation)
     cells = "".join(f'<div class="stat"><span class="v">{_esc(_fmt(v))}</span>'
-                    f'<span class="k">{_esc(k)}</span></div>' for k, v in stats if v is not None)
+                    f'<span class="k">{_esc(k)}</span></div>' for k, v in kind.headline(report)
+                    if v is not None)
     if cells:
         parts.append(f'<div class="stats">{cells}</div>')
     warnings = [w for w in evaluation.get("warnings") or [] if w]
@@ -375,22 +345,8 @@ def _render_dataset(data: dict, view: _View) -> list[str]:
     return parts
 
 
-def _detector(evaluation: dict) -> bool:
-    """A detector's evaluation: scored by COCO's mAP."""
-    return evaluation.get("metric") == "map"
-
-
-def _detection_stats(evaluation: dict) -> list[tuple[str, Any]]:
-    """The headline's figures of a detector: mAP, mAP@.5 and @.75, recall, the baseline's."""
-    split = evaluation.get("split") or "test"
-    return [(f"{split} mAP@[.5:.95]", evaluation.get("map")), ("mAP@.5", evaluation.get("map50")),
-            ("mAP@.75", evaluation.get("map75")), ("recall@100", evaluation.get("recall_100")),
-            ("baseline mAP (empty detector)", evaluation.get("baseline_map"))]
-
-
 def _render_train(data: dict, view: _View) -> list[str]:
-    keys = shown_keys(data, view.keys) if view.keys is not None else None
-    parts = [_kv_table(_pairs(data, keys, view.section.own_tables))]
+    parts = [_kv_table(_pairs(data, view.keys, view.section.own_tables))]
     health = _dict(data.get("health"))
     if health:
         if health.get("loss_start") is not None and health.get("loss_end") is not None:
@@ -409,7 +365,7 @@ def _render_train(data: dict, view: _View) -> list[str]:
                  c.get("best_epoch"), c.get("seconds"),
                  "kept" if c.get("index") == chosen else "") for c in candidates]
         parts += ["<h3>Candidates</h3>",
-                  _table(["candidate", "learning rate", "seed", _score_names(data)[1], "val loss",
+                  _table(["candidate", "learning rate", "seed", view.kind.names.history[1], "val loss",
                           "best epoch", "seconds", ""], rows,
                          row_classes=["kept" if r[-1] else "" for r in rows])]
     diverged = [d for d in data.get("diverged_candidates") or [] if isinstance(d, dict)]
@@ -425,20 +381,9 @@ def _render_train(data: dict, view: _View) -> list[str]:
                  h.get("val_loss"), h.get("seconds")) for h in history]
         parts.append(_Html(f"<details><summary>Per-epoch history ({len(history)} epochs)"
                            "</summary>"
-                           + _table(["epoch", "loss", *_score_names(data), "val loss",
+                           + _table(["epoch", "loss", *view.kind.names.history, "val loss",
                                      "seconds"], rows) + "</details>"))
     return parts
-
-
-def _score_names(train: dict) -> list[str]:
-    """What a history's train_accuracy and val_accuracy are: a segmenter's training pixel
-    accuracy and validation mean IoU; a detector's training box recall at IoU .5 (on part of
-    the training split) and validation mAP@[.5:.95]."""
-    if train.get("val_mean_iou") is not None:
-        return ["train pixel accuracy", "val mean IoU"]
-    if detector_training(train):
-        return ["train box recall@.5", "val mAP"]
-    return ["train accuracy", "val accuracy"]
 
 
 def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> _Html:
@@ -466,12 +411,8 @@ def _confusion_table(labels: Sequence[str], matrix: Sequence[Sequence[Any]]) -> 
 
 
 def _render_evaluation(data: dict, view: _View) -> list[str]:
-    """The evaluation's tables and plots (the reliability diagram unless the calibration
-    section shows it); a segmenter's: _render_segmentation."""
-    if "mean_iou" in data:
-        return _render_segmentation(data, view)
-    if _detector(data):
-        return _render_detection(data, view)
+    """A classifier's evaluation: its tables and plots (the reliability diagram unless the
+    calibration section shows it)."""
     parts = [_kv_table(_pairs(data, view.keys if view.keys is not None else EVALUATION_KEYS))]
     tables = []
     per_class = [r for r in data.get("per_class") or [] if isinstance(r, dict)]
@@ -511,17 +452,6 @@ def _score(value: Any) -> _Html:
     return _NumHtml(_esc(f"{value:.4f}" if _is_number(value) else "–"))
 
 
-def _segmentation_table(per_class: Any) -> _Html:
-    """A segmenter's per-class rows: IoU, Dice, true and predicted pixels."""
-    rows = [(label, _score(row.get("iou")), _score(row.get("dice")), row.get("pixels"),
-             row.get("predicted_pixels"))
-            for label, row in _dict(per_class).items() if isinstance(row, dict)]
-    if not rows:
-        return _Html("")
-    return _Html("<h3>Per class</h3>" + _table(["class", "IoU", "Dice", "pixels",
-                                                "predicted pixels"], rows))
-
-
 def _example_img(url: Any, size: Any, caption: str, side: int = EXAMPLE_SIDE) -> str:
     """One picture of an example as an <img> (its longer side `side` CSS pixels, drawn as
     squares), or its caption alone where the report holds no PNG data URL."""
@@ -535,28 +465,8 @@ def _example_img(url: Any, size: Any, caption: str, side: int = EXAMPLE_SIDE) ->
             f"<figcaption>{_esc(caption)}</figcaption></figure>")
 
 
-def _segmentation_title(example: dict) -> str:
-    """A segmenter's example: its index and pixel accuracy."""
-    index, accuracy = example.get("index"), example.get("pixel_accuracy")
-    title = f"example {_fmt(index)}" if index is not None else "example"
-    if _is_number(accuracy):
-        title += f" · pixel accuracy {accuracy:.3f}"
-    return title
-
-
-def _detection_title(example: dict) -> str:
-    """A detector's example: its index and how many boxes are true and drawn as predicted."""
-    index = example.get("index")
-    title = f"example {_fmt(index)}" if index is not None else "example"
-    counts = [f"{_fmt(example[key])} {name}" for key, name in
-              (("true_boxes", "true"), ("predicted_boxes", "predicted"))
-              if _is_number(example.get(key))]
-    return " · ".join([title, ", ".join(counts)]) if counts else title
-
-
-def _examples_grid(examples: Any, pictures: Sequence[tuple[str, str]] = SEGMENTATION_PICTURES,
-                   title: Callable[[dict], str] = _segmentation_title,
-                   side: int = EXAMPLE_SIDE) -> _Html:
+def _examples_grid(examples: Any, pictures: Sequence[tuple[str, str]],
+                   title: Callable[[dict], str], side: int = EXAMPLE_SIDE) -> _Html:
     """Test images, one block each: its `pictures` ((key, caption): a segmenter's image, true
     and predicted mask overlaid; a detector's true and predicted boxes drawn) under its
     `title`. The pictures go in <img> only (their data URLs are never text on the page)."""
@@ -582,73 +492,6 @@ def _warnings(data: dict) -> _Html:
         return _Html("")
     items = "".join(f"<li>{_esc(w)}</li>" for w in warnings)
     return _Html(f'<div class="warnings"><strong>Warnings</strong><ul>{items}</ul></div>')
-
-
-def _detection_table(per_class: Any) -> _Html:
-    """A detector's per-class rows: AP@[.5:.95], AP@.5, AP@.75 (a dash for a class without a
-    true box), true boxes and detections."""
-    rows = [(row.get("label"), _score(row.get("ap")), _score(row.get("ap50")),
-             _score(row.get("ap75")), row.get("instances"), row.get("detections"))
-            for row in per_class if isinstance(row, dict)] if isinstance(per_class, list) else []
-    if not rows:
-        return _Html("")
-    return _Html("<h3>Per class</h3>" + _table(["class", "AP@[.5:.95]", "AP@.5", "AP@.75",
-                                                "true boxes", "detections"], rows))
-
-
-def _render_detection(data: dict, view: _View) -> list[str]:
-    """A detector's evaluation: COCO's figures and the empty detector's, the verdict and
-    warnings, AP per class, the examples with their true and predicted boxes drawn, then its
-    plots (per-class AP, the precision/recall curves)."""
-    parts: list[str] = [_kv_table(_pairs(data, DETECTION_KEYS))]
-    if data.get("verdict"):
-        parts.append(_labelled_line("verdict", data["verdict"]))
-    parts += [_warnings(data), _detection_table(data.get("per_class")),
-              _examples_grid(data.get("examples"), DETECTION_PICTURES, _detection_title,
-                             DETECTION_EXAMPLE_SIDE), view.figures()]
-    return parts
-
-
-def _render_export(data: dict, view: _View) -> list[str]:
-    """The key/value rows; a detector's NMS settings in a line of their own."""
-    parts = _render_keys(data, view)
-    nms = _dict(data.get("nms"))
-    if nms:
-        parts.insert(1, _labelled_line(
-            "NMS in the graph", f"class-aware, suppress at IoU > {_fmt(nms.get('iou_threshold'))}"
-            f", keep score > {_fmt(nms.get('score_threshold'))}, at most "
-            f"{_fmt(nms.get('max_detections'))} detections per image"))
-    return parts
-
-
-def _render_segmentation(data: dict, view: _View) -> list[str]:
-    """A segmenter's evaluation: its figures and baseline, the verdict and warnings, the
-    per-class IoU and Dice, the pixel confusion matrix, the examples as pictures, and its plots
-    (the examples' grid only as a file: the page shows the pictures themselves)."""
-    parts: list[str] = [_kv_table(_pairs(data, SEGMENTATION_KEYS))]
-    if data.get("verdict"):
-        parts.append(_labelled_line("verdict", data["verdict"]))
-    warnings = [w for w in data.get("warnings") or [] if w]
-    if warnings:
-        items = "".join(f"<li>{_esc(w)}</li>" for w in warnings)
-        parts.append(_Html(f'<div class="warnings"><strong>Warnings</strong><ul>{items}</ul>'
-                           "</div>"))
-    parts.append(_segmentation_table(data.get("per_class")))
-    examples = _examples_grid(data.get("examples"))
-    parts.append(examples)
-    if examples:
-        view.plots.placed.add("segmentation_examples")
-    labels = [str(label) for label in data.get("labels") or []]
-    matrix = data.get("confusion_matrix") or []
-    if labels and len(matrix) == len(labels) and len(labels) <= MAX_MATRIX_CLASSES \
-            and all(isinstance(r, list) and len(r) == len(labels) for r in matrix):
-        parts += ["<h3>Confusion matrix (pixels)</h3>", _confusion_table(labels, matrix)]
-    elif matrix:
-        parts.append(_line(f"pixel confusion matrix of {len(matrix)} classes: "
-                           + ("see its plot" if view.plots.has("confusion_matrix")
-                              else "in the report JSON")))
-    parts.append(view.figures())
-    return parts
 
 
 def _fixed(value: Any) -> _Html | None:
@@ -969,14 +812,16 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
     # the section that shows the reliability diagram, wherever the iterative block comes
     diagram_in = next((name for name in ("calibration", "evaluation")
                        if isinstance(report.get(name), dict) and report[name]), None)
+    kind = report_part(report)
     body: list[str] = []
     present: list[str] = []
     for section in _page_order(report, labels):
         data = report.get(section.key)
         if not data or not isinstance(data, (dict, list) if section.rows else dict):
             continue
-        view = _View(section, labels.get(section.key), images, diagram_in)
-        parts = RENDERERS[section.page](data, view)
+        view = _View(section, kind.keys(section.key, labels.get(section.key), data), images,
+                     diagram_in, kind)
+        parts = kind.renderers().get(section.key, RENDERERS[section.page])(data, view)
         body.append(_section(section.key, _heading(section, data), parts))
         present.append(section.key)
     if isinstance(report.get("config"), dict) and report["config"]:
@@ -985,10 +830,11 @@ def render_page(report: dict, plots: Mapping[str, Any] | None = None,
     rest = images.rest()
     if rest:
         body.append(_section("plots", "Other plots", [images.figures(*rest)]))
-    return _document(report, present, body)
+    return _document(report, present, body, kind)
 
 
-def _document(report: dict, present: Sequence[str], body: Sequence[str]) -> str:
+def _document(report: dict, present: Sequence[str], body: Sequence[str],
+              kind: ClassifierReport) -> str:
     """The page around its sections: head and style, the banner and headline, the footer."""
     footer = ""
     if _is_number(report.get("seconds_total")):
@@ -998,7 +844,7 @@ def _document(report: dict, present: Sequence[str], body: Sequence[str]) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{_esc(title)}</title><style>{CSS}</style></head><body><main>"
-            + _banner(report) + _headline(report, present) + "".join(body) + footer
+            + _banner(report) + _headline(report, present, kind) + "".join(body) + footer
             + "</main></body></html>\n")
 
 
@@ -1007,3 +853,12 @@ def write_page(report: dict, plots: Mapping[str, Any] | None, path: str | Path,
                prediction_keys: KeyLabels | None = None) -> None:
     """Write render_page's page to `path` atomically."""
     atomic_write_text(path, render_page(report, plots, summary_keys, prediction_keys))
+
+
+# What a model type's own renderers (ttc/tasks/TYPE/report.py, its report part's `renderers`)
+# build their parts from: the markup, escaping and formatting every section of the page shares.
+Html, NumHtml, View = _Html, _NumHtml, _View
+esc, fmt, is_number, as_dict = _esc, _fmt, _is_number, _dict
+table, kv_table, pairs, line, labelled_line = _table, _kv_table, _pairs, _line, _labelled_line
+score, warnings_list, confusion_table = _score, _warnings, _confusion_table
+examples_grid, render_keys = _examples_grid, _render_keys

@@ -10,6 +10,9 @@ so nothing is registered globally and each figure is freed once written.
 
 Every string that comes from the user (class names, variant and corruption names) is shown as
 plain text: a `$` never starts mathtext, and long names are shortened.
+
+The model type that made the report (its report part, ttc/reporting/kinds.py) names its scores
+and draws its own plots (`PLOTS` asks it for those); the helpers here are what its plots build on.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from ttc.reporting.classifier_report import Plot
+from ttc.reporting.kinds import report_part
 from ttc.reporting.sections import PLOT_NAMES
 from utils import LOG, atomic_write
 
@@ -111,33 +116,6 @@ def text_width(text: str, points: float) -> float:
     return ems * points / 72
 
 
-def segmenter(report: dict) -> bool:
-    """A segmenter's report: its evaluation scores pixels (mean IoU), or its training ran on
-    masks."""
-    evaluation, train = section(report, "evaluation"), section(report, "train")
-    return bool(evaluation and "mean_iou" in evaluation
-                or train and train.get("val_mean_iou") is not None)
-
-
-def detector(report: dict) -> bool:
-    """A detector's report: its evaluation is scored by COCO's mAP, or its training's."""
-    evaluation, train = section(report, "evaluation"), section(report, "train")
-    return bool(evaluation and evaluation.get("metric") == "map"
-                or train and (train.get("val_map") is not None or train.get("metric") == "map"))
-
-
-def score_names(report: dict) -> tuple[dict[str, str], str]:
-    """What a history's train_accuracy and val_accuracy are, and the accuracy panel's title:
-    a segmenter's training pixel accuracy and validation mean IoU, a detector's training box
-    recall at IoU .5 and validation mAP@[.5:.95]; a classifier's own names ({})."""
-    if segmenter(report):
-        return {"train": "train pixel accuracy", "val": "val mean IoU"}, \
-            "pixel accuracy, mean IoU"
-    if detector(report):
-        return {"train": "train box recall@.5", "val": "val mAP@[.5:.95]"}, "box recall, mAP"
-    return {}, "accuracy"
-
-
 def no_data(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", color="0.5",
             transform=ax.transAxes)
@@ -157,8 +135,9 @@ def training_curves(report: dict) -> Figure | None:
         return None
     panels = [("loss", [("train", "loss"), ("val", "val_loss")]),
               ("accuracy", [("train", "train_accuracy"), ("val", "val_accuracy")])]
-    # a segmenter's or a detector's history: its own scores under the accuracy keys
-    names, scores = score_names(report)
+    # the model type's names of the scores its history holds under the accuracy keys
+    names = report_part(report).names
+    legend, scores = dict(zip(("train", "val"), names.curves)), names.curves_title
     series = {(title, name): points(history, "epoch", key)
               for title, lines in panels for name, key in lines}
     if not any(xs for xs, _ in series.values()):
@@ -172,7 +151,7 @@ def training_curves(report: dict) -> Figure | None:
             xs, ys = series[(title, name)]
             if xs:
                 ax.plot(xs, ys, color=COLORS[name],
-                        label=names.get(name, name) if title != "loss" else name, linewidth=1.5,
+                        label=legend[name] if title != "loss" else name, linewidth=1.5,
                         marker="o" if len(xs) <= 30 else None, markersize=3)
                 drawn = True
         if not drawn:
@@ -244,8 +223,8 @@ def confusion_matrix(report: dict) -> Figure | None:
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     split = plain(evaluation.get("split") or "test")
-    pixels = segmenter(report)  # a segmenter's matrix counts pixels, not samples
-    unit, score = ("pixels", "pixel_accuracy") if pixels else ("samples", "accuracy")
+    kind = report_part(report)  # what the matrix counts (a segmenter's: pixels)
+    unit, score = kind.confusion_unit, kind.confusion_score
     samples = number(evaluation.get(unit))
     accuracy = number(evaluation.get(score))
     detail = ", ".join(([f"{samples:,.0f} {unit}"] if samples is not None else [])
@@ -256,302 +235,7 @@ def confusion_matrix(report: dict) -> Figure | None:
     bar = fig.add_axes(((left + side + 0.15) / width, bottom / height, 0.15 / width,
                         side / height))
     fig.colorbar(image, cax=bar, label="share of the true class"
-                 + ("'s pixels" if pixels else ""))
-    return fig
-
-
-# ----------------------------------------------------------------------------- segmentation
-
-
-MAX_IOU_CLASSES = 40  # bars on the per-class IoU chart; more classes: the lowest IoU
-EXAMPLE_ROWS = 8  # test images on the examples' grid
-MAX_EXAMPLE_SIDE = 1024  # pixels; a bigger "example" in a report is not drawn
-PNG_DATA_URL = "data:image/png;base64,"
-
-
-def segmentation_rows(evaluation: dict) -> list[tuple[str, float | None, float | None]]:
-    """(label, IoU, Dice) per class of a segmenter's evaluation, in its order; at most
-    MAX_IOU_CLASSES, the lowest IoU first among more (a class without an IoU, neither in the
-    truth nor predicted, last, as the summary ranks them)."""
-    per_class = evaluation.get("per_class")
-    if not isinstance(per_class, dict):
-        return []
-    rows = [(str(label), number(row.get("iou")), number(row.get("dice")))
-            for label, row in per_class.items() if isinstance(row, dict)]
-    if len(rows) > MAX_IOU_CLASSES:
-        rows = sorted(rows, key=lambda r: 2.0 if r[1] is None else r[1])[:MAX_IOU_CLASSES]
-    return rows
-
-
-def class_iou(report: dict) -> Figure | None:
-    """A segmenter's IoU (bar, value written beside it) and Dice (thinner bar) per class, with
-    its mean IoU and the majority-class baseline's as vertical lines."""
-    evaluation = section(report, "evaluation")
-    if not evaluation or "mean_iou" not in evaluation:
-        return None
-    rows = segmentation_rows(evaluation)
-    if not any(iou is not None or dice is not None for _, iou, dice in rows):
-        return None
-    names = [plain(label) for label, _, _ in rows]
-    label_width = max(text_width(name.replace("\\", ""), 8) for name in names)
-    left = 0.35 + label_width
-    height = 1.3 + 0.26 * len(rows)
-    fig = new_figure(left + 5.2, height)
-    place(fig, left=left, right=0.25, bottom=0.85, top=0.35)
-    ax = fig.subplots()
-    y = np.arange(len(rows))
-    ious = [np.nan if iou is None else iou for _, iou, _ in rows]
-    dices = [np.nan if dice is None else dice for _, _, dice in rows]
-    ax.barh(y - 0.17, ious, height=0.36, color=PALETTE[0], label="IoU")
-    ax.barh(y + 0.19, dices, height=0.22, color=PALETTE[0], alpha=0.35, label="Dice")
-    for k, (_, iou, dice) in enumerate(rows):
-        text = "absent (no pixels)" if iou is None and dice is None else \
-            "" if iou is None else f"{iou:.3f}"
-        ax.annotate(text, (iou or 0.0, k - 0.17), xytext=(3, 0), textcoords="offset points",
-                    va="center", fontsize=7, color="0.45" if iou is None else "black")
-    mean, baseline = number(evaluation.get("mean_iou")), number(evaluation.get("baseline_mean_iou"))
-    if mean is not None:
-        ax.axvline(mean, color=COLORS["fixed"], linewidth=1.2, label=f"mean IoU {mean:.3f}")
-    if baseline is not None:
-        always = evaluation.get("baseline_class")
-        ax.axvline(baseline, color=COLORS["broken"], linestyle="--", linewidth=1.2,
-                   label=f"baseline mean IoU {baseline:.3f}"
-                   + (f" (always {plain(always, 18)})" if always is not None else ""))
-    ax.set_yticks(y, names)
-    ax.set_ylim(len(rows) - 0.5, -0.6)  # the first class on top
-    ax.set_xlim(0, 1.08)
-    ax.set_xlabel("IoU / Dice")
-    ax.grid(axis="y", visible=False)
-    split = plain(evaluation.get("split") or "test")
-    shown = "" if len(rows) == len(evaluation["per_class"]) else \
-        f", the {len(rows)} lowest of {len(evaluation['per_class'])}"
-    ax.set_title(f"IoU and Dice per class, {split} split{shown}")
-    ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.45 / (height - 1.2)), ncol=2,
-              frameon=False, fontsize=7)
-    return fig
-
-
-def data_url_picture(url: Any) -> np.ndarray | None:
-    """The RGB pixels of a PNG data URL (an example of the report), or None for anything else:
-    not a PNG data URL, undecodable, or bigger than MAX_EXAMPLE_SIDE a side."""
-    import base64
-    import binascii
-    import io
-
-    from PIL import Image
-
-    if not isinstance(url, str) or not url.startswith(PNG_DATA_URL):
-        return None
-    try:
-        data = base64.b64decode(url[len(PNG_DATA_URL):], validate=True)
-        with Image.open(io.BytesIO(data), formats=["PNG"]) as picture:
-            if max(picture.size) > MAX_EXAMPLE_SIDE:
-                return None
-            return np.asarray(picture.convert("RGB"))
-    except (binascii.Error, OSError, ValueError):  # UnidentifiedImageError is an OSError
-        return None
-
-
-def example_pictures(evaluation: dict) -> list[tuple[dict, list[np.ndarray]]]:
-    """The first EXAMPLE_ROWS examples whose three pictures (image, truth, predicted) decode."""
-    examples = evaluation.get("examples")
-    drawn = []
-    for example in examples if isinstance(examples, list) else []:
-        if not isinstance(example, dict):
-            continue
-        pictures = [data_url_picture(example.get(k)) for k in ("image", "truth", "predicted")]
-        if all(p is not None for p in pictures):
-            drawn.append((example, pictures))
-        if len(drawn) == EXAMPLE_ROWS:
-            break
-    return drawn
-
-
-def voc_colour(k: int) -> tuple[float, float, float]:
-    """Class k's colour in the PASCAL VOC colour map, as ttc/tasks/segment/masks.py colours the
-    overlays (the reporting layer imports no model type's code): the bits of k spread over the
-    channels from the high bit down."""
-    rgb = [0, 0, 0]
-    for shift in range(7, -1, -1):
-        for channel in range(3):
-            rgb[channel] |= ((k >> channel) & 1) << shift
-        k >>= 3
-    return (rgb[0] / 255, rgb[1] / 255, rgb[2] / 255)
-
-
-def mask_colours(labels: Sequence[Any]) -> list[tuple[str, tuple[float, float, float]]]:
-    """(label, colour) of the overlays' classes after the first (class 0 is left unshaded),
-    at most 20."""
-    return [(plain(label, 16), voc_colour(k)) for k, label in enumerate(labels) if 0 < k < 21]
-
-
-def segmentation_examples(report: dict) -> Figure | None:
-    """Test images of a segmenter, one per row: the image, the true mask overlaid and the
-    predicted mask overlaid (pixels drawn as squares), each row titled with the example's index
-    and pixel accuracy; the class colours underneath."""
-    evaluation = section(report, "evaluation")
-    drawn = example_pictures(evaluation) if evaluation else []
-    if not drawn:
-        return None
-    labels = evaluation.get("labels") if isinstance(evaluation.get("labels"), list) else []
-    colours = mask_colours(labels)
-    legend_rows = math.ceil(len(colours) / 5)
-    panel, top, bottom = 1.5, 0.75, 0.2 + 0.2 * legend_rows + (0.35 if colours else 0.0)
-    width, height = 0.3 + 3 * panel + 2 * 0.25, top + bottom + len(drawn) * (panel + 0.4) - 0.4
-    fig = new_figure(width, height)
-    place(fig, left=0.15, right=0.15, bottom=bottom, top=top)
-    fig.subplots_adjust(wspace=0.25 / panel, hspace=0.4 / panel)
-    axes = fig.subplots(len(drawn), 3, squeeze=False)
-    for row, (example, pictures) in zip(axes, drawn):
-        index = example.get("index")
-        accuracy = number(example.get("pixel_accuracy"))
-        titles = [f"example {index}" if isinstance(index, int) else "example", "true mask",
-                  "predicted" + (f", {accuracy:.1%} right" if accuracy is not None
-                                 else "")]
-        for ax, picture, title in zip(row, pictures, titles):
-            ax.imshow(picture, interpolation="nearest")
-            ax.set_title(title, fontsize=8)
-            ax.set_axis_off()
-    if colours:
-        from matplotlib.patches import Patch
-
-        fig.legend(handles=[Patch(color=colour, label=label) for label, colour in colours],
-                   loc="lower center", ncol=min(5, len(colours)), frameon=False, fontsize=7,
-                   title=f"mask colours ({plain(labels[0], 16)} not shaded)",
-                   title_fontsize=7)
-    fig.suptitle(f"{len(drawn)} images of the {plain(evaluation.get('split') or 'test')} "
-                 "split, true and predicted masks", fontsize=10, y=1 - 0.12 / height,
-                 va="top")
-    return fig
-
-
-
-# ----------------------------------------------------------------------------- detection
-
-
-MAX_AP_CLASSES = 40  # bars on the per-class AP chart; more classes: the lowest AP
-MAX_PR_CLASSES = 10  # per-class curves on the PR plot; more classes: the lowest AP@.5
-
-
-def detection_rows(evaluation: dict) -> list[tuple[str, float | None, float | None]]:
-    """(label, AP@[.5:.95], AP@.5) per class of a detector's evaluation, in its order; at
-    most MAX_AP_CLASSES, the lowest AP first among more (a class without a true box last)."""
-    per_class = evaluation.get("per_class")
-    rows = [(str(row.get("label")), number(row.get("ap")), number(row.get("ap50")))
-            for row in per_class if isinstance(row, dict)] if isinstance(per_class, list) else []
-    if len(rows) > MAX_AP_CLASSES:
-        rows = sorted(rows, key=lambda r: 2.0 if r[1] is None else r[1])[:MAX_AP_CLASSES]
-    return rows
-
-
-def class_ap(report: dict) -> Figure | None:
-    """A detector's AP@[.5:.95] (bar, value written beside it) and AP@.5 (thinner, lighter
-    bar) per class, with its mAP and the empty detector's (0) as vertical lines."""
-    evaluation = section(report, "evaluation")
-    if not evaluation or evaluation.get("metric") != "map":
-        return None
-    rows = detection_rows(evaluation)
-    if not any(ap is not None or ap50 is not None for _, ap, ap50 in rows):
-        return None
-    names = [plain(label) for label, _, _ in rows]
-    left = 0.35 + max(text_width(name.replace("\\", ""), 8) for name in names)
-    height = 1.3 + 0.26 * len(rows)
-    fig = new_figure(left + 5.2, height)
-    place(fig, left=left, right=0.25, bottom=0.85, top=0.35)
-    ax = fig.subplots()
-    y = np.arange(len(rows))
-    ax.barh(y - 0.17, [np.nan if ap is None else ap for _, ap, _ in rows], height=0.36,
-            color=PALETTE[0], label="AP@[.5:.95]")
-    ax.barh(y + 0.19, [np.nan if ap50 is None else ap50 for _, _, ap50 in rows], height=0.22,
-            color=PALETTE[0], alpha=0.35, label="AP@.5")
-    for k, (_, ap, _) in enumerate(rows):
-        ax.annotate("no true box" if ap is None else f"{ap:.3f}", (ap or 0.0, k - 0.17),
-                    xytext=(3, 0), textcoords="offset points", va="center", fontsize=7,
-                    color="0.45" if ap is None else "black")
-    mean, baseline = number(evaluation.get("map")), number(evaluation.get("baseline_map"))
-    if mean is not None:
-        ax.axvline(mean, color=COLORS["fixed"], linewidth=1.2, label=f"mAP {mean:.3f}")
-    if baseline is not None:
-        ax.axvline(baseline, color=COLORS["broken"], linestyle="--", linewidth=1.2,
-                   label=f"empty detector's mAP {baseline:.3f}")
-    ax.set_yticks(y, names)
-    ax.set_ylim(len(rows) - 0.5, -0.6)  # the first class on top
-    ax.set_xlim(0, 1.08)
-    ax.set_xlabel("average precision")
-    ax.grid(axis="y", visible=False)
-    total = len(evaluation["per_class"])
-    shown = "" if len(rows) == total else f", the {len(rows)} lowest of {total}"
-    ax.set_title(f"AP per class, {plain(evaluation.get('split') or 'test')} split{shown}")
-    ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.45 / (height - 1.2)), ncol=2,
-              frameon=False, fontsize=7)
-    return fig
-
-
-def curve(values: Any, length: int) -> list[float] | None:
-    """A list of `length` finite numbers (a PR curve's precisions), None for anything else."""
-    if not isinstance(values, list) or len(values) != length:
-        return None
-    numbers = [number(v) for v in values]
-    return None if any(v is None for v in numbers) else numbers
-
-
-class PrCurves(NamedTuple):
-    """A detector's PR curves at IoU .5 ready to draw: the recall points, the mean precision
-    over the classes (None where missing), (label, precision) of the classes drawn, and how
-    many classes have a curve."""
-    recall: list[float]
-    overall: list[float] | None
-    classes: list[tuple[str, list[float]]]
-    with_curve: int
-
-
-def pr_curves(evaluation: dict) -> PrCurves:
-    """evaluation.pr_curve as PrCurves: at most MAX_PR_CLASSES classes, the lowest mean
-    precision (AP@.5) among more; a class without a true box has no curve."""
-    pr = evaluation.get("pr_curve") if isinstance(evaluation.get("pr_curve"), dict) else {}
-    recall = pr.get("recall")
-    recall = curve(recall, len(recall)) if isinstance(recall, list) and recall else None
-    if recall is None:
-        return PrCurves([], None, [], 0)
-    labels = evaluation.get("labels") if isinstance(evaluation.get("labels"), list) else []
-    per_class = pr.get("per_class") if isinstance(pr.get("per_class"), list) else []
-    classes = [(str(labels[k]) if k < len(labels) else str(k), values)
-               for k, values in enumerate(curve(v, len(recall)) for v in per_class)
-               if values is not None]
-    drawn = classes if len(classes) <= MAX_PR_CLASSES else \
-        sorted(classes, key=lambda c: float(np.mean(c[1])))[:MAX_PR_CLASSES]
-    return PrCurves(recall, curve(pr.get("precision"), len(recall)), drawn, len(classes))
-
-
-def pr_curve(report: dict) -> Figure | None:
-    """A detector's precision against recall at IoU 0.5 (COCO's interpolated precision at
-    its 101 recall points, 100 detections per image): the mean over the classes, bold, and
-    one thin line per class."""
-    evaluation = section(report, "evaluation")
-    if not evaluation or evaluation.get("metric") != "map":
-        return None
-    recall, overall, classes, with_curve = pr_curves(evaluation)
-    if overall is None and not classes:
-        return None
-    fig = new_figure(6.4, 4.2)
-    place(fig, left=0.6, right=1.9, bottom=0.5, top=0.35)
-    ax = fig.subplots()
-    for k, (label, precision) in enumerate(classes):
-        ax.plot(recall, precision, color=PALETTE[k % len(PALETTE)], linewidth=0.9, alpha=0.75,
-                label=plain(label, 18))
-    if overall is not None:
-        map50 = number(evaluation.get("map50"))
-        ax.plot(recall, overall, color="black", linewidth=2.2,
-                label="all classes" + (f" (mAP@.5 {map50:.3f})" if map50 is not None else ""))
-    ax.set_xlim(0, 1.0)
-    ax.set_ylim(0, 1.03)
-    ax.set_xlabel("recall")
-    ax.set_ylabel("precision")
-    shown = f", the {len(classes)} lowest of {with_curve} classes" \
-        if with_curve > len(classes) else ""
-    ax.set_title(f"Precision/recall at IoU 0.5, {plain(evaluation.get('split') or 'test')} "
-                 f"split{shown}")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=7)
+                 + ("" if unit == "samples" else f"'s {unit}"))
     return fig
 
 
@@ -787,8 +471,7 @@ def ttt_shifts(report: dict) -> Figure | None:
         return None
     fig, ax = grouped_bars([name for name, _ in groups], series)
     ax.set_ylim(0, 1.0)
-    metric = ttt.get("metric") if isinstance(ttt.get("metric"), str) else "accuracy"
-    ax.set_ylabel({"mean_iou": "mean IoU", "map": "mAP@[.5:.95]"}.get(metric, metric))
+    ax.set_ylabel(report_part(report).names.metric)
     details = [plain(ttt["mode"])] if isinstance(ttt.get("mode"), str) else []
     if len(severities) == 1:  # none at all without --eval_shift: the clean split alone
         details.append(f"severity {next(iter(severities)):g}")
@@ -961,10 +644,9 @@ def tta(report: dict) -> Figure | None:
     fixed, broken = number(section_tta.get("fixed")), number(section_tta.get("broken"))
     if fixed is None and broken is None:
         return None
-    dense = "mean_iou" in section_tta  # a segmenter's: pixels, and mean IoU
-    keys = (("test", "mean_iou"),) if dense else (("test", "accuracy"), ("val", "accuracy_val"))
+    figures = report_part(report).tta  # the model type's: a segmenter's pixels and mean IoU
     pairs = [(split, number(section_tta.get(f"{key}_plain")), number(section_tta.get(key)))
-             for split, key in keys]
+             for split, key in figures.scores]
     pairs = [(split, a, b) for split, a, b in pairs if a is not None and b is not None]
     fig = new_figure(7.0 if pairs else 3.6, 3.0)
     place(fig, left=0.6, right=0.2, bottom=0.6, top=0.3, gap=0.9)
@@ -980,7 +662,7 @@ def tta(report: dict) -> Figure | None:
     ax.set_xticks(range(len(bars)), [name for name, _, _ in bars])
     ax.set_xlim(-0.7, len(bars) - 0.3)
     ax.set_ylim(0, max([v for _, v, _ in bars] + [1]) * 1.2)
-    ax.set_ylabel("test pixels" if dense else "test samples")
+    ax.set_ylabel(figures.unit)
     ax.grid(axis="x", visible=False)
     net = (fixed or 0) - (broken or 0)
     ax.set_title(f"TTA changes (net {net:+g})")
@@ -998,7 +680,7 @@ def tta(report: dict) -> Figure | None:
         ax.set_yticks(range(len(pairs)), [split for split, _, _ in pairs])
         ax.set_ylim(-0.6, len(pairs) - 0.4)
         ax.margins(x=0.3)
-        metric = "mean IoU" if dense else "accuracy"
+        metric = figures.metric
         ax.set_xlabel(metric)
         ax.set_title(f"{metric[0].upper()}{metric[1:]} without and with TTA")
         ax.legend(loc="lower right", frameon=False, fontsize=7)
@@ -1008,8 +690,21 @@ def tta(report: dict) -> Figure | None:
 # ----------------------------------------------------------------------------- writing
 
 
-# each plot of the sections' table is drawn by the function of its name, in the table's order
-PLOTS: dict[str, Callable[[dict], Figure | None]] = {name: globals()[name] for name in PLOT_NAMES}
+def drawn_by_type(name: str) -> Plot:
+    """The plot `name` as the report's model type draws it (None where it draws none)."""
+
+    def draw(report: dict) -> Figure | None:
+        own = report_part(report if isinstance(report, dict) else {}).plots().get(name)
+        return None if own is None else own(report)
+
+    draw.__name__ = name
+    return draw
+
+
+# each plot of the sections' table, in the table's order: the function of its name here, else
+# the one the report's model type draws (its report part's `plots`)
+PLOTS: dict[str, Callable[[dict], Figure | None]] = {
+    name: globals().get(name) or drawn_by_type(name) for name in PLOT_NAMES}
 
 
 def save_figure(fig: Figure, path: Path) -> Path:

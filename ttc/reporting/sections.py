@@ -3,7 +3,9 @@ each with its key in the report, its title on the page, what the human summary s
 labelled keys and/or a formatter), how the page renders it and which plots it owns.
 `report.py` (the summary and the JSON's skeleton), `ttc/reporting/page.py` and
 `ttc/reporting/plots.py` read this table; a new section is one row here (plus its renderer or
-formatter, if it needs one of its own).
+formatter, if it needs one of its own). The labels here are a classifier's; another model
+type's report part (its `Parts.report`, ttc/reporting/classifier_report.py's interface) adds its
+own rows, formatters, renderers and plots, which the summary, the page and the plots ask it for.
 
 Three orders are read from the one list: the page's is the table's; the summary has always
 printed the profile after the TTA block (`summary_after`), and the JSON keeps the key order the
@@ -17,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration,
                                    format_compression, format_dropped,
-                                   format_engine, format_evaluation, format_export,
+                                   format_engine, format_evaluation,
                                    format_iterative, format_profile, format_quantize_details,
                                    format_training, format_ttt)
 
@@ -69,18 +71,14 @@ TRAIN_KEYS: KeyLabels = (
     ("samples", "train samples"), ("epochs_run", "epochs run"),
     ("epochs_not_run", "epochs not run (early stop)"), ("best_epoch", "best epoch"),
     ("train_accuracy", "train accuracy"), ("val_accuracy", "val accuracy"),
-    ("train_mean_iou", "train mean IoU"), ("val_mean_iou", "val mean IoU"),
-    ("train_map", "train mAP@[.5:.95]"), ("val_map", "val mAP@[.5:.95]"),
-    ("seconds", "seconds"),
+    ("device", "device"), ("amp", "mixed precision"), ("seconds", "seconds"),
 )
 EXPORT_KEYS: KeyLabels = (
     ("path", "model"), ("opset", "opset"), ("nodes_before_slim", "nodes before slim"),
     ("nodes_after_slim", "nodes after slim"), ("size_bytes", "size (bytes)"),
     ("checker", "onnx.checker"), ("max_abs_diff", "max |onnx - torch|"),
     ("top1_agreement", "top-1 agreement"), ("padding_max_diff", "padding max diff"),
-    ("mask_agreement", "mask agreement (pixels)"), ("resolutions_checked", "resolutions checked"),
-    ("detections_checked", "detections checked"), ("min_matched_iou", "min matched IoU"),
-    ("count_mismatches", "images with another count"), ("seconds", "seconds"),
+    ("seconds", "seconds"),
 )
 QUANTIZE_KEYS: KeyLabels = (
     ("mode", "mode"), ("path", "model"), ("metric", "accuracy is"), ("size_bytes_fp32", "size fp32 (bytes)"),
@@ -100,8 +98,6 @@ FP16_KEYS: KeyLabels = (
 )
 INFERENCE_KEYS: KeyLabels = (
     ("model_path", "model"), ("providers_active", "providers"), ("accuracy", "test accuracy"),
-    ("pixel_accuracy", "test pixel accuracy"), ("mean_iou", "test mean IoU"),
-    ("map", "test mAP@[.5:.95]"), ("map50", "test mAP@.5"),
     ("batch_size", "batch size"), ("latency_ms_p50", "latency p50 (ms/batch)"),
     ("latency_ms_p95", "latency p95 (ms/batch)"), ("throughput_per_s", "throughput (samples/s)"),
 )
@@ -110,13 +106,6 @@ TTA_KEYS: KeyLabels = (
     ("backend", "views and merge in"), ("plan", "plan"),
     ("accuracy_plain", "test accuracy plain"),
     ("accuracy", "test accuracy TTA"), ("accuracy_val_plain", "val accuracy plain"),
-    ("mean_iou_plain", "test mean IoU plain"), ("mean_iou", "test mean IoU TTA"),
-    ("pixel_accuracy_plain", "test pixel accuracy plain"),
-    ("pixel_accuracy", "test pixel accuracy TTA"),
-    ("map_plain", "test mAP@[.5:.95] plain"), ("map", "test mAP@[.5:.95] TTA"),
-    ("map_wbf", "exact WBF mAP@[.5:.95]"), ("map50_plain", "test mAP@.5 plain"),
-    ("map50", "test mAP@.5 TTA"), ("map50_wbf", "exact WBF mAP@.5"),
-    ("fusion_iou", "box fusion IoU"),
     ("accuracy_val", "val accuracy TTA"), ("fixed", "fixed (wrong → right)"),
     ("broken", "broken (right → wrong)"), ("cost_ratio", "cost ratio (TTA / plain)"),
     ("triggered_fraction", "triggered"), ("verdict", "verdict"),
@@ -139,7 +128,7 @@ SECTIONS: tuple[Section, ...] = (
             plots=("training_curves",),
             own_tables=frozenset({"candidates", "chosen_candidate", "diverged_candidates",
                                   "history", "health"})),
-    Section("export", "ONNX export", EXPORT_KEYS, format_export, page="export"),
+    Section("export", "ONNX export", EXPORT_KEYS),
     Section("quantize", "Quantization", QUANTIZE_KEYS, format_quantize_details, page="quantize"),
     Section("fp16", "FP16", FP16_KEYS),
     Section("compression", "Compression (pruning, quantization-aware training)",

@@ -21,26 +21,8 @@ def fmt(value: Any) -> str:
 
 def format_keys(data: dict, keys: KeyLabels) -> list[str]:
     """A section's labelled rows, one per key of `keys` that has a value."""
-    return [f"  {label:<26} {fmt(data[key])}" for key, label in shown_keys(data, keys)
+    return [f"  {label:<26} {fmt(data[key])}" for key, label in keys
             if data.get(key) is not None]
-
-
-# a detector's training section holds its mAP under the classifiers' accuracy keys too, for the
-# stages that read those; its own keys (val_map, train_map) show it under its name
-MAP_ALIASES = frozenset({"train_accuracy", "val_accuracy"})
-
-
-def detector_training(train: dict) -> bool:
-    """A detector's training section: its scores are mAP (val_map), not accuracies."""
-    return train.get("val_map") is not None or train.get("metric") == "map"
-
-
-def shown_keys(data: dict, keys: KeyLabels) -> KeyLabels:
-    """`keys` less the accuracy keys of a detector's training section, which repeat its mAP
-    under a name that is not."""
-    if not isinstance(data, dict) or data.get("val_map") is None:
-        return keys
-    return [(key, label) for key, label in keys if key not in MAP_ALIASES]
 
 
 def format_dropped(dataset: dict) -> list[str]:
@@ -51,14 +33,14 @@ def format_dropped(dataset: dict) -> list[str]:
             for d in dataset.get("dropped_reasons") or []]
 
 
-def format_training(train: dict) -> list[str]:
-    """The training-health hint, then the candidate search."""
+def format_training(train: dict, score: str = "val acc") -> list[str]:
+    """The training-health hint, then the candidate search (`score`: what its validation
+    score is, the model type's name for it)."""
     lines = []
     if (train.get("health") or {}).get("hint"):
         lines.append(f"  {'hint':<26} {train['health']['hint']}")
     if train.get("candidates"):
-        lines += format_candidates(train["candidates"], train["chosen_candidate"],
-                                   "val mAP" if detector_training(train) else "val acc")
+        lines += format_candidates(train["candidates"], train["chosen_candidate"], score)
     return lines
 
 
@@ -66,11 +48,8 @@ SHOWN_CLASSES = 20  # per-class rows in the text summary; more classes: the weak
 
 
 def format_evaluation(evaluation: dict) -> list[str]:
-    """Verdict, baseline, macro figures, the per-class table and the top confusions."""
-    if "mean_iou" in evaluation:
-        return format_segmentation(evaluation)
-    if evaluation.get("metric") == "map":
-        return format_detection(evaluation)
+    """A classifier's: verdict, baseline, macro figures, the per-class table and the top
+    confusions (another model type formats its own: its report part's `formatters`)."""
     lines = [f"  {'verdict':<26} {evaluation['verdict']}",
              f"  {'baseline (majority class)':<26} {fmt(evaluation['baseline_accuracy'])} "
              f"(always {evaluation['baseline_class']!r}, from the {evaluation['baseline_source']})",
@@ -85,83 +64,18 @@ def format_evaluation(evaluation: dict) -> list[str]:
         title = f"class ({SHOWN_CLASSES} lowest F1 of {len(evaluation['per_class'])})"
     width = max(12, min(28, max(len(str(r["label"])) for r in rows)))
     lines.append(f"  {title:<{width}} {'precision':>9} {'recall':>8} {'f1':>8} {'support':>8}")
-    lines += [f"  {_clip(str(r['label']), width):<{width}} {r['precision']:>9.4f} "
+    lines += [f"  {clip(str(r['label']), width):<{width}} {r['precision']:>9.4f} "
               f"{r['recall']:>8.4f} {r['f1']:>8.4f} {r['support']:>8}" for r in rows]
     if evaluation["top_confusions"]:
         lines.append("  most frequent confusions (true → predicted):")
-        lines += [f"    {_clip(str(c['true']), 28)} → {_clip(str(c['predicted']), 28)}: "
+        lines += [f"    {clip(str(c['true']), 28)} → {clip(str(c['predicted']), 28)}: "
                   f"{c['count']}" for c in evaluation["top_confusions"]]
     lines += [f"  WARNING: {warning}" for warning in evaluation["warnings"]]
     return lines
 
 
-def format_segmentation(evaluation: dict) -> list[str]:
-    """A segmenter's: verdict, baseline, pixel figures and per-class IoU and Dice (the weakest
-    SHOWN_CLASSES when there are more)."""
-    lines = [f"  {'verdict':<26} {evaluation['verdict']}",
-             f"  {'baseline (majority class)':<26} mean IoU "
-             f"{fmt(evaluation['baseline_mean_iou'])}, pixel accuracy "
-             f"{fmt(evaluation['baseline_pixel_accuracy'])} (always "
-             f"{evaluation['baseline_class']!r}, from the {evaluation['baseline_source']})",
-             f"  {'pixel accuracy':<26} {fmt(evaluation['pixel_accuracy'])}",
-             f"  {'mean IoU':<26} {fmt(evaluation['mean_iou'])}",
-             f"  {'frequency-weighted IoU':<26} {fmt(evaluation['frequency_weighted_iou'])}"]
-    rows = [{"label": label, **row} for label, row in evaluation["per_class"].items()]
-    title = "class"
-    if len(rows) > SHOWN_CLASSES:
-        rows = sorted(rows, key=lambda r: (r["iou"] if r["iou"] is not None else 2.0))
-        rows, title = rows[:SHOWN_CLASSES], f"class ({SHOWN_CLASSES} lowest IoU of {len(rows)})"
-    width = max(12, min(28, max(len(str(r["label"])) for r in rows)))
-    lines.append(f"  {title:<{width}} {'IoU':>8} {'Dice':>8} {'pixels':>10}")
-    lines += [f"  {_clip(str(r['label']), width):<{width}} {_fixed(r['iou']):>8} "
-              f"{_fixed(r['dice']):>8} {r['pixels']:>10}" for r in rows]
-    lines += [f"  WARNING: {warning}" for warning in evaluation["warnings"]]
-    return lines
-
-
-DETECTION_FIGURES = (("map", "mAP@[.5:.95]"), ("map50", "mAP@.5"), ("map75", "mAP@.75"),
-                     ("recall_100", "recall@100 (AR)"), ("map_small", "mAP small (< 32²)"),
-                     ("map_medium", "mAP medium"), ("map_large", "mAP large (≥ 96²)"))
-
-
-def format_detection(evaluation: dict) -> list[str]:
-    """A detector's: verdict, the empty detector's mAP as the baseline, COCO's figures, and
-    per class AP, AP@.5, AP@.75, true and detected boxes (the lowest SHOWN_CLASSES APs when
-    there are more)."""
-    lines = [f"  {'verdict':<26} {evaluation['verdict']}",
-             f"  {'baseline (empty detector)':<26} mAP "
-             f"{fmt(evaluation.get('baseline_map', 0.0))} (finds nothing)"]
-    lines += [f"  {label:<26} {fmt(evaluation[key])}" for key, label in DETECTION_FIGURES
-              if evaluation.get(key) is not None]
-    lines.append(f"  {'boxes':<26} {evaluation.get('instances')} true in "
-                 f"{evaluation.get('images')} images, {evaluation.get('detections')} detected")
-    rows = list(evaluation.get("per_class") or [])
-    title = "class"
-    if len(rows) > SHOWN_CLASSES:
-        ranked = sorted(rows, key=lambda r: 2.0 if r["ap"] is None else r["ap"])
-        rows, title = ranked[:SHOWN_CLASSES], f"class ({SHOWN_CLASSES} lowest AP of {len(rows)})"
-    if rows:
-        width = max(12, min(28, max(len(str(r["label"])) for r in rows)))
-        lines.append(f"  {title:<{width}} {'AP':>8} {'AP@.5':>8} {'AP@.75':>8} {'boxes':>8} "
-                     f"{'detected':>9}")
-        lines += [f"  {_clip(str(r['label']), width):<{width}} {_fixed(r['ap']):>8} "
-                  f"{_fixed(r['ap50']):>8} {_fixed(r['ap75']):>8} {r['instances']:>8} "
-                  f"{r['detections']:>9}" for r in rows]
-    lines += [f"  WARNING: {warning}" for warning in evaluation.get("warnings") or []]
-    return lines
-
-
-def format_export(export: dict) -> list[str]:
-    """A detector's export check beyond the key rows: the NMS the graph runs."""
-    nms = export.get("nms")
-    if not isinstance(nms, dict):
-        return []
-    return [f"  {'NMS in the graph':<26} class-aware, suppress at IoU > "
-            f"{fmt(nms.get('iou_threshold'))}, keep score > {fmt(nms.get('score_threshold'))}, "
-            f"at most {nms.get('max_detections')} detections per image"]
-
-
-def _clip(text: str, width: int) -> str:
+def clip(text: str, width: int) -> str:
+    """`text` cut to `width` characters, an ellipsis marking the cut."""
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -196,7 +110,7 @@ def format_quantize_details(quantize: dict) -> list[str]:
                      f"{'fp32 ms':>8}  op types")
         lines += [f"  {'<- kept' if row['kept'] else '':<26} {row['accuracy_val']:>8.4f} "
                   f"{row['accuracy_val_fp32']:>8.4f} {row['latency_ms_p50']:>8.3g} "
-                  f"{row['latency_ms_p50_fp32']:>8.3g}  {_clip(', '.join(row['op_types']), 60)}"
+                  f"{row['latency_ms_p50_fp32']:>8.3g}  {clip(', '.join(row['op_types']), 60)}"
                   for row in quantize["op_sets"]]
     exclusion = quantize.get("exclusion") or {}
     if exclusion.get("requested") == "auto":
@@ -210,13 +124,13 @@ def format_quantize_details(quantize: dict) -> list[str]:
             before = step["excluded"]
             lines.append(f"  {k:<6} {step['accuracy_val']:>8.4f} {step['accuracy_val_fp32']:>8.4f}"
                          f" {step['latency_ms_p50']:>8.3g} {step['latency_ms_p50_fp32']:>8.3g}  "
-                         f"{_clip(', '.join(added) or '-', 60)}{mark}")
+                         f"{clip(', '.join(added) or '-', 60)}{mark}")
     elif exclusion.get("excluded"):
         lines.append(f"  {'kept in fp32':<26} {', '.join(exclusion['excluded'])}")
     if quantize.get("layers"):
         lines.append(f"  {'worst layers':<26} {'node':<32} {'op':<14} {'SQNR dB':>8} "
                      f"{'noise added':>11}")
-        lines += [f"  {'':<26} {_clip(r['node'], 32):<32} {r['op_type']:<14} "
+        lines += [f"  {'':<26} {clip(r['node'], 32):<32} {r['op_type']:<14} "
                   f"{r['sqnr_db']:>8.1f} {r['noise_added']:>11.3g}" for r in quantize["layers"]]
     return lines
 
@@ -256,9 +170,9 @@ def format_compression(section: dict) -> list[str]:
     for row in section["variants"]:
         lines.append(
             f"  {row['name']:<30} {_count(row.get('params')):>10} {_count(row.get('macs')):>12} "
-            f"{_scaled(row.get('size_bytes'), 1024, 1):>9} {_fixed(row.get('val_accuracy')):>8} "
-            f"{_fixed(row.get('test_accuracy')):>8} {_fixed(row.get('latency_ms'), 3):>9} "
-            f"{_fixed(row.get('speedup'), 2):>7}x  {'yes' if row.get('served') else ''}")
+            f"{_scaled(row.get('size_bytes'), 1024, 1):>9} {fixed(row.get('val_accuracy')):>8} "
+            f"{fixed(row.get('test_accuracy')):>8} {fixed(row.get('latency_ms'), 3):>9} "
+            f"{fixed(row.get('speedup'), 2):>7}x  {'yes' if row.get('served') else ''}")
     lines += [f"  {row['name']}: {row['verdict']}" for row in section["variants"][1:]]
     return lines
 
@@ -271,15 +185,15 @@ def _scaled(value: Any, unit: int, digits: int) -> str:
     return "n/a" if value is None else f"{value / unit:.{digits}f}"
 
 
-def _fixed(value: Any, digits: int = 4) -> str:
+def fixed(value: Any, digits: int = 4) -> str:
+    """A number to `digits` decimals; "n/a" for none."""
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def format_ttt(ttt: dict) -> list[str]:
-    """Accuracy without and with each adaptation method, clean and per corruption."""
+def format_ttt(ttt: dict, metric: str = "accuracy") -> list[str]:
+    """Accuracy (`metric`: the model type's score) without and with each adaptation method,
+    clean and per corruption."""
     methods = [m for m in ("bn", "tent") if ttt["clean"].get(f"accuracy_{m}") is not None]
-    metric = {"mean_iou": "mean IoU", "map": "mAP@[.5:.95]"}.get(ttt.get("metric", "accuracy"),
-                                                                  ttt.get("metric", "accuracy"))
     steps = f", tent steps {ttt['iterations']}" if "tent" in methods else ""
     lines = [f"  method {ttt['method']}, {ttt['mode']}, batches of {ttt['batch_size']}, "
              f"bn prior {ttt['bn_prior']:g}{steps}; {metric}:",

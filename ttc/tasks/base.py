@@ -21,6 +21,13 @@ class Parts:
     evaluation: str = "ttc.reporting.evaluation:evaluation_section"
     # (Config, Dataset) -> ttc.nets.program.TrainedModel: the training stage; a classifier's
     trainer: str = "ttc.nets.program:train_classifier"
+    # (the opened bundle) -> what serve.py and the Predictor answer for a row (predict_parts,
+    # answers, the V2 outputs, the tool's description: ttc/online/served.py says the shape); a
+    # classifier's: labels and probabilities
+    served: str = "ttc.online.served:ClassifierServing"
+    # a ttc.reporting.classifier_report.ClassifierReport: what its report shows (summary rows,
+    # page sections, evaluation labels, plots), which ttc/reporting asks; a classifier's
+    report: str = "ttc.reporting.classifier_report:REPORT"
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ class Task:
         return self.archs[0]
 
     def part(self, role: str) -> Any:
-        """The object of one of `parts` ("reader", "rows", "networks", "modules", "evaluation")."""
+        """The object of one of `parts` ("reader", "rows", "networks", "modules", "evaluation",
+        "trainer", "report")."""
         return resolve(getattr(self.parts, role))
 
     def graph_input(self, preprocessing: dict) -> dict:

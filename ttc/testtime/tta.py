@@ -9,7 +9,8 @@ A transform may give several views per sample (rotate:DEG gives ±DEG, shift:PX 
 window:N one per window of a long text); numpy views keep the index of the sample each came
 from (`owner`). The plain view is always
 included. Each transform also has a `random` form, used to train on the same distortions.
-Each transform name is one TransformSpec in TRANSFORMS; each merge rule, in numpy and as graph
+Each transform name is one class in transforms.py's TRANSFORMS (the vocabulary every model type
+shares; this module runs a classifier's compiled form); each merge rule, in numpy and as graph
 nodes, one entry of MERGES.
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -26,10 +26,13 @@ import numpy as np
 import onnx
 
 from ttc.testtime import tta_graph
-from ttc.inputs.preprocess import PAD_ID, real_tokens, trim_padding
+from ttc.inputs.preprocess import PAD_ID, trim_padding
 from ttc.serving.runtime import batches_of, best_of, create_session, session_runner
 from ttc.tasks.registry import TASKS, task_of_kind
-from ttc.testtime.tta_graph import GraphNodes, ViewBuilder
+from ttc.testtime.transforms import (TTATransform, Transform, accepted, pad_id,
+                                     parse_transform_specs as parse_entries)
+from ttc.testtime.transforms import transform as transform_named
+from ttc.testtime.tta_graph import ViewBuilder
 from utils import LOG, ConfigError
 
 if TYPE_CHECKING:
@@ -40,357 +43,25 @@ if TYPE_CHECKING:
 
 
 
-# ----------------------------------------------------------------------------- numpy views
-
-
-@lru_cache(maxsize=64)
-def _sampling_grid(height: int, width: int, matrix: tuple[float, ...]) -> tuple:
-    """Integer corners and bilinear weights for an affine resampling (cached: TTA reuses them)."""
-    ys, xs = np.meshgrid(np.arange(height) - (height - 1) / 2, np.arange(width) - (width - 1) / 2,
-                         indexing="ij")
-    src_y = np.clip(matrix[0] * ys + matrix[1] * xs + (height - 1) / 2, 0, height - 1)
-    src_x = np.clip(matrix[2] * ys + matrix[3] * xs + (width - 1) / 2, 0, width - 1)
-    y0, x0 = np.floor(src_y).astype(int), np.floor(src_x).astype(int)
-    y1, x1 = np.minimum(y0 + 1, height - 1), np.minimum(x0 + 1, width - 1)
-    return y0, x0, y1, x1, (src_y - y0).astype(np.float32), (src_x - x0).astype(np.float32)
-
-
-def _affine(x: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    """Resample NCHW images: output pixel p (centred coordinates) reads input matrix @ p,
-    bilinear, with the border replicated."""
-    _, _, height, width = x.shape
-    key = tuple(round(float(v), 9) for v in np.asarray(matrix).ravel())
-    y0, x0, y1, x1, wy, wx = _sampling_grid(height, width, key)
-    top = x[..., y0, x0] * (1 - wx) + x[..., y0, x1] * wx
-    bottom = x[..., y1, x0] * (1 - wx) + x[..., y1, x1] * wx
-    return (top * (1 - wy) + bottom * wy).astype(x.dtype)
-
-
-def _shift(x: np.ndarray, dy: int, dx: int) -> np.ndarray:
-    """Move the content dy pixels down and dx right, replicating the border."""
-    _, _, height, width = x.shape
-    padded = np.pad(x, ((0, 0), (0, 0), (abs(dy),) * 2, (abs(dx),) * 2), mode="edge")
-    top, left = abs(dy) - dy, abs(dx) - dx
-    return np.ascontiguousarray(padded[..., top:top + height, left:left + width])
-
-
-def _rotation(degrees: float) -> np.ndarray:
-    angle = np.deg2rad(degrees)
-    return np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
-
-
-def _zoom(factor: float, rng: np.random.Generator) -> np.ndarray:
-    """A random zoom between none and `factor` (> 1 zooms in: a centre crop of 1/factor)."""
-    return np.eye(2) / rng.uniform(min(1, factor), max(1, factor))
-
-
-def _brighten(x: np.ndarray, delta: float) -> np.ndarray:
-    return np.clip(x + np.float32(delta), 0, 1).astype(x.dtype)
-
-
-def _contrast(x: np.ndarray, factor: float) -> np.ndarray:
-    """Scale each image's deviation from its own mean."""
-    mean = x.mean(axis=(1, 2, 3), keepdims=True)
-    return np.clip((x - mean) * np.float32(factor) + mean, 0, 1).astype(x.dtype)
-
-
-def _maybe(fn: Callable[[np.ndarray], np.ndarray]) -> Callable:
-    """Random form of a fixed transform: applied to each sample with probability 1/2."""
-    def apply(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        chosen = rng.random(len(x)) < 0.5
-        out = x.copy()
-        out[chosen] = fn(x[chosen])
-        return out
-    return apply
-
-def _pad(pre: dict) -> int:
-    """The padding id of a text bundle's tokenizer (0 for ours; a Hugging Face one says)."""
-    return int(pre.get("pad_id", PAD_ID))
-
-
-def _drop_tokens(ids: np.ndarray, keep: np.ndarray, pre: dict) -> np.ndarray:
-    """Token ids with the unkept real tokens (preprocess.real_tokens: never padding, never a
-    [CLS]/[SEP]-like special token) set to the bundle's padding id, in place: the networks pool
-    over non-padding tokens, and an hf graph's attention mask is 0 at padding, so a dropped
-    token is simply gone. A text that would lose every real token keeps its first one. `keep`
-    is per position (L,) or per token (N, L)."""
-    real = real_tokens(ids, pre)
-    drop = real & ~keep[..., : ids.shape[1]].astype(bool)
-    emptied = np.flatnonzero(real.any(axis=1) & ~(real & ~drop).any(axis=1))
-    drop[emptied, real[emptied].argmax(axis=1)] = False
-    return np.where(drop, _pad(pre), ids).astype(ids.dtype)
-
-
-def _split_row(row: np.ndarray, pre: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A text's ids as (leading special tokens, its own tokens, trailing special tokens), the
-    padding left out: [CLS] … [SEP] for a BERT tokenizer, ([], tokens, []) for ours."""
-    real = np.flatnonzero(real_tokens(row[None], pre)[0])
-    used = np.flatnonzero(row != _pad(pre))
-    if not len(real):
-        return row[used], row[:0], row[:0]
-    end = used[-1] + 1
-    return row[:real[0]], row[real[0]:real[-1] + 1], row[real[-1] + 1:end]
-
-
-def _windows(ids: np.ndarray, size: int, pre: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Overlapping windows (stride size/2) over each text of more than `size` own tokens, each
-    wrapped in the text's special tokens (a window of a BERT text still starts with [CLS] and
-    ends with [SEP]): the views, right-padded, and the row each came from. Shorter texts have
-    no extra view."""
-    views, owners = [], []
-    stride = max(1, size // 2)
-    for i, row in enumerate(ids):
-        head, tokens, tail = _split_row(row, pre)
-        for start in (range(0, len(tokens) - size + 1, stride) if len(tokens) > size else ()):
-            views.append(np.concatenate([head, tokens[start:start + size], tail]))
-            owners.append(i)
-    if not views:
-        return np.zeros((0, 1), dtype=ids.dtype), np.zeros(0, dtype=np.int64)
-    width = max(len(v) for v in views)
-    padded = np.full((len(views), width), _pad(pre), dtype=ids.dtype)
-    for k, view in enumerate(views):
-        padded[k, : len(view)] = view
-    return padded, np.array(owners)
-
-
-def _random_window(x: np.ndarray, size: int, rng: np.random.Generator, pre: dict
-                   ) -> np.ndarray:
-    """Each text cut to `size` of its own tokens from a random start, its special tokens kept
-    (training's form of window:N; same width as x)."""
-    out = np.full_like(x, _pad(pre))
-    for i, row in enumerate(x):
-        head, tokens, tail = _split_row(row, pre)
-        start = rng.integers(0, max(1, len(tokens) - size + 1))
-        piece = np.concatenate([head, tokens[start:start + size], tail])
-        out[i, : len(piece)] = piece
-    return out
-
-
 # ----------------------------------------------------------------------------- transforms
 
-
-@dataclass(frozen=True)
-class Transform:
-    """One entry of --tta_transforms, built by its TransformSpec.
-
-    `views` (numpy) and `graph` (ONNX nodes, see tta_graph.py) give the same deterministic test
-    views: seeded transforms draw their noise or token mask once, from --seed, so a sample's TTA
-    result does not depend on the batch it comes in. `random` is the training-time form.
-    """
-
-    name: str
-    param: float | None
-    views: Callable[[np.ndarray], list[np.ndarray]]
-    random: Callable[[np.ndarray, np.random.Generator], np.ndarray]
-    graph: ViewBuilder | None  # None: no graph form (window: its view count depends on length)
-    count: int = 1  # views per sample (window: counted as one)
-    # seeded transforms: the drawn mask or noise, and the graph form of several stacked ones
-    constant: np.ndarray | None = None
-    stacked_graph: Callable[[GraphNodes, str, np.ndarray], str] | None = None
-    # views whose number depends on the sample (window), in place of `views`: (views, owners)
-    ragged: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
-    pad_id: int = PAD_ID  # token views: the padding id of the bundle's tokenizer
-
-    @property
-    def spec(self) -> str:
-        return self.name if self.param is None else f"{self.name}:{self.param:g}"
-
-
-# (name, parameter (None where it takes none), preprocessing, a generator seeded for this entry)
-Builder = Callable[[str, float, dict, np.random.Generator], Transform]
-
-
-def _fixed(view: Callable[[np.ndarray], np.ndarray], graph: Callable[[GraphNodes, str], str],
-           square: bool = False) -> Builder:
-    """A flip or turn: one view; `square`: only for square images."""
-    def build(name: str, value: float | None, pre: dict, seeded: np.random.Generator
-              ) -> Transform:
-        height, width = pre["image_size"]
-        if square and height != width:
-            raise ConfigError(f"TTA transform {name} needs square images, these are "
-                              f"{pre['image_size']}", "use rot180 or rotate:DEG")
-        return Transform(name, None, lambda x: [view(x)], _maybe(view), lambda g, x: [graph(g, x)])
-    return build
-
-
-def _turn(turns: int) -> Builder:
-    return _fixed(lambda x: np.rot90(x, turns, axes=(2, 3)).copy(),
-                  lambda g, x: tta_graph.rot90(g, x, turns), square=turns % 2 == 1)
-
-
-def _resampled(matrices: Callable[[float], list[np.ndarray]],
-               drawn: Callable[[float, np.random.Generator], np.ndarray]) -> Builder:
-    """rotate, crop, scale: one view per matrix; in training, one drawn matrix per batch."""
-    def build(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-        fixed = matrices(value)
-        grids = [tta_graph.affine_grid(*pre["image_size"], m) for m in fixed]
-        return Transform(name, value, lambda x: [_affine(x, m) for m in fixed],
-                         lambda x, rng: _affine(x, drawn(value, rng)),
-                         lambda g, x: [tta_graph.resample(g, x, grid) for grid in grids],
-                         count=len(fixed))
-    return build
-
-
-def _shifted(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-    """Four views: the content moved `value` pixels down, up, right and left."""
-    height, width = pre["image_size"]
-    step = int(value)
-    moves = [(step, 0), (-step, 0), (0, step), (0, -step)]
-    return Transform(name, value, lambda x: [_shift(x, dy, dx) for dy, dx in moves],
-                     lambda x, rng: _shift(x, *moves[rng.integers(4)]),
-                     lambda g, x: [tta_graph.shift(g, x, dy, dx, height, width)
-                                   for dy, dx in moves], count=4)
-
-
-def _brightened(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-    return Transform(name, value, lambda x: [_brighten(x, value), _brighten(x, -value)],
-                     lambda x, rng: _brighten(x, rng.uniform(-value, value)),
-                     lambda g, x: [tta_graph.brighten(g, x, value),
-                                   tta_graph.brighten(g, x, -value)], count=2)
-
-
-def _contrasted(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-    return Transform(name, value, lambda x: [_contrast(x, value)],
-                     lambda x, rng: _contrast(x, rng.uniform(min(1, value), max(1, value))),
-                     lambda g, x: [tta_graph.contrast(g, x, value)])
-
-
-def _token_dropout(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-    keep = seeded.random(int(pre.get("max_length", 512))) >= value
-    tokens = tta_graph.TokenIds(_pad(pre), _special_ids(pre))
-
-    def stacked(g: GraphNodes, x: str, keeps: np.ndarray) -> str:
-        return tta_graph.mask_tokens(g, x, keeps, tokens)
-
-    return Transform(name, value, lambda x: [_drop_tokens(x, keep, pre)],
-                     lambda x, rng: _drop_tokens(x, rng.random(x.shape) >= value, pre),
-                     lambda g, x: [stacked(g, x, keep[None])],
-                     constant=keep, stacked_graph=stacked, pad_id=_pad(pre))
-
-
-def _special_ids(pre: dict) -> tuple[int, ...]:
-    """The ids token-level views never drop besides padding (preprocess.real_tokens' rule)."""
-    return tuple(sorted({int(i) for i in pre.get("special_ids", ())
-                         if i != pre.get("unk_id") and i != _pad(pre)}))
-
-
-def _windowed(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-    size = int(value)
-    return Transform(name, value, lambda x: [],
-                     lambda x, rng: _random_window(x, size, rng, pre), None,
-                     ragged=lambda x: _windows(x, size, pre), pad_id=_pad(pre))
-
-
-def _jitter(name: str, value: float, pre: dict, seeded: np.random.Generator) -> Transform:
-    """Noise of `value` training standard deviations on numeric features (one fixed draw per
-    view); one-hot columns stay as they are."""
-    names = pre["feature_names"]
-    numeric = {c["name"] for c in pre["columns"] if c["type"] == "numeric"}
-    scale = np.array([s if n in numeric else 0.0 for n, s in zip(names, pre["std"])],
-                     dtype=np.float32) * value
-    noise = (seeded.standard_normal(len(names)).astype(np.float32) * scale).astype(np.float32)
-
-    def jitter(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        return (x + rng.standard_normal(x.shape).astype(np.float32) * scale).astype(np.float32)
-
-    return Transform(name, value, lambda x: [x + noise], jitter,
-                     lambda g, x: [tta_graph.add_vectors(g, x, noise[None])],
-                     constant=noise, stacked_graph=tta_graph.add_vectors)
-
-
-@dataclass(frozen=True)
-class TransformSpec:
-    """A name --tta_transforms takes: the model kinds it is for, its parameter's valid range and
-    meaning (check None: it takes none), and its builder (None: identity, the plain view)."""
-
-    name: str
-    kinds: tuple[str, ...]
-    build: Builder | None
-    check: Callable[[float], bool] | None = None
-    meaning: str = ""
-    aliases: tuple[str, ...] = ()
-
-
-IMAGE, TEXT, TABULAR = ("image",), ("text",), ("tabular",)
-# Adding a transform is adding its entry here (and naming it in ttc/options/tta.py's --tta_transforms help).
-TRANSFORMS: tuple[TransformSpec, ...] = (
-    TransformSpec("identity", IMAGE + TEXT + TABULAR, None),
-    TransformSpec("hflip", IMAGE, _fixed(lambda x: x[..., ::-1].copy(),
-                                         lambda g, x: tta_graph.flip(g, x, [3])),
-                  aliases=("flip",)),
-    TransformSpec("vflip", IMAGE, _fixed(lambda x: x[..., ::-1, :].copy(),
-                                         lambda g, x: tta_graph.flip(g, x, [2]))),
-    TransformSpec("rot90", IMAGE, _turn(1)),
-    TransformSpec("rot180", IMAGE, _turn(2)),
-    TransformSpec("rot270", IMAGE, _turn(3)),
-    TransformSpec("rotate", IMAGE, _resampled(lambda v: [_rotation(v), _rotation(-v)],
-                                              lambda v, rng: _rotation(rng.uniform(-v, v))),
-                  lambda v: 0 < v < 180, "degrees in (0, 180)"),
-    TransformSpec("shift", IMAGE, _shifted, lambda v: v >= 1 and v == int(v), "whole pixels ≥ 1"),
-    TransformSpec("crop", IMAGE, _resampled(lambda v: [np.eye(2) * v],
-                                            lambda v, rng: _zoom(1 / v, rng)),
-                  lambda v: 0 < v < 1, "a fraction in (0, 1)"),
-    TransformSpec("scale", IMAGE, _resampled(lambda v: [np.eye(2) * (1 / v)], _zoom),
-                  lambda v: 0.25 <= v <= 4 and v != 1, "a factor in [0.25, 4], not 1"),
-    TransformSpec("brightness", IMAGE, _brightened, lambda v: 0 < v < 1, "a delta in (0, 1)"),
-    TransformSpec("contrast", IMAGE, _contrasted, lambda v: 0 < v <= 4 and v != 1,
-                  "a factor in (0, 4], not 1"),
-    TransformSpec("token_dropout", TEXT, _token_dropout, lambda v: 0 < v < 1,
-                  "a probability in (0, 1)"),
-    TransformSpec("window", TEXT, _windowed, lambda v: v >= 2 and v == int(v),
-                  "a whole number of tokens ≥ 2"),
-    TransformSpec("jitter", TABULAR, _jitter, lambda v: 0 < v <= 5,
-                  "a standard deviation in (0, 5]"),
-)
-REGISTRY: dict[str, dict[str, TransformSpec]] = {
-    kind: {spec.name: spec for spec in TRANSFORMS if kind in spec.kinds}
-    for kind in (task.kind for task in TASKS)}
-ALIASES = {alias: spec.name for spec in TRANSFORMS for alias in spec.aliases}
+# The transforms themselves, one class each, are the one vocabulary every model type shares
+# (transforms.py); a classifier runs their compiled form (transforms.Transform).
+REGISTRY: dict[str, dict[str, type[TTATransform]]] = {
+    task.kind: accepted(task.kind) for task in TASKS}
 
 
 def parse_transform_specs(text: str, kind: str) -> list[tuple[str, float | None]]:
-    """'hflip,rotate:10' → [('hflip', None), ('rotate', 10.0)]; exit 2 on anything invalid."""
-    registry = REGISTRY[kind]
-    valid = ", ".join(n + (":X" if spec.check else "") for n, spec in registry.items())
-    given = text or task_of_kind(kind).default_tta
-    if not given:
-        raise ConfigError(f"TTA has no default transforms for {kind} models",
-                          f"name them with --tta_transforms (valid: {valid})")
-    parsed = []
-    for item in filter(None, (p.strip() for p in given.split(","))):
-        name, _, raw = item.partition(":")
-        name = ALIASES.get(name.strip().lower(), name.strip().lower())
-        if name not in registry:
-            raise ConfigError(f"unknown TTA transform {item!r} for {kind} models",
-                              f"valid: {valid}")
-        spec = registry[name]
-        if (spec.check is not None) != bool(raw):
-            raise ConfigError(f"TTA transform {item!r} " + ("needs a parameter" if spec.check
-                              else "takes no parameter"), f"valid: {valid}")
-        if spec.build is not None:
-            parsed.append((name, None if spec.check is None else _parameter(spec, item, raw)))
-    return parsed
-
-
-def _parameter(spec: TransformSpec, item: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not spec.check(value):  # type: ignore[misc]
-        raise ConfigError(f"TTA transform {item!r}: the parameter must be {spec.meaning}",
-                          f"e.g. {spec.name}:{'0.1' if '(0, 1)' in spec.meaning else '2'}")
-    return value
+    """'hflip,rotate:10' → [('hflip', None), ('rotate', 10.0)]; exit 2 on anything invalid (an
+    empty text is the model type's default_tta)."""
+    return parse_entries(text, kind, task_of_kind(kind).default_tta)
 
 
 def build_transforms(text: str, preprocessing: dict, seed: int = 0) -> list[Transform]:
     """The transforms of a --tta_transforms list; seeded ones draw from `seed`, each its own."""
     kind = preprocessing["kind"]
-    transforms = []
-    for k, (name, value) in enumerate(parse_transform_specs(text, kind)):
-        build: Builder = REGISTRY[kind][name].build  # type: ignore[assignment]
-        transforms.append(build(name, value, preprocessing, np.random.default_rng([seed, k])))
-    return transforms
+    return [transform_named(name, value).compile(preprocessing, np.random.default_rng([seed, k]))
+            for k, (name, value) in enumerate(parse_transform_specs(text, kind))]
 
 
 def view_sets(x: np.ndarray, transforms: Sequence[Transform]
@@ -854,5 +525,5 @@ def _probe_ids(pre: dict, batch_size: int, rng: np.random.Generator) -> np.ndarr
     length = min(32, int(pre.get("max_length", 32)))
     vocab = int(pre.get("vocab_size", 2))
     ids = rng.integers(0, vocab, (batch_size, length))
-    reserved = [_pad(pre), *pre.get("special_ids", ())]
+    reserved = [pad_id(pre), *pre.get("special_ids", ())]
     return np.where(np.isin(ids, reserved), int(pre.get("unk_id", 1)), ids).astype(np.int64)

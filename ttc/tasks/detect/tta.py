@@ -1,11 +1,16 @@
 """Box-fusing test-time augmentation for a detector, in one graph (issue 44, item 5): each view
 transforms the images, the network and its decoding (nms.DetectionCandidates) run on the view,
 and the view maps its candidate boxes back onto the input's pixels; fusion.py then merges the
-views' detections inside the graph. The views are the segmenter's (`--tta_transforms`, read by
-ttc/tasks/segment/views.py): `hflip`, `vflip`, `scale:F[,F...]`, the identity always first.
+views' detections inside the graph. The views are the shared TTA vocabulary's
+(ttc/testtime/transforms.py, one class per transform: the ones that map boxes back, e.g.
+`hflip`, `vflip`, `rot90`, `rot180`, `rot270`, `shift:PX`, `scale:F[,F...]`, `brightness:D`,
+`contrast:F`), read by ttc/tasks/segment/views.py; the identity always first.
 
 Mapping back, for a view of size (h, w) of an input of size (H, W):
 - hflip: x → W - x (so x1' = W - x2, x2' = W - x1); vflip: y → H - y;
+- rot90 (counter-clockwise, a view of size (W, H)): the view's (x, y) is the input's (W - y, x);
+  rot270: (y, H - x); rot180: (W - x, H - y); the graph takes any size, so a non-square image
+  is turned as it is;
 - scale:F: the image is resized bilinearly to (floor(H F), floor(W F)) with the pixel grid of
   that real size (recompute_scale_factor, as ONNX Resize with sizes), so a view's pixel
   coordinate u is the input's u W / w: x × W / w, y × H / h (not 1 / F, which differs by the
@@ -18,74 +23,23 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ttc.tasks.detect.fusion import (FUSION_IOU, FusionSettings, fuse_candidates,
                                      view_output_names)
 from ttc.tasks.detect.nms import DetectionCandidates, export_candidates
+from ttc.testtime.transforms import View, image_views
 
 Detections = tuple[np.ndarray, np.ndarray, np.ndarray]  # boxes (M, 4), scores (M,), labels (M,)
 
 
-class Identity(nn.Module):
-    """A view: `forward` transforms the images, `back` maps boxes (N, A, 4) xyxy found in the
-    view (of spatial size `seen`) onto the input's pixels (of size `size`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def back(self, boxes: torch.Tensor, seen: Sequence, size: Sequence) -> torch.Tensor:
-        return boxes
-
-
-class HorizontalFlip(Identity):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.flip(-1)
-
-    def back(self, boxes: torch.Tensor, seen: Sequence, size: Sequence) -> torch.Tensor:
-        x1, y1, x2, y2 = boxes.unbind(-1)
-        return torch.stack([size[1] - x2, y1, size[1] - x1, y2], dim=-1)
-
-
-class VerticalFlip(Identity):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.flip(-2)
-
-    def back(self, boxes: torch.Tensor, seen: Sequence, size: Sequence) -> torch.Tensor:
-        x1, y1, x2, y2 = boxes.unbind(-1)
-        return torch.stack([x1, size[0] - y2, x2, size[0] - y1], dim=-1)
-
-
-class Rescale(Identity):
-    """The image resized by `factor` (bilinear, on the grid of its real size); boxes scaled by
-    the real size ratio back."""
-
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.interpolate(x, scale_factor=self.factor, mode="bilinear", align_corners=False,
-                             recompute_scale_factor=True)
-
-    def back(self, boxes: torch.Tensor, seen: Sequence, size: Sequence) -> torch.Tensor:
-        x1, y1, x2, y2 = boxes.unbind(-1)
-        sx, sy = size[1] / seen[1], size[0] / seen[0]
-        return torch.stack([x1 * sx, y1 * sy, x2 * sx, y2 * sy], dim=-1)
-
-
-VIEWS = {"identity": Identity, "hflip": HorizontalFlip, "vflip": VerticalFlip}
-
-
-def parse_box_views(spec: str) -> list[Identity]:
-    """`hflip,scale:0.75,1.25` → the views' modules, the identity first (the spec read by
+def parse_box_views(spec: str) -> list[View]:
+    """`hflip,rot90,scale:0.75,1.25` → the views, the identity first (the spec read by
     segment/views.py; an empty one is the detector's default: flags.detector_views)."""
     from ttc.tasks.detect.flags import detector_views
     from ttc.tasks.segment.views import parse_view_specs
 
-    return [Rescale(factor) if name == "scale" else VIEWS[name]()
-            for name, factor in parse_view_specs(detector_views(spec), task="detection")]
+    return image_views(parse_view_specs(detector_views(spec), task="detection")[1:], "boxes")
 
 
 class ViewCandidates(nn.Module):
@@ -93,22 +47,22 @@ class ViewCandidates(nn.Module):
     (boxes (N, A_v, 4), scores (N, K, A_v)), as 2V outputs: boxes of view 0, scores of view 0,
     boxes of view 1, ... (fusion.view_output_names)."""
 
-    def __init__(self, net: nn.Module, views: Sequence[Identity]) -> None:
+    def __init__(self, net: nn.Module, views: Sequence[View]) -> None:
         super().__init__()
         self.candidates = DetectionCandidates(net)
-        self.views = nn.ModuleList(views)
+        self.views = list(views)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         size = x.shape[-2:]
         outputs: list[torch.Tensor] = []
         for view in self.views:
-            seen = view(x)
+            seen = view.augment(x)
             boxes, scores = self.candidates(seen)
-            outputs += [view.back(boxes, seen.shape[-2:], size), scores]
+            outputs += [view.deaugment_boxes(boxes, seen.shape[-2:], size), scores]
         return tuple(outputs)
 
 
-def export_view_candidates(net: nn.Module, views: Sequence[Identity], example: np.ndarray,
+def export_view_candidates(net: nn.Module, views: Sequence[View], example: np.ndarray,
                            opset: int) -> onnx.ModelProto:
     """ViewCandidates exported by torch.onnx.export (dynamo) with dynamic batch, height and
     width: input "image", the 2V outputs fusion.view_output_names names (export.py slims it
@@ -117,7 +71,7 @@ def export_view_candidates(net: nn.Module, views: Sequence[Identity], example: n
                              output_names=view_output_names(len(views)))
 
 
-def tta_reference(net: nn.Module, views: Sequence[Identity], settings: FusionSettings
+def tta_reference(net: nn.Module, views: Sequence[View], settings: FusionSettings
                   ) -> Callable[[np.ndarray], list[Detections]]:
     """The TTA graph's computation in eager PyTorch and numpy (the export's check): the views'
     candidates, then fusion.fuse_candidates, per image."""

@@ -52,7 +52,9 @@ TASK = ImageSegmenter(
                 networks="ttc.tasks.segment.nets:SEGMENTATION_NETWORKS",
                 modules="ttc.tasks.segment.nets:SEGMENTATION_MODULES",
                 evaluation="ttc.tasks.segment.evaluate:evaluation_section",
-                trainer="ttc.tasks.segment.training:train_segmenter"),
+                trainer="ttc.tasks.segment.training:train_segmenter",
+                report="ttc.tasks.segment.report:REPORT",
+                served="ttc.tasks.segment.served:SegmenterServing"),
     regularisation={"unet": Regularisation(0.1, 1e-4, source="ours"),
                     **{arch: Regularisation(None, 1e-4, source="torchvision's own dropout")
                        for arch in _TORCHVISION}},

@@ -1,39 +1,34 @@
-"""A segmenter's `--tta_transforms` read without torch (config.py validates it before any heavy
-import; tta.py builds the views' modules from the result): `hflip`, `vflip`, `scale:F[,F...]`
-(each F a factor in (0, 4] other than 1, e.g. `scale:0.75,1.25`). The identity view is implied
-and always first."""
+"""A segmenter's (and a detector's) `--tta_transforms` read without torch (config.py validates it
+before any heavy import; tta.py builds the views from the result). The names are the one TTA
+vocabulary (ttc/testtime/transforms.py): every transform that can map a mask back, e.g. `hflip`,
+`vflip`, `rot90`, `rot180`, `rot270`, `shift:PX`, `scale:F[,F...]` (F in (0, 4], not 1),
+`brightness:D`, `contrast:F`. The identity view is implied and always first."""
 from __future__ import annotations
 
+from ttc.testtime.transforms import accepted, parse_transform_specs
 from utils import ConfigError
 
-MAX_SCALE = 4.0
-VIEW_NAMES = "hflip, vflip, scale:F[,F...] (0 < F <= 4)"
-DEFAULT_VIEWS = "hflip"
+DEFAULT_VIEWS = "hflip"  # the TASK entry's default_tta
 
 ViewSpec = tuple[str, float | None]  # ("hflip", None), ("scale", 0.75)
 
 
+def view_names(task: str = "segmentation") -> str:
+    """The transforms a model type of this task takes, as its errors list them."""
+    return ", ".join(n + (":X" if cls.meaning else "") for n, cls in accepted(task).items())
+
+
 def parse_view_specs(spec: str, task: str = "segmentation") -> list[ViewSpec]:
-    """`hflip,vflip,scale:0.75,1.25` → [("identity", None), ("hflip", None), ("vflip", None),
-    ("scale", 0.75), ("scale", 1.25)]. A bare number after a scale continues it. An empty
-    spec is the default (DEFAULT_VIEWS). `task` names the model type's views in the errors
-    (a detector's are these too: ttc/tasks/detect/tta.py)."""
-    spec = spec or DEFAULT_VIEWS
-    views: list[ViewSpec] = [("identity", None)]
-    scaling = False
-    for word in (w.strip() for w in spec.split(",")):
-        if word in ("hflip", "vflip"):
-            views.append((word, None))
-            scaling = False
-        elif word.startswith("scale:") or (scaling and word):
-            views.append(("scale", _factor(word.removeprefix("scale:"), spec)))
-            scaling = True
-        elif word:
-            raise ConfigError(f"--tta_transforms {spec!r}: {word!r} is not a {task} view",
-                              f"use {VIEW_NAMES}")
-    if len(views) == 1:
-        raise ConfigError(f"--tta_transforms {spec!r} names no view", f"use {VIEW_NAMES}")
-    return views
+    """`hflip,rot90,scale:0.75,1.25` → [("identity", None), ("hflip", None), ("rot90", None),
+    ("scale", 0.75), ("scale", 1.25)]. A bare number after a scale continues it. An empty spec
+    is the default (DEFAULT_VIEWS). `task` ("segmentation" or "detection", a model kind) says
+    which transforms fit: those that can map its masks or boxes back (exit 2 otherwise, naming
+    the ones it takes)."""
+    entries = parse_transform_specs(spec, task, DEFAULT_VIEWS)
+    if not entries:
+        raise ConfigError(f"--tta_transforms {spec!r} names no view",
+                          f"valid: {view_names(task)}")
+    return [("identity", None), *entries]
 
 
 def check_segmenter_flags(config) -> None:
@@ -61,14 +56,3 @@ def views_text(views: list[ViewSpec]) -> str:
     """The views as the manifest and report name them (the identity left implicit)."""
     return ",".join(name if factor is None else f"{name}:{factor:g}"
                     for name, factor in views[1:])
-
-
-def _factor(text: str, spec: str) -> float:
-    try:
-        factor = float(text)
-    except ValueError:
-        factor = float("nan")
-    if not 0 < factor <= MAX_SCALE or factor == 1:
-        raise ConfigError(f"--tta_transforms {spec!r}: scale {text!r} is not a factor in "
-                          f"(0, {MAX_SCALE:g}] other than 1", "e.g. scale:0.75,1.25")
-    return factor
