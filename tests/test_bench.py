@@ -20,6 +20,7 @@ SHARED_HELPERS = {"common.py"}
 
 # script → words its printed table, ratios or goals must contain
 PRINTS = {
+    "device_check.py": ("samples/s", "x CPU", "goals:", "not measured", "checks: all passed"),
     "archs.py": ("arch", "params", "int8 speed-up", "bn-TTT shifted", "small_cnn"),
     "batch_scale.py": ("tabular (30 features)", "text (SMS)", "peak RSS", "raw session.run",
                        "a prediction run imports"),
