@@ -29,6 +29,7 @@ from ttc.options.quantize import QuantizeFlags
 from ttc.options.serve import ServeFlags
 from ttc.options.sessions import RuntimeFlags
 from ttc.options.shift import ShiftFlags
+from ttc.options.spelling import first_unknown_flag, unknown_flag_message, with_underscores
 from ttc.options.teacher import TeacherFlags
 from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, TrainingFlags,
                                   is_hf_arch)
@@ -126,24 +127,17 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
 
     def validate_tta(self, model_type: str) -> None:
         """--tta_transforms and --eval_shift against the model type (known from the flags, or
-        from a bundle), after the flags that model type does not take (Task.refused_flags); a
-        segmenter's --input mask folder."""
+        from a bundle), after the flags that model type does not take (Task.refused_flags) and
+        its own checks (Parts.flag_checks: a segmenter's, with its --input mask folder)."""
         self.refuse_flags_for(model_type)
-        if task_for(model_type).dense:
-            from ttc.tasks.segment.views import check_segmenter_flags
+        task = task_for(model_type)
+        task.part("flag_checks")(self)
+        if self.tta or self.tta_transforms:  # the one vocabulary: the transforms its kind takes
+            from ttc.testtime.transforms import parse_transform_specs
 
-            check_segmenter_flags(self)
-            self.check_input_folders(segmenter=True)
-        elif task_for(model_type).kind == "detection":
-            from ttc.tasks.detect.flags import check_detector_flags
-
-            check_detector_flags(self)
-        elif self.tta or self.tta_transforms:
-            from ttc.testtime.tta import parse_transform_specs
-
-            parse_transform_specs(self.tta_transforms, task_for(model_type).kind)
+            parse_transform_specs(self.tta_transforms, task.kind, task.default_tta)
         if self.eval_shift:
-            self.shift_names(task_for(model_type).kind)
+            self.shift_names(task.kind)
 
     def refuse_flags_for(self, model_type: str) -> None:
         """A flag given with a value other than its default that `model_type` does not take
@@ -304,7 +298,23 @@ if Config.__bases__ != STAGES[::-1]:  # dataclasses order the fields from the la
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit code 2."""
+    """argparse, but a usage error is one line on stderr and exit code 2; a flag is taken only
+    whole (no abbreviations: a flag added later must not change what a script's `--epoch`
+    meant), in its dashed spelling too (`--dataset-path`), and a flag the script does not have
+    is refused naming the flags probably meant (ttc/options/spelling.py)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None):
+        known = self._option_string_actions
+        argv = with_underscores(sys.argv[1:] if args is None else args, known)
+        unknown = first_unknown_flag(argv, known)
+        if unknown is not None:
+            self.error(unknown_flag_message(unknown, known))
+        return super().parse_known_args(argv, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")

@@ -13,8 +13,8 @@ from typing import Sequence
 
 from config import build_parser, start_cli
 from ttc.serving.bundle import BundlePaths
-from report import preload_plots, run_with_report
-from utils import LOG, exit_cli, run_cli
+from ttc.reporting.run import preload_plots, run_with_report
+from utils import exit_cli, run_cli
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):
@@ -37,43 +37,11 @@ exit codes: 0 ok, 2 usage or config error, 3 data error, 4 export or validation 
 5 runtime or execution-provider failure, 130 interrupted"""
 
 
-def torch_variant(net, paths: BundlePaths):
-    """PyTorch eager fp32 on the CPU, the baseline row of the benchmark table."""
-    import torch
-
-    from inference import Variant
-    from ttc.nets.models import WithProbabilities
-
-    wrapper = WithProbabilities(net).eval()
-
-    def predict(batch):
-        with torch.no_grad():
-            return wrapper(torch.from_numpy(batch))[1].numpy()
-
-    return Variant("pytorch eager fp32", "torch cpu", paths.weights.stat().st_size, predict)
-
-
-def train_ensemble_members(config, dataset, first) -> list:
-    """--ensemble_size N: N − 1 more networks on the same data, seeds --seed+1, ..., at the
-    learning rate the candidate search chose for the first."""
-    from dataclasses import replace
-
-    from ttc.nets.program import train_classifier
-
-    members = []
-    for k in range(1, config.ensemble_size):
-        LOG.info("ensemble member %d of %d (seed %d)", k + 1, config.ensemble_size,
-                 config.seed + k)
-        member_config = replace(config, seed=config.seed + k, learning_rate=first.learning_rate,
-                                lr_candidates=None, num_candidates=1)
-        members.append(train_classifier(member_config, dataset).net)
-    return members
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(
-        "pipeline", "Train an image, text or tabular classifier, export it to a validated ONNX "
-        "model bundle, and measure it with ONNX Runtime.",
+        "pipeline", "Train an image, text or tabular classifier, a semantic segmenter of images "
+        "or an object detector, export it to a validated ONNX model bundle, and measure it with "
+        "ONNX Runtime.",
         required=["dataset_path", "output_model"], epilog=EXAMPLE)
     config = start_cli(parser, argv)
     config.validate_tta(config.model_type)
@@ -84,18 +52,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def stages(report: dict) -> None:
         if config.device.startswith("cuda"):  # a GPU that is not there: before the data
-            from train import check_training_device
+            from ttc.training.stage import check_training_device
 
             check_training_device(config)
         dataset = load_dataset(DataOptions.from_config(config))
         report["dataset"] = dataset.report_section()
         # Heavy imports only once the flags and the data are known to be good: a typo or a bad
         # file fails in a fraction of a second, not after seconds of importing torch and DSPy.
-        from export import export_bundle, export_compressed
-        from inference import run_on_bundle
-        from quantize import fp16_bundle, judge_compressed, quantize_bundle
-        from ttc.nets.program import set_torch_threads  # imports torch and DSPy
-        from train import build_manifest, cap_batch_size, train_stage
+        from ttc.convert.bundle import export_bundle
+        from ttc.convert.compressed import export_compressed
+        from ttc.online.evaluate import run_on_bundle
+        from ttc.compress.quantization import fp16_bundle, judge_compressed, quantize_bundle
+        from ttc.training.stage import (build_manifest, cap_batch_size, torch_variant,
+                                        train_ensemble_members, train_stage)
+        from ttc.nets.training import set_torch_threads  # imports torch and DSPy
         from utils import quiet_library_loggers
 
         quiet_library_loggers()  # after DSPy's import, which resets loggers

@@ -21,7 +21,7 @@ def quiet_single_thread() -> None:
     setup_logging("ERROR")
     import torch
 
-    from ttc.nets import program  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
+    from ttc.nets import dspy_program  # noqa: F401 - imports dspy, which resets its loggers: quiet them after
 
     quiet_library_loggers()
     torch.set_num_threads(1)
@@ -30,9 +30,9 @@ def quiet_single_thread() -> None:
 def train_bundle(config: Config):
     """Train and export; returns (dataset, trained model, bundle paths, export result)."""
     from ttc.inputs.data import DataOptions, load_dataset
-    from export import export_bundle
-    from ttc.nets.program import train_classifier
-    from train import build_manifest
+    from ttc.convert.bundle import export_bundle
+    from ttc.nets.training import train_classifier
+    from ttc.training.stage import build_manifest
 
     dataset = load_dataset(DataOptions.from_config(config))
     trained = train_classifier(config, dataset)

@@ -246,7 +246,7 @@ def profile_input(model: Path, data: Path, batch_size: int, threads: int) -> Non
     (cProfile sees one thread): the cumulative seconds of each stage."""
     from ttc.serving import batch
     from config import Config as RunConfig
-    from inference import predict_new_data
+    from ttc.online.predict import predict_new_data
     from ttc.serving.bundle import BundlePaths
 
     config = RunConfig(output_model=str(model), input=str(data), batch_size=batch_size,

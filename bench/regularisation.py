@@ -100,7 +100,8 @@ def train_and_score(case: Case, setting: str, seed: int, epochs: int, own: str
     of one training run (`plain`: the AdamW loop, no gap)."""
     quiet_single_thread()
     from ttc.inputs.data import DataOptions, load_dataset
-    from ttc.nets.program import split_accuracy, train_classifier
+    from ttc.nets.dspy_program import split_accuracy
+    from ttc.nets.training import train_classifier
 
     config = config_for(case, setting, seed, epochs, own)
     dataset = load_dataset(DataOptions.from_config(config))
@@ -122,7 +123,7 @@ def plain_adamw_loop(config: Config, dataset):
     import torch.nn.functional as F
 
     from ttc.nets.models import build_model
-    from ttc.nets.program import network_architecture
+    from ttc.nets.training import network_architecture
 
     torch.manual_seed(config.seed)
     net = build_model(network_architecture(config, dataset), dataset.preprocessing)

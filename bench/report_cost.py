@@ -8,7 +8,7 @@ with its pictures (`--report_json R.json`: the plots beside it, the page) and wi
 differences, and the in-run time of the drawing step (`seconds_visuals`) and of the evaluation section. On a
 shared machine identical runs of the main job vary by seconds, more than the pictures cost, so
 it also measures the pictures' own work directly: in a fresh interpreter, importing matplotlib
-and plots.py (in a run, a thread does this during training: report.preload_plots) and drawing
+and plots.py (in a run, a thread does this during training: ttc.reporting.run.preload_plots) and drawing
 the plots and the page of the last run's report. --quick: one run of each, 1 epoch.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ COLD_DRAW = """
 import json, sys, tempfile, time
 from pathlib import Path
 started = time.perf_counter()
-import report
+from ttc.reporting import run as report
 from ttc.reporting import plots
 imported = time.perf_counter()
 data = json.loads(Path(sys.argv[1]).read_text())

@@ -33,9 +33,9 @@ def digits_table(folder: Path) -> str:
 
 
 def measure(name: str, config: Config) -> None:
-    from inference import benchmark_variants, bundle_variants
-    from pipeline import torch_variant
-    from quantize import quantize_bundle
+    from ttc.online.evaluate import benchmark_variants, bundle_variants
+    from ttc.training.stage import torch_variant
+    from ttc.compress.quantization import quantize_bundle
 
     dataset, trained, paths, _ = train_bundle(config)
     x, y = dataset.test.x, dataset.test.y

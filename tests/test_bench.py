@@ -26,6 +26,7 @@ PRINTS = {
                        "a prediction run imports"),
     "calibration.py": ("builtin:digits: test split", "under shift", "SMS (sms_standin.tsv)",
                        "with the tool's choice ≤ without T"),
+    "compare_runs.py": ("iris: ", "report values compared, 0 differ", "model.pt: same tensors"),
     "compress.py": ("variant", "speed-up", "served", "pruned_qat",
                     "improve on post-training int8"),
     "detect.py": ("test mAP@[.5:.95]", "ONNX vs PyTorch gap", "images differing at batch",

@@ -96,7 +96,7 @@ def test_an_imagenet_stem_for_large_images_and_mc_dropout_refused_without_dropou
     assert small.body.features[0][0].stride == (1, 1)
     assert small.body.features[0][0].in_channels == 1
     from config import Config
-    from export import validation_tolerance
+    from ttc.convert.checking import validation_tolerance
 
     for arch, atol in (("efficientnet_b0", 1e-3), ("resnet18", 1e-4), (None, 1e-4)):
         assert validation_tolerance(Config(), {"architecture": {"arch": arch}}) == atol

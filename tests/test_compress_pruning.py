@@ -180,7 +180,7 @@ def test_kept_channels_are_rounded_to_the_nearest_multiple():
 
 
 def onnx_graph(net: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
-    from export import export_graph, slim_graph
+    from ttc.convert.tracing import export_graph, slim_graph
 
     spec = InputSpec(name="pixels", shape=("batch", *x.shape[1:]), dtype="float32")
     return slim_graph(export_graph(net, x.numpy(), 18, spec, ["logits", "probabilities"]))

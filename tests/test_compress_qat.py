@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from ttc.compress import qat  # first: registers the quantize ops before any export
-import export
+from ttc.convert import tracing
 from ttc.nets.hf import HFTextNet
 from ttc.nets.models import SmallCNN, TabularMLP, TextCNN, UserNetwork, user_architecture
 from ttc.serving.manifest import InputSpec
@@ -48,10 +48,10 @@ def fine_tune(net: nn.Module, x: torch.Tensor, y: torch.Tensor, passes: int = 2,
 
 
 def qdq_graph(qat_net: nn.Module, x: torch.Tensor, spec: InputSpec) -> onnx.ModelProto:
-    exporter = functools.partial(export.export_graph, opset=18, input_spec=spec,
+    exporter = functools.partial(tracing.export_graph, opset=18, input_spec=spec,
                                  output_names=OUTPUTS)
-    graph = export.slim_graph(qat.export_qdq(qat_net, x[:4].numpy(), exporter))
-    export.check_graph(graph)
+    graph = tracing.slim_graph(qat.export_qdq(qat_net, x[:4].numpy(), exporter))
+    tracing.check_graph(graph)
     return graph
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from quantize import VariantResult, cpu_section, judge
+from ttc.compress.judging import VariantResult, cpu_section, judge
 from ttc.serving.runtime import cpu_info
 
 INTEL_VNNI = "".join(f"processor\t: {k}\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) "

@@ -287,7 +287,7 @@ def tta_graph() -> tuple[torch.nn.Module, list, FusionSettings, onnx.ModelProto]
     """A random-weight CenterNet (its heatmap's last layer scaled up, so that scores spread
     over (0.1, 0.7) rather than sit at the prior) under hflip and a scale, exported with its
     fusion."""
-    from export import slim_graph
+    from ttc.convert.tracing import slim_graph
     from ttc.tasks.detect.nets import CenterNet
 
     torch.manual_seed(0)

@@ -189,7 +189,7 @@ def linear_graph():
     """A 4 → 3 linear classifier and its exported, slimmed graph."""
     import torch
 
-    from export import export_graph, slim_graph
+    from ttc.convert.tracing import export_graph, slim_graph
     from ttc.serving.bundle import InputSpec
 
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def linear_graph():
 
 
 def _compare(net, graph, samples):
-    from export import compare_with_torch
+    from ttc.convert.checking import compare_with_torch
     from ttc.serving.bundle import InputSpec
 
     spec = InputSpec.from_dict({"name": "features", "dtype": "float32", "shape": ["batch", 4]})
@@ -246,7 +246,7 @@ def test_numeric_check_sorts_non_finite_and_huge_outputs_by_cause(linear_graph):
 
 
 def test_extra_graph_check_does_not_advise_a_tolerance_for_nan():
-    from export import _require_close
+    from ttc.convert.checking import _require_close
     from utils import ExportError
 
     config = SimpleNamespace(validate_atol=1e-4)

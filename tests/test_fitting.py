@@ -145,7 +145,7 @@ def test_early_stopping_stops_at_its_patience_and_keeps_the_best_epoch(tmp_path)
 
     from config import Config
     from ttc.inputs.data import DataOptions, load_dataset
-    from ttc.nets.program import split_logits
+    from ttc.nets.dspy_program import split_logits
     from ttc.reporting.metrics import nll
 
     config = Config(model_type="text_classifier", dataset_path=str(data), label_column="0",

@@ -60,7 +60,7 @@ def test_token_views_drop_real_tokens_only_into_the_bundle_padding():
     np.testing.assert_array_equal(stacked[6:, :2], ids[:, :2])
     assert set(stacked[6:, 2:].ravel()) == {SEP, PAD1} and ((stacked[6:] == SEP).sum(1) == 1).all()
     assert (stacked[3:6] == PAD1).sum() > (ids == PAD1).sum()  # 0.5 dropped some
-    # training's random forms (program.py's random_augment) keep the same rules
+    # training's random forms (classifier_loop.py's random_augment) keep the same rules
     many = np.repeat(ids, 20, 0)
     augmented = random_augment(many, build_transforms("token_dropout:0.5,window:2", PAD1_TEXT),
                                np.random.default_rng(0))
@@ -253,7 +253,7 @@ def test_tent_pairs_every_hf_layernorm_when_slimming_merged_their_parameters(hf_
     pairs the PyTorch layers with the nodes in order."""
     import torch
     from ttc.serving.bundle import BundlePaths, read_manifest
-    from export import export_graph, slim_graph
+    from ttc.convert.tracing import export_graph, slim_graph
     from ttc.nets.models import load_weights
     from ttc.testtime.ttt import affine_norm_model, paired_norm_modules
 

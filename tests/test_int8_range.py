@@ -13,7 +13,7 @@ import pytest
 from onnx import numpy_helper
 
 from conftest import assert_clean_failure, copy_bundle, edit_manifest, run_cli
-from quantize import choose_int8_range
+from ttc.compress.int8 import choose_int8_range
 from test_cpu_info import AMD_AVX2, ARM_DOT, INTEL_VNNI
 from ttc.serving.runtime import cpu_info
 
@@ -165,7 +165,7 @@ def test_a_manifest_with_a_malformed_range_is_refused(full_range_bundle):
 def test_an_accuracy_loss_of_full_range_int8_on_a_saturating_cpu_names_the_cure():
     from dataclasses import asdict
 
-    from quantize import judge
+    from ttc.compress.judging import judge
     from test_cpu_info import no_faster_int8
 
     for text, reduce_range, named in ((AMD_AVX2, False, True), (AMD_AVX2, True, False),

@@ -104,15 +104,26 @@ ALLOWED = {
     "inputs": {"utils", "ttc.nets.hf", "ttc.tasks.*"},
     "nets": {"config", "utils", "ttc.inputs.*", "ttc.serving.bundle", "ttc.testtime.tta",
              "ttc.reporting.metrics", "ttc.tasks.*", "ttc.options.fitting"},
+    # the training stage: the type's trainer here or on Ray Train, compressed, calibrated
+    "training": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.bundle",
+                 "ttc.tasks.*", "ttc.options.training", "ttc.distributed.driver",
+                 "ttc.compress.variants", "ttc.testtime.calibrate", "ttc.reporting.metrics",
+                 "ttc.serving.stages"},
     "serving": {"utils", "ttc.inputs.*", "ttc.reporting.evaluation", "ttc.tasks.*"},
     "testtime": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
                  "ttc.tasks.*"},
     # the registry, to ask the model type that made a report for its report part (never a
     # type's code: ttc/reporting/kinds.py resolves it through the entry's Parts)
     "reporting": {"utils", "ttc.tasks.registry", "ttc.tasks.base"},
-    "convert": {"utils", "ttc.serving.runtime"},
+    # the export stage: tracing, checks, extra graphs and the bundle (the classifiers' exporter;
+    # a type's own through its Parts.exporter, found in the registry), compressed variants
+    "convert": {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*",
+                "ttc.testtime.*", "ttc.compress.*", "ttc.reporting.metrics", "ttc.options.export",
+                "ttc.tasks.registry"},
+    # quantization: the per-layer diagnosis of int8 (convert) and the classifier's scorer (metrics)
     "compress": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.*",
-                 "ttc.options.compress", "ttc.tasks.*"},
+                 "ttc.options.compress", "ttc.tasks.*", "ttc.convert.diagnosis",
+                 "ttc.reporting.metrics"},
     "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections",
                 "ttc.tasks.*"},
     # --engine ray training: the classifier's loop (nets) on Ray Train, through serving's cluster
@@ -126,7 +137,7 @@ ALLOWED = {
 # A model type may keep its code in a folder of its own beside its entry (ttc/tasks/TYPE/, the
 # entry in its __init__.py, referenced by its Parts): that code uses the layers as testtime does.
 TYPE_CODE = {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
-             "ttc.testtime.*"}
+             "ttc.testtime.*", "ttc.convert.*"}
 
 
 def is_type_code(module: str) -> bool:
@@ -183,7 +194,7 @@ def test_every_model_type_s_parts_resolve_to_its_code():
 
 def test_the_import_graph_sees_the_package():
     graph = import_graph()
-    assert "ttc.serving.runtime" in graph["inference"]
+    assert "ttc.online.evaluate" in graph["inference"]
     assert "ttc.inputs.tables" in graph["ttc.inputs.preprocess"]
 
 
@@ -285,3 +296,70 @@ def test_every_model_type_s_report_part_answers_the_reporting_layer():
     assert report_part({"evaluation": {"mean_iou": 0.5}}) is parts["image_segmenter"]
     assert report_part({"predictions": {"boxes_per_class": {}}}) is parts["object_detector"]
 
+
+
+# ----------------------------------------------------------------------------- issue 63's goals
+
+CLI_MAX_LINES = 400
+
+
+def test_no_module_outside_the_model_types_imports_a_type_s_code():
+    """A CLI or shared layer reaches a model type's code only through its entry's Parts."""
+    graph = import_graph()
+    offenders = {name: {d for d in deps if is_type_code(d)} for name, deps in graph.items()
+                 if not name.startswith(f"{PACKAGE}.tasks") and any(is_type_code(d) for d in deps)}
+    assert offenders == {}
+
+
+def type_branches(path: Path, words: set[str]) -> list[str]:
+    """Comparisons with a model type's name or preprocessing kind, and reads of `.dense`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            constants = [n.value for n in sides if isinstance(n, ast.Constant)]
+            constants += [e.value for n in sides if isinstance(n, (ast.Tuple, ast.List, ast.Set))
+                          for e in n.elts if isinstance(e, ast.Constant)]
+            found += [f"{path.name}:{node.lineno} compares with {c!r}" for c in constants
+                      if c in words]
+        elif isinstance(node, ast.Attribute) and node.attr == "dense" and \
+                isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) and \
+                node.value.id in ("task", "self"):
+            found.append(f"{path.name}:{node.lineno} reads .dense")
+    return found
+
+
+def test_no_command_line_tool_or_shared_layer_branches_on_a_model_type():
+    """The stages ask the type (its Task's attributes and Parts) instead of testing which one it
+    is. The input roles ("image", "text", "feature") are a type's attribute, not its name; the
+    manifest's schema checks each kind's records by kind, by design."""
+    from ttc.tasks.registry import TASKS
+
+    roles = {task.input_role for task in TASKS}
+    words = {task.name for task in TASKS} | {task.kind for task in TASKS} - roles - {"tabular"}
+    files = [*REPO.glob("*.py"), *(p for p in (REPO / PACKAGE).rglob("*.py")
+                                   if "tasks" not in p.relative_to(REPO / PACKAGE).parts
+                                   and p.name != "manifest_schema.py")]
+    offenders = [hit for path in sorted(files) for hit in type_branches(path, words)]
+    assert offenders == []
+
+
+def test_the_branch_finder_finds_a_branch(tmp_path):
+    path = tmp_path / "cli.py"
+    path.write_text('if kind == "detection" or task.dense:\n    pass\n')
+    assert len(type_branches(path, {"detection"})) == 2
+
+
+@pytest.mark.parametrize("script", sorted(CLIS))
+def test_each_command_line_tool_parses_calls_and_prints(script):
+    lines = len((REPO / f"{script}.py").read_text(encoding="utf-8").splitlines())
+    assert lines <= CLI_MAX_LINES, f"{script}.py has {lines} lines: move its machinery to ttc/"
+
+
+def test_tests_and_benchmarks_import_the_package_not_the_command_line_tools():
+    offenders = {}
+    for path in [*REPO.glob("tests/*.py"), *REPO.glob("bench/*.py")]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if bad := {m for node in ast.walk(tree) for m in imported_modules(node)} & CLIS:
+            offenders[str(path.relative_to(REPO))] = bad
+    assert offenders == {}

@@ -15,7 +15,7 @@ from conftest import topic_texts
 
 
 def evaluate(program, examples):
-    from ttc.nets.program import label_match
+    from ttc.nets.dspy_program import label_match
 
     with np.errstate(all="ignore"):
         return dspy.Evaluate(devset=examples, metric=label_match, num_threads=1,
@@ -26,7 +26,7 @@ def evaluate(program, examples):
 def test_batched_evaluation_gives_the_per_example_results(kind):
     from ttc.inputs.preprocess import Tokenizer
     from ttc.nets.models import SmallCNN, TextClassifier
-    from ttc.nets.program import ClassifierProgram
+    from ttc.nets.dspy_program import ClassifierProgram
 
     torch.manual_seed(0)
     labels = ["food", "sports", "weather"]

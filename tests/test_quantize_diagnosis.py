@@ -130,7 +130,8 @@ def test_auto_op_set_tries_both_and_keeps_the_wider_only_where_the_judge_prefers
     ((False, 0.90), (False, 0.99), 0),  # neither: fp32 serves, the default set is reported
 ])
 def test_the_op_set_choice(default, wider, kept):
-    from quantize import MIN_SPEEDUP, ExclusionStep, OpSetTrial, choose_op_set
+    from ttc.compress.exclusion import ExclusionStep, OpSetTrial, choose_op_set
+    from ttc.compress.judging import MIN_SPEEDUP
 
     def trial(within: bool, speedup: float) -> OpSetTrial:
         step = ExclusionStep([], 0.9 if within else 0.5, 0.9, 1.0 / speedup, 1.0,

@@ -145,7 +145,8 @@ def test_a_trial_s_early_stop_and_divergence_reach_the_search(tmp_path):
 
     from ttc.distributed.search import Trials, trained_candidates
     from ttc.nets.checkpoints import write_checkpoint
-    from ttc.nets.program import CandidateSearch, ClassifierProgram, label_match
+    from ttc.nets.candidates import CandidateSearch
+    from ttc.nets.dspy_program import ClassifierProgram, label_match
 
     net = torch.nn.Linear(4, 2)
     record = {"epoch": 1, "loss": 0.5, "train_accuracy": 0.8, "val_accuracy": 0.9,

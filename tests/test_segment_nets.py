@@ -92,7 +92,7 @@ def test_the_segmentation_graph_gives_class_probabilities_and_the_mask():
 def test_the_unet_exports_with_dynamic_batch_height_and_width():
     import onnxruntime as ort
 
-    from export import export_graph
+    from ttc.convert.tracing import export_graph
     from ttc.serving.bundle import InputSpec
 
     torch.manual_seed(0)

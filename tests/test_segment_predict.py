@@ -32,7 +32,7 @@ def session(tmp_path_factory):
     import onnxruntime as ort
     import torch
 
-    from export import export_graph
+    from ttc.convert.tracing import export_graph
     from ttc.serving.bundle import InputSpec
     from ttc.tasks.segment.nets import (SEGMENTATION_MODULES, SEGMENTATION_NETWORKS,
                                         SegmentationGraph)

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import chromium_screenshot
-from report import format_summary
+from ttc.reporting.run import format_summary
 from ttc.reporting import plots
 from ttc.reporting.page import render_page, write_page
 from ttc.reporting.sections import PREDICTION_KEYS, SUMMARY_KEYS

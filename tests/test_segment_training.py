@@ -14,7 +14,7 @@ import torch
 
 from config import Config
 from ttc.inputs.data import DataOptions
-from ttc.nets.program import TrainingDiverged
+from ttc.nets.finite import TrainingDiverged
 from ttc.nets.shards import Shard
 from ttc.tasks.segment.canvases import write_digit_canvases
 from ttc.tasks.segment.data import load_segmentation_dataset

@@ -76,7 +76,7 @@ def test_bad_views_are_refused_in_one_line(spec, words):
 
 
 def test_the_tta_graph_exports_with_dynamic_height_and_width():
-    from export import export_graph
+    from ttc.convert.tracing import export_graph
     from ttc.serving.bundle import InputSpec
     from ttc.tasks.segment.nets import UNet
     from ttc.tasks.segment.tta import SegmentationTTA, parse_views

@@ -105,7 +105,7 @@ class Adding:
 def test_the_workers_pooled_batchnorm_is_one_process_s_estimate_over_all_their_rows():
     """Each of two processes re-estimates BatchNorm on its own rows; pooled, the running
     statistics equal those one process estimates from all the rows (the same batches)."""
-    from ttc.nets.program import pool_batchnorm, recalibrate_batchnorm
+    from ttc.nets.epoch_loop import pool_batchnorm, recalibrate_batchnorm
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.BatchNorm2d(3),

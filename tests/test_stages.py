@@ -86,13 +86,13 @@ def test_debug_log_level_shows_the_traceback(tmp_path):
 
 def test_repeated_exports_build_the_decomposition_table_once_and_give_the_same_graph():
     """A bundle exports several graphs: torch.onnx.export's ATen → ONNX table is built once per
-    process (export.torchlib_registry_built_once), the graphs are what a fresh table gives, and
+    process (tracing.torchlib_registry_built_once), the graphs are what a fresh table gives, and
     torch's own function is back afterwards."""
     import torch
     from torch.onnx._internal.exporter import _registration
 
-    import export
-    from export import export_graph, torchlib_registry_built_once
+    from ttc.convert import tracing
+    from ttc.convert.tracing import export_graph, torchlib_registry_built_once
     from ttc.serving.bundle import InputSpec
 
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_repeated_exports_build_the_decomposition_table_once_and_give_the_same_g
                      max_length=None, extra_inputs=())
     example = np.zeros((2, 4), dtype=np.float32)
     original = _registration.ONNXRegistry.__dict__["from_torchlib"]
-    export._TORCHLIB_REGISTRIES.clear()  # the first export builds a fresh table
+    tracing._TORCHLIB_REGISTRIES.clear()  # the first export builds a fresh table
     first = export_graph(net, example, 18, spec, ["logits", "probabilities"])
     with torchlib_registry_built_once():
         table = _registration.ONNXRegistry().from_torchlib(opset_version=18)

@@ -160,7 +160,7 @@ def test_teacher_path_with_dummy_lm_end_to_end(tmp_path):
     from config import Config
     from ttc.inputs.data import DataOptions, load_dataset
     from ttc.nets.teacher import distill
-    from train import train_stage
+    from ttc.training.stage import train_stage
 
     labelled, _, _ = write_texts(tmp_path)
     config = Config(model_type="text_classifier", dataset_path=str(labelled), label_column="0",

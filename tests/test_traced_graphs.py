@@ -1,4 +1,4 @@
-"""A bundle's three graphs from one trace (export.trace_graphs, ttc/convert/graphs.py): the same
+"""A bundle's three graphs from one trace (tracing.trace_graphs, ttc/convert/graphs.py): the same
 operators and the same outputs as three separate exports give, and the Dropout removal that
 derives the eval-mode graphs on hand-made graphs (chains, a Dropout as the graph's output, a
 read mask)."""
@@ -26,7 +26,7 @@ def probabilities(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 
 def test_one_trace_gives_the_graphs_three_exports_give():
-    from export import export_graph, fold_constants, sampling_copy, trace_graphs
+    from ttc.convert.tracing import export_graph, fold_constants, sampling_copy, trace_graphs
     from ttc.serving.bundle import InputSpec
 
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def test_one_trace_gives_the_graphs_three_exports_give():
 
 
 def test_a_network_without_batchnorm_or_dropout_gets_the_deployable_graph_only():
-    from export import trace_graphs
+    from ttc.convert.tracing import trace_graphs
     from ttc.serving.bundle import InputSpec
 
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3)).eval()

@@ -212,7 +212,7 @@ def test_a_report_far_larger_than_any_run_writes_is_not_read(tmp_path):
 
 
 def test_the_depth_is_counted_in_linear_time_outside_strings():
-    from report import nesting_depth, text_nesting_depth
+    from ttc.reporting.run import nesting_depth, text_nesting_depth
 
     for value in ({}, [[]], {"a": "[[[{"}, {"a": '\\"[['}, {"a": [{"b": [1, "]]"]}]}):
         assert text_nesting_depth(json.dumps(value)) == nesting_depth(value)

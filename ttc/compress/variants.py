@@ -28,7 +28,7 @@ from utils import LOG, ConfigError
 if TYPE_CHECKING:
     from config import Config
     from ttc.inputs.data import Dataset
-    from ttc.nets.program import TrainedModel
+    from ttc.nets.training import TrainedModel
 
 EXAMPLE_ROWS = 4  # the tracing example: a few training inputs
 TAYLOR_BATCHES = 4  # training batches whose gradients rank channels for --prune_importance taylor
@@ -59,7 +59,7 @@ class CompressedNet:
 
 
 def example_input(x: np.ndarray, pad_id: int = PAD_ID) -> torch.Tensor:
-    from ttc.nets.program import network_batch
+    from ttc.nets.dspy_program import network_batch
 
     return network_batch(np.ascontiguousarray(x[:EXAMPLE_ROWS]), pad_id)
 
@@ -91,8 +91,9 @@ class FineTuner:
         `mixed_precision` is False (quantization-aware training: its fake quantizers model int8
         from float32 values)."""
         from ttc.nets.device import training_device
-        from ttc.nets.program import (ClassifierProgram, WeightTrainer, label_match,
-                                      text_tokenizer, to_examples)
+        from ttc.inputs.preprocess import text_tokenizer
+        from ttc.nets.classifier_loop import WeightTrainer
+        from ttc.nets.dspy_program import ClassifierProgram, label_match, to_examples
         from ttc.tasks.registry import task_of_kind
 
         if epochs == 0:
@@ -123,7 +124,7 @@ class FineTuner:
 def taylor_batches(dataset: "Dataset", batch_size: int, seed: int
                    ) -> Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]:
     """A few shuffled training batches (inputs, labels) for Taylor importance's gradients."""
-    from ttc.nets.program import network_batch
+    from ttc.nets.dspy_program import network_batch
 
     pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
 
@@ -163,7 +164,7 @@ def compress_trained(config: "Config", trained: "TrainedModel", dataset: "Datase
 
 
 def split_accuracy_of(net: nn.Module, dataset: "Dataset") -> float | None:
-    from ttc.nets.program import split_accuracy
+    from ttc.nets.dspy_program import split_accuracy
 
     return split_accuracy(net.eval(), dataset.val)
 
@@ -279,7 +280,7 @@ def load_compressed(manifest, paths, fp32: nn.Module, example: torch.Tensor
 def check_compressible(config: "Config", dataset: "Dataset") -> None:
     """refuse_uncompressible on a freshly built network for this data, before training."""
     from ttc.nets.models import build_model
-    from ttc.nets.program import network_architecture
+    from ttc.nets.training import network_architecture
 
     if len(dataset.train) == 0:
         return

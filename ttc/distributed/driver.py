@@ -2,7 +2,7 @@
 back the TrainedModel a local run returns (export, quantization and the report take it as they
 take a local one).
 
-The driver plans the training as a local run does (ttc/nets/program.py plan_training for a
+The driver plans the training as a local run does (ttc/nets/training.py plan_training for a
 classifier: the data checks, the network, the student and its WeightTrainer; a segmenter's or
 a detector's own plan_training, ttc/tasks/TYPE/training.py, for its ImageTrainer), connects to
 the cluster (ttc/serving/cluster.py), checks that it can place the workers (and their GPUs,
@@ -28,8 +28,10 @@ from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image
 from ttc.distributed.worker import WorkerPayload, put_shards, read_starts, train_worker
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import read_state
-from ttc.nets.program import (Candidate, ImagePlan, TrainedModel, TrainingDiverged,
-                              TrainingPlan, engine_section, plan_training)
+from ttc.nets.candidates import Candidate
+from ttc.nets.finite import TrainingDiverged
+from ttc.nets.image_loop import ImagePlan
+from ttc.nets.training import TrainedModel, TrainingPlan, engine_section, plan_training
 from ttc.serving.cluster import driving_ray
 from utils import LOG, ConfigError, stdout_to_stderr
 

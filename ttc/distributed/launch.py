@@ -15,9 +15,13 @@ from ttc.distributed.worker import WorkerPayload, build_program
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import latest_single_run, new_run_id
 from ttc.nets.device import precision_for
-from ttc.nets.program import (CandidateSearch, EpochRecord, EpochRunner, ImagePlan, ImageRunner,
-                              TrainedModel, TrainingPlan, WeightTrainer, label_match,
-                              require_finite_weights, run_fingerprint, to_examples, trained_model)
+from ttc.nets.candidates import CandidateSearch
+from ttc.nets.classifier_loop import EpochRunner, WeightTrainer
+from ttc.nets.dspy_program import label_match, to_examples
+from ttc.nets.epoch_loop import EpochRecord
+from ttc.nets.finite import require_finite_weights
+from ttc.nets.image_loop import ImagePlan, ImageRunner
+from ttc.nets.training import TrainedModel, TrainingPlan, run_fingerprint, trained_model
 from ttc.nets.shards import Shard
 from ttc.serving.cluster import RayOptions
 from ttc.tasks.base import resolve
@@ -58,10 +62,10 @@ def new_ray_run(config: Config) -> RayRun:
 
 def image_planner(model_type: str) -> Callable | None:
     """A segmenter's or a detector's plan_training (the module of its entry's `trainer` part,
-    ttc/tasks/TYPE/training.py: an ImagePlan); None for a classifier (ttc/nets/program.py's
+    ttc/tasks/TYPE/training.py: an ImagePlan); None for a classifier (ttc/nets/training.py's
     plan_training, a TrainingPlan)."""
     task = task_for(model_type)
-    if not (task.dense or task.kind == "detection"):
+    if not task.image_loop:
         return None
     return resolve(task.parts.trainer.partition(":")[0] + ":plan_training")
 

@@ -2,7 +2,7 @@
 Ray Tune trial, one training run of the local epoch loop in one process of --num_threads CPUs
 (worker.train_trial), as many at once as the cluster holds (at most --num_workers when given);
 each keeps its checkpoints in the run's folder and restarts from its latest after a lost
-process. The winner is then picked here as a local search picks it: ttc/nets/program.py's
+process. The winner is then picked here as a local search picks it: ttc/nets/candidates.py's
 CandidateSearch.choose scores every trial's best weights with dspy.Evaluate on the validation
 split (ties: the validation loss), skips the diverged ones and fails when all diverged.
 With --resume each trial continues its candidate's latest checkpoint in the latest search of
@@ -25,8 +25,10 @@ from ttc.distributed.worker import WorkerPayload, read_starts, train_trial
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import (StateCheck, latest_of_candidate, latest_search, read_state,
                                   search_key)
-from ttc.nets.program import (CandidateSearch, ImagePlan, TrainedCandidate, TrainedModel,
-                              TrainingDiverged, TrainingPlan, engine_section, plan_training)
+from ttc.nets.candidates import CandidateSearch, TrainedCandidate
+from ttc.nets.finite import TrainingDiverged
+from ttc.nets.image_loop import ImagePlan
+from ttc.nets.training import TrainedModel, TrainingPlan, engine_section, plan_training
 from ttc.serving.cluster import driving_ray
 from utils import LOG, ConfigError, stdout_to_stderr
 

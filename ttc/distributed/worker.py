@@ -20,7 +20,10 @@ import torch
 
 from ttc.nets.checkpoints import find_checkpoints, load_latest, read_state, write_checkpoint
 from ttc.nets.models import build_model, register_model_source
-from ttc.nets.program import ClassifierProgram, EpochLoop, EpochRunner, Sync, TrainingDiverged
+from ttc.nets.classifier_loop import EpochRunner
+from ttc.nets.dspy_program import ClassifierProgram
+from ttc.nets.epoch_loop import EpochLoop, Sync
+from ttc.nets.finite import TrainingDiverged
 from ttc.nets.shards import Shard
 
 
@@ -53,7 +56,7 @@ class WorkerPayload:
     meta: dict = field(default_factory=dict)
     build_net: Callable = build_model  # (architecture, preprocessing) → the network
     wrap: Callable | None = None  # network → the DSPy program (None: a ClassifierProgram)
-    runner: type = EpochRunner  # the epoch loop (ttc/nets/program.py EpochLoop)
+    runner: type = EpochRunner  # the epoch loop (ttc/nets/epoch_loop.py EpochLoop)
     shard: Shard | None = None  # which rows x and y are (None: all)
 
 

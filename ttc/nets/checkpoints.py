@@ -1,4 +1,4 @@
-"""Training checkpoints: the epoch loop's whole state (ttc/nets/program.py EpochLoop: a
+"""Training checkpoints: the epoch loop's whole state (ttc/nets/epoch_loop.py EpochLoop: a
 classifier's EpochRunner, a segmenter's or a detector's ImageRunner), one folder per epoch,
 written by a local run (--checkpoint_dir, --resume) and by Ray Train's rank 0 (ttc/distributed)
 alike, so that either engine resumes what either wrote.

@@ -33,11 +33,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fastapi import FastAPI, File, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from config import Config
 from ttc.online.batcher import BatcherClosed, DeadlineExceeded, MicroBatcher, QueueFull
+from ttc.online.docs_page import docs_page
 from ttc.online.guards import (MAX_HEADER_BYTES, SMALL_BODY, BodyLimit, BodyRefused,
                                LedgerMiddleware, RequestLedger, connection_cap, drain_wait_s,
                                guarded_http)
@@ -321,7 +322,8 @@ def create_app(server: ModelServer) -> FastAPI:
     app = FastAPI(title="ttc model server", lifespan=lifespan,
                   description="Predictions of one model bundle: /predict (rows as JSON), "
                   "/predict/image (one uploaded image), the Open Inference Protocol (/v2), "
-                  "/metrics (Prometheus).")
+                  "/metrics (Prometheus).",
+                  docs_url=None, redoc_url=None)  # FastAPI's load Swagger UI from a CDN
     config = server.config
     app.add_middleware(BodyLimit, limit=int(config.max_body_mb * 1e6),
                        budget=int(config.max_inflight_mb * 1e6),
@@ -336,6 +338,13 @@ def create_app(server: ModelServer) -> FastAPI:
     async def metrics() -> Response:
         text, content_type = server.metrics.text()
         return Response(text, media_type=content_type)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        """The OpenAPI description as a page that needs no internet (docs_page.py)."""
+        if not hasattr(app.state, "docs_page"):
+            app.state.docs_page = docs_page(app.openapi())
+        return HTMLResponse(app.state.docs_page)
 
     return app
 

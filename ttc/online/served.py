@@ -157,15 +157,12 @@ class ClassifierServing:
         self.answers(probabilities, extra)
 
     def warmup_rows(self) -> np.ndarray:
-        """Model inputs of one row."""
-        if self.reader.task.image_files:
-            spec = self.manifest.preprocessing.spec
-            shape = (int(spec["channels"]), *map(int, spec["image_size"]))
-            return np.zeros((1, *shape), dtype=np.float32)
+        """Model inputs of one row: a text's tokens, else zeros of the sizes the type's
+        preprocessing record fixes (an image's channels and sides, a table's features)."""
         if self.reader.role == "text":
             return self.reader.encode([{name: "warm up" for name in self.reader.names}])
-        features = self.manifest.input.shape[-1]
-        return np.zeros((1, int(features)), dtype=np.float32)
+        dims = self.reader.task.fixed_input_dims(self.manifest.preprocessing.spec)
+        return np.zeros((1, *map(int, dims)), dtype=np.float32)
 
     # ------------------------------------------------------------------ describing
 

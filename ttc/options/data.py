@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ttc.inputs.limits import MAX_TEXT_LENGTH
 from ttc.inputs.tables import FORMAT_NAMES
 from ttc.options.fields import bad, opt, parse_image_size, positive
-from ttc.tasks.registry import builtin_datasets, find_task, model_types
+from ttc.tasks.registry import TASKS, builtin_datasets, find_task, model_types
 from utils import ConfigError
 
 MODEL_TYPES = model_types()  # ttc/tasks: one entry per model type, the default first
@@ -108,10 +108,10 @@ class DataFlags:
         if self.ignore_index is None:
             return
         task = find_task(self.model_type)
-        if task is not None and task.kind != "segmentation":
+        if task is not None and not task.masks:
+            takers = " or ".join(t.name for t in TASKS if t.masks)
             raise ConfigError(f"--ignore_index marks void mask pixels, and a {self.model_type} "
-                              "has no masks", "drop --ignore_index, or use --model_type "
-                              "image_segmenter")
+                              "has no masks", f"drop --ignore_index, or use --model_type {takers}")
         if not 0 <= self.ignore_index <= 255:
             bad("ignore_index", self.ignore_index, "masks hold 8-bit indices: use 0 to 255")
 

@@ -1,4 +1,4 @@
-"""The human summary's formatting of each report section: the lines `report.format_summary`
+"""The human summary's formatting of each report section: the lines `ttc.reporting.run.format_summary`
 prints under a section's name, either its labelled key rows (`format_keys`, with the labels
 ttc/reporting/sections.py declares) or a formatter of its own. Plain text, stdlib only.
 """

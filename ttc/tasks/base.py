@@ -19,16 +19,33 @@ class Parts:
     modules: str  # {the architecture record's name: the nn.Module class it builds}
     # (Tally, labels, train_class_counts, split) -> the report's `evaluation`; a classifier's
     evaluation: str = "ttc.reporting.evaluation:evaluation_section"
-    # (Config, Dataset) -> ttc.nets.program.TrainedModel: the training stage; a classifier's
-    trainer: str = "ttc.nets.program:train_classifier"
+    # (Config, Dataset) -> ttc.nets.training.TrainedModel: the training stage; a classifier's
+    trainer: str = "ttc.nets.training:train_classifier"
     # (the opened bundle) -> what serve.py and the Predictor answer for a row (predict_parts,
     # answers, the V2 outputs, the tool's description: ttc/online/served.py says the shape); a
     # classifier's: labels and probabilities
     served: str = "ttc.online.served:ClassifierServing"
+    # (Config) -> None: the type's own checks of its flags, before any work (exit 2); the
+    # classifiers have none beyond the shared ones
+    flag_checks: str = "ttc.tasks.base:no_flag_checks"
+    # (net, validation Split, preprocessing, batch_size, seed) -> (logits, classes): what
+    # --calibrate temperature fits T on; a classifier's: one row per sample
+    validation_scores: str = "ttc.training.stage:validation_logits"
+    # (ttc.convert.writing.ExportJob) -> ExportResult: traces, checks and writes the bundle's
+    # graphs (export_bundle prepares the job); a classifier's
+    exporter: str = "ttc.convert.bundle:export_classifier_bundle"
+    # what int8 and fp16 ask of it (ttc/compress/quantizing.py says the shape): calibration_batch,
+    # scorer(manifest) -> what a variant is judged by, kept_float(graph) -> nodes kept float or
+    # None; a classifier's: accuracy, 32 samples a batch, none kept float
+    quantizing: str = "ttc.compress.quantizing:QUANTIZING"
+    # (ttc.serving.stages.SplitRun) -> None: inference on the test split, its report sections
+    # (inference, evaluation, the test-time methods'); a classifier's
+    test_split: str = "ttc.online.evaluate:evaluate_classifier"
+    # (ttc.serving.stages.InputRun) -> None: --input's predictions, here or on Ray; a classifier's
+    new_input: str = "ttc.online.predict:predict_rows"
     # a ttc.reporting.classifier_report.ClassifierReport: what its report shows (summary rows,
     # page sections, evaluation labels, plots), which ttc/reporting asks; a classifier's
     report: str = "ttc.reporting.classifier_report:REPORT"
-
 
 @dataclass(frozen=True)
 class Regularisation:
@@ -41,6 +58,10 @@ class Regularisation:
     max_norm: float | None = None  # bound on the L2 norm of each row of the output layer's
     # weights, restored after every step (Kim 2014); None: no bound
     source: str = ""  # where the values come from, for the docs and the summary
+
+
+def no_flag_checks(config: Any) -> None:
+    """Parts.flag_checks of a type with no flag checks of its own (the classifiers')."""
 
 
 def resolve(reference: str) -> Any:
@@ -69,8 +90,6 @@ class Task:
     input_field: str = "features"  # the DSPy program's input field (text programs take the text)
     image_files: bool = False  # inputs are image files: read from folders (which give the splits,
     # never --val_path/--test_path), decoded within --max_image_memory_mb
-    dense: bool = False  # one prediction per pixel (a segmenter): training, export, evaluation
-    # and batch outputs go through its own code (ttc/tasks/TYPE/), not the classifiers'
     learning_rate: float | None = None  # its default peak learning rate (None: the tool's)
     refused_flags: tuple[str, ...] = ()  # flags it does not take (config: exit 2 when given)
     own_flags: tuple[str, ...] = ()  # flags no other type takes (config: exit 2 for the others)
@@ -82,14 +101,24 @@ class Task:
     hf_archs: bool = False  # --arch hf:NAME (a Hugging Face model) is one of its networks
     teacher: bool = False  # --teacher (an LLM labelling its texts) applies
     missing_values: bool = False  # NaN is a value (a missing feature), not a bad input
+    scored_by: str = "accuracy"  # what train_accuracy and val_accuracy hold (the report's
+    # train.metric when not accuracy): a classifier's accuracy, "mean_iou", "map"
+    program: str = "ClassifierProgram"  # its DSPy program's name, as the manifest records it
+    calibrated_on: str = "samples"  # what a temperature is fitted on: "samples" or "pixels"
+    uncalibrated: str = ""  # why --calibrate temperature fits nothing for it ("": it fits)
+    class_prior: bool = True  # its training loss is a cross-entropy over classes: the class
+    # shares' entropy is what a network that learned nothing reaches (the training health)
+    image_loop: bool = False  # trains with ttc/nets/image_loop.py (its trainer module's
+    # plan_training makes an ImagePlan): --engine ray trains it with an ImageRunner per worker
+    tta_graph: bool = False  # export.py --tta writes its TTA graph (model.tta.onnx) in the bundle
+    masks: bool = False  # its labels are masks: --ignore_index (void pixels) applies
 
     @property
     def default_arch(self) -> str:
         return self.archs[0]
 
     def part(self, role: str) -> Any:
-        """The object of one of `parts` ("reader", "rows", "networks", "modules", "evaluation",
-        "trainer", "report")."""
+        """The object of one of `parts`' roles ("reader", "trainer", "exporter", ...)."""
         return resolve(getattr(self.parts, role))
 
     def graph_input(self, preprocessing: dict) -> dict:

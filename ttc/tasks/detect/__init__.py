@@ -4,7 +4,8 @@ bench's and the builtin's digit canvases (canvases.py), the detector (nets.py), 
 in the graph (nms.py), COCO metrics (metrics.py), weighted box fusion (wbf.py), training
 (training.py), export (export.py), evaluation (evaluate.py), batch prediction (predict.py, and on
 Ray cluster.py), bn test-time training (adapt.py), int8 with the head and NMS in float
-(quantize.py) and in-graph TTA (tta.py, fusion.py)."""
+(quantize.py), in-graph TTA (tta.py, fusion.py) and the inference stage that runs them on a
+bundle (stages.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,13 +60,20 @@ TASK = ObjectDetector(
                 evaluation="ttc.tasks.detect.evaluate:evaluation_section",
                 trainer="ttc.tasks.detect.training:train_detector",
                 report="ttc.tasks.detect.report:REPORT",
-                served="ttc.tasks.detect.served:DetectorServing"),
+                test_split="ttc.tasks.detect.stages:evaluate_detector",
+                new_input="ttc.tasks.detect.stages:predict_detections",
+                quantizing="ttc.tasks.detect.quantize:QUANTIZING",
+                served="ttc.tasks.detect.served:DetectorServing",
+                flag_checks="ttc.tasks.detect.flags:check_detector_flags",
+                exporter="ttc.tasks.detect.export:export_detection_bundle"),
     regularisation={"centernet": Regularisation(0.0, 1e-4, source="ours"),
                     "mobilenet_v3_large": Regularisation(0.0, 1e-4, source="ours"),
                     "ssdlite320_mobilenet_v3_large": Regularisation(None, 1e-4,
                                                                     source="torchvision")},
     builtins=("builtin:digit_boxes",), input_role="image", input_field="image",
-    image_files=True, learning_rate=4e-3, refused_flags=REFUSED_FLAGS,
+    image_files=True, scored_by="map", program="DetectorProgram", class_prior=False,
+    uncalibrated="a detector's box scores are not temperature-scaled (COCO mAP ranks them)",
+    image_loop=True, learning_rate=4e-3, tta_graph=True, refused_flags=REFUSED_FLAGS,
     default_tta="scale:0.75,1.25",  # the views of --tta without --tta_transforms (detection.md)
     own_flags=("annotations", "iou_threshold", "score_threshold", "max_detections",
                "output_format", "min_score"),

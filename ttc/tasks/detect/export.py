@@ -3,20 +3,32 @@ and NMS in one ONNX graph) against PyTorch's `detect` (the same network, decodin
 torchvision's NMS) on held-out images at batch sizes 1, 4 and 8 and at two image sizes. The
 final detections are compared, not raw tensors: per image the same number of detections, each
 graph detection matched to an eager one of the same class with IoU ≥ MIN_MATCHED_IOU, scores
-within --validate_atol. export.py exports and writes the bundle; this module decides whether
-it may."""
+within --validate_atol. export_detection_bundle, the detector's exporter (its Parts.exporter),
+exports with ttc/convert's machinery, checks here and writes the bundle."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+import onnx
 import torch
 
-from ttc.tasks.detect.nms import DetectionCandidates, detect
+from ttc.convert.checking import NumericCheck, _require_close
+from ttc.convert.graphs import optimised
+from ttc.convert.tracing import check_graph, fold_constants, slim_graph
+from ttc.convert.writing import ExportJob, ExportResult, ExtraGraph, write_bundle
+from ttc.serving.bundle import as_manifest
+from ttc.serving.runtime import RuntimeOptions, create_session
+from ttc.tasks.detect.nms import DetectionCandidates, append_nms, detect, export_candidates
 from ttc.tasks.detect.training import NmsSettings, box_iou
 from ttc.tasks.segment.export import MAX_CHECK_IMAGES, probes_at_two_sizes
-from utils import ExportError
+from utils import LOG, ExportError, first_line
+
+if TYPE_CHECKING:
+    from config import Config
 
 MIN_MATCHED_IOU = 0.99  # the issue's: a graph box and PyTorch's overlap at least this much
 CHECK_BATCH_SIZES = (1, 4, 8)
@@ -26,7 +38,7 @@ Detections = tuple[np.ndarray, np.ndarray, np.ndarray]  # boxes (M, 4), scores (
 
 @dataclass
 class DetectionCheck:
-    """What the check measured, in the fields export.py's NumericCheck has."""
+    """What the check measured, in the fields ttc/convert's NumericCheck has."""
 
     max_abs_diff: float  # the largest score difference of matched detections
     top1_agreement: float  # the share of images whose detections all matched
@@ -254,3 +266,109 @@ def nms_settings(config, preprocessing: dict) -> NmsSettings:
     given: Sequence[str] = getattr(config, "given", ())
     return NmsSettings(*(getattr(config, name) if name in given else getattr(recorded, name)
                          for name in ("iou_threshold", "score_threshold", "max_detections")))
+
+
+def export_detection_bundle(job: ExportJob) -> ExportResult:
+    """A detector's bundle: the network, its decoding and class-aware NMS in one graph
+    (ttc/tasks/detect/nms.py: padded boxes, scores, labels and num_detections, with dynamic
+    batch, height and width), slimmed, checked, and compared with PyTorch's detections at batch
+    sizes 1, 4 and 8 and two image sizes (compare_detections); its BatchNorm graph for --ttt bn
+    and with --tta its TTA graph. The NMS settings it bakes are recorded in the manifest's
+    preprocessing.nms."""
+    from ttc.tasks.detect.evaluate import detection_runner
+
+    config, net, samples, draft = job.config, job.net, job.samples, job.draft
+    nms = nms_settings(config, draft["preprocessing"])
+    draft["preprocessing"]["nms"] = nms.record()
+    job = dataclasses.replace(job, manifest=as_manifest(draft))
+    try:  # one trace for the deployable graph and the adaptation graph (ttc/convert/graphs.py)
+        raw = export_candidates(net, samples[:2], config.opset, optimize=False)
+        exported = append_nms(optimised(raw), nms.iou_threshold, nms.score_threshold,
+                              nms.max_detections)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ExportError(f"torch.onnx.export failed at opset {config.opset}: "
+                          f"{first_line(err)}", "rerun with --log_level DEBUG") from err
+    slimmed = slim_graph(exported)
+    check_graph(slimmed)
+    session = create_session(slimmed.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    check = compare_detections(detection_runner(session), net, samples, nms,
+                               config.validate_atol)
+    LOG.info("export ok: %d → %d nodes after onnxslim; %d detections equal to PyTorch's "
+             "(IoU ≥ %.4f, scores within %.2g) at batch %s and %s", len(exported.graph.node),
+             len(slimmed.graph.node), check.detections, check.min_matched_iou,
+             check.max_abs_diff, ", ".join(map(str, check.batch_sizes)),
+             " and ".join(check.resolutions))
+    numeric = NumericCheck(check.max_abs_diff, check.top1_agreement, check.samples,
+                           check.batch_sizes, check.probes)
+    result = job.result(exported, slimmed, numeric, {
+        "detections_checked": check.detections, "min_matched_iou": check.min_matched_iou,
+        "count_mismatches": check.count_mismatches, "ties": check.ties,
+        "resolutions_checked": check.resolutions, "nms": nms.record()})
+    adaptation = detection_adaptation_graph(config, raw, samples, nms,
+                                            detection_runner(session))
+    extras = {"bn": adaptation} if adaptation else {}
+    if config.tta:
+        extras["tta"] = detection_tta_graph(config, net, samples, nms)
+    write_bundle(slimmed, net, result, extras)
+    return result
+
+
+def detection_adaptation_graph(config: Config, raw: onnx.ModelProto, samples: np.ndarray,
+                               nms: NmsSettings, deployed: Callable) -> ExtraGraph | None:
+    """A detector's graph for --ttt bn (model.bn.onnx): the candidates' unoptimised export
+    (`raw`, the same trace the deployable graph was optimised from) constant-folded, so that
+    the BatchNormalization nodes survive, with the same NMS appended; its detections checked
+    against the deployable graph's (`deployed`) on held-out images. None for a network without
+    BatchNorm."""
+    from ttc.tasks.detect.evaluate import detection_runner
+
+    candidates = fold_constants(copy.deepcopy(raw))
+    if not any(n.op_type == "BatchNormalization" for n in candidates.graph.node):
+        return None
+    graph = append_nms(candidates, nms.iou_threshold, nms.score_threshold, nms.max_detections)
+    check_graph(graph)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    diff = max_score_diff(detection_runner(session), deployed,
+                          np.ascontiguousarray(samples[:MAX_CHECK_IMAGES]),
+                          "BatchNorm adaptation graph")
+    _require_close(diff, "BatchNorm adaptation graph", config)
+    layers = sum(n.op_type == "BatchNormalization" for n in graph.graph.node)
+    LOG.info("adaptation graph: %d BatchNorm layers kept, max score diff to the exported graph "
+             "%.2g", layers, diff)
+    return ExtraGraph(graph, {"purpose": "test-time training: BatchNorm nodes kept "
+                              "(unoptimised export, constant-folded, not slimmed), the same NMS",
+                              "batchnorm_layers": layers, "max_abs_diff": diff})
+
+
+def detection_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
+                        nms: NmsSettings) -> ExtraGraph:
+    """--tta for a detector: its views (--tta_transforms, default the TASK entry's) with their
+    boxes mapped back and fused inside one graph (model.tta.onnx: ttc/tasks/detect/tta.py and
+    fusion.py), checked against the same computation in PyTorch and numpy at batch sizes 1,
+    4 and 8 and two image sizes, as model.onnx is."""
+    from ttc.tasks.detect.evaluate import detection_runner
+    from ttc.tasks.detect.flags import detector_views
+    from ttc.tasks.detect.fusion import append_fusion
+    from ttc.tasks.detect.tta import (default_settings, export_view_candidates,
+                                      parse_box_views, tta_reference)
+
+    views_text = detector_views(config.tta_transforms)
+    views = parse_box_views(views_text)
+    settings = default_settings(nms, len(views))
+    candidates = export_view_candidates(net, views, samples[:2], config.opset)
+    graph = append_fusion(slim_graph(candidates), len(views), settings)
+    check_graph(graph)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    check = compare_detections(detection_runner(session), net, samples, nms,
+                               config.validate_atol, tta_reference(net, views, settings))
+    LOG.info("TTA graph (%s, box fusion at IoU %.2f) ok: %d detections equal to PyTorch's and "
+             "numpy's (IoU ≥ %.4f, scores within %.2g)", views_text, settings.fusion_iou,
+             check.detections, check.min_matched_iou, check.max_abs_diff)
+    return ExtraGraph(graph, {"views": views_text, "fusion": settings.record(),
+                              "max_abs_diff": check.max_abs_diff,
+                              "detections_checked": check.detections,
+                              "min_matched_iou": check.min_matched_iou,
+                              "resolutions_checked": check.resolutions})

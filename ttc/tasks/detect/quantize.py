@@ -1,6 +1,8 @@
-"""int8 for a detector (issue 44, item 6): which nodes of the graph quantize.py keeps in float, and
-how it judges an int8 graph against fp32 (COCO mAP@[.5:.95] of the validation split) and
-compares their detections. quantize.py quantizes, gates, times and records; no torch here.
+"""int8 for a detector (issue 44, item 6), its `Parts.quantizing` (QUANTIZING; the shape:
+ttc/compress/quantizing.py): which nodes of the graph int8 keeps in float, how an int8 graph is
+judged against fp32 (COCO mAP@[.5:.95] of the validation split) and their detections compared,
+and its calibration batch. ttc/compress/quantization.py quantizes, gates, times and records; no
+torch here.
 
 The exported graph is the network, its decoding into candidates (ttc/tasks/detect/nms.py's
 DetectionCandidates) and the NMS that append_nms writes after them. Its parts are told apart by
@@ -30,6 +32,11 @@ from ttc.tasks.detect.wbf import iou_with
 from utils import ExportError
 
 AGREEMENT_IOU = 0.5  # two graphs' best detections of an image agree at this IoU and class
+# Images per calibration batch (a classifier's: 32). ONNX Runtime's calibration session holds a
+# whole batch's activations (its augmented graph outputs every tensor's range): a detector that
+# resizes to 320 pixels inside (SSDlite) took 13.8 GB at 32 images on a tiny bundle, and the
+# bench's run was killed for memory at 22 GB; at 4 images it took 0.8 GB (27 November 2026).
+CALIBRATION_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,19 @@ class GraphParts:
     def kept_float(self) -> list[str]:
         return [*self.boundary, *self.head, *self.postprocessing]
 
+    def section(self, model: onnx.ModelProto, op_types: Sequence[str]) -> dict:
+        return kept_float_section(self, model, op_types)
+
+    def problems(self, int8: onnx.ModelProto) -> list[str]:
+        """The nodes meant to stay float (head, NMS) that int8 quantized anyway."""
+        wrong = float_violations(int8, [*self.head, *self.postprocessing])
+        return [f"int8 quantized {len(wrong)} node(s) of the head or NMS meant to stay float: "
+                f"{', '.join(wrong[:5])}"] if wrong else []
+
 
 def graph_parts(model: onnx.ModelProto) -> GraphParts:
-    """Split a detection graph (every node named: quantize.py names the unnamed ones first) into
-    backbone, head and post-processing by what the NMS's two inputs depend on."""
+    """Split a detection graph (every node named: ttc/compress/int8.py names the unnamed ones
+    first) into backbone, head and post-processing by what the NMS's two inputs depend on."""
     nodes = list(model.graph.node)
     nms = [n for n in nodes if n.op_type == "NonMaxSuppression"]
     if len(nms) != 1:
@@ -107,8 +123,8 @@ def kept_float_section(parts: GraphParts, model: onnx.ModelProto, op_types: Sequ
 
 
 class DetectionScorer:
-    """What quantize.py judges a detector's variant by (the methods quantize.ProbabilityScorer
-    has): its detections per image (NMS in the graph), scored by COCO's mAP@[.5:.95] ("map"),
+    """What a detector's variant is judged by (the methods of ttc/compress/quantizing.py's
+    Scorer): its detections per image (NMS in the graph), scored by COCO's mAP@[.5:.95] ("map"),
     with mAP@.5 beside it."""
 
     name = "map"
@@ -141,3 +157,19 @@ class DetectionScorer:
             overlap = iou_with(np.asarray(boxes[:1], np.float64), ref_boxes[0])[0]
             agreed += int(labels[0] == ref_labels[0] and overlap >= AGREEMENT_IOU)
         return agreed / max(1, len(found)), worst
+
+
+class DetectorQuantizing:
+    """A detector's part in int8: judged by COCO mAP, calibrated 4 images a batch, its head and
+    NMS kept float (graph_parts)."""
+
+    calibration_batch = CALIBRATION_BATCH
+
+    def scorer(self, manifest) -> DetectionScorer:
+        return DetectionScorer(manifest.labels)
+
+    def kept_float(self, graph: onnx.ModelProto) -> GraphParts:
+        return graph_parts(graph)
+
+
+QUANTIZING = DetectorQuantizing()

@@ -30,9 +30,9 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.device import float_outputs, module_device, to_device, training_device
 from ttc.nets.models import count_parameters, network_modules, user_architecture
-from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
-                              TrainedModel, checkpoint_store, image_trained_model,
-                              train_images)
+from ttc.nets.candidates import CandidateSearch
+from ttc.nets.image_loop import ImagePlan, ImageRunner, ImageTrainer
+from ttc.nets.training import TrainedModel, checkpoint_store, image_trained_model, train_images
 from ttc.nets.shards import Shard
 from ttc.tasks.detect.metrics import detection_metrics
 from ttc.nets.transfer import Transfer

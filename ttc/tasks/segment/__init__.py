@@ -1,7 +1,8 @@
 """Semantic segmentation (`--model_type image_segmenter`): its entry (TASK, plain data like the
 other entries) and, beside it, its own code: data reader (data.py), networks (nets.py), pixel
 metrics (metrics.py), in-graph TTA (tta.py), mask files (masks.py), training (training.py),
-export (export.py), evaluation (evaluate.py) and batch prediction (predict.py)."""
+export (export.py), evaluation (evaluate.py), batch prediction (predict.py) and the inference
+stage that runs them on a bundle (stages.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,11 +55,19 @@ TASK = ImageSegmenter(
                 evaluation="ttc.tasks.segment.evaluate:evaluation_section",
                 trainer="ttc.tasks.segment.training:train_segmenter",
                 report="ttc.tasks.segment.report:REPORT",
-                served="ttc.tasks.segment.served:SegmenterServing"),
+                test_split="ttc.tasks.segment.stages:evaluate_dense",
+                new_input="ttc.tasks.segment.stages:predict_masks",
+                quantizing="ttc.tasks.segment.quantize:QUANTIZING",
+                served="ttc.tasks.segment.served:SegmenterServing",
+                validation_scores="ttc.tasks.segment.training:validation_scores",
+                flag_checks="ttc.tasks.segment.flags:check_flags",
+                exporter="ttc.tasks.segment.export:export_dense_bundle"),
     regularisation={"unet": Regularisation(0.1, 1e-4, source="ours"),
                     **{arch: Regularisation(None, 1e-4, source="torchvision's own dropout")
                        for arch in _TORCHVISION}},
     default_tta="hflip", builtins=("builtin:digit_canvases",), input_role="image",
     input_field="image",
     image_files=True,
-    dense=True, learning_rate=1e-2, refused_flags=REFUSED_FLAGS, guide="segmentation.md")
+    scored_by="mean_iou", program="SegmenterProgram", calibrated_on="pixels",
+    image_loop=True, learning_rate=1e-2, tta_graph=True, masks=True, refused_flags=REFUSED_FLAGS,
+    guide="segmentation.md")

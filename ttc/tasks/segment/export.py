@@ -3,19 +3,32 @@ images at the training resolution and at a second one, at batch 1 and a larger b
 largest per-pixel difference of the logits and probabilities (bounded by --validate_atol) and
 the share of pixels whose mask (the graph's argmax) agrees with PyTorch's (bounded by
 MIN_MASK_AGREEMENT: a near-tie between two classes may flip under float rounding, a wrong graph
-flips many). export.py traces the graph (SegmentationGraph, dynamic batch, height and width)
-and writes the bundle; this module decides whether it may."""
+flips many). export_dense_bundle, the segmenter's exporter (its Parts.exporter), traces the
+graph (SegmentationGraph, dynamic batch, height and width) with ttc/convert's machinery, checks
+it here and writes the bundle."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ttc.convert.checking import NumericCheck
+from ttc.convert.extras import export_adaptation_graph
+from ttc.convert.graphs import optimised
+from ttc.convert.tracing import check_graph, export_graph, fold_constants, slim_graph
+from ttc.convert.writing import ExportJob, ExportResult, ExtraGraph, write_bundle
+from ttc.serving.runtime import RuntimeOptions, create_session
 from ttc.tasks.segment.nets import SegmentationGraph
-from utils import ExportError
+from ttc.tasks.segment.tta import SegmentationTTA, parse_views
+from ttc.tasks.segment.views import parse_view_specs, views_text
+from utils import LOG, ExportError
+
+if TYPE_CHECKING:
+    from config import Config
+    from ttc.serving.bundle import Manifest
 
 MIN_MASK_AGREEMENT = 0.9999  # the issue's goal: 99.99 % of the pixels
 SECOND_SCALE = 1.5  # the second resolution checked: the training size times this
@@ -24,7 +37,7 @@ MAX_CHECK_IMAGES = 16  # per resolution: the pixels, not the images, are what is
 
 @dataclass
 class MaskCheck:
-    """What the check measured, in the fields export.py's NumericCheck has."""
+    """What the check measured, in the fields ttc/convert's NumericCheck has."""
 
     max_abs_diff: float
     top1_agreement: float  # the share of pixels whose mask agrees
@@ -114,3 +127,64 @@ def compare_segmentation(run: Callable[[np.ndarray], list[np.ndarray]], net: tor
                           f"{1 - MIN_MASK_AGREEMENT:.2%}); the bundle was not written",
                           "rerun with --log_level DEBUG and report it")
     return check
+
+
+def export_dense_bundle(job: ExportJob) -> ExportResult:
+    """A segmenter's bundle: SegmentationGraph (logits, probabilities and mask per pixel) with
+    dynamic batch, height and width, slimmed, checked, and compared with PyTorch at two
+    resolutions (compare_segmentation); its BatchNorm graph (model.bn.onnx) for --ttt bn,
+    checked against model.onnx, and with --tta its TTA graph. Both graphs come from one trace
+    (ttc/convert/graphs.py)."""
+    config, net, manifest, samples = job.config, job.net, job.manifest, job.samples
+    spec, temperature = manifest.input, manifest.temperature
+    raw = export_graph(net, samples[:2], config.opset, spec, manifest.output_names,
+                       optimize=False, temperature=temperature,
+                       wrapper=SegmentationGraph(net, temperature))
+    exported = optimised(raw)
+    slimmed = slim_graph(exported)
+    check_graph(slimmed)
+    session = create_session(slimmed.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    masks = compare_segmentation(lambda batch: session.run(None, {spec.name: batch}), net,
+                                 samples, config.validate_atol, config.batch_size, temperature)
+    LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, mask agreement "
+             "%.4f%% of %d pixels at %s", len(exported.graph.node), len(slimmed.graph.node),
+             masks.max_abs_diff, 100 * masks.top1_agreement, masks.pixels,
+             " and ".join(masks.probes))
+    check = NumericCheck(masks.max_abs_diff, masks.top1_agreement, masks.samples,
+                         masks.batch_sizes, masks.probes)
+    result = job.result(exported, slimmed, check, {
+        "mask_agreement": masks.top1_agreement, "pixels_checked": masks.pixels,
+        "mask_disagreements": masks.mask_disagreements,
+        "resolutions_checked": masks.resolutions})
+    unoptimised = fold_constants(raw)
+    has_batchnorm = any(n.op_type == "BatchNormalization" for n in unoptimised.graph.node)
+    extras = {"bn": export_adaptation_graph(net, unoptimised if has_batchnorm else None,
+                                            samples, slimmed, config, manifest)}
+    if config.tta:
+        extras["tta"] = segmentation_tta_graph(config, net, samples, manifest)
+    write_bundle(slimmed, net, result, {k: v for k, v in extras.items() if v is not None})
+    return result
+
+
+def segmentation_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
+                           manifest: Manifest) -> ExtraGraph:
+    """--tta for a segmenter: its views (--tta_transforms, default hflip) and the mean of their
+    logits, mapped back onto the input's pixels, in one graph (model.tta.onnx), checked against
+    the same module in PyTorch at two resolutions as model.onnx is."""
+    spec, temperature = manifest.input, manifest.temperature
+    views = views_text(parse_view_specs(config.tta_transforms))
+    merged = SegmentationTTA(net, parse_views(views)).eval()
+    graph = slim_graph(export_graph(merged, samples[:2], config.opset, spec,
+                                    manifest.output_names, temperature=temperature,
+                                    wrapper=SegmentationGraph(merged, temperature)))
+    check_graph(graph)
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=config.num_threads))
+    check = compare_segmentation(lambda batch: session.run(None, {spec.name: batch}), merged,
+                                 samples, config.validate_atol, config.batch_size, temperature)
+    LOG.info("TTA graph (%s) ok: max |onnx - torch| %.2g, mask agreement %.4f%%", views,
+             check.max_abs_diff, 100 * check.top1_agreement)
+    return ExtraGraph(graph, {"views": views, "max_abs_diff": check.max_abs_diff,
+                              "mask_agreement": check.top1_agreement,
+                              "resolutions_checked": check.resolutions})

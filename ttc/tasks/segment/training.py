@@ -1,4 +1,4 @@
-"""The training stage of semantic segmentation, in the classifier's design (ttc/nets/program.py)
+"""The training stage of semantic segmentation, in the classifier's design (ttc/nets/)
 and much smaller: SegmenterProgram (a dspy.Module whose model is a segmentation network: an
 image in, a mask of class indices out), SegmentationTrainer (a Teleprompter fitting its
 weights: AdamW under the run's schedule, pixel cross-entropy that skips void pixels, no
@@ -30,9 +30,9 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.device import float_outputs, module_device, to_device, training_device
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
-from ttc.nets.program import (CandidateSearch, ImagePlan, ImageRunner, ImageTrainer,
-                              TrainedModel, checkpoint_store, image_trained_model,
-                              train_images)
+from ttc.nets.candidates import CandidateSearch
+from ttc.nets.image_loop import ImagePlan, ImageRunner, ImageTrainer
+from ttc.nets.training import TrainedModel, checkpoint_store, image_trained_model, train_images
 from ttc.nets.transfer import Transfer
 from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scores
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
@@ -405,3 +405,12 @@ def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, datase
                             program.ignore_index)
     return image_trained_model(program, search, dataset, architecture, started, config,
                                transfer, train_miou)
+
+
+def validation_scores(net: nn.Module, split: Split, preprocessing: dict, batch_size: int,
+                      seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parts.validation_scores: a seeded sample of the validation split's non-void pixels, the
+    logits and classes --calibrate temperature fits T on (evaluate.pixel_logits)."""
+    from ttc.tasks.segment.evaluate import pixel_logits
+
+    return pixel_logits(net, split.x, split.y, preprocessing["ignore_index"], batch_size, seed)
