@@ -277,12 +277,27 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
             data["image_size"] = list(self.image_size)
         return {name: data[name] for name in self.names()}
 
-    def summary_lines(self) -> list[str]:
-        data = self.as_dict()
-        width = max(len(n) for n in data)
+    def summary_lines(self, changed_only: bool = False) -> list[str]:
+        """One line per setting, `*` marking those not at their defaults (only those when
+        `changed_only`)."""
         from_network = getattr(self, "network_defaults", {})  # the network's own defaults
-        return [f"  {'*' if value != _default(name) and name not in from_network else ' '} "
-                f"{name:<{width}} = {value!r}" for name, value in data.items()]
+        data = self.as_dict()
+        marked = {name: value != _default(name) and name not in from_network
+                  for name, value in data.items()}
+        data = {name: value for name, value in data.items() if marked[name] or not changed_only}
+        width = max((len(n) for n in data), default=0)
+        return [f"  {'*' if marked[name] else ' '} {name:<{width}} = {value!r}"
+                for name, value in data.items()]
+
+    def summary_block(self, every: bool) -> str:
+        """The configuration summary a run logs: every setting (--log_level DEBUG), or only
+        those not at their defaults (the report's config keeps them all)."""
+        if every:
+            return "configuration (* = not the default):\n" + "\n".join(self.summary_lines())
+        lines = self.summary_lines(changed_only=True)
+        return (f"configuration ({len(lines)} not at their defaults; all of them at "
+                f"--log_level DEBUG and in the report's config){':' if lines else ''}" +
+                "".join(f"\n{line}" for line in lines))
 
 
 def _default(name: str) -> Any:
@@ -391,7 +406,7 @@ def start_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Co
     from ttc.inputs.limits import configure
 
     configure(config)
-    LOG.info("configuration (* = not the default):\n%s", "\n".join(config.summary_lines()))
+    LOG.info("%s", config.summary_block(every=config.log_level.upper() == "DEBUG"))
     return config
 
 

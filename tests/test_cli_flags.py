@@ -38,7 +38,7 @@ def test_summary_and_report_list_only_the_scripts_flags(digits_bundle, tmp_path)
 
     report_path = tmp_path / "report.json"
     run = run_cli("inference.py", "--model", digits_bundle["model"], "--batch_size", "32",
-                  "--report_json", report_path, "--no_progress", "true")
+                  "--report_json", report_path, "--no_progress", "true", "--log_level", "DEBUG")
     assert run.returncode == 0, run.stderr[-2000:]
     block = config_block(run.stderr)
     assert list(block) == flags_for("inference")

@@ -62,7 +62,7 @@ def test_the_text_cnn_trains_with_kim_s_regularisation_and_the_summary_shows_it(
     import torch
 
     run, manifest, report, out = train(tmp_path, write_texts(tmp_path), "--arch", "cnn",
-                                       "--epochs", "3")
+                                       "--epochs", "3", "--log_level", "DEBUG")
     training = manifest["training"]
     assert manifest["architecture"]["dropout"] == 0.5
     assert (training["dropout"], training["max_norm"], training["weight_decay"],

@@ -22,9 +22,9 @@ import numpy as np
 from ttc.inputs.limits import check_decoded_images
 from ttc.inputs.preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode_image_file, hf_source,
                         image_files, text_tokenizer)
-from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, detect_columns, is_number,
-                    joined_texts, label_texts, read_table, split_columns, split_spec)
-from ttc.tasks.registry import builtin_datasets, find_task, task_for, task_of_kind
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, Reader, detect_columns,
+                    is_number, joined_texts, label_texts, read_table, split_columns, split_spec)
+from ttc.tasks.registry import builtin_datasets, find_task, model_types, task_for, task_of_kind
 from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
@@ -105,6 +105,15 @@ class DataOptions:
 
 
 BUILTIN_NAMES = tuple(builtin_datasets())  # every builtin: data set (ttc/tasks)
+
+
+def table_reader(model_type: str, bundle: bool = False) -> Reader:
+    """A training run (or a bundle) of `model_type` as the reader of a table, with the model
+    type its error suggests for each kind of input (the first in --model_type's order)."""
+    by_role: dict[str, str] = {}
+    for name in model_types():
+        by_role.setdefault(task_for(name).input_role, name)
+    return Reader(model_type, bundle, by_role)
 
 
 def _recorded_builtin(recorded: dict, alternative: str) -> str:
@@ -211,6 +220,8 @@ class Dataset:
                    "dropped_rows": sum(d["count"] for d in self.dropped if not d.get("kept")),
                    "dropped_reasons": self.dropped}
         section.update(task_of_kind(self.preprocessing["kind"]).report_sizes(self.preprocessing))
+        if self.columns is not None and self.options.path not in BUILTIN_TABLES:
+            section["columns"] = self.columns.to_report()  # a user's table: what was guessed
         return section
 
 
@@ -394,7 +405,8 @@ def _list_folder(root: Path, options: DataOptions) -> tuple[list[ImageItem], boo
 def _list_table(path: Path, options: DataOptions) -> tuple[list[ImageItem], Columns, list[dict]]:
     named = [s for s in (options.image_column, options.label_column) if s]
     frame = read_table(path, options.dataset_format, options.has_header, named)
-    columns = detect_columns(frame, "image", path, options.label_column, options.image_column)
+    columns = detect_columns(frame, "image", path, options.label_column, options.image_column,
+                             table_reader(options.model_type))
     image_col = columns.inputs[0]
     import pandas as pd
 
@@ -609,7 +621,8 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
     text = role == "text"
     main, path = _read_main_table(options)
     columns = detect_columns(main, role, path, options.label_column,
-                             options.text_column if text else options.feature_columns)
+                             options.text_column if text else options.feature_columns,
+                             table_reader(options.model_type))
     parts = {"main": _clean_rows(main, columns, text, path)}
     for split in ("val", "test"):
         extra = getattr(options, f"{split}_path")

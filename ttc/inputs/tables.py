@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from ttc.inputs.limits import LIMITS, check_line_lengths, check_text_lengths
-from utils import DataError, quoted, quoted_sample
+from utils import LOG, DataError, quoted, quoted_sample
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",
                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -559,9 +559,28 @@ class Columns:
 
     label: str | None
     inputs: list[str] = field(default_factory=list)
+    guessed: list[str] = field(default_factory=list)  # "label", "inputs": chosen without a flag
+    candidates: list[str] = field(default_factory=list)  # the columns that could be the label,
+    # when more than one could (the guess took the first rule's pick)
 
     def to_manifest(self) -> dict:
         return {"label": self.label, "inputs": list(self.inputs)}
+
+    def to_report(self) -> dict:
+        """The report's `dataset.columns`: the manifest's names and what was guessed."""
+        return {**self.to_manifest(), "guessed": list(self.guessed),
+                **({"label_candidates": list(self.candidates)} if self.candidates else {})}
+
+
+@dataclass(frozen=True)
+class Reader:
+    """What reads a table, for the error when its columns hold another kind of data than that
+    reader takes: a training run of `model_type`, or a bundle of it (`bundle`)."""
+
+    model_type: str
+    bundle: bool = False
+    by_role: Mapping[str, str] = field(default_factory=dict)  # the model type to suggest for
+    # each input role ("text", "feature", "image"): data.table_reader fills it from the registry
 
 
 def split_spec(spec: str | None) -> list[str]:
@@ -602,22 +621,28 @@ def undetectable(path: Path, role: str, frame) -> DataError:
 
 
 def detect_columns(frame, role: str, path: Path, label_spec: str | None = None,
-                   input_spec: str | None = None) -> Columns:
+                   input_spec: str | None = None, reader: Reader | None = None) -> Columns:
     """The label and input columns of a table, from the flags or detected (role: "text",
     "feature" or "image"). Detected: the label has a well-known name, else (text) the column
     with the fewest distinct values or (features) the last column; a text column has a
     well-known name, else the longest values; an image column a well-known name or image file
-    names; the features are all columns but the label."""
+    names; the features are all columns but the label. A detected text label with other
+    label-like columns beside it is a WARNING naming them; `reader` (a run or bundle of a model
+    type) turns a table of another kind of data into an error saying so."""
     label = resolve(frame, label_spec, "label", path) if label_spec else None
     inputs = resolve_all(frame, input_spec, role, path)
+    guessed = [*([] if label_spec else ["label"]), *([] if input_spec else ["inputs"])]
+    candidates: list[str] = []
     if not inputs and role != "feature":
-        inputs = [detect_input(frame, role, path, exclude=[label] if label else [])]
+        inputs = [detect_input(frame, role, path, exclude=[label] if label else [],
+                               reader=reader)]
     if label is None:
         label = find_by_name(frame, LABEL_NAMES, exclude=inputs)
     if label is None:
         others = [c for c in frame.columns if c not in inputs]
         if role == "text":
             label = fewest_values_column(frame, exclude=inputs)
+            candidates = label_candidates(frame, others, label)
         elif role == "feature":
             label = others[-1] if others else None
         else:
@@ -632,18 +657,100 @@ def detect_columns(frame, role: str, path: Path, label_spec: str | None = None,
                         f"{quoted_sample(frame.columns, 10)}",
                         f"pass --label_column and --{_flag(role)}")
     refuse_nested(frame, [label, *inputs], path)
-    return Columns(label, inputs)
+    if len(candidates) > 1:
+        LOG.warning("%s: %d columns could be the label, %s; the guess took %s (the fewest "
+                    "distinct values); pass --label_column to choose", path, len(candidates),
+                    quoted_sample(candidates, 5, 40), quoted(label, 40))
+    return Columns(label, inputs, guessed, candidates if len(candidates) > 1 else [])
 
 
-def detect_input(frame, role: str, path: Path, exclude: Sequence[str] = ()) -> str:
+LABEL_SAMPLE_ROWS = 1000  # rows looked at to tell whether a column could be the label
+
+
+def label_candidates(frame, columns: Sequence[str], chosen: str | None) -> list[str]:
+    """The `columns` that could be the label (the `chosen` one first): a few repeated values,
+    as a label column has (at most half as many distinct values as rows)."""
+    sample = frame.iloc[:LABEL_SAMPLE_ROWS]
+    found = []
+    for column in columns:
+        values = sample[column].dropna().astype(str).str.strip()
+        values = values[values != ""]
+        if len(values) and values.nunique() <= max(2, len(values) // 2):
+            found.append(column)
+    return sorted(found, key=lambda c: c != chosen)
+
+
+def detect_input(frame, role: str, path: Path, exclude: Sequence[str] = (),
+                 reader: Reader | None = None) -> str:
     """The text column (a well-known name, else the longest values) or the image column (a
-    well-known name, else image file names) of a table."""
-    found = find_by_name(frame, TEXT_NAMES if role == "text" else IMAGE_NAMES, exclude) or (
-        longest_text_column(frame, exclude) if role == "text" else
-        image_like_column(frame, exclude))
+    well-known name, else image file names) of a table. With a `reader`, a table that clearly
+    holds another kind of data than `role` (texts or numbers for images, image paths or numbers
+    for texts) is an error naming that and the model type that reads it."""
+    by_name = find_by_name(frame, TEXT_NAMES if role == "text" else IMAGE_NAMES, exclude)
+    found = by_name or (longest_text_column(frame, exclude) if role == "text" else
+                        image_like_column(frame, exclude))
+    if reader is not None and by_name is None:
+        mismatch = kind_mismatch(frame, role, path, reader, found)
+        if mismatch is not None:
+            raise mismatch
     if found is None:
         raise undetectable(path, role, frame)
     return found
+
+
+KIND_SAMPLE_ROWS = 200  # rows looked at to tell what kind of data a table holds
+ROLE_DATA = {"image": "image paths", "text": "texts", "feature": "feature columns"}
+BUNDLE_INPUT = {"image": "images, a folder of them or a table of image paths",
+                "text": "a table of texts"}
+
+
+def table_kind(frame, role: str, found: str | None) -> str | None:
+    """What a table that `role` cannot read clearly holds, or None: "numeric" (numbers only);
+    for images (no image column `found`), "text" (a column of mostly multi-word cells); for
+    texts, "image path" (the column `found` for the text holds image file names)."""
+    import pandas as pd
+
+    sample = frame.iloc[:KIND_SAMPLE_ROWS]
+    cells = {c: sample[c].dropna().astype(str).str.strip() for c in sample.columns}
+    cells = {c: v[v != ""] for c, v in cells.items() if len(v[v != ""])}
+    if not cells:
+        return None
+    if all(pd.to_numeric(v, errors="coerce").notna().mean() >= 0.9 for v in cells.values()):
+        return "numeric"
+    if role == "image" and found is None and \
+            any(v.str.contains(r"\s").mean() >= 0.5 for v in cells.values()):
+        return "text"
+    if role == "text" and found is not None and image_like_column(sample[[found]]) == found:
+        return "image path"
+    return None
+
+
+def kind_mismatch(frame, role: str, path: Path, reader: Reader,
+                  found: str | None) -> DataError | None:
+    """The error for a table whose data is of another kind than `role` (None: it is not, or
+    it is not clear; table_kind): texts or numbers where image paths belong, image paths or
+    numbers where texts belong."""
+    if role not in ("image", "text"):
+        return None
+    kind = table_kind(frame, role, found)
+    if kind is None:
+        return None
+    other = {"text": "text", "numeric": "feature", "image path": "image"}[kind]
+    suggested = reader.by_role.get(other)
+    columns = quoted_sample(frame.columns, 10)
+    if reader.bundle:
+        return DataError(f"this bundle is {_an(reader.model_type)}; {path.name} holds {kind} "
+                         f"rows (columns {columns}), not {ROLE_DATA[role]}",
+                         f"give it {BUNDLE_INPUT[role]}"
+                         + (f", or predict with {_an(suggested)} bundle" if suggested else ""))
+    return DataError(f"{path} holds {kind} columns ({columns}), not {ROLE_DATA[role]}: this "
+                     f"run trains {_an(reader.model_type)}",
+                     f"pass --model_type {suggested}" if suggested else
+                     f"pass --{_flag(role)} naming the column of {ROLE_DATA[role]}")
+
+
+def _an(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def longest_text_column(frame, exclude: Sequence[str] = ()) -> str | None:
@@ -667,7 +774,8 @@ def image_like_column(frame, exclude: Sequence[str] = ()) -> str | None:
 
 
 def serving_columns(frame, trained: Columns, path: Path, role: str,
-                    label_spec: str | None = None, input_spec: str | None = None) -> Columns:
+                    label_spec: str | None = None, input_spec: str | None = None,
+                    reader: Reader | None = None) -> Columns:
     """The columns of a table to predict, as the model was trained: the flags given now, else
     the columns training used (`trained`: the names it resolved, found by name, else a digit
     name by position; no inputs: detected as training would). A headerless table of texts or
@@ -675,7 +783,7 @@ def serving_columns(frame, trained: Columns, path: Path, role: str,
     if input_spec:
         inputs = resolve_all(frame, input_spec, role, path)
     elif not trained.inputs:
-        inputs = [detect_input(frame, role, path)]
+        inputs = [detect_input(frame, role, path, reader=reader)]
     else:
         found = [locate_column(frame, name) for name in trained.inputs]
         # columns without names on either side: the model's were positions (a headerless

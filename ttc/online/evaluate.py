@@ -148,7 +148,7 @@ def evaluate_classifier(run: SplitRun) -> None:
     section_of = task_of_kind(manifest.preprocessing.kind).part("evaluation")
     report["evaluation"] = bundle_evaluation(
         section_of, manifest.labels, manifest.dataset.train_class_counts,
-        Tally(manifest.classes).add(probabilities, test[1]))
+        Tally(manifest.classes).add(probabilities, test[1]), dataset=report.get("dataset"))
     raw = without_temperature(session, test[0], config.batch_size)
     report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], config.seed)
     served = served_graph(config, run.paths, manifest, session, run.model_path)

@@ -135,12 +135,15 @@ def evaluation_section(tally: Tally, labels: Sequence[str],
 
 def bundle_evaluation(section_of: Callable[..., dict], labels: Sequence[str],
                       train_class_counts: Sequence[int] | None, tally: Tally,
-                      split: str = "test") -> dict:
+                      split: str = "test", dataset: dict | None = None) -> dict:
     """The evaluation of a bundle's predictions by its model type's `section_of` (its entry's
     parts.evaluation, e.g. evaluation_section), against its training split's majority class
     (`train_class_counts`: None in bundles from before that record); the warnings are logged
-    (stderr), the verdict too."""
+    (stderr), the verdict too. A useless model of a table whose label column was guessed
+    (`dataset`: the report's section) gets one more warning: the guess may be the cause."""
     section = section_of(tally, labels, train_class_counts, split)
+    if section["warnings"]:
+        section["warnings"] += guessed_label_warning(dataset)
     for warning in section["warnings"]:
         LOG.warning("%s", warning)
     LOG.info("evaluation: %s", section["verdict"])
@@ -195,6 +198,20 @@ def not_learned_warning(score: str, baseline: str, baseline_value: float) -> str
     return (f"{score} does not beat {baseline} ({baseline_value:.4f}) by at least "
             f"{BASELINE_MARGIN * 100:g} point: the model has not learned the task; try more "
             "--epochs or another learning rate (--lr_candidates)")
+
+
+def guessed_label_warning(dataset: dict | None) -> list[str]:
+    """The warning that a guessed label column may be the wrong one (none when the label was
+    named by --label_column, or the data is no table)."""
+    columns = (dataset or {}).get("columns") or {}
+    if "label" not in (columns.get("guessed") or []):
+        return []
+    others = [c for c in columns.get("label_candidates") or [] if c != columns.get("label")]
+    also = (f" (other columns that could be it: {', '.join(quoted(c, 40) for c in others)})"
+            if others else "")
+    return [f"the label column {quoted(columns.get('label'), 40)} was guessed{also}: if it "
+            "is not the column to predict, the model cannot learn the task; pass "
+            "--label_column to choose it"]
 
 
 DEAD_SHOWN = 5  # classes named in the warning about classes never predicted right

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibration,
-                                   format_compression, format_dropped,
+                                   format_compression, format_dataset,
                                    format_engine, format_evaluation,
                                    format_iterative, format_profile, format_quantize_details,
                                    format_training, format_ttt)
@@ -121,7 +121,7 @@ PREDICTIONS_KEYS: KeyLabels = (
 
 
 SECTIONS: tuple[Section, ...] = (
-    Section("dataset", "Dataset", DATASET_KEYS, format_dropped, page="dataset",
+    Section("dataset", "Dataset", DATASET_KEYS, format_dataset, page="dataset",
             own_tables=frozenset({"dropped_reasons"})),
     Section("teacher", "Teacher", TEACHER_KEYS),
     Section("train", "Training", TRAIN_KEYS, format_training, page="train",

@@ -33,6 +33,28 @@ def format_dropped(dataset: dict) -> list[str]:
             for d in dataset.get("dropped_reasons") or []]
 
 
+def format_dataset(dataset: dict) -> list[str]:
+    """The dataset's dropped rows (format_dropped), then the columns a table's run used: the
+    label and the inputs, each marked when it was guessed (not named by a flag)."""
+    columns = dataset.get("columns")
+    if not isinstance(columns, dict):
+        return format_dropped(dataset)
+    guessed = columns.get("guessed") or []
+    candidates = columns.get("label_candidates") or []
+    label = "" if "label" not in guessed else (
+        f" (guessed among {', '.join(map(repr, candidates))}; --label_column to choose)"
+        if candidates else " (guessed; --label_column to choose)")
+    inputs = list(columns.get("inputs") or [])
+    shown = ", ".join(map(str, inputs[:INPUTS_SHOWN])) + (
+        f" and {len(inputs) - INPUTS_SHOWN} more" if len(inputs) > INPUTS_SHOWN else "")
+    return [*format_dropped(dataset),
+            f"  {'label column':<26} {columns.get('label')}{label}",
+            f"  {'input columns':<26} {shown}{' (guessed)' if 'inputs' in guessed else ''}"]
+
+
+INPUTS_SHOWN = 5  # input columns the summary names
+
+
 def format_training(train: dict, score: str = "val acc") -> list[str]:
     """The training-health hint, then the candidate search (`score`: what its validation
     score is, the model type's name for it)."""

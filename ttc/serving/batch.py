@@ -29,9 +29,10 @@ from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.inputs.limits import LIMITS, images_per_chunk, row_hint
 from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from ttc.serving.manifest import Manifest, as_manifest
-from ttc.inputs.tables import (IMAGE_EXTENSIONS, Columns, FeatureBlock, iter_table, joined_texts,
-                    label_texts, parquet_feature_blocks, parquet_header, reads_as_numbers,
-                    refuse_nested, serving_columns, split_spec, table_format)
+from ttc.inputs.data import table_reader
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, FeatureBlock, iter_table,
+                    joined_texts, label_texts, parquet_feature_blocks, parquet_header,
+                    reads_as_numbers, refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, DataError, atomic_write_stream, first_line, progress,
                    raise_if_interrupted)
@@ -248,7 +249,13 @@ def _decode_images(sources: Sequence[Path | io.BytesIO], ids: Sequence[str],
 
 
 def folder_images(root: Path) -> list[Path]:
-    """The image files of an image or a folder (recursive, sorted): what --input predicts."""
+    """The image files of an image or a folder (recursive, sorted): what --input predicts. A
+    table given where images belong (a segmenter's or detector's --input) is an error saying
+    so, not one image that cannot be decoded."""
+    if root.is_file() and root.suffix.lower() in TABLE_FORMATS:
+        raise DataError(f"{root.name} is a table ({TABLE_FORMATS[root.suffix.lower()]} rows), "
+                        "and this bundle reads images, not table rows",
+                        "give it an image or a folder of images")
     return list(image_files(root))
 
 
@@ -341,7 +348,8 @@ class TableReader:
 
     def _choose_columns(self, frame) -> Columns:
         columns = serving_columns(frame, self._trained_columns(), self.path, self.role,
-                                  self.options.label_column, self.options.input_spec(self.role))
+                                  self.options.label_column, self.options.input_spec(self.role),
+                                  table_reader(self.manifest.model_type, bundle=True))
         if self.encoder is not None:  # the encoder reads features by their training names
             self.renamed = dict(zip(columns.inputs, (c["name"] for c in self.encoder.columns)))
         elif self.task.image_files:

@@ -682,7 +682,23 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
                        not_applicable={m: why for m, why in graph.not_applicable.items()
                                        if m in settings.methods})
     result.verdict, result.warnings = _verdict(result, methods)
+    if not settings.shifts:
+        result.verdict = with_clean_only_hint(result.verdict, preprocessing.get("kind"))
     return result
+
+
+def with_clean_only_hint(verdict: str, kind: str | None) -> str:
+    """A verdict measured on clean data only (no --eval_shift), ending with how to see what
+    adaptation buys under shift; unchanged for a model type --eval_shift has no corruption for."""
+    from ttc.inputs.shifts import CORRUPTIONS
+
+    names = list(CORRUPTIONS.get(kind or "", ()))
+    if not names:
+        return verdict
+    example = "contrast" if "contrast" in names else names[0]
+    hint = (f"measured on clean data only, where TTT has little to fix: add --eval_shift "
+            f"{example} (or another corruption) to measure it under shift")
+    return f"{verdict}; {hint}" if verdict else hint
 
 
 def _verdict(result: TTTResult, methods: list[str]) -> tuple[str, list[str]]:

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from ttc.tasks.detect.nets import cell_boxes
-from utils import ExportError, stdout_to_stderr
+from utils import ExportError, debug_enabled, stdout_to_stderr
 
 INPUT_NAME = "image"
 CANDIDATE_OUTPUTS = ("candidate_boxes", "candidate_scores")
@@ -251,7 +251,8 @@ def export_candidates(net: nn.Module, example: torch.Tensor | np.ndarray,
             program = torch.onnx.export(
                 wrapper, (example,), input_names=[INPUT_NAME],
                 output_names=list(output_names), dynamic_shapes=(dims,),
-                opset_version=opset, external_data=False, dynamo=True, optimize=optimize)
+                opset_version=opset, external_data=False, dynamo=True, optimize=optimize,
+                verbose=debug_enabled())  # its [torch.onnx] progress lines: DEBUG only
     except Exception as err:  # noqa: BLE001 - exporter failures are many and varied
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ExportError(f"torch.onnx.export failed at opset {opset}: {first}",

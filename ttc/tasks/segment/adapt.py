@@ -23,7 +23,7 @@ import numpy as np
 from ttc.inputs.shifts import corrupt
 from ttc.tasks.segment.evaluate import MaskRunner, batches, confusion_of
 from ttc.tasks.segment.metrics import summary_scores
-from ttc.testtime.ttt import AdaptationGraph, Tent
+from ttc.testtime.ttt import AdaptationGraph, Tent, with_clean_only_hint
 
 METRIC = "mean_iou"  # what the section's accuracy_* cells hold (the classifiers': accuracy)
 
@@ -123,6 +123,8 @@ def episodic_section(score: ScoredPass, source: Callable, adapted: dict[str, Cal
                "metric": scores.metric, "clean": clean, "shifts": rows,
                "mean_shifted": mean_row(rows)}
     section["verdict"] = verdict(clean, section["mean_shifted"], list(adapted), scores)
+    if not shifts:
+        section["verdict"] = with_clean_only_hint(section["verdict"], preprocessing.get("kind"))
     return section
 
 
