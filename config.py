@@ -172,9 +172,12 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
         return self.plots_destination(getattr(self, "script", None))
 
     def page_path(self) -> Path | None:
-        """The HTML page: beside the report file, with its name (report.json → report.html);
-        None for a script without --plots."""
-        return self.page_destination() if "plots" in self.names() else None
+        """The HTML page: beside the report file, with its name (report.json → report.html),
+        else pipeline.py's beside the model (OutputFlags.page_destination); None for a script
+        without --plots."""
+        if "plots" not in self.names():
+            return None
+        return self.page_destination(getattr(self, "script", None))
 
     def profile_path(self) -> Path | None:
         """Where --profile's raw trace goes: beside the report file (report.json →
@@ -190,8 +193,10 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
         folder, page = self.plots_folder(), self.page_path()
         outputs = {f"--plots ({name}.png)": folder / f"{name}.png" for name in PLOT_NAMES
                    } if folder else {}
-        if page:
+        if page and self.report_json and self.report_json != "-":
             outputs["the report page (--report_json's .html)"] = page
+        elif page:
+            outputs["--output_model (the report page beside it)"] = page
         return outputs
 
     def check_input_folders(self, segmenter: bool = False) -> None:

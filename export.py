@@ -3,7 +3,8 @@ and write the model bundle (model.onnx, model.json, model.pt) atomically.
 
     python export.py --output_model runs/digits/model.onnx
 
-reads the weights and manifest that train.py wrote beside that path. The work is the package's
+reads the weights and manifest that train.py wrote beside that path (or that a pipeline.py run
+whose export failed kept there). The work is the package's
 (ttc/convert/bundle.py: export_saved_bundle; each model type exports through its
 Parts.exporter); this is its command line.
 """

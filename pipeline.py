@@ -14,7 +14,7 @@ from typing import Sequence
 from config import build_parser, start_cli
 from ttc.serving.bundle import BundlePaths
 from ttc.reporting.run import preload_plots, run_with_report
-from utils import exit_cli, run_cli
+from utils import ExportError, exit_cli, run_cli
 
 EXAMPLE = """\
 example (trains on scikit-learn's bundled 8x8 digits, no download):
@@ -61,10 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # file fails in a fraction of a second, not after seconds of importing torch and DSPy.
         from ttc.convert.bundle import export_bundle
         from ttc.convert.compressed import export_compressed
+        from ttc.convert.failure import keep_trained_weights
         from ttc.online.evaluate import run_on_bundle
         from ttc.compress.quantization import fp16_bundle, judge_compressed, quantize_bundle
-        from ttc.training.stage import (build_manifest, cap_batch_size, torch_variant,
-                                        train_ensemble_members, train_stage)
+        from ttc.training.stage import (build_manifest, cap_batch_size, save_checkpoint,
+                                        torch_variant, train_ensemble_members, train_stage)
         from ttc.nets.training import set_torch_threads  # imports torch and DSPy
         from utils import quiet_library_loggers
 
@@ -76,8 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         trained, dataset = train_stage(config, dataset, report)
         members = train_ensemble_members(config, dataset, trained)
         manifest = build_manifest(config, trained, dataset, report.get("teacher"), paths)
-        exported = export_bundle(config, trained.net, manifest, dataset.test.x, dataset.train.x,
-                                 paths, members, (dataset.val.x, dataset.val.y))
+        try:
+            exported = export_bundle(config, trained.net, manifest, dataset.test.x,
+                                     dataset.train.x, paths, members,
+                                     (dataset.val.x, dataset.val.y))
+        except ExportError as err:  # the training is kept, as train.py writes it, for export.py
+            raise keep_trained_weights(err, config, paths, lambda kept: save_checkpoint(
+                config, trained, dataset, kept, report.get("teacher"))) from err
         report["export"] = exported.report_section()
         if trained.compressed:
             export_compressed(config, trained.compressed, paths, dataset.test.x, dataset.train.x)

@@ -18,6 +18,7 @@ from PIL import Image
 from config import build_parser, parse_config
 from ttc.inputs.preprocess import decode_image_file
 from ttc.tasks.detect.evaluate import detection_runner
+from ttc.tasks.detect.overlay import class_colour
 from ttc.tasks.detect.predict import DetectBatchOptions, predict_detections_input
 from ttc.tasks.outputs import default_overlay_dir, images_json_path
 from utils import ConfigError, DataError, ExportError
@@ -282,9 +283,9 @@ def test_overlays_at_each_image_s_own_size_with_the_boxes_drawn(session, tmp_pat
         with Image.open(folder / overlay) as picture:
             assert picture.mode == "RGB" and picture.size == (width, height)
             pixels = np.asarray(picture)
-        # the class-1 box's left edge at x = W/4 (y from H/4 to H/2) in the predicted colour
+        # the class-1 box's left edge at x = W/4 (y from H/4 to H/2) in class 1's colour
         edge = pixels[height // 4:-(-height // 2), max(0, width // 4 - 1):width // 4 + 2]
-        assert (edge == [240, 70, 40]).all(axis=-1).any(), name
+        assert (edge == class_colour(1)).all(axis=-1).any(), name
     assert not (folder / "sub" / "bad.png").exists()
 
 

@@ -115,7 +115,8 @@ def images_of(markup: str) -> list[str]:
 def summary_block(text: str, name: str) -> list[str]:
     lines = text.splitlines()
     start = lines.index(f"{name}:") + 1
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith(" "))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith(" ")),
+               len(lines))
     return lines[start:end]
 
 

@@ -29,7 +29,8 @@ def assert_same(api: list[dict], batch: list[dict], top_k: int) -> None:
         assert mine["label"] == theirs["label"]
         assert mine["confidence"] == pytest.approx(theirs["confidence"], abs=1e-6)
         assert len(mine["top"]) == top_k
-        for k, (label, probability) in enumerate(mine["top"], 1):
+        assert list(mine["top"][0]) == [mine["label"], mine["confidence"]]  # the table: once
+        for k, (label, probability) in enumerate(mine["top"][1:], 2):
             assert label == theirs[f"top{k}_label"]
             assert probability == pytest.approx(theirs[f"top{k}_probability"], abs=1e-6)
 

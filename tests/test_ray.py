@@ -303,15 +303,15 @@ def test_parquet_round_trip_and_training_from_parquet(tmp_path):
     assert "ray" not in heavy_modules_after("inference.py", *args,
                                             modules=("torch", "dspy", "ray"))
     table = pq.read_table(out)
-    assert table.column_names == ["id", "label", "confidence", "top1_label",
-                                  "top1_probability", "top2_label", "top2_probability"]
+    assert table.column_names == ["id", "label", "confidence", "top2_label",
+                                  "top2_probability"]
     assert str(table.schema.field("id").type) == "string"
     assert str(table.schema.field("confidence").type) == "double"
     preds = table.to_pandas()
     assert list(preds["id"]) == [str(i) for i in range(1, 31)]
     truth = rows.iloc[150:]["kind"].to_numpy()
     assert (preds["label"].to_numpy() == truth).mean() > 0.8
-    probs = preds[["top1_probability", "top2_probability"]].to_numpy()
+    probs = preds[["confidence", "top2_probability"]].to_numpy()
     assert (probs[:, 0] >= probs[:, 1]).all() and (probs.sum(1) <= 1 + 1e-6).all()
 
 

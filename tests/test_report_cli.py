@@ -40,7 +40,8 @@ def test_without_a_report_file_the_plots_go_beside_the_model(digits_bundle):
     # no TTA, TTT, iterative or benchmark in this run: only what its data allows
     assert set(report["plots"]) == {"training_curves", "confusion_matrix", "reliability"}
     assert_pngs(report["plots"], folder / "plots")
-    assert report["html"] is None and not list(folder.glob("*.html"))  # no report file, no page
+    # no report file: the page beside the model too (issue #64 item 5)
+    assert report["html"] == str(folder / "report.html") and (folder / "report.html").is_file()
 
 
 def test_report_py_rebuilds_plots_and_page_from_a_saved_json(wine_bundle, tmp_path):

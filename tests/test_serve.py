@@ -242,8 +242,9 @@ def batch_predictions(model: Path, file_rows: list[dict], folder: Path) -> list[
     lines = [json.loads(line) for line in preds.read_text().splitlines()]
     assert [line["id"] for line in lines] == [str(k) for k in range(1, len(file_rows) + 1)]
     return [{"label": line["label"], "confidence": line["confidence"],
-             "top": [[line[f"top{k}_label"], line[f"top{k}_probability"]]
-                     for k in range(1, TOP_K + 1)]} for line in lines]
+             "top": [[line["label"], line["confidence"]]]  # the top class once in the table
+             + [[line[f"top{k}_label"], line[f"top{k}_probability"]]
+                for k in range(2, TOP_K + 1)]} for line in lines]
 
 
 def v2_request(metadata: dict, rows: list[dict]) -> dict:

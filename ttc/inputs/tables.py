@@ -27,6 +27,10 @@ LABEL_NAMES = ("label", "labels", "class", "target", "category", "y", "sentiment
 TEXT_NAMES = ("text", "message", "sms", "sentence", "review", "content", "body", "comment",
               "tweet", "document", "title", "description", "question", "utterance")
 IMAGE_NAMES = ("image", "image_path", "path", "file", "filename", "filepath", "img")
+# A column that identifies a row (the prediction table carries it, batch.TableReader): by
+# priority; an image path column counts
+ID_NAMES = ("id", "uid", "uuid", "guid", "key", "row_id", "record_id", "sample_id", "example_id",
+            "doc_id", "image_id", "image", "image_path", "path", "file", "filename", "filepath")
 HEADER_WORDS = set(LABEL_NAMES + TEXT_NAMES + IMAGE_NAMES + ("id", "name", "feature"))
 # A label, text or image-path cell is missing only when it is empty: `NA` is North America and
 # `None` a class name. In a feature column these markers mean missing too (`?` where a number is

@@ -62,6 +62,11 @@ class BatchFlags:
                            "this (the graph's --score_threshold, fixed at export, dropped the "
                            "lower ones already)", "batch", type=float, metavar="SCORE",
                            scripts="I")
+    id_column: str | None = opt(None, "a table --input's column that identifies its rows (a "
+                                "name or 0-based position), written to --output under its own "
+                                "name after the row number; default: a column named like id, "
+                                "uid, key or path (an image table's path column)", "batch",
+                                metavar="COLUMN", scripts="I")
     top_k: int = opt(1, "how many top classes (label, probability) each prediction row lists",
                      "batch", type=int, metavar="K", scripts="IS")
     chunk_rows: int = opt(4096, "rows read, encoded and predicted at a time (memory stays flat "

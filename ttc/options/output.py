@@ -36,6 +36,12 @@ def page_beside(report_json: Path) -> Path:
     return report_json.with_suffix(".html")
 
 
+def page_beside_model(model: Path) -> Path:
+    """pipeline.py's page without a report file: `report.html` beside model.onnx,
+    `NAME_report.html` beside NAME.onnx (two bundles in one folder keep their own)."""
+    return model.parent / ("report.html" if model.stem == "model" else f"{model.stem}_report.html")
+
+
 @dataclass
 class OutputFlags:
     json: bool = opt(False, "print the run's report as JSON on stdout instead of the summary",
@@ -88,11 +94,14 @@ class OutputFlags:
             return visuals_beside(Path(self.output_model))
         return None
 
-    def page_destination(self) -> Path | None:
-        """The HTML page: beside the report file, with its name (report.json → report.html)."""
-        if not self.report_json or self.report_json == "-":
-            return None
-        return page_beside(Path(self.report_json))
+    def page_destination(self, script: str | None = None) -> Path | None:
+        """The HTML page: beside the report file, with its name (report.json → report.html),
+        else for pipeline.py beside the model (page_beside_model) unless --plots none."""
+        if self.report_json and self.report_json != "-":
+            return page_beside(Path(self.report_json))
+        if script == "pipeline" and self.output_model and (self.plots or "").lower() != "none":
+            return page_beside_model(Path(self.output_model))
+        return None
 
     def trace_destination(self) -> Path | None:
         """Where a profile trace goes: beside the report file (report.json →

@@ -7,11 +7,12 @@ import importlib
 import itertools
 import json
 import re
+import shlex
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ttc.reporting.kinds import report_part
 from ttc.reporting.sections import (JSON_KEYS, PREDICTION_KEYS, SUMMARY_KEYS, summary_order)
@@ -19,30 +20,55 @@ from utils import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, LOG, DataError, Pipe
                    atomic_write_json, first_line, nesting_depth, stop_error, user_code_error)
 
 
-def format_summary(report: dict) -> str:
-    """The human-readable final summary: one block per section the run filled (SECTIONS says
-    which lines, the model type's report part adds its own), then where the plots and the page
-    went."""
+def format_summary(report: dict, next_steps: Sequence[str] = ()) -> str:
+    """The human-readable final summary: the status with the run's seconds, one block per
+    section the run filled (SECTIONS says which lines, the model type's report part adds its
+    own), where the page and the plots went, and the commands that use what the run wrote
+    (`next:`, next_commands)."""
     kind = report_part(report)
     lines = [f"status: {report.get('status')}"]
+    if report.get("seconds_total") is not None:  # here, not a line: room for next:
+        lines[0] += f" (total seconds: {report['seconds_total']:.1f})"
     if report.get("error"):
         lines.append(f"error: {report['error']['message']} (exit {report['error']['code']})")
     for section in summary_order(report):
         data = report.get(section.key)
         if data:
             lines += [f"{section.key}:", *kind.summary(section, data)]
-    if report.get("plots"):
-        folder = Path(next(iter(report["plots"].values()))).parent
-        lines.append(f"plots: {len(report['plots'])} PNG in {folder}")
-    if report.get("html"):
-        lines.append(f"page: {report['html']}")
-    if report.get("seconds_total") is not None:
-        lines.append(f"total seconds: {report['seconds_total']:.1f}")
+    lines += visuals_lines(report)
+    # the label on the first command's line: the summary no longer than before it had next:
+    labels = ["next:", *[""] * (len(next_steps) - 1)]
+    lines += [f"{label:<6}{command}" for label, command in zip(labels, next_steps)]
     return "\n".join(lines)
 
 
+def visuals_lines(report: dict) -> list[str]:
+    """Where the page and the plots went: one line for both."""
+    plots = ""
+    if report.get("plots"):
+        folder = Path(next(iter(report["plots"].values()))).parent
+        plots = f"plots: {len(report['plots'])} PNG in {folder}"
+    if report.get("html"):
+        return [f"page: {report['html']}" + (f" ({plots})" if plots else "")]
+    return [plots] if plots else []
+
+
+def next_commands(script: str | None, model: str | None) -> list[str]:
+    """What to run on the bundle `script` wrote at `model`, with its real path: export.py
+    after train.py; inference.py on new data and serve.py after pipeline.py or export.py."""
+    if not model:
+        return []
+    bundle = shlex.quote(model)
+    if script == "train":
+        return [f"python export.py --output_model {bundle}"]
+    if script in ("pipeline", "export"):
+        return [f"python inference.py --model {bundle} --input FILE --output predictions.csv",
+                f"python serve.py --model {bundle}"]
+    return []
+
+
 def emit_report(report: dict, report_json: str | None, json_stdout: bool = False,
-                quiet: bool = False) -> None:
+                quiet: bool = False, next_steps: Sequence[str] = ()) -> None:
     """Write the report JSON (atomically to a file; on stdout with '-' or json_stdout) and
     otherwise the human summary (none when quiet)."""
     if report_json and report_json != "-":
@@ -50,7 +76,7 @@ def emit_report(report: dict, report_json: str | None, json_stdout: bool = False
     if report_json == "-" or json_stdout:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     elif not quiet:
-        sys.stdout.write(format_summary(report) + "\n")
+        sys.stdout.write(format_summary(report, next_steps) + "\n")
     sys.stdout.flush()
 
 
@@ -137,7 +163,8 @@ def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
     if hasattr(config, "plots_folder") and "plots" in config.names():
         write_visuals(report, config.plots_folder(), config.page_path())
     emit_report(report, config.report_json, json_stdout=getattr(config, "json", False),
-                quiet=getattr(config, "quiet", False))
+                quiet=getattr(config, "quiet", False),
+                next_steps=next_commands(getattr(config, "script", None), config.output_model))
     return EXIT_OK
 
 

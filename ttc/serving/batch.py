@@ -31,11 +31,12 @@ from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files
 from ttc.serving.manifest import Manifest, as_manifest
 from ttc.inputs.data import table_reader
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, FeatureBlock, iter_table,
-                    joined_texts, label_texts, parquet_feature_blocks, parquet_header,
+                    ID_NAMES, PARQUET_BATCH_ROWS, canonical_number, find_by_name, joined_texts,
+                    label_texts, parquet_cells, parquet_feature_blocks, parquet_header,
                     reads_as_numbers, refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, DataError, atomic_write_stream, first_line, progress,
-                   raise_if_interrupted)
+                   quoted_sample, raise_if_interrupted)
 
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
@@ -44,6 +45,19 @@ Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # path (__path) or its file bytes (__image), or the tabular features under their training names.
 ROW_ID, ROW_LABEL, ROW_ERROR, ROW_PATH, ROW_TEXT = "__id", "__label", "__error", "__path", "__text"
 ROW_IMAGE = "__image"  # an image's file bytes (serve.py's requests) in place of its path
+ROW_KEY = "__key:"  # + a name: the input's own id column under that name (see RowKeys)
+
+
+@dataclass
+class RowKeys:
+    """The input's own id column (a table's, batch.TableReader._key_column), which the prediction
+    table carries under its `name`: each row id's cell as text."""
+
+    name: str
+    values: dict[str, str]
+
+    def of(self, ids: Sequence[str]) -> list[str]:
+        return [self.values[i] for i in ids]
 
 
 @dataclass
@@ -54,6 +68,7 @@ class Chunk:
     x: np.ndarray | None
     labels: list[str | None] | None = None
     errors: list[tuple[str, str]] = field(default_factory=list)
+    keys: RowKeys | None = None
 
 
 @dataclass
@@ -75,6 +90,7 @@ class BatchOptions:
     max_row_bytes: int | None = None
     batch_size: int = 64
     ttt: bool = False
+    id_column: str | None = None
 
     @classmethod
     def from_config(cls, config, chunk_rows: int) -> "BatchOptions":
@@ -97,10 +113,12 @@ class BatchOptions:
 
 
 def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
-              errors: Sequence[str] | None = None):
+              errors: Sequence[str] | None = None,
+              keys: tuple[str, Sequence[str]] | None = None):
     """A row frame from its parts: `inputs` a DataFrame already holding the input columns under
     their fixed names (its columns are kept as they are, not copied), or a dict of them; labels
-    None when the input has no label column."""
+    None when the input has no label column; `keys` (a name, the cells) the input's own id
+    column, for the prediction table."""
     import pandas as pd
 
     index = inputs.index if isinstance(inputs, pd.DataFrame) else pd.RangeIndex(len(ids))
@@ -115,7 +133,31 @@ def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
         frame.insert(1, ROW_LABEL, cells(["" if v is None else v for v in labels]))
     frame.insert(frame.columns.get_loc(ROW_ID) + 1 + (labels is not None), ROW_ERROR,
                  cells(errors) if errors is not None else np.full(len(ids), "", object))
+    if keys is not None:
+        frame[ROW_KEY + keys[0]] = cells(keys[1])
     return frame
+
+
+def row_keys(frame) -> RowKeys | None:
+    """A row frame's id column (ROW_KEY), by row id; None when it has none."""
+    column = next((c for c in frame.columns if c.startswith(ROW_KEY)), None)
+    if column is None:
+        return None
+    return RowKeys(column[len(ROW_KEY):], dict(zip(frame[ROW_ID].tolist(),
+                                                   frame[column].tolist())))
+
+
+def id_texts(values) -> list[str]:
+    """An id column's cells as written (a number a Parquet column stores as one in its one
+    spelling); a missing cell empty."""
+    def text(value) -> str:
+        if value is None or (isinstance(value, float) and value != value):
+            return ""
+        if isinstance(value, (float, np.floating)):
+            return canonical_number(float(value)) or str(value)
+        return str(value)
+
+    return [text(v) for v in values]
 
 
 class RowIds(Sequence[str]):
@@ -166,6 +208,7 @@ class RowEncoder:
         self.rows = task_of_kind(preprocessing.kind).part("rows")(preprocessing.spec)
 
     def encode(self, frame) -> Chunk:
+        keys = row_keys(frame)
         reasons = frame[ROW_ERROR].to_numpy(dtype=object)
         failed = reasons != ""
         ids = frame[ROW_ID].to_numpy(dtype=object)
@@ -178,6 +221,7 @@ class RowEncoder:
                   if ROW_LABEL in frame else None)
         chunk = self._encoded(frame, ids, labels)
         chunk.errors = errors + chunk.errors
+        chunk.keys = keys
         return chunk
 
     def _encoded(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
@@ -321,6 +365,7 @@ class TableReader:
         self.row_groups = row_groups
         self.columns: Columns | None = None
         self.renamed: dict[str, str] = {}
+        self.key: str | None = None  # the column carried into the prediction table
 
     def _named_columns(self) -> list[str]:
         """Column names the header would hold: the flags given now and the training file's."""
@@ -356,7 +401,26 @@ class TableReader:
             self.renamed = {columns.inputs[0]: ROW_PATH}
         else:
             self.renamed = {name: f"{ROW_TEXT}{k}" for k, name in enumerate(columns.inputs)}
+        self.key = self._key_column(frame, columns) if self.options.output else None
         return columns
+
+    def _key_column(self, frame, columns: Columns) -> str | None:
+        """The column that identifies a row, which the prediction table carries: --id_column
+        (a name or 0-based position), else the first of ID_NAMES there (not the label), else
+        an image table's path column; None: the row number alone."""
+        spec = self.options.id_column
+        if spec:
+            if spec in frame.columns:
+                return spec
+            if spec.isdigit() and int(spec) < frame.shape[1]:
+                return frame.columns[int(spec)]
+            raise ConfigError(f"--id_column {spec!r}: {self.path} has no such column; its "
+                              f"columns are {quoted_sample(frame.columns, 10)}",
+                              "name one of them (or give its 0-based position)")
+        found = find_by_name(frame, ID_NAMES, exclude=[columns.label] if columns.label else [])
+        if found is None and self.task.image_files:
+            found = columns.inputs[0]
+        return found
 
     def frames(self) -> Iterator:
         numeric = ([c["name"] for c in self.encoder.columns if c["type"] == "numeric"]
@@ -388,7 +452,9 @@ class TableReader:
             inputs, errors = self._images(inputs[ROW_PATH])
         elif self.role == "text":  # text cells as plain strings (see row_frame)
             inputs = inputs.astype(object)
-        return row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors)
+        keys = (self.key, id_texts(frame[self.key])) if self.key else None
+        return row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors,
+                         keys)
 
     def _images(self, cells) -> tuple[dict, list[str]]:
         return self._image_paths(cells)
@@ -427,10 +493,16 @@ class TableReader:
         if features is None:
             yield from self._frame_chunks()
             return
+        keys = ParquetKeys(self.path, self.key, self.key in features, self.row_groups) \
+            if self.key else None
         for block in parquet_feature_blocks(self.path, features, self.columns.label,
                                             self.options.rows_per_chunk(self.manifest),
                                             self.row_groups):
-            yield self._block_chunk(block)
+            chunk = self._block_chunk(block)
+            if keys is not None:
+                chunk.keys = RowKeys(self.key, dict(zip(map(str, (block.rows + 1).tolist()),
+                                                        keys.of(block.rows))))
+            yield chunk
 
     def _columnar_features(self) -> list[str] | None:
         """The file's feature columns, in the encoder's order, where the columnar path reads
@@ -448,7 +520,7 @@ class TableReader:
             self.renamed = {}
             return None
         inputs = columns.inputs
-        if any(old != new for old, new in self.renamed.items()) or \
+        if (self.key is not None and list(frame.columns).count(self.key) != 1) or any(old != new for old, new in self.renamed.items()) or \
                 len(set(inputs)) != len(inputs) or \
                 not all(reads_as_numbers(types[name]) for name in inputs):
             self.renamed = {}
@@ -468,6 +540,34 @@ class TableReader:
         errors = [(ids[i], reasons[i]) for i in sorted(reasons)]
         return Chunk(RowIds(ids.numbers[usable]), x[usable] if usable.any() else None,
                      _kept(labels, usable) if labels else None, errors)
+
+
+class ParquetKeys:
+    """The id column of a Parquet file beside the columnar path's blocks: each block's cells as
+    the row frames give them (id_texts), read a record batch at a time (flat memory)."""
+
+    def __init__(self, path: Path, name: str, numeric: bool,
+                 row_groups: range | None) -> None:
+        import pyarrow.parquet as pq
+
+        handle = pq.ParquetFile(path)
+        groups = list(row_groups if row_groups is not None
+                      else range(handle.metadata.num_row_groups))
+        self.numeric = numeric
+        self.start = sum(handle.metadata.row_group(g).num_rows for g in range(groups[0])) \
+            if groups else 0  # the data row (0-based) of cells[0]
+        self.cells: list[str] = []
+        self.batches = handle.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups,
+                                           columns=[name], use_threads=False)
+
+    def of(self, rows: np.ndarray) -> list[str]:
+        """The cells of these data rows (0-based, increasing, none before the last call's)."""
+        first, end = int(rows[0]), int(rows[-1]) + 1
+        del self.cells[:first - self.start]
+        self.start = first
+        while self.start + len(self.cells) < end:
+            self.cells += id_texts(parquet_cells(next(self.batches).column(0), self.numeric))
+        return [self.cells[k] for k in (rows - first).tolist()]
 
 
 # ----------------------------------------------------------------------------- stdin
@@ -512,17 +612,22 @@ def input_kind(manifest: Manifest, options: BatchOptions) -> str:
     """What --input is: "stdin", "images" (an image or a folder) or "table"; checked against
     the bundle's model type."""
     if options.input == "-":
-        return "stdin"
-    path = Path(options.input)
-    if not path.exists():
-        raise DataError(f"input {path} does not exist", "check the path")
-    if path.is_dir() or path.suffix.lower() in IMAGE_EXTENSIONS:
-        if not task_of_kind(manifest.preprocessing.kind).image_files:
+        kind = "stdin"
+    else:
+        path = Path(options.input)
+        if not path.exists():
+            raise DataError(f"input {path} does not exist", "check the path")
+        kind = "images" if path.is_dir() or path.suffix.lower() in IMAGE_EXTENSIONS else "table"
+        if kind == "images" and not task_of_kind(manifest.preprocessing.kind).image_files:
             raise ConfigError(f"{path} is an image or a folder, and this is a "
                               f"{manifest.model_type}", "give a CSV/TSV/JSON/JSONL/Parquet "
                               "file")
-        return "images"
-    return "table"
+    if kind != "table" and options.id_column:
+        what, ids = ("the standard input", "line number") if kind == "stdin" else \
+            ("no table", "path")
+        raise ConfigError(f"--id_column names a column of a table --input, and {options.input} "
+                          f"is {what}", f"drop --id_column (its rows are named by their {ids})")
+    return kind
 
 
 def input_frames(manifest: Manifest, options: BatchOptions) -> Iterator:
@@ -601,19 +706,29 @@ def abandon_parquet(writer) -> None:
 class PredictionWriter:
     """Rows to CSV, JSONL or Parquet (by the output's extension) in an open temporary file, a
     chunk at a time through whole columns (a Python loop over rows cost more than the model).
-    Parquet takes a binary handle and is written in row groups of PARQUET_GROUP_ROWS."""
+    Parquet takes a binary handle and is written in row groups of PARQUET_GROUP_ROWS.
+
+    The columns (docs/deploy.md): `id` (the row number, a line number, an image's path; `row`
+    where the input's own id column is named id, in any case), the input's id column (`key`)
+    under its own name, label and confidence (the top class), top2_label, top2_probability ...
+    up to top_k, the test-time method's `extra` values, and true_label where the input has
+    labels."""
 
     PARQUET_GROUP_ROWS = 65536
 
     def __init__(self, handle, fmt: str, labels: Sequence[str], top_k: int,
-                 with_truth: bool, extra: Sequence[str]) -> None:
-        self.handle, self.fmt, self.top_k = handle, fmt, top_k
+                 with_truth: bool, extra: Sequence[str], key: str | None = None) -> None:
+        self.handle, self.fmt, self.top_k, self.key = handle, fmt, top_k, key
         shown = [_csv_cell(str(label)) for label in labels] if fmt == "csv" else list(labels)
         self.labels = np.array(shown, dtype=object)
-        self.columns = ["id", "label", "confidence"]
-        for k in range(1, top_k + 1):
+        self.row = "row" if key is not None and key.lower() == "id" else "id"
+        self.columns = [self.row, *([key] if key else []), "label", "confidence"]
+        for k in range(2, top_k + 1):
             self.columns += [f"top{k}_label", f"top{k}_probability"]
         self.columns += list(extra) + (["true_label"] if with_truth else [])
+        if key is not None and self.columns.count(key) > 1:
+            raise ConfigError(f"the input's id column {key!r} has the name of a prediction "
+                              "column", "pass --id_column naming another column")
         self.parquet = None
         self.arrow_labels = None
         self.pending: list = []
@@ -621,12 +736,15 @@ class PredictionWriter:
             csv.writer(handle).writerow(self.columns)
 
     def write(self, ids: Sequence[str], probabilities: np.ndarray,
-              extra: dict[str, np.ndarray], truth: Sequence[str | None] | None) -> None:
+              extra: dict[str, np.ndarray], truth: Sequence[str | None] | None,
+              keys: RowKeys | None = None) -> None:
         order, top = top_classes(probabilities, self.top_k)
         labels = self._label_column
-        columns: dict[str, object] = {"id": self._id_column(ids), "label": labels(order[:, 0]),
-                                      "confidence": top[:, 0]}
-        for k in range(self.top_k):
+        columns: dict[str, object] = {self.row: self._id_column(ids),
+                                      "label": labels(order[:, 0]), "confidence": top[:, 0]}
+        if self.key is not None:
+            columns[self.key] = keys.of(ids) if keys is not None else [""] * len(ids)
+        for k in range(1, self.top_k):
             columns[f"top{k + 1}_label"] = labels(order[:, k])
             columns[f"top{k + 1}_probability"] = top[:, k]
         for name, values in extra.items():
@@ -669,7 +787,8 @@ class PredictionWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = pa.schema([(name, pa.string() if name in ("id", "true_label") or
+        texts = (self.row, self.key, "true_label")
+        schema = pa.schema([(name, pa.string() if name in texts or
                              name.endswith("label") else pa.float64())
                             for name in self.columns])
         self.pending.append(pa.table({name: columns[name] for name in self.columns},
@@ -840,6 +959,7 @@ class Predicted:
     extra: dict[str, np.ndarray]
     labels: list[str | None] | None
     errors: list[tuple[str, str]]
+    keys: RowKeys | None = None  # the input's own id column, carried into the table
 
 
 # Why a row whose model output is not finite is an error row, not a prediction
@@ -860,20 +980,21 @@ def non_finite_rows(probabilities: np.ndarray, extra: Mapping[str, np.ndarray]) 
 def predict_chunk(chunk: Chunk, predict: Predictor) -> Predicted:
     """A chunk's predictions; a row whose output is not finite becomes an error row."""
     if chunk.x is None:
-        return Predicted([], None, {}, None, chunk.errors)
+        return Predicted([], None, {}, None, chunk.errors, chunk.keys)
     probabilities, extra = predict(chunk.x)
     bad = non_finite_rows(probabilities, extra)
     if not bad.any():
-        return Predicted(chunk.ids, probabilities, extra, chunk.labels, chunk.errors)
+        return Predicted(chunk.ids, probabilities, extra, chunk.labels, chunk.errors,
+                         chunk.keys)
     ids = chunk.ids.numbers if isinstance(chunk.ids, RowIds) else np.array(chunk.ids, object)
     errors = chunk.errors + [(str(ids[i]), NON_FINITE_OUTPUT) for i in np.flatnonzero(bad)]
     if bad.all():
-        return Predicted([], None, {}, None, errors)
+        return Predicted([], None, {}, None, errors, chunk.keys)
     keep = ~bad
     kept_ids = RowIds(ids[keep]) if isinstance(chunk.ids, RowIds) else ids[keep].tolist()
     return Predicted(kept_ids, probabilities[keep], {k: np.asarray(v)[keep] for k, v in
                                                      extra.items()},
-                     _kept(chunk.labels, keep) if chunk.labels else None, errors)
+                     _kept(chunk.labels, keep) if chunk.labels else None, errors, chunk.keys)
 
 
 def predict_input(options: BatchOptions, manifest: Manifest, predict: Predictor, report: dict
@@ -923,9 +1044,9 @@ def write_predictions(options: BatchOptions, manifest: Manifest, predicted: Iter
                 continue
             if writer is None:
                 writer = PredictionWriter(handle, fmt, labels, top_k, item.labels is not None,
-                                          list(item.extra))
+                                          list(item.extra), item.keys and item.keys.name)
                 before_closing.callback(writer.abandon)  # an interrupt, an error: let go
-            writer.write(item.ids, item.probabilities, item.extra, item.labels)
+            writer.write(item.ids, item.probabilities, item.extra, item.labels, item.keys)
             run.predicted += len(item.ids)
             if item.labels is not None:
                 known = [(i, index.get(t)) for i, t in enumerate(item.labels) if t is not None]

@@ -432,15 +432,16 @@ def _sparse_parts(sparse_tensors: Any) -> Iterator[Any]:
 def new_manifest(*, model_type: str, labels: list[str], input_spec: dict, preprocessing: dict,
                  architecture: dict, dataset: dict, training: dict,
                  calibration: dict | None = None) -> dict:
-    """A manifest as training knows it; export (record_export) adds the graphs and their
-    hashes, quantization (record_variant) its variants. `calibration`: the temperature fit
-    (calibrate.TemperatureFit.manifest_entry), which every exported graph bakes in."""
+    """A manifest as training knows it, `exported` false; export (record_export) adds the
+    graphs and their hashes and sets it true, quantization (record_variant) its variants.
+    `calibration`: the temperature fit (calibrate.TemperatureFit.manifest_entry), which every
+    exported graph bakes in."""
     outputs = task_for(model_type).graph_outputs(len(labels))
     return {"format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model_type": model_type, "labels": labels, "input": input_spec, "outputs": outputs,
             "preprocessing": preprocessing, "architecture": architecture, "dataset": dataset,
-            "training": training, "calibration": calibration, "export": None,
+            "training": training, "calibration": calibration, "exported": False, "export": None,
             "quantization": None, "extra_graphs": {},
             "files": {"onnx": None, "weights": None, "sha256": {}}}
 
@@ -462,7 +463,7 @@ def record_export(manifest: dict, paths: BundlePaths, export: dict, extras: dict
                   hashes: dict[str, str]) -> None:
     """The export figures, and every graph file with its sha256 (`extras`: the extra graphs'
     manifest entries by key: bn, mc, ensemble)."""
-    manifest["export"] = export
+    manifest["exported"], manifest["export"] = True, export
     manifest["files"] = {"onnx": paths.onnx.name, "weights": paths.weights.name,
                          "sha256": {"onnx": hashes["onnx"], "weights": hashes["weights"]}}
     for key in ("model_def", "tokenizer"):

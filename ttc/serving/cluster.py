@@ -26,9 +26,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ttc.serving.batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, TableReader,
-                   folder_images, image_folder_frames, input_kind, predict_chunk,
-                   write_predictions)
+from ttc.serving.batch import (BatchOptions, BatchRun, Predicted, Predictor, RowEncoder, RowKeys,
+                   TableReader, folder_images, image_folder_frames, input_kind,
+                   predict_chunk, write_predictions)
 from ttc.inputs.limits import LIMITS, Limits, use_limits
 from ttc.serving.manifest import Manifest
 from ttc.serving.runtime import usable_cpus
@@ -38,6 +38,7 @@ from utils import LOG, ConfigError, PipelineError, RuntimeFailure
 PredictorFactory = Callable[[], tuple[Predictor, list[str]]]  # picklable; run on each worker
 IMAGES_PER_PART = 2048  # an image folder is read in parts of about this many files
 EXTRA_PREFIX = "extra:"
+KEY_PREFIX = "key:"  # + a name: the input's own id column (batch.RowKeys)
 
 
 @dataclass
@@ -435,8 +436,11 @@ class PredictWorker:
             extra = {name: np.zeros(0) for name in self.extra_names}
         failed = len(done.errors)
         truth = done.labels or [None] * rows
+        ids = list(done.ids) + [i for i, _ in done.errors]
+        keys = ({KEY_PREFIX + done.keys.name: np.array(done.keys.of(ids), dtype=object)}
+                if done.keys is not None else {})
         return {
-            "id": np.array(list(done.ids) + [i for i, _ in done.errors], dtype=object),
+            "id": np.array(ids, dtype=object), **keys,
             "error": np.array([""] * rows + [r for _, r in done.errors], dtype=object),
             "truth": np.array(["" if t is None else t for t in truth] + [""] * failed,
                               dtype=object),
@@ -454,13 +458,16 @@ def predicted_from(batch: dict) -> Predicted:
     ok = batch["error"] == ""
     ids = [str(i) for i in batch["id"][ok]]
     errors = [(str(i), str(r)) for i, r in zip(batch["id"][~ok], batch["error"][~ok])]
+    column = next((name for name in batch if name.startswith(KEY_PREFIX)), None)
+    keys = None if column is None else RowKeys(
+        column.removeprefix(KEY_PREFIX), dict(zip(map(str, batch["id"]), map(str, batch[column]))))
     if not ok.any():
-        return Predicted([], None, {}, None, errors)
+        return Predicted([], None, {}, None, errors, keys)
     labels = ([t if t != "" else None for t in batch["truth"][ok]]
               if batch["labelled"][ok].any() else None)
     extra = {name.removeprefix(EXTRA_PREFIX): np.asarray(values)[ok]
              for name, values in batch.items() if name.startswith(EXTRA_PREFIX)}
-    return Predicted(ids, np.asarray(batch["probabilities"])[ok], extra, labels, errors)
+    return Predicted(ids, np.asarray(batch["probabilities"])[ok], extra, labels, errors, keys)
 
 
 # ----------------------------------------------------------------------------- running

@@ -315,6 +315,7 @@ SECTIONS: dict[str, tuple[Check, bool]] = {
     "input": (INPUT, True), "outputs": (OUTPUTS, True), "preprocessing": (record({}), True),
     "architecture": (ARCHITECTURE, True), "dataset": (DATASET, True),
     "training": (ANY_OBJECT, False), "calibration": (optional(CALIBRATION), False),
+    "exported": (either(True, False), False),  # false: weights not exported (yet)
     "export": (ANY_OBJECT, False), "quantization": (optional(VARIANT), False),
     "fp16": (optional(VARIANT), False), "compression": (optional(COMPRESSION), False),
     "extra_graphs": (optional(EXTRA_GRAPHS), False),
@@ -399,7 +400,7 @@ def agreement_problem(manifest: dict) -> str | None:
     usually: bundle.read_manifest lets the graph's own check speak first."""
     return next((problem for check in (_counts_agree, _input_agrees, _network_agrees,
                                        _tokens_agree, _features_agree, _graphs_agree,
-                                       _calibration_agrees)
+                                       _calibration_agrees, _export_agrees)
                  if (problem := check(manifest))), None)
 
 
@@ -509,4 +510,15 @@ def _graphs_agree(manifest: dict) -> str | None:
     files, extra = manifest.get("files") or {}, manifest.get("extra_graphs") or {}
     if files.get("ensemble") and "ensemble" not in extra:
         return "files.ensemble names a graph that extra_graphs.ensemble does not describe"
+    return None
+
+
+def _export_agrees(manifest: dict) -> str | None:
+    """`exported` (bundles from before it lack it) as the graph files say: false for the
+    weights train.py or a failed export kept, true once export.py named model.onnx."""
+    exported, graph = manifest.get("exported"), (manifest.get("files") or {}).get("onnx")
+    if exported is False and graph:
+        return "exported is false, yet files.onnx names a graph"
+    if exported is True and not graph:
+        return "exported is true, yet files.onnx names no graph"
     return None

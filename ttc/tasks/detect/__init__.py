@@ -50,7 +50,7 @@ REFUSED_FLAGS = (
     "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing", "max_norm",
     "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta_merge",
     "tta_threshold", "tta_plan", "ttt_reset_every", "eval_stream", "iterative", "benchmark",
-    "profile", "top_k", "fp16", "ignore_index", "mask_dir")
+    "profile", "top_k", "fp16", "ignore_index", "mask_dir", "id_column")
 TASK = ObjectDetector(
     name="object_detector", kind="detection", archs=("centernet", "mobilenet_v3_large", "ssdlite320_mobilenet_v3_large"),
     parts=Parts(reader="ttc.tasks.detect.data:load_detection_dataset",

@@ -29,8 +29,8 @@ import numpy as np
 
 from ttc.inputs.tables import IMAGE_EXTENSIONS
 from ttc.serving.batch import RecordWriter, raise_for_error_rows, utf8_name
-from ttc.tasks.detect.evaluate import (PREDICTED_COLOUR, DetectionRunner, Detections, draw_on,
-                                       rgb_picture)
+from ttc.tasks.detect.evaluate import DetectionRunner, Detections, rgb_picture
+from ttc.tasks.detect.overlay import draw_overlay
 from ttc.tasks.outputs import default_overlay_dir, images_json_path
 from ttc.tasks.segment.predict import (ImageBatchOptions, ImageRun, Listed, listed_images,
                                        original_pixels, predicted_batch, predicted_batches,
@@ -44,7 +44,6 @@ COCO_SUFFIX = ".json"
 COLUMNS = ("image", "label", "class_index", "score", "x1", "y1", "x2", "y2", "error")
 COORDINATE_DECIMALS = 4  # pixels of the image, to a ten-thousandth
 SCORE_DECIMALS = 6
-OVERLAY_LINE_PER_PIXELS = 400  # an overlay's box lines: 1 pixel wide per 400 of its longer side
 
 
 @dataclass
@@ -98,6 +97,11 @@ class DetectRun(ImageRun):
             self.boxes += len(result.scores)
             self.without_detections += len(result.scores) == 0
             self.boxes_per_class += np.bincount(result.classes, minlength=self.classes)
+
+    @property
+    def with_detections(self) -> int:
+        """The images predicted with at least one box."""
+        return self.predicted - self.without_detections
 
 
 # ----------------------------------------------------------------------------- checks
@@ -233,12 +237,10 @@ def scaled_boxes(boxes: np.ndarray, model_size: Sequence[int], size: Sequence[in
 
 def write_overlay(path: Path, pixels: np.ndarray, result: ImageDetections,
                   labels: Sequence[str]) -> None:
-    """The image ((3, H0, W0) in [0, 1]) with its boxes drawn (evaluate.draw_on), as a PNG at
-    `path`, atomically."""
-    picture = rgb_picture(pixels)
-    width = max(1, round(max(picture.size) / OVERLAY_LINE_PER_PIXELS))
-    draw_on(picture, result.boxes, result.classes, labels, PREDICTED_COLOUR, result.scores,
-            width=width)
+    """The image ((3, H0, W0) in [0, 1]) with its boxes drawn (overlay.draw_overlay), as a
+    PNG at `path`, atomically."""
+    picture = draw_overlay(rgb_picture(pixels), result.boxes, result.classes, labels,
+                           result.scores)
     try:
         atomic_write(path, lambda tmp: picture.save(tmp, format="PNG"))
     except OSError as err:
@@ -429,7 +431,8 @@ def write_detections(options: DetectBatchOptions, labels: Sequence[str],
                             lambda seconds: report_section(options, labels, tally, seconds),
                             report)
     LOG.info("found %d boxes in %d of %d images into %s (%.1f images/s)%s", tally.boxes,
-             tally.predicted, tally.images, options.output, section["images_per_second"] or 0.0,
+             tally.with_detections, tally.images, options.output,
+             section["images_per_second"] or 0.0,
              f", {tally.errors} failed" if tally.errors else "")
     return tally
 
@@ -450,6 +453,7 @@ def report_section(options: DetectBatchOptions, labels: Sequence[str], tally: De
             "images_json": None if options.images_json is None else str(options.images_json),
             "overlay_dir": None if options.overlay_dir is None else str(options.overlay_dir),
             "min_score": options.min_score, **tally.counts(options.errors),
-            "boxes": tally.boxes, "images_without_detections": tally.without_detections,
+            "boxes": tally.boxes, "images_with_detections": tally.with_detections,
+            "images_without_detections": tally.without_detections,
             "boxes_per_class": {label: int(n) for label, n in zip(labels, per_class)},
             **tally.rate(seconds)}

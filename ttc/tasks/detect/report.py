@@ -37,8 +37,10 @@ TTA_ROWS: KeyLabels = (
     ("map_wbf", "exact WBF mAP@[.5:.95]"), ("map50_plain", "test mAP@.5 plain"),
     ("map50", "test mAP@.5 TTA"), ("map50_wbf", "exact WBF mAP@.5"),
     ("fusion_iou", "box fusion IoU"))
-# --input counts images (ttc/tasks/detect/predict.py's section): predicted images, found boxes
-PREDICTION_ROWS: KeyLabels = (("predicted", "images predicted"), ("boxes", "boxes found"))
+# --input counts images (ttc/tasks/detect/predict.py's section): predicted images, found boxes,
+# the images with at least one box
+PREDICTION_ROWS: KeyLabels = (("predicted", "images predicted"), ("boxes", "boxes found"),
+                              ("images_with_detections", "images with boxes"))
 # where its rows go among the table's: (section, the key they follow, the rows, the keys left
 # out: the table's label of `predicted` counts rows)
 ROWS_AFTER: dict[str, tuple[str, KeyLabels, frozenset[str]]] = {

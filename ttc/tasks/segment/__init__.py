@@ -44,7 +44,7 @@ REFUSED_FLAGS = (
     "max_vocab", "max_length", "init_weights", "freeze_epochs", "label_smoothing", "max_norm",
     "teacher_lm", "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta_merge",
     "tta_threshold", "tta_plan", "ttt_reset_every", "eval_stream", "iterative", "benchmark",
-    "profile", "top_k")
+    "profile", "top_k", "id_column")
 _TORCHVISION = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large")
 TASK = ImageSegmenter(
     name="image_segmenter", kind="segmentation", archs=("unet", *_TORCHVISION),
