@@ -136,4 +136,5 @@ def test_a_detector_bundle_given_a_table_says_it_reads_images(tmp_path, detect_b
     rows.write_text(json.dumps({"caption": "two digits on a grey canvas"}) + "\n")
     run = run_cli("inference.py", "--model", detect_bundle["model"], "--input", rows,
                   "--output", tmp_path / "out.csv")
-    assert_clean_failure(run, 3, "boxes.jsonl is a table", "this bundle reads images")
+    assert_clean_failure(run, 3, "this bundle is an object_detector",
+                         "boxes.jsonl is a table (jsonl rows)", "reads images, not table rows")

@@ -292,14 +292,16 @@ def _decode_images(sources: Sequence[Path | io.BytesIO], ids: Sequence[str],
                  errors)
 
 
-def folder_images(root: Path) -> list[Path]:
+def folder_images(root: Path, model_type: str | None = None) -> list[Path]:
     """The image files of an image or a folder (recursive, sorted): what --input predicts. A
-    table given where images belong (a segmenter's or detector's --input) is an error saying
-    so, not one image that cannot be decoded."""
+    table given where images belong (a segmenter's or detector's --input: `model_type`) is an
+    error saying so, not one image that cannot be decoded."""
     if root.is_file() and root.suffix.lower() in TABLE_FORMATS:
-        raise DataError(f"{root.name} is a table ({TABLE_FORMATS[root.suffix.lower()]} rows), "
-                        "and this bundle reads images, not table rows",
-                        "give it an image or a folder of images")
+        bundle = (f"this bundle is {'an' if model_type[0] in 'aeiou' else 'a'} {model_type}"
+                  if model_type else "this bundle")
+        raise DataError(f"{bundle}; {root.name} is a table "
+                        f"({TABLE_FORMATS[root.suffix.lower()]} rows), and it reads images, "
+                        "not table rows", "give it an image or a folder of images")
     return list(image_files(root))
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from ttc.inputs.tables import IMAGE_EXTENSIONS
 from ttc.serving.batch import RecordWriter, raise_for_error_rows, utf8_name
+from ttc.tasks.detect import TASK
 from ttc.tasks.detect.evaluate import DetectionRunner, Detections, rgb_picture
 from ttc.tasks.detect.overlay import draw_overlay
 from ttc.tasks.outputs import default_overlay_dir, images_json_path
@@ -175,7 +176,7 @@ def listed_detection_images(source: Path, overlay: bool) -> list[Listed]:
     its path relative to the folder, or the file's name), its `name` the overlay's relative
     path. Two images whose overlays would share a name are an error row only with --overlay;
     a file name that is not valid UTF-8 always is."""
-    listed = listed_images(source)
+    listed = listed_images(source, TASK.name)
     for item in listed:
         if item.name is None and utf8_name(item.path):  # a clash of overlay names
             item.error = item.error.replace("its mask name", "its overlay name") if overlay \

@@ -29,6 +29,7 @@ from ttc.inputs.tables import IMAGE_EXTENSIONS
 from ttc.serving.batch import (RecordWriter, fail_without_predictions, folder_images,
                                printable_name, raise_for_error_rows, utf8_name, write_errors)
 from ttc.tasks.outputs import default_mask_dir, overlay_folder
+from ttc.tasks.segment import TASK
 from ttc.tasks.segment.masks import PALETTE_CLASSES, class_shares, write_mask, write_overlay
 from utils import (LOG, ConfigError, DataError, ExportError, atomic_write_stream,
                    file_in_folder, first_line, inside, progress, raise_if_interrupted,
@@ -209,13 +210,13 @@ def _check_folder(name: str, folder: Path, options: SegmentBatchOptions) -> None
 # ----------------------------------------------------------------------------- listing
 
 
-def listed_images(source: Path) -> list[Listed]:
+def listed_images(source: Path, model_type: str = TASK.name) -> list[Listed]:
     """The images of an image file or a folder (recursive, sorted, hidden ones left out), each
     with its id (the path relative to the folder, or the file's name) and its mask's relative
     path: the image's with the suffix .png, keeping the folder structure; where two images of
     one folder share a stem (a.jpg, a.png), each whose suffix is not exactly .png keeps it
     (a.jpg.png). A name still taken, or not valid UTF-8, makes an error row."""
-    files = folder_images(source)
+    files = folder_images(source, model_type)
     relative = [p.relative_to(source) if source.is_dir() else Path(p.name) for p in files]
     plain = [r.with_suffix(MASK_SUFFIX) for r in relative]
     counts: dict[Path, int] = {}
