@@ -37,7 +37,7 @@ from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
 from ttc.tasks.registry import TASKS, task_for
 from utils import (ConfigError, DataError, check_output_folders, check_paths,
-                   refuse_linked_folder)
+                   refuse_linked_folder, with_article)
 
 if TYPE_CHECKING:
     from ttc.testtime.tta import TTAOptions
@@ -150,9 +150,8 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
                  if name in named and getattr(self, name) != defaults[name]]
         if given and given[0] in owner:  # a flag of one other type: name it
             other = owner[given[0]]
-            raise ConfigError(f"--{given[0]} is for {'an' if other.name[0] in 'aeiou' else 'a'} "
-                              f"{other.name}, not "
-                              f"{'an' if model_type[0] in 'aeiou' else 'a'} {model_type}",
+            raise ConfigError(f"--{given[0]} is for {with_article(other.name)}, not "
+                              f"{with_article(model_type)}",
                               f"drop it, or use --model_type {other.name} (docs/{other.guide})")
         if given:
             flags = ", ".join(f"--{name}" for name in given[:4])

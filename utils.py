@@ -42,10 +42,13 @@ class PipelineError(Exception):
 
     exit_code = EXIT_RUNTIME
 
-    def __init__(self, message: str, hint: str = "") -> None:
+    def __init__(self, message: str, hint: str = "", *, raise_flags: tuple[str, ...] = ()
+                 ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.raise_flags = raise_flags  # the flags the hint says to raise (a command repeating
+        # the step with them names them: ttc/convert/failure.py)
 
     def one_line(self) -> str:
         text = self.message.rstrip(".")
@@ -68,6 +71,11 @@ def shortened(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 def first_line(err: BaseException, limit: int | None = None) -> str:
     """An exception's message as one line (its first), or its type's name when it has none."""
     return ((str(err).strip().splitlines() or [type(err).__name__])[0])[:limit]
+
+
+def with_article(noun: str) -> str:
+    """'an image_classifier', 'a zero-area box'."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def quoted(value: object, width: int = 20) -> str:

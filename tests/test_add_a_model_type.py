@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from conftest import CLI_ENV, REPO
+from test_serve import serving
 
 THROWAWAY = REPO / "tests" / "throwaway_type" / "signal"
 LENGTH = 16
@@ -143,36 +141,9 @@ def test_inference_predicts_a_file_with_the_new_type(with_signal):
     assert np.mean([p == t for p, t in zip(predicted, labels)]) > 0.9
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_serve_answers_for_the_new_type(with_signal):
-    port = free_port()
-    log = with_signal / "serve.stderr"
-    with open(log, "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "serve.py", "--model", "runs/signal/model.onnx", "--host",
-             "127.0.0.1", "--port", str(port), "--log_level", "WARNING"], cwd=with_signal,
-            env={**CLI_ENV, "PATH": "/usr/bin:/bin", "HOME": str(with_signal)},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        wave, labels = signals(10, seed=5)
-        rows = [{f"s{i}": float(v) for i, v in enumerate(row)} for row in wave]
-        answer = httpx.post(f"{url}/predict", json={"instances": rows}, timeout=60)
-        assert answer.status_code == 200, answer.text + log.read_text()[-2000:]
-        predicted = [p["label"] for p in answer.json()["predictions"]]
-        assert np.mean([p == t for p, t in zip(predicted, labels)]) >= 0.9
-    finally:
-        process.terminate()
-        process.wait(30)
-    assert "Traceback" not in log.read_text()
+def test_serve_answers_for_the_new_type(with_signal, tmp_path):
+    wave, labels = signals(10, seed=5)
+    rows = [{f"s{i}": float(v) for i, v in enumerate(row)} for row in wave]
+    with serving(with_signal / "runs/signal/model.onnx", logs=tmp_path, cwd=with_signal) as server:
+        predicted = [p["label"] for p in server.predict(rows)]
+    assert np.mean([p == t for p, t in zip(predicted, labels)]) >= 0.9

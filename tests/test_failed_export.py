@@ -153,7 +153,8 @@ def test_the_command_repeats_the_runs_export_flags_and_asks_for_the_raised_one(t
                     "--opset", "17", "--report_json", str(tmp_path / "r.json"), "--epochs", "2")
     paths = BundlePaths.from_model_path(model)
     error = weights_kept(ExportError("numeric check failed", "train longer, or raise "
-                                     "--score_threshold above them"), config, paths, paths)
+                                     "--score_threshold above them",
+                                     raise_flags=("score_threshold",)), config, paths, paths)
     line = error.one_line()
     assert line.startswith("numeric check failed; train longer, or raise --score_threshold "
                            f"above them; the trained weights are kept in {model.parent}; ")
@@ -216,7 +217,7 @@ def test_a_model_def_run_trusts_its_own_file_on_export(tmp_path):
     config = parsed("--dataset_path", "builtin:digits", "--output_model",
                     str(tmp_path / "model.onnx"), "--model_def", str(network))
     argv = shlex.split(export_command(config, BundlePaths.from_model_path(
-        tmp_path / "model.onnx"), "report it"))
+        tmp_path / "model.onnx"), ()))
     assert argv[-2:] == ["--trust_model_code", "true"]
 
 

@@ -123,8 +123,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, *flags: object, logs: Path) -> Server:
-    """serve.py on a free port, once /v2/health/ready answers 200."""
+def start_server(model: Path, *flags: object, logs: Path, cwd: Path = REPO) -> Server:
+    """serve.py (the one in `cwd`: this repository, or a copy of it) on a free port, once
+    /v2/health/ready answers 200."""
     for _ in range(3):  # another process may take the port between choosing and binding it
         port = free_port()
         log = logs / f"serve-{port}.stderr"
@@ -132,7 +133,7 @@ def start_server(model: Path, *flags: object, logs: Path) -> Server:
             process = subprocess.Popen(
                 [sys.executable, "serve.py", "--model", str(model), "--host", HOST,
                  "--port", str(port), "--log_level", "WARNING", *map(str, flags)],
-                cwd=REPO, env=SERVER_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                cwd=cwd, env=SERVER_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=stderr)
         server = Server(process, f"http://{HOST}:{port}", log)
         if server.wait_ready():
@@ -144,10 +145,10 @@ def start_server(model: Path, *flags: object, logs: Path) -> Server:
 
 
 @contextlib.contextmanager
-def serving(model: Path, *flags: object, logs: Path) -> Iterator[Server]:
+def serving(model: Path, *flags: object, logs: Path, cwd: Path = REPO) -> Iterator[Server]:
     """A server for the with block; on leaving it, the server must not have answered a 500,
     must exit 0 on SIGTERM and must have logged no traceback."""
-    server = start_server(model, *flags, logs=logs)
+    server = start_server(model, *flags, logs=logs, cwd=cwd)
     try:
         yield server
         errors = {key: n for key, n in server.metrics().items()

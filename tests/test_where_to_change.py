@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from conftest import CLI_ENV, REPO
-from test_add_a_model_type import apply_edits, copy_repository
+from conftest import REPO
+from test_add_a_model_type import apply_edits, copy_repository, run
+from test_serve import serving
 
 TTA_TRANSFORM = [  # both flips at once: a view of its own, mapped back for every output kind
     ("ttc/testtime/transforms.py", "        return tta_graph.flip(nodes, x, [2])\n", '''
@@ -72,12 +68,6 @@ def test_each_change_touches_only_the_files_its_row_names(what):
         assert f"`{name}`" in row, f"{what}: the change edits {name}, which the row does not name"
 
 
-def run(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=repo, capture_output=True, text=True,
-                          timeout=600, env={**CLI_ENV, "PATH": "/usr/bin:/bin",
-                                            "HOME": str(repo)})
-
-
 @pytest.fixture(scope="module")
 def changed(tmp_path_factory) -> Path:
     """The copy with the three changes, and a detector trained there by pipeline.py with the
@@ -106,42 +96,19 @@ def test_the_new_metric_is_in_the_report_and_the_summary(changed):
     assert re.search(r"^\s+mAP@\.9\s+\d", (changed / "summary.txt").read_text(), re.M)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_answers_in_the_new_format(changed, tmp_path):
     from ttc.tasks.detect.canvases import write_coco_canvases
 
     write_coco_canvases(tmp_path / "images", tmp_path / "instances.json", 4, size=64, seed=3)
     images = sorted((tmp_path / "images").rglob("*.png"))
-    port, log = free_port(), tmp_path / "serve.stderr"
-    with open(log, "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "serve.py", "--model", "runs/boxes/model.onnx", "--host",
-             "127.0.0.1", "--port", str(port), "--log_level", "WARNING"], cwd=changed,
-            env={**CLI_ENV, "PATH": "/usr/bin:/bin", "HOME": str(changed)},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        boxes = []
+    boxes = []
+    with serving(changed / "runs/boxes/model.onnx", logs=tmp_path, cwd=changed) as server:
         for image in images:
-            answer = httpx.post(f"{url}/predict/image", timeout=60,
-                                files={"file": (image.name, image.read_bytes())})
-            assert answer.status_code == 200, answer.text + log.read_text()[-2000:]
+            answer = server.post("/predict/image",
+                                 files={"file": (image.name, image.read_bytes())})
+            assert answer.status_code == 200, answer.text
             [prediction] = answer.json()["predictions"]
             boxes += prediction["boxes"]
-    finally:
-        process.terminate()
-        process.wait(30)
     assert boxes, "the detector found no box to check the format on"
     for box in boxes:
         assert box["area"] == round((box["x2"] - box["x1"]) * (box["y2"] - box["y1"]), 2), box

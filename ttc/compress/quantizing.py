@@ -68,8 +68,8 @@ class Quantizing(Protocol):
 class ProbabilityScorer:
     """What a variant is judged by, for graphs whose output is "probabilities" (classifiers):
     `metric` of the probabilities; agreement: top-1; difference: the largest of |p - p_fp32|.
-    A segmenter's and a detector's counterparts, with the same methods: ttc/tasks/segment/
-    quantize.py's PixelScorer, ttc/tasks/detect/quantize.py's DetectionScorer."""
+    A segmenter's is one of these on mean IoU (ttc/tasks/segment/quantize.py); a detector's
+    counterpart, with the same methods: ttc/tasks/detect/quantize.py's DetectionScorer."""
 
     def __init__(self, name: str = "accuracy", metric: Metric = accuracy) -> None:
         self.name, self.metric = name, metric

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ttc.convert.checking import RETRAIN
 from ttc.serving.bundle import BUNDLE_FORMAT, FILE_SIZE_LIMITS, BundlePaths
@@ -82,18 +81,18 @@ def weights_kept(error: ExportError, config: Config, paths: BundlePaths,
     parts = [error.hint, where]
     if RETRAIN not in error.hint:
         parts.append("to export them again without training: "
-                     f"{export_command(config, kept, error.hint)}")
+                     f"{export_command(config, kept, error.raise_flags)}")
     return ExportError(error.message, "; ".join(part for part in parts if part))
 
 
-def export_command(config: Config, kept: BundlePaths, hint: str) -> str:
+def export_command(config: Config, kept: BundlePaths, raise_flags: Sequence[str]) -> str:
     """export.py on the kept weights, with the run's own export flags (its data, tolerance, NMS
     and TTA settings as given; --trust_model_code true for the run's own --model_def file) and
-    VALUE for each flag `hint` says to raise, whose value in this run follows in brackets."""
+    VALUE for each flag the error says to raise, whose value in this run follows in brackets."""
     from config import flags_for
 
     takes = flags_for("export")
-    raised = [name for name in dict.fromkeys(re.findall(r"raise --(\w+)", hint)) if name in takes]
+    raised = [name for name in raise_flags if name in takes]
     given = getattr(config, "given", ())
     words = ["python", "export.py", "--output_model", str(kept.onnx)]
     for name in takes:

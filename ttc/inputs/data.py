@@ -25,7 +25,8 @@ from ttc.inputs.preprocess import (GRAY_MODES, TabularEncoder, Tokenizer, decode
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, Reader, detect_columns,
                     is_number, joined_texts, label_texts, read_table, split_columns, split_spec)
 from ttc.tasks.registry import builtin_datasets, find_task, model_types, task_for, task_of_kind
-from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
+from utils import (LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample,
+                   with_article)
 
 BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
                   "builtin:breast_cancer": "load_breast_cancer"}
@@ -634,7 +635,7 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
             parts[split] = _clean_rows(frame, found, text, Path(extra), store_as=columns.inputs)
     main_frame = parts["main"]
     if main_frame.empty:
-        reasons = "; ".join(f"{d['count']} with {_a(d['reason'])}"
+        reasons = "; ".join(f"{d['count']} with {with_article(d['reason'])}"
                             for d in main_frame.attrs["dropped"])
         raise DataError(f"no usable rows in {path}: {reasons or 'no data rows'}",
                         "a row needs a label cell and (text) a text; check --label_column and "
@@ -701,8 +702,6 @@ def _clean_rows(frame, columns: Columns, text: bool, path, store_as: list[str] |
     return out
 
 
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def dropped_rows(path, reason: str, rows) -> dict:
@@ -712,7 +711,7 @@ def dropped_rows(path, reason: str, rows) -> dict:
     first = [int(r) + 1 for r in list(rows)[:10]]
     if len(rows):
         more = f" and {len(rows) - len(first)} more" if len(rows) > len(first) else ""
-        LOG.warning("dropped %d rows of %s with %s (rows %s%s)", len(rows), path, _a(reason),
+        LOG.warning("dropped %d rows of %s with %s (rows %s%s)", len(rows), path, with_article(reason),
                     ", ".join(map(str, first)), more)
     return {"file": str(path), "reason": reason, "count": int(len(rows)), "first_rows": first}
 

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from ttc.inputs.limits import LIMITS, check_line_lengths, check_text_lengths
-from utils import LOG, DataError, quoted, quoted_sample
+from utils import LOG, DataError, quoted, quoted_sample, with_article
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",
                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -743,18 +743,14 @@ def kind_mismatch(frame, role: str, path: Path, reader: Reader,
     suggested = reader.by_role.get(other)
     columns = quoted_sample(frame.columns, 10)
     if reader.bundle:
-        return DataError(f"this bundle is {_an(reader.model_type)}; {path.name} holds {kind} "
+        return DataError(f"this bundle is {with_article(reader.model_type)}; {path.name} holds {kind} "
                          f"rows (columns {columns}), not {ROLE_DATA[role]}",
                          f"give it {BUNDLE_INPUT[role]}"
-                         + (f", or predict with {_an(suggested)} bundle" if suggested else ""))
+                         + (f", or predict with {with_article(suggested)} bundle" if suggested else ""))
     return DataError(f"{path} holds {kind} columns ({columns}), not {ROLE_DATA[role]}: this "
-                     f"run trains {_an(reader.model_type)}",
+                     f"run trains {with_article(reader.model_type)}",
                      f"pass --model_type {suggested}" if suggested else
                      f"pass --{_flag(role)} naming the column of {ROLE_DATA[role]}")
-
-
-def _an(noun: str) -> str:
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def longest_text_column(frame, exclude: Sequence[str] = ()) -> str | None:

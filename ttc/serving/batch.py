@@ -36,7 +36,7 @@ from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, Feature
                     reads_as_numbers, refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
 from utils import (LOG, ConfigError, DataError, atomic_write_stream, first_line, progress,
-                   quoted_sample, raise_if_interrupted)
+                   quoted_sample, raise_if_interrupted, with_article)
 
 Predictor = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 # A row frame (what reading hands to encoding, in this process or on a Ray worker): the rows'
@@ -297,8 +297,7 @@ def folder_images(root: Path, model_type: str | None = None) -> list[Path]:
     table given where images belong (a segmenter's or detector's --input: `model_type`) is an
     error saying so, not one image that cannot be decoded."""
     if root.is_file() and root.suffix.lower() in TABLE_FORMATS:
-        bundle = (f"this bundle is {'an' if model_type[0] in 'aeiou' else 'a'} {model_type}"
-                  if model_type else "this bundle")
+        bundle = f"this bundle is {with_article(model_type)}" if model_type else "this bundle"
         raise DataError(f"{bundle}; {root.name} is a table "
                         f"({TABLE_FORMATS[root.suffix.lower()]} rows), and it reads images, "
                         "not table rows", "give it an image or a folder of images")

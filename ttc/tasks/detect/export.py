@@ -231,7 +231,7 @@ def max_score_diff(run: Callable[[np.ndarray], list[Detections]],
 
 def raise_mismatch(probe: str, batch_size: int, index: int, got: Detections,
                    expected: Detections, atol: float) -> None:
-    hint = "rerun with --log_level DEBUG and report it"
+    hint, raise_flags = "rerun with --log_level DEBUG and report it", ()
     gaps = np.diff(np.sort(expected[1]))
     ties = int((gaps <= atol).sum())
     if ties and ties >= len(gaps) / 10:  # an undertrained network's near-constant heatmap
@@ -239,10 +239,11 @@ def raise_mismatch(probe: str, batch_size: int, index: int, got: Detections,
                 f"--validate_atol {atol:g} of the next, so which of the overlapping boxes NMS "
                 "keeps depends on the last bits of each runtime: train longer, or raise "
                 "--score_threshold above them")
+        raise_flags = ("score_threshold",)
     raise ExportError(f"numeric check failed: on {probe} image {index} at batch {batch_size} "
                       f"the graph finds {len(got[0])} detections and PyTorch {len(expected[0])}"
                       " (or a box has no partner of its class); the bundle was not written",
-                      hint)
+                      hint, raise_flags=raise_flags)
 
 
 def require_close(check: DetectionCheck, atol: float) -> None:
@@ -256,7 +257,8 @@ def require_close(check: DetectionCheck, atol: float) -> None:
                           f"{check.max_abs_diff:.3g} > --validate_atol {atol:g} over "
                           f"{check.detections:,} detections at {' and '.join(check.probes)}; "
                           "the bundle was not written",
-                          "raise --validate_atol if this difference is acceptable")
+                          "raise --validate_atol if this difference is acceptable",
+                          raise_flags=("validate_atol",))
 
 
 def nms_settings(config, preprocessing: dict) -> NmsSettings:

@@ -16,9 +16,9 @@ from typing import Iterator
 import numpy as np
 
 from ttc.tasks.segment.data import Skip  # noqa: F401 - the readers' (yolo.py, coco.py), from here
-from ttc.tasks.segment.data import ReasonCounts, with_article
+from ttc.tasks.segment.data import ReasonCounts
 from ttc.tasks.segment.data import data_folder as existing_folder
-from utils import LOG, ConfigError, DataError, first_line, quoted
+from utils import LOG, ConfigError, DataError, first_line, quoted, with_article
 
 SHOWN = 10  # names a record lists
 EDGE_SLACK = 1e-6  # a normalised coordinate this far outside [0, 1] is on the edge, not clipped

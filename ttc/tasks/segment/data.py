@@ -33,7 +33,8 @@ from ttc.inputs.limits import LIMITS, MIB, check_decoded_images, image_bytes, si
 from ttc.inputs.preprocess import decode_image_file, image_files
 from ttc.tasks.segment.canvases import (BUILTIN, BUILTIN_COUNT, BUILTIN_SEED, BUILTIN_SIZE,
                                         CLASS_NAMES, canvas_arrays)
-from utils import LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample
+from utils import (LOG, ConfigError, DataError, first_line, progress, quoted, quoted_sample,
+                   with_article)
 
 MODEL_TYPE = "image_segmenter"
 KIND = "segmentation"
@@ -149,11 +150,6 @@ class Skip(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.reason, self.detail = reason, detail
-
-
-def with_article(noun: str) -> str:
-    """'an unreadable image', 'a zero-area box'."""
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 # ----------------------------------------------------------------------------- public entry

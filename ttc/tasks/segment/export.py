@@ -120,7 +120,8 @@ def compare_segmentation(run: Callable[[np.ndarray], list[np.ndarray]], net: tor
         raise ExportError(f"numeric check failed: max |onnx - torch| = {max_diff:.3g} > "
                           f"--validate_atol {atol:g} over {pixels:,} pixels at "
                           f"{' and '.join(check.probes)}; the bundle was not written",
-                          "raise --validate_atol if this difference is acceptable")
+                          "raise --validate_atol if this difference is acceptable",
+                          raise_flags=("validate_atol",))
     if agreement < MIN_MASK_AGREEMENT:
         raise ExportError(f"numeric check failed: the graph's mask differs from PyTorch's on "
                           f"{flips:,} of {pixels:,} pixels ({1 - agreement:.4%}, more than "
