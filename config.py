@@ -29,19 +29,17 @@ from ttc.options.quantize import QuantizeFlags
 from ttc.options.serve import ServeFlags
 from ttc.options.sessions import RuntimeFlags
 from ttc.options.shift import ShiftFlags
+from ttc.options.stages import ModelTypeChecks, TestTimeOptions
 from ttc.options.spelling import first_unknown_flag, unknown_flag_message, with_underscores
 from ttc.options.teacher import TeacherFlags
 from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, TrainingFlags,
                                   is_hf_arch)
 from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
-from ttc.tasks.registry import TASKS, task_for
-from utils import (ConfigError, DataError, check_output_folders, check_paths,
-                   refuse_linked_folder, with_article)
+from utils import DataError, check_output_folders, check_paths, refuse_linked_folder
 
 if TYPE_CHECKING:
-    from ttc.testtime.tta import TTAOptions
-    from ttc.testtime.ttt import TTTSettings
+    from ttc.reporting.run import ReportOptions
 
 # The names other modules import from here (config.X), wherever they now live.
 __all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS", "VALIDATE_ATOL",
@@ -57,9 +55,9 @@ STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, CompressFlags, E
 
 
 @dataclass
-class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags, IterativeFlags,
-             ShiftFlags, TTTFlags, TTAFlags, QuantizeFlags, ExportFlags, CompressFlags, TeacherFlags,
-             FittingFlags, TrainingFlags, DataFlags):
+class Config(ModelTypeChecks, TestTimeOptions, OutputFlags, ServeFlags, DistributedFlags,
+             BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, TTTFlags, TTAFlags,
+             QuantizeFlags, ExportFlags, CompressFlags, TeacherFlags, FittingFlags, TrainingFlags, DataFlags):
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
     fields from the last base to the first, so the bases are STAGES reversed (checked below:
     the fields' order is the flags' order in --help, the summary and the report)."""
@@ -124,42 +122,6 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
         check_paths(reads, writes)
         self.check_input_folders()
         self.check_checkpoint_folder(reads, writes)
-
-    def validate_tta(self, model_type: str) -> None:
-        """--tta_transforms and --eval_shift against the model type (known from the flags, or
-        from a bundle), after the flags that model type does not take (Task.refused_flags) and
-        its own checks (Parts.flag_checks: a segmenter's, with its --input mask folder)."""
-        self.refuse_flags_for(model_type)
-        task = task_for(model_type)
-        task.part("flag_checks")(self)
-        if self.tta or self.tta_transforms:  # the one vocabulary: the transforms its kind takes
-            from ttc.testtime.transforms import parse_transform_specs
-
-            parse_transform_specs(self.tta_transforms, task.kind, task.default_tta)
-        if self.eval_shift:
-            self.shift_names(task.kind)
-
-    def refuse_flags_for(self, model_type: str) -> None:
-        """A flag given with a value other than its default that `model_type` does not take
-        (its entry's refused_flags): one line naming it, exit 2, before any work."""
-        task = task_for(model_type)
-        defaults = {f.name: f.default for f in fields(self)}
-        named = getattr(self, "given", frozenset(self.names()))
-        owner = {name: other for other in TASKS if other is not task for name in other.own_flags}
-        given = [name for name in (*task.refused_flags, *owner)
-                 if name in named and getattr(self, name) != defaults[name]]
-        if given and given[0] in owner:  # a flag of one other type: name it
-            other = owner[given[0]]
-            raise ConfigError(f"--{given[0]} is for {with_article(other.name)}, not "
-                              f"{with_article(model_type)}",
-                              f"drop it, or use --model_type {other.name} (docs/{other.guide})")
-        if given:
-            flags = ", ".join(f"--{name}" for name in given[:4])
-            verb, them = ("does", "it") if len(given) == 1 else ("do", "them")
-            article = "an" if model_type[0] in "aeiou" else "a"
-            raise ConfigError(f"{flags} {verb} not apply to {article} {model_type}",
-                              f"drop {them} (docs/{task.guide} lists what {article} "
-                              f"{model_type} takes)")
 
     # ------------------------------------------------------------------ files
 
@@ -243,30 +205,6 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
             reads[f"--ensemble (bundle {i + 1})"] = Path(member)
         return reads, writes
 
-    # ------------------------------------------------------------------ what methods take
-
-    def tta_options(self) -> "TTAOptions":
-        """What test-time augmentation takes from the flags."""
-        from ttc.testtime.tta import TTAOptions
-
-        return TTAOptions(self.tta_transforms, self.tta_merge, self.tta_threshold,
-                          self.batch_size, self.seed, self.tta_plan)
-
-    def ttt_settings(self, kind: str) -> "TTTSettings":
-        """What test-time training takes from the flags, for a model of preprocessing `kind`."""
-        from ttc.testtime.ttt import TTTSettings
-
-        return TTTSettings(self.ttt_method, self.ttt_mode, self.ttt_iterations,
-                           self.ttt_learning_rate, self.ttt_bn_prior, self.ttt_reset_every,
-                           self.batch_size, self.shift_names(kind),
-                           self.shift_severity, self.seed, self.num_threads,
-                           self.trust_model_code, self.ttt_guard, self.ttt_predict,
-                           self.eval_stream, self.stream_passes)
-
-    def ray_workers(self) -> int:
-        """--num_workers; by default 2, or 1 where a local cluster cannot hold two."""
-        return self.workers(self.ray_threads())
-
     # ------------------------------------------------------------------ summary
 
     def names(self) -> list[str]:
@@ -280,6 +218,15 @@ class Config(OutputFlags, ServeFlags, DistributedFlags, BatchFlags, RuntimeFlags
         if self.image_size is not None:
             data["image_size"] = list(self.image_size)
         return {name: data[name] for name in self.names()}
+
+    def report_options(self) -> "ReportOptions":
+        """What the run's report takes of these flags (ttc/reporting/run.py's run_with_report):
+        the config section, resolved now, before the stages run, as it always was."""
+        from ttc.reporting.run import ReportOptions
+
+        return ReportOptions(self.as_dict(), self.report_json, self.json, self.quiet,
+                             "plots" in self.names(), self.plots_folder(), self.page_path(),
+                             getattr(self, "script", None), self.output_model)
 
     def summary_lines(self, changed_only: bool = False) -> list[str]:
         """One line per setting, `*` marking those not at their defaults (only those when
@@ -309,8 +256,8 @@ def _default(name: str) -> Any:
     return list(default) if isinstance(default, tuple) else default
 
 
-if Config.__bases__ != STAGES[::-1]:  # dataclasses order the fields from the last base
-    raise TypeError("Config's bases must be config.STAGES, last first")
+if Config.__bases__ != (ModelTypeChecks, TestTimeOptions, *STAGES[::-1]):  # fields: last base first
+    raise TypeError("Config's bases must be the two mixins, then config.STAGES, last first")
 
 
 # ----------------------------------------------------------------------------- argument parsing

@@ -29,21 +29,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ttc.convert.bundle import export_saved_bundle
     from ttc.convert.compressed import export_compressed
+    from ttc.options.stages import ExportOptions, QuantizeOptions, view_of
 
     quiet_library_loggers()
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
 
     def stages(report: dict) -> None:
-        done = export_saved_bundle(config)
+        options = view_of(config, ExportOptions)
+        done = export_saved_bundle(options, config.validate_tta)
+        config.validate_atol = done.result.atol  # resolved for the bundle's network
         report["export"] = done.result.report_section()
         if done.compressed:
             from ttc.compress.quantization import judge_compressed
 
-            export_compressed(config, done.compressed, done.paths, done.held_out, done.fallback)
-            report["compression"] = judge_compressed(config, done.paths, done.val, done.test)
+            export_compressed(options, done.compressed, done.paths, done.held_out, done.fallback)
+            report["compression"] = judge_compressed(view_of(config, QuantizeOptions),
+                                                     done.paths, done.val, done.test)
 
-    return run_with_report(config, stages)
+    return run_with_report(config.report_options(), stages)
 
 
 if __name__ == "__main__":

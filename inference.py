@@ -14,11 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import build_parser, start_cli
-from ttc.online.evaluate import run_on_bundle
-from ttc.online.predict import predict_new_data
-from ttc.online.predictor import check_bundle, input_variant
 from ttc.reporting.run import run_with_report
-from ttc.serving.bundle import BundlePaths
 from utils import LOG, exit_cli, run_cli
 
 
@@ -34,12 +30,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python inference.py --model runs/digits/model.onnx --batch_size 64 "
                "--ep cpu --report_json runs/digits/inference.json")
     config = start_cli(parser, argv)
+    # The inference stage (numpy, ONNX Runtime, the bundle's layers) only once the flags are good.
+    from ttc.online.evaluate import run_on_bundle
+    from ttc.online.predict import predict_new_data
+    from ttc.online.predictor import check_bundle, input_variant
+    from ttc.options.stages import InferenceOptions, view_of
+    from ttc.serving.bundle import BundlePaths
+
+    options = view_of(config, InferenceOptions)
+
+    def graph(manifest) -> str:  # --fp16, --quantized, --variant: the bundle's file key
+        return input_variant(manifest, options, fp16=config.fp16, quantized=config.quantized,
+                             variant=config.variant)
 
     def stages(report: dict) -> None:
         paths = BundlePaths.from_model_path(config.output_model)
-        manifest = check_bundle(config, paths)
+        manifest = check_bundle(options, paths, config.validate_tta)
         if config.input:
-            predict_new_data(config, paths, report)
+            predict_new_data(options, paths, graph(manifest), report)
             return
         from ttc.inputs.data import load_bundle_dataset, split_paths_of
 
@@ -48,17 +56,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    not config.no_progress, split_paths_of(config),
                                    ", or --input PATH to predict new data")
         report["dataset"] = data.report_section()
-        variant = input_variant(config, manifest)
+        variant = graph(manifest)
         if variant != "onnx":
             verdict = manifest.variant(variant)
             if verdict and not verdict.used_for_inference:
                 LOG.warning("using the %s graph as asked, although it was judged: %s", variant,
                             verdict.verdict)
         val = (data.val.x, data.val.y) if config.tta else None
-        run_on_bundle(config, paths, variant, (data.test.x, data.test.y), val, report,
+        run_on_bundle(options, paths, variant, (data.test.x, data.test.y), val, report,
                       benchmark=config.benchmark)
 
-    return run_with_report(config, stages)
+    return run_with_report(config.report_options(), stages)
 
 
 if __name__ == "__main__":

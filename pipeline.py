@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from config import build_parser, start_cli
-from ttc.serving.bundle import BundlePaths
 from ttc.reporting.run import preload_plots, run_with_report
 from utils import ExportError, exit_cli, run_cli
 
@@ -47,14 +46,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     config.validate_tta(config.model_type)
 
     from ttc.inputs.data import DataOptions, load_dataset  # pandas and numpy, no torch
+    from ttc.serving.bundle import BundlePaths
 
     paths = BundlePaths.from_model_path(config.output_model)
 
     def stages(report: dict) -> None:
         if config.device.startswith("cuda"):  # a GPU that is not there: before the data
+            from ttc.options.stages import TrainingOptions, view_of
             from ttc.training.stage import check_training_device
 
-            check_training_device(config)
+            check_training_device(view_of(config, TrainingOptions))
         dataset = load_dataset(DataOptions.from_config(config))
         report["dataset"] = dataset.report_section()
         # Heavy imports only once the flags and the data are known to be good: a typo or a bad
@@ -63,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ttc.convert.compressed import export_compressed
         from ttc.convert.failure import keep_trained_weights
         from ttc.online.evaluate import run_on_bundle
+        from ttc.options.stages import InferenceOptions
         from ttc.compress.quantization import fp16_bundle, judge_compressed, quantize_bundle
+        from ttc.options.stages import ExportOptions, QuantizeOptions, TrainingOptions, view_of
         from ttc.training.stage import (build_manifest, cap_batch_size, save_checkpoint,
                                         torch_variant, train_ensemble_members, train_stage)
         from ttc.nets.training import set_torch_threads  # imports torch and DSPy
@@ -73,43 +76,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_torch_threads(config.num_threads)
         if config.plots_folder() is not None:
             preload_plots()
-        cap_batch_size(config, dataset)
-        trained, dataset = train_stage(config, dataset, report)
-        members = train_ensemble_members(config, dataset, trained)
-        manifest = build_manifest(config, trained, dataset, report.get("teacher"), paths)
+        cap_batch_size(config, dataset)  # before the views: every later stage takes the cap
+        training = view_of(config, TrainingOptions)
+        trained, dataset = train_stage(training, dataset, report)
+        members = train_ensemble_members(training, dataset, trained)
+        manifest = build_manifest(training, trained, dataset, report.get("teacher"), paths)
+        exporting = view_of(config, ExportOptions)
         try:
-            exported = export_bundle(config, trained.net, manifest, dataset.test.x,
+            exported = export_bundle(exporting, trained.net, manifest, dataset.test.x,
                                      dataset.train.x, paths, members,
                                      (dataset.val.x, dataset.val.y))
         except ExportError as err:  # the training is kept, as train.py writes it, for export.py
-            raise keep_trained_weights(err, config, paths, lambda kept: save_checkpoint(
-                config, trained, dataset, kept, report.get("teacher"))) from err
+            raise keep_trained_weights(err, exporting, paths, lambda kept: save_checkpoint(
+                training, trained, dataset, kept, report.get("teacher"))) from err
+        config.validate_atol = exported.atol  # resolved for the network
         report["export"] = exported.report_section()
         if trained.compressed:
-            export_compressed(config, trained.compressed, paths, dataset.test.x, dataset.train.x)
+            export_compressed(exporting, trained.compressed, paths, dataset.test.x,
+                              dataset.train.x)
         variant, quantized = "onnx", None
+        quantizing = view_of(config, QuantizeOptions)
         if config.quantize != "none":
-            quantized = quantize_bundle(config, paths, dataset.train.x,
+            quantized = quantize_bundle(quantizing, paths, dataset.train.x,
                                         (dataset.val.x, dataset.val.y),
                                         (dataset.test.x, dataset.test.y))
             report["quantize"] = quantized.report_section()
             variant = "int8" if quantized.used_for_inference else "onnx"
         if trained.compressed:
-            report["compression"] = judge_compressed(config, paths, (dataset.val.x, dataset.val.y),
+            report["compression"] = judge_compressed(quantizing, paths,
+                                                     (dataset.val.x, dataset.val.y),
                                                      (dataset.test.x, dataset.test.y), quantized)
             variant = report["compression"]["served"]
         if config.fp16:
-            half = fp16_bundle(config, paths, (dataset.val.x, dataset.val.y),
+            half = fp16_bundle(quantizing, paths, (dataset.val.x, dataset.val.y),
                                (dataset.test.x, dataset.test.y))
             report["fp16"] = half.report_section()
             variant = "fp16" if half.used_for_inference else variant
         several_variants = config.quantize != "none" or config.fp16 or bool(trained.compressed)
-        run_on_bundle(config, paths, variant, (dataset.test.x, dataset.test.y),
+        run_on_bundle(view_of(config, InferenceOptions), paths, variant,
+                      (dataset.test.x, dataset.test.y),
                       (dataset.val.x, dataset.val.y), report,
                       benchmark=config.benchmark or several_variants,
                       baseline=[torch_variant(trained.net, paths)])
 
-    return run_with_report(config, stages)
+    return run_with_report(config.report_options(), stages)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from typing import Sequence
 
 from config import build_parser, start_cli
 from ttc.reporting.run import run_with_report
-from ttc.serving.bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 from utils import exit_cli, run_cli
 
 
@@ -33,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stages(report: dict) -> None:
         from ttc.compress.quantization import diagnose_bundle, fp16_bundle, quantize_bundle
         from ttc.inputs.data import load_bundle_dataset, split_paths_of
+        from ttc.options.stages import QuantizeOptions, view_of
+        from ttc.serving.bundle import BundlePaths, read_manifest, require_onnx_in_bundle
 
         paths = BundlePaths.from_model_path(config.output_model)
         manifest = read_manifest(paths)
@@ -46,20 +47,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             require_onnx_in_bundle(paths, manifest)  # and the fp32 graph it is compared with
             data = named_data(("train",))
             report["dataset"] = data.report_section()
-            report["quantize"] = diagnose_bundle(config, paths, data.train.x)
+            report["quantize"] = diagnose_bundle(view_of(config, QuantizeOptions), paths,
+                                                 data.train.x)
             return
         data = named_data(("train", "val", "test"))
         report["dataset"] = data.report_section()
         val, test = (data.val.x, data.val.y), (data.test.x, data.test.y)
         if config.quantize == "none" and not config.fp16:
             config.quantize = "auto"
-        if config.quantize != "none":
-            report["quantize"] = quantize_bundle(config, paths, data.train.x, val,
+        options = view_of(config, QuantizeOptions)  # after: quantization reads that "auto"
+        if options.quantize != "none":
+            report["quantize"] = quantize_bundle(options, paths, data.train.x, val,
                                                  test).report_section()
-        if config.fp16:
-            report["fp16"] = fp16_bundle(config, paths, val, test).report_section()
+        if options.fp16:
+            report["fp16"] = fp16_bundle(options, paths, val, test).report_section()
 
-    return run_with_report(config, stages)
+    return run_with_report(config.report_options(), stages)
 
 
 if __name__ == "__main__":

@@ -47,13 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python serve.py --model runs/sms/model.onnx --port 8000\n"
                "  curl -s localhost:8000/predict -d '{\"instances\": [{\"text\": \"hi\"}]}'")
     config = start_cli(parser, argv)
+    from ttc.options.stages import ServeOptions, view_of
+
+    options = view_of(config, ServeOptions)  # the flags against the bundle's type: validate_tta
     if config.engine == "ray":
         from ttc.online.ray_serve import serve_on_ray
 
-        return serve_on_ray(config)
+        return serve_on_ray(options, config.validate_tta)
     from ttc.online.app import serve
 
-    return serve(config, HELD_HANGUPS)
+    return serve(options, config.validate_tta, HELD_HANGUPS)
 
 
 if __name__ == "__main__":

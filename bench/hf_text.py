@@ -258,7 +258,7 @@ def profile_input(model: Path, data: Path, batch_size: int, threads: int) -> Non
     profiler = cProfile.Profile()
     started = time.perf_counter()
     try:
-        profiler.runcall(predict_new_data, config, BundlePaths.from_model_path(model), {})
+        profiler.runcall(predict_new_data, config, BundlePaths.from_model_path(model), "onnx", {})
     finally:
         batch.prefetched = inline
     total = time.perf_counter() - started

@@ -144,6 +144,7 @@ def parsed(*argv: str):
 
 def test_the_command_repeats_the_runs_export_flags_and_asks_for_the_raised_one(tmp_path):
     from ttc.convert.failure import weights_kept
+    from ttc.options.stages import ExportOptions, view_of
     from ttc.serving.bundle import BundlePaths
     from utils import ExportError
 
@@ -154,7 +155,8 @@ def test_the_command_repeats_the_runs_export_flags_and_asks_for_the_raised_one(t
     paths = BundlePaths.from_model_path(model)
     error = weights_kept(ExportError("numeric check failed", "train longer, or raise "
                                      "--score_threshold above them",
-                                     raise_flags=("score_threshold",)), config, paths, paths)
+                                     raise_flags=("score_threshold",)),
+                         view_of(config, ExportOptions), paths, paths)  # as pipeline.py's
     line = error.one_line()
     assert line.startswith("numeric check failed; train longer, or raise --score_threshold "
                            f"above them; the trained weights are kept in {model.parent}; ")

@@ -102,10 +102,11 @@ def test_the_package_imports_no_command_line_tool():
 ALLOWED = {
     "tasks": set(),
     "inputs": {"utils", "ttc.nets.hf", "ttc.tasks.*"},
-    "nets": {"config", "utils", "ttc.inputs.*", "ttc.serving.bundle", "ttc.testtime.tta",
+    "nets": {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.serving.bundle",
+             "ttc.testtime.tta",
              "ttc.reporting.metrics", "ttc.tasks.*", "ttc.options.fitting"},
     # the training stage: the type's trainer here or on Ray Train, compressed, calibrated
-    "training": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.bundle",
+    "training": {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.bundle",
                  "ttc.tasks.*", "ttc.options.training", "ttc.distributed.driver",
                  "ttc.compress.variants", "ttc.testtime.calibrate", "ttc.reporting.metrics",
                  "ttc.serving.stages"},
@@ -117,26 +118,29 @@ ALLOWED = {
     "reporting": {"utils", "ttc.tasks.registry", "ttc.tasks.base"},
     # the export stage: tracing, checks, extra graphs and the bundle (the classifiers' exporter;
     # a type's own through its Parts.exporter, found in the registry), compressed variants
-    "convert": {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*",
+    "convert": {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*",
                 "ttc.testtime.*", "ttc.compress.*", "ttc.reporting.metrics", "ttc.options.export",
                 "ttc.tasks.registry"},
     # quantization: the per-layer diagnosis of int8 (convert) and the classifier's scorer (metrics)
-    "compress": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.*",
+    "compress": {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.*",
                  "ttc.options.compress", "ttc.tasks.*", "ttc.convert.diagnosis",
                  "ttc.reporting.metrics"},
+    # (stages.py's TestTimeOptions builds the test-time methods' options, imported lazily)
     "options": {"utils", "ttc.inputs.*", "ttc.serving.runtime", "ttc.reporting.sections",
-                "ttc.tasks.*"},
+                "ttc.tasks.*", "ttc.testtime.tta", "ttc.testtime.ttt", "ttc.testtime.transforms"},
     # --engine ray training: the classifier's loop (nets) on Ray Train, through serving's cluster
-    "distributed": {"config", "utils", "ttc.inputs.*", "ttc.nets.*", "ttc.serving.cluster",
+    "distributed": {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.nets.*",
+                    "ttc.serving.cluster",
                     "ttc.tasks.*"},
-    "online": {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.testtime.*", "ttc.tasks.*",
+    "online": {"utils", "ttc.inputs.*", "ttc.serving.*", "ttc.testtime.*", "ttc.tasks.*",
                "ttc.options.*", "ttc.reporting.*"},
 }
 
 
 # A model type may keep its code in a folder of its own beside its entry (ttc/tasks/TYPE/, the
 # entry in its __init__.py, referenced by its Parts): that code uses the layers as testtime does.
-TYPE_CODE = {"config", "utils", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*", "ttc.reporting.*",
+TYPE_CODE = {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*",
+             "ttc.reporting.*",
              "ttc.testtime.*", "ttc.convert.*", "ttc.compress.quantizing"}
 
 
@@ -214,21 +218,28 @@ def test_leaf_modules_stay_leaves():
     assert short(graph, "metrics") == set()
     assert short(graph, "limits") <= {"utils"}
     assert short(graph, "runtime") <= {"utils", "preprocess", "limits"}
-    assert short(graph, "tables") <= {"utils", "limits"}
+    assert short(graph, "tables") <= {"utils", "limits", "formats"}
+    assert short(graph, "formats") == set()  # the flags' choices read it without numpy
     assert short(graph, "profiling") <= {"utils", "runtime"}
+
+
+# What no CLI's --help may import: it builds the parser from the option tables only (#66: the
+# numeric and serving libraries were most of a --help's 0.7-1.1 s).
+NOT_AT_HELP = ("numpy", "pandas", "pyarrow", "onnx", "onnxruntime", "torch", "dspy",
+               "transformers", "matplotlib", "PIL", "sklearn", "fastapi", "uvicorn", "ray")
 
 
 @pytest.mark.parametrize("script", ["pipeline.py", "train.py", "export.py", "quantize.py",
                                     "inference.py", "report.py", "serve.py"])
 def test_each_stage_runs_alone_and_its_help_stays_light(script):
-    """`python X.py --help` from the root works, and imports neither torch, DSPy, ONNX Runtime
-    nor matplotlib (the package's moves must not pull a heavy module into a CLI's start)."""
+    """`python X.py --help` from the root works, and imports none of NOT_AT_HELP, not even
+    numpy (the package's moves must not pull a heavy module into a CLI's start)."""
     code = ("import runpy, sys\n"
             f"sys.argv = [{script!r}, '--help']\n"
             f"try:\n    runpy.run_path({script!r}, run_name='__main__')\n"
             "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
-            "print('imported:' + ','.join(m for m in ('torch', 'dspy', 'onnxruntime', "
-            "'matplotlib') if m in sys.modules))\n")
+            "print('imported:' + ','.join(sorted({m.partition('.')[0] for m in sys.modules} & "
+            f"{set(NOT_AT_HELP)!r})))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -363,3 +374,60 @@ def test_tests_and_benchmarks_import_the_package_not_the_command_line_tools():
         if bad := {m for node in ast.walk(tree) for m in imported_modules(node)} & CLIS:
             offenders[str(path.relative_to(REPO))] = bad
     assert offenders == {}
+
+
+def config_annotations(path: Path) -> list[str]:
+    """Parameters annotated with the whole Config (`Config`, `"Config"`, `config.Config`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            for arg in args:
+                text = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if text.strip("'\"") in {"Config", "config.Config"}:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}({arg.arg})")
+    return found
+
+
+def test_no_layer_below_the_command_line_tools_takes_the_whole_config():
+    """docs/design.md: a stage takes its own options (ttc/options/stages.py), copied out of the
+    Config by the CLI; the package neither imports config.py nor names Config in a signature."""
+    graph = import_graph()
+    importers = sorted(name for name, deps in graph.items()
+                       if name.startswith(PACKAGE + ".") and "config" in deps)
+    assert importers == []
+    signatures = [hit for path in (REPO / PACKAGE).rglob("*.py")
+                  for hit in config_annotations(path)]
+    assert signatures == []
+
+
+def test_the_signature_finder_finds_a_config_parameter(tmp_path):
+    path = REPO / "ttc" / "__config_probe__.py"
+    try:
+        path.write_text("def f(config: 'Config', x: int) -> None:\n    pass\n", encoding="utf-8")
+        assert config_annotations(path) == ["ttc/__config_probe__.py:1 f(config)"]
+    finally:
+        path.unlink()
+
+
+def test_a_stage_s_view_holds_its_own_flags_and_not_another_stage_s():
+    """Reading another stage's flag from a stage's options fails at once."""
+    import config
+    from ttc.options import stages
+
+    whole = config.Config(epochs=3, port=9001)
+    whole.script = "pipeline"
+    views = [getattr(stages, name) for name in dir(stages) if name.endswith("Options")
+             and dataclasses.is_dataclass(getattr(stages, name))]
+    assert len(views) >= 4, "a view per stage: training, export, quantization, inference, serving"
+    for view_class in views:
+        view = stages.view_of(whole, view_class)
+        assert view.script == "pipeline"
+        names = {f.name for f in dataclasses.fields(view)}
+        assert names < {f.name for f in dataclasses.fields(whole)}
+        for f in dataclasses.fields(view):
+            assert getattr(view, f.name) == getattr(whole, f.name)
+    training = stages.view_of(whole, stages.TrainingOptions)
+    assert training.epochs == 3
+    with pytest.raises(AttributeError):
+        training.port  # noqa: B018  (serve.py's flag)

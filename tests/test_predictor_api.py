@@ -213,3 +213,19 @@ def test_request_rows_read_as_the_lines_of_a_jsonl_file(rows, tmp_path):
     assert list(from_request.columns) == list(from_file.columns)
     assert list(from_request.index) == list(from_file.index)
     assert from_request.astype(str).values.tolist() == from_file.astype(str).values.tolist()
+
+
+def test_the_api_checks_its_flags_as_serve_py_does(tabular_bundle):
+    """Predictor.load has no Config: its flags are serve.py's (ServeOptions), checked by the same
+    checks with the same lines, and a name that is no flag of serve.py is refused by name."""
+    from ttc.online.predictor import Predictor
+    from utils import ConfigError
+
+    cli = run_cli("serve.py", "--model", tabular_bundle["model"], "--max_batch_size", "0")
+    assert cli.returncode == 2
+    with pytest.raises(ConfigError) as raised:
+        Predictor.load(tabular_bundle["model"], max_batch_size=0)
+    assert raised.value.one_line() in cli.stderr
+    with pytest.raises(ConfigError, match="'max_batch' is not one"):
+        Predictor.load(tabular_bundle["model"], max_batch=8)
+    assert Predictor.load(tabular_bundle["model"], max_batch_size=4).options.batch_size == 4

@@ -918,18 +918,20 @@ def test_reloads_under_load_fail_no_request(reloadable):
 
 def test_sigterm_answers_every_accepted_request_then_exits_0(tabular_bundle, tabular_case,
                                                              tmp_path):
-    """SIGTERM while 4 requests wait in the queue (each held 3 s for a fuller batch): all 4
-    are answered 200 and right, and the process exits 0 within --drain_s."""
+    """SIGTERM while 4 requests wait for the model (each of 1,000 rows, run in batches of one
+    row that take turns: they keep it busy for a while): all 4 are answered 200 and right, and
+    the process exits 0 within --drain_s."""
     drain_s = 20
     rows, expected = tabular_case.rows[:4], tabular_case.expected[:4]
-    server = start_server(tabular_bundle["model"], "--top_k", TOP_K, "--max_queue_delay_ms",
-                          3000, "--drain_s", drain_s, logs=tmp_path)
+    server = start_server(tabular_bundle["model"], "--top_k", TOP_K, "--max_batch_size", 1,
+                          "--drain_s", drain_s, logs=tmp_path)
 
     async def requests_then_sigterm() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=len(rows) + 1)
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT,
                                      limits=limits) as client:
-            sent = [asyncio.create_task(client.post("/predict", json={"instances": [row]}))
+            sent = [asyncio.create_task(client.post("/predict",
+                                                    json={"instances": [row] + [GOOD] * 999}))
                     for row in rows]
             deadline = time.monotonic() + 30
             while True:  # until every request is accepted, waiting for the model
@@ -939,7 +941,7 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(tabular_bundle, tab
                 if depth == len(rows):
                     break
                 assert time.monotonic() < deadline, f"queue depth {depth}"
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.005)
             server.process.send_signal(signal.SIGTERM)
             return await asyncio.gather(*sent)
 
@@ -950,7 +952,8 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(tabular_bundle, tab
         server.stop()
     for response, want in zip(responses, expected):
         assert response.status_code == 200, response.text
-        assert_same_predictions(response.json()["predictions"], [want])
+        assert len(response.json()["predictions"]) == 1000
+        assert_same_predictions(response.json()["predictions"][:1], [want])
     assert code == 0, server.log_text()[-3000:]
     assert "Traceback" not in server.log_text()
 

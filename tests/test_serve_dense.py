@@ -272,6 +272,20 @@ def test_the_dspy_tool_returns_the_api_s_answer(request, which, returns):
     assert returns in tool(**row)
 
 
+def test_the_api_refuses_a_flag_the_type_does_not_take_as_serve_py_does(segment_bundle):
+    """Predictor.load checks its flags against the bundle's model type with serve.py's line
+    (ServeOptions.validate_tta; serve.py's is config.Config.validate_tta)."""
+    from ttc.online.predictor import Predictor
+    from utils import ConfigError
+
+    cli = run_cli("serve.py", "--model", segment_bundle["model"], "--top_k", "2")
+    assert cli.returncode == 2
+    with pytest.raises(ConfigError) as raised:
+        Predictor.load(segment_bundle["model"], top_k=2)
+    assert "--top_k does not apply to an image_segmenter" in raised.value.one_line()
+    assert raised.value.one_line() in cli.stderr
+
+
 def test_a_react_program_calls_a_detector_as_a_tool(detect_bundle, detect_images):
     import dspy
     from dspy.utils import DummyLM

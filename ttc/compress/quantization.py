@@ -4,7 +4,8 @@ served graph (`judge_compressed`). What differs by model type (the scorer, the c
 batch, the nodes kept float) comes from its `Parts.quantizing` (ttc/compress/quantizing.py);
 ONNX Runtime's quantizer steps are in int8.py, the exclusion search and op-set trials in
 exclusion.py, the measurement and verdicts in judging.py. quantize.py and pipeline.py call the
-three entry points: quantize_bundle, fp16_bundle, judge_compressed (and diagnose_bundle)."""
+three entry points: quantize_bundle, fp16_bundle, judge_compressed (and diagnose_bundle), each
+given the quantization stage's options (ttc/options/stages.py: QuantizeOptions)."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -14,7 +15,6 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from config import Config
 from ttc.compress.exclusion import (DIAGNOSIS_BATCHES, TrialOptions, op_sets_section,
                                     quantize_trials)
 from ttc.compress.int8 import (QUANTIZED_OPS, calibration_feeds, choose_int8_range, choose_mode,
@@ -23,6 +23,7 @@ from ttc.compress.judging import (MIN_SPEEDUP, Split, VariantResult, grown_time,
                                   measure_against_fp32)
 from ttc.compress.quantizing import KeptFloat, Quantizing
 from ttc.convert.diagnosis import SHOWN_LAYERS, diagnose
+from ttc.options.stages import QuantizeOptions
 from ttc.serving.bundle import (BundlePaths, read_manifest, record_variant, require_onnx_in_bundle,
                                 stamp_contract, write_manifest_section)
 from ttc.serving.runtime import cpu_info
@@ -35,52 +36,52 @@ def quantizing_of(manifest) -> Quantizing:
     return task_of_kind(manifest.preprocessing.kind).part("quantizing")
 
 
-def trial_options(config: Config) -> TrialOptions:
-    return TrialOptions(config.calibration_method, config.batch_size, config.max_accuracy_drop,
-                        config.cpu_runtime(), config.op_set(), config.exclusion())
+def trial_options(options: QuantizeOptions) -> TrialOptions:
+    return TrialOptions(options.calibration_method, options.batch_size, options.max_accuracy_drop,
+                        options.cpu_runtime(), options.op_set(), options.exclusion())
 
 
-def quantize_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray, val: Split | None,
-                    test: Split) -> VariantResult:
+def quantize_bundle(options: QuantizeOptions, paths: BundlePaths, train_x: np.ndarray,
+                    val: Split | None, test: Split) -> VariantResult:
     """Quantize (excluding nodes as --quantize_exclude says, and those the model type keeps
     float: a detector's head and NMS), diagnose the layers, judge on the validation split,
     report the test score, time against fp32, write model.int8.onnx."""
     manifest = read_manifest(paths)
     require_onnx_in_bundle(paths, manifest)
     source = onnx.load(str(paths.onnx))
-    mode = choose_mode(config.quantize, source)
-    weights = choose_int8_range(config.int8_range, cpu_info())
+    mode = choose_mode(options.quantize, source)
+    weights = choose_int8_range(options.int8_range, cpu_info())
     LOG.info("quantizing %s to int8 (%s%s, %s-range weights: %s)", paths.onnx.name, mode,
-             ", auto" if config.quantize == "auto" else "",
+             ", auto" if options.quantize == "auto" else "",
              "reduced" if weights.reduce_range else "full", weights.reason)
     quantizing = quantizing_of(manifest)
     scorer = quantizing.scorer(manifest)
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
-        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed,
+        feeds = calibration_feeds(source, train_x, options.calibration_size, options.seed,
                                   quantizing.calibration_batch)
         graph = onnx.load(str(prepared))
         kept = quantizing.kept_float(graph)
-        trials, chosen = quantize_trials(trial_options(config), prepared, graph, mode, feeds, val,
+        trials, chosen = quantize_trials(trial_options(options), prepared, graph, mode, feeds, val,
                                          scorer, kept, weights.reduce_range)
         trial = trials[chosen]
         int8_bytes = stamp_contract(onnx.load(str(trial.int8)), manifest).SerializeToString()
     section = trial.exclusion
     result = measure_against_fp32(
-        paths.onnx, int8_bytes, config.cpu_runtime(), *test, config.batch_size, val,
+        paths.onnx, int8_bytes, options.cpu_runtime(), *test, options.batch_size, val,
         scorer=scorer, mode=mode,
-        requested=config.quantize, path=str(paths.int8), op_types=trial.op_types,
+        requested=options.quantize, path=str(paths.int8), op_types=trial.op_types,
         layers=[row.report_row() for row in trial.layers[:SHOWN_LAYERS]], exclusion=section,
         op_sets=op_sets_section(trials, chosen), reduce_range=weights.reduce_range,
         reduce_range_reason=weights.reason,
         calibration=None if mode == "dynamic" else {
-            "method": config.calibration_method, "source": "train split",
-            "samples": min(config.calibration_size, len(train_x))})
+            "method": options.calibration_method, "source": "train split",
+            "samples": min(options.calibration_size, len(train_x))})
     problems = int8_problems(onnx.load_from_string(int8_bytes), mode, section, kept)
-    if config.profile and result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
-        result.slower_op_types = grown_time(paths.onnx, int8_bytes, config.cpu_runtime(),
-                                            config.batch_size, test[0])
-    judge(result, config.max_accuracy_drop, config.force_quantized, problems)
+    if options.profile and result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
+        result.slower_op_types = grown_time(paths.onnx, int8_bytes, options.cpu_runtime(),
+                                            options.batch_size, test[0])
+    judge(result, options.max_accuracy_drop, options.force_quantized, problems)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
     record_variant(paths, manifest, "int8", int8_bytes, result.report_section())
     return result
@@ -99,7 +100,7 @@ def int8_problems(int8: onnx.ModelProto, mode: str, exclusion: dict, kept: KeptF
     return problems
 
 
-def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> dict:
+def diagnose_bundle(options: QuantizeOptions, paths: BundlePaths, train_x: np.ndarray) -> dict:
     """quantize.py --diagnose: the bundle's existing int8 graph against its fp32 graph, every
     changed node ranked, without quantizing again."""
     manifest = read_manifest(paths)
@@ -109,7 +110,7 @@ def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> 
     source = onnx.load(str(require_onnx_in_bundle(paths, manifest)))
     with scratch_folder(paths.onnx.parent) as tmp:
         prepared = quantizer_step(mode, lambda: prepare_graph(paths.onnx, Path(tmp), mode))
-        feeds = calibration_feeds(source, train_x, config.calibration_size, config.seed,
+        feeds = calibration_feeds(source, train_x, options.calibration_size, options.seed,
                                   quantizing_of(manifest).calibration_batch)
         layers = diagnose(prepared, int8_path, feeds[:DIAGNOSIS_BATCHES],
                           quantizable_op_types(mode) | {"Gemm"})
@@ -120,7 +121,7 @@ def diagnose_bundle(config: Config, paths: BundlePaths, train_x: np.ndarray) -> 
             "layers": [row.report_row() for row in layers[:SHOWN_LAYERS]]}
 
 
-def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Split
+def fp16_bundle(options: QuantizeOptions, paths: BundlePaths, val: Split | None, test: Split
                 ) -> VariantResult:
     """An fp16 graph (inputs and outputs stay fp32) for GPU providers, validated and timed
     against fp32 on the requested providers; used only where a GPU provider runs it faster."""
@@ -131,16 +132,16 @@ def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Spl
     with stdout_to_stderr():
         half = convert_float_to_float16(onnx.load(str(paths.onnx)), keep_io_types=True)
     data = stamp_contract(half, manifest).SerializeToString()
-    result = measure_against_fp32(paths.onnx, data, config.runtime(), *test, config.batch_size,
+    result = measure_against_fp32(paths.onnx, data, options.runtime(), *test, options.batch_size,
                                   val, scorer=quantizing_of(manifest).scorer(manifest), mode="fp16",
                                   requested="fp16", path=str(paths.fp16))
     cpu_only = [] if result.provider != "CPUExecutionProvider" else [
         "fp16 is for GPU providers and only CPUExecutionProvider is active here (timings above "
         "are CPU timings)"]
-    if config.profile and result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
-        result.slower_op_types = grown_time(paths.onnx, data, config.runtime(),
-                                            config.batch_size, test[0])
-    judge(result, config.max_accuracy_drop, False, cpu_only)
+    if options.profile and result.latency_ms_p50 * MIN_SPEEDUP > result.latency_ms_p50_fp32:
+        result.slower_op_types = grown_time(paths.onnx, data, options.runtime(),
+                                            options.batch_size, test[0])
+    judge(result, options.max_accuracy_drop, False, cpu_only)
     (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
     record_variant(paths, manifest, "fp16", data, result.report_section())
     return result
@@ -148,7 +149,7 @@ def fp16_bundle(config: Config, paths: BundlePaths, val: Split | None, test: Spl
 
 # ----------------------------------------------------------------------------- compression
 
-def judge_compressed(config: Config, paths: BundlePaths, val: Split | None, test: Split,
+def judge_compressed(options: QuantizeOptions, paths: BundlePaths, val: Split | None, test: Split,
                      int8: VariantResult | dict | None = None) -> dict:
     """Each compressed variant of the bundle (--prune, --qat) through the gate int8 passes:
     validation accuracy within --max_accuracy_drop of fp32 and faster at --batch_size, timed
@@ -162,10 +163,10 @@ def judge_compressed(config: Config, paths: BundlePaths, val: Split | None, test
         name = entry["name"]
         require_onnx_in_bundle(paths, manifest, name)
         data = paths.variant(name).read_bytes()
-        result = measure_against_fp32(paths.onnx, data, config.cpu_runtime(), *test,
-                                      config.batch_size, val, mode=name, requested=name,
+        result = measure_against_fp32(paths.onnx, data, options.cpu_runtime(), *test,
+                                      options.batch_size, val, mode=name, requested=name,
                                       path=str(paths.variant(name)))
-        judge(result, config.max_accuracy_drop, False)
+        judge(result, options.max_accuracy_drop, False)
         (LOG.info if not result.problems else LOG.warning)("%s", result.verdict)
         entry.update(verdict=result.verdict, used_for_inference=result.used_for_inference,
                      speedup=round(speedup_of(result), 4))

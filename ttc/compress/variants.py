@@ -26,9 +26,9 @@ from ttc.options.compress import FINE_TUNE_RATE
 from utils import LOG, ConfigError
 
 if TYPE_CHECKING:
-    from config import Config
     from ttc.inputs.data import Dataset
     from ttc.nets.training import TrainedModel
+    from ttc.options.stages import TrainingOptions
 
 EXAMPLE_ROWS = 4  # the tracing example: a few training inputs
 TAYLOR_BATCHES = 4  # training batches whose gradients rank channels for --prune_importance taylor
@@ -64,15 +64,15 @@ def example_input(x: np.ndarray, pad_id: int = PAD_ID) -> torch.Tensor:
     return network_batch(np.ascontiguousarray(x[:EXAMPLE_ROWS]), pad_id)
 
 
-def refuse_uncompressible(config: "Config", net: nn.Module, example: torch.Tensor) -> None:
+def refuse_uncompressible(options: TrainingOptions, net: nn.Module, example: torch.Tensor) -> None:
     """Before any training: a network with no path for what the flags ask is exit 2 with the
     reason and the alternative (flag values and hf networks were checked with the flags)."""
-    if config.prune:
+    if options.prune:
         reason = prune_unsupported_reason(net, example)
         if reason:
-            raise ConfigError(f"--prune {config.prune:g}: {reason}",
+            raise ConfigError(f"--prune {options.prune:g}: {reason}",
                               "drop --prune, or use --qat / --quantize static")
-    if config.qat:
+    if options.qat:
         reason = qat_unsupported_reason(net)
         if reason:
             raise ConfigError(f"--qat: {reason}", "drop --qat and use post-training "
@@ -82,8 +82,9 @@ def refuse_uncompressible(config: "Config", net: nn.Module, example: torch.Tenso
 class FineTuner:
     """Runs the training loop that trained the network on a compressed copy of it."""
 
-    def __init__(self, config: "Config", trained: "TrainedModel", dataset: "Dataset") -> None:
-        self.config, self.trained, self.dataset = config, trained, dataset
+    def __init__(self, options: TrainingOptions, trained: "TrainedModel",
+                 dataset: "Dataset") -> None:
+        self.options, self.trained, self.dataset = options, trained, dataset
 
     def __call__(self, net: nn.Module, epochs: int, what: str, mixed_precision: bool = True
                  ) -> tuple[nn.Module, list[dict]]:
@@ -98,7 +99,7 @@ class FineTuner:
 
         if epochs == 0:
             return net, []
-        config, dataset = self.config, self.dataset
+        options, dataset = self.options, self.dataset
         task = task_of_kind(dataset.preprocessing["kind"])
         tokenizer = text_tokenizer(dataset.preprocessing) if task.input_role == "text" else None
         pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
@@ -107,12 +108,12 @@ class FineTuner:
         LOG.info("%s: fine-tuning %d epoch%s at learning rate %.3g", what, epochs,
                  "s" if epochs > 1 else "", rate)
         trainer = WeightTrainer(
-            label_match, epochs=epochs, batch_size=config.batch_size, learning_rate=rate,
-            recipe=config.recipe(config.model_type, config.arch, config.model_def),
-            augment=config.train_augment and task.augments, seed=self.trained.seed,
-            show_progress=not config.no_progress, pad_id=pad_id,
-            device=training_device(config.device),
-            amp=config.amp if mixed_precision else "off")
+            label_match, epochs=epochs, batch_size=options.batch_size, learning_rate=rate,
+            recipe=options.recipe(options.model_type, options.arch, options.model_def),
+            augment=options.train_augment and task.augments, seed=self.trained.seed,
+            show_progress=not options.no_progress, pad_id=pad_id,
+            device=training_device(options.device),
+            amp=options.amp if mixed_precision else "off")
         tuned = trainer.compile(program,
                                 trainset=to_examples(dataset.train, dataset.labels,
                                                      task.input_field),
@@ -137,22 +138,22 @@ def taylor_batches(dataset: "Dataset", batch_size: int, seed: int
     return batches
 
 
-def compress_trained(config: "Config", trained: "TrainedModel", dataset: "Dataset"
+def compress_trained(options: TrainingOptions, trained: "TrainedModel", dataset: "Dataset"
                      ) -> tuple[list[CompressedNet], dict]:
     """The variants --prune and --qat ask for, in order (pruned, qat, pruned_qat), and the
     trained network's own parameters and MACs (the compression table's first row)."""
-    tune = FineTuner(config, trained, dataset)
+    tune = FineTuner(options, trained, dataset)
     example = example_input(dataset.train.x, dataset.preprocessing.get("pad_id", PAD_ID))
     fp32 = fp32_record(trained.net, example)
     made: dict[str, CompressedNet] = {}
-    for name, recipe in config.compress_recipes():
+    for name, recipe in options.compress_recipes():
         started = time.perf_counter()
         if name == "pruned":
-            made[name] = pruned_variant(config, trained.net, example, tune, recipe, dataset)
+            made[name] = pruned_variant(options, trained.net, example, tune, recipe, dataset)
         else:
             source = made["pruned"] if name == "pruned_qat" else None
             made[name] = qat_variant(trained.net if source is None else source.net, example,
-                                     tune, recipe, name, config.qat_epochs, source)
+                                     tune, recipe, name, options.qat_epochs, source)
         variant = made[name]
         variant.seconds = round(time.perf_counter() - started, 3)
         variant.val_accuracy_torch = split_accuracy_of(variant.net, dataset)
@@ -169,20 +170,20 @@ def split_accuracy_of(net: nn.Module, dataset: "Dataset") -> float | None:
     return split_accuracy(net.eval(), dataset.val)
 
 
-def pruned_variant(config: "Config", net: nn.Module, example: torch.Tensor,
+def pruned_variant(options: TrainingOptions, net: nn.Module, example: torch.Tensor,
                    tune: FineTuner, recipe: dict, dataset: "Dataset") -> CompressedNet:
     history: list[dict] = []
 
     def fine_tune(pruned: nn.Module, step: int) -> nn.Module:
-        tuned, records = tune(pruned, config.prune_epochs,
-                              f"pruning step {step + 1}/{config.prune_steps}")
+        tuned, records = tune(pruned, options.prune_epochs,
+                              f"pruning step {step + 1}/{options.prune_steps}")
         history.extend({**r, "step": step + 1} for r in records)
         return tuned
 
-    loss_batches = (taylor_batches(dataset, config.batch_size, config.seed)
-                    if config.prune_importance == "taylor" else None)
-    result = prune_channels(net, example, config.prune, config.prune_steps,
-                            config.prune_importance, fine_tune, loss_batches)
+    loss_batches = (taylor_batches(dataset, options.batch_size, options.seed)
+                    if options.prune_importance == "taylor" else None)
+    result = prune_channels(net, example, options.prune, options.prune_steps,
+                            options.prune_importance, fine_tune, loss_batches)
     pruned = result.net.eval()
     return CompressedNet(name="pruned", net=pruned, recipe=recipe, quantized=False,
                          params=count_parameters(pruned), macs=count_macs(pruned, example),
@@ -277,13 +278,13 @@ def load_compressed(manifest, paths, fp32: nn.Module, example: torch.Tensor
     return made
 
 
-def check_compressible(config: "Config", dataset: "Dataset") -> None:
+def check_compressible(options: TrainingOptions, dataset: "Dataset") -> None:
     """refuse_uncompressible on a freshly built network for this data, before training."""
     from ttc.nets.models import build_model
     from ttc.nets.training import network_architecture
 
     if len(dataset.train) == 0:
         return
-    net = build_model(network_architecture(config, dataset), dataset.preprocessing)
-    refuse_uncompressible(config, net.eval(), example_input(
+    net = build_model(network_architecture(options, dataset), dataset.preprocessing)
+    refuse_uncompressible(options, net.eval(), example_input(
         dataset.train.x, dataset.preprocessing.get("pad_id", PAD_ID)))

@@ -11,14 +11,13 @@ import onnx
 
 from ttc.convert.checking import NumericCheck, check_samples, compare_with_torch, export_example
 from ttc.convert.tracing import check_graph, export_graph, slim_graph
+from ttc.options.stages import ExportOptions
 from ttc.serving.bundle import (BundlePaths, Manifest, manifest_text, read_manifest,
                                 stamp_contract)
 from utils import LOG, ExportError, sha256_of, staged_files
 
 if TYPE_CHECKING:  # torch loads only when a variant is exported
     import torch
-
-    from config import Config
 
 
 # A QDQ graph runs integer kernels where PyTorch's fake quantization rounds in float: their
@@ -38,14 +37,14 @@ class CompressedGraph:
     structure: dict | None  # a QDQ graph's nodes and the integer kernels ONNX Runtime runs
 
 
-def export_compressed_graph(config: Config, variant, samples: np.ndarray, manifest: Manifest
+def export_compressed_graph(options: ExportOptions, variant, samples: np.ndarray, manifest: Manifest
                             ) -> CompressedGraph:
     """Export one compressed variant (a pruned network as fp32, slimmed; a fake-quantized one as
     a QDQ int8 graph), onnx.checker, and the numeric check against its own PyTorch network."""
     spec, output_names = manifest.input, list(manifest.output_names)
     example = export_example(samples, spec)
     def exported(net: torch.nn.Module, x: np.ndarray) -> onnx.ModelProto:
-        return export_graph(net, x, config.opset, spec, output_names,
+        return export_graph(net, x, options.opset, spec, output_names,
                             temperature=manifest.temperature)
 
     if variant.quantized:
@@ -59,9 +58,9 @@ def export_compressed_graph(config: Config, variant, samples: np.ndarray, manife
     if variant.quantized:
         require_integer_kernels(graph)
         structure = qdq_structure(graph)
-    atol = float("inf") if variant.quantized else config.validate_atol
-    check = compare_with_torch(graph, variant.net, samples, spec, atol, config.batch_size,
-                               config.num_threads, manifest.temperature)
+    atol = float("inf") if variant.quantized else options.validate_atol
+    check = compare_with_torch(graph, variant.net, samples, spec, atol, options.batch_size,
+                               options.num_threads, manifest.temperature)
     if variant.quantized and check.top1_agreement < QDQ_MIN_AGREEMENT:
         raise ExportError(f"numeric check failed for the {variant.name} graph: top-1 agreement "
                           f"with its fake-quantized PyTorch network is {check.top1_agreement:.1%}"
@@ -74,16 +73,17 @@ def export_compressed_graph(config: Config, variant, samples: np.ndarray, manife
     return CompressedGraph(variant.name, graph, check, len(graph.graph.node), structure)
 
 
-def export_compressed(config: Config, variants: Sequence, paths: BundlePaths,
+def export_compressed(options: ExportOptions, variants: Sequence, paths: BundlePaths,
                       held_out: np.ndarray, train_samples: np.ndarray) -> list[CompressedGraph]:
     """Every compressed variant exported and checked, then written with its weights and the
-    manifest that names them, staged together (graphs first, manifest last)."""
+    manifest that names them, staged together (graphs first, manifest last). `options`: those
+    export_bundle exported the bundle with (their validate_atol resolved)."""
     from ttc.compress.variants import compression_record
     from ttc.nets.models import weights_bytes
 
     manifest = read_manifest(paths)
     samples = check_samples(held_out, train_samples, manifest.input)
-    graphs = [export_compressed_graph(config, v, samples, manifest) for v in variants]
+    graphs = [export_compressed_graph(options, v, samples, manifest) for v in variants]
     draft = manifest.to_json_dict()
     with staged_files() as stage:
         for variant, graph in zip(variants, graphs):

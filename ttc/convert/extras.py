@@ -14,6 +14,7 @@ from ttc.convert.tracing import (check_graph, dropout_layers, export_graph, grap
                                  sampling_copy, slim_graph)
 from ttc.convert.writing import ExtraGraph
 from ttc.inputs.preprocess import trim_padding
+from ttc.options.stages import ExportOptions
 from ttc.serving.bundle import InputSpec, Manifest, mark_padding_id
 from ttc.serving.runtime import RuntimeOptions, create_session, session_feeder
 from ttc.testtime.calibrate import calibrate_scores, log_scores, rescale, softmax
@@ -22,11 +23,9 @@ from utils import LOG, ExportError, first_line
 if TYPE_CHECKING:  # torch loads only when a graph is exported
     import torch
 
-    from config import Config
 
-
-def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, manifest: Manifest
-                   ) -> tuple[onnx.ModelProto, NumericCheck, dict] | None:
+def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, options: ExportOptions,
+                   manifest: Manifest) -> tuple[onnx.ModelProto, NumericCheck, dict] | None:
     """An hf network's graph with ONNX Runtime's transformer fusion (hf.fused_graph: one
     Attention node per layer; measured on the tiny BERT of bench/hf_text.py, fp32 1.33x the
     dynamo graph at batch 32 and dynamic int8 1.3x the fused fp32), checked like the exported
@@ -41,13 +40,13 @@ def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, ma
     temperature = manifest.temperature
     try:
         feed = graph_inputs(np.ascontiguousarray(export_example(samples, spec)), spec)
-        model = fused_graph(net, feed, output_names, config.opset, temperature)
+        model = fused_graph(net, feed, output_names, options.opset, temperature)
         if model is None:
             return None
         model = mark_padding_id(model, spec)
         check_graph(model)
-        check = compare_with_torch(model, net, samples, spec, config.validate_atol,
-                                   config.batch_size, config.num_threads, temperature)
+        check = compare_with_torch(model, net, samples, spec, options.validate_atol,
+                                   options.batch_size, options.num_threads, temperature)
     except Exception as err:  # noqa: BLE001 - an optimisation: the unfused graph serves
         LOG.warning("the fused transformer graph was not used: %s", first_line(err, 300))
         return None
@@ -60,8 +59,8 @@ def fused_hf_graph(net: torch.nn.Module, samples: np.ndarray, config: Config, ma
 
 
 def _max_diff_to(graph: onnx.ModelProto, reference: onnx.ModelProto, samples: np.ndarray,
-                 config: Config, manifest: Manifest, **session_args: object) -> float:
-    runtime = RuntimeOptions(intra_op_threads=config.num_threads)
+                 options: ExportOptions, manifest: Manifest, **session_args: object) -> float:
+    runtime = RuntimeOptions(intra_op_threads=options.num_threads)
     probe = validation_probes(samples, manifest.input)["held_out"]
     sessions = [create_session(m.SerializeToString(), runtime) for m in (graph, reference)]
     got, expected = (s.run(["probabilities"], session_feeder(s)(probe))[0] for s in sessions)
@@ -69,7 +68,7 @@ def _max_diff_to(graph: onnx.ModelProto, reference: onnx.ModelProto, samples: np
 
 
 def export_adaptation_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
-                            samples: np.ndarray, slimmed: onnx.ModelProto, config: Config,
+                            samples: np.ndarray, slimmed: onnx.ModelProto, options: ExportOptions,
                             manifest: Manifest) -> ExtraGraph | None:
     """The graph test-time training adapts (`graph`, trace_graphs' adaptation graph):
     unoptimised and not slimmed, so that its BatchNormalization nodes survive (the deployable
@@ -80,8 +79,8 @@ def export_adaptation_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
         check_norms_adaptable(net, slimmed)
         return None
     check_graph(graph)
-    diff = _max_diff_to(graph, slimmed, samples, config, manifest)
-    _require_close(diff, "BatchNorm adaptation graph", config)
+    diff = _max_diff_to(graph, slimmed, samples, options, manifest)
+    _require_close(diff, "BatchNorm adaptation graph", options)
     layers = sum(n.op_type == "BatchNormalization" for n in graph.graph.node)
     LOG.info("adaptation graph: %d BatchNorm layers kept, max |diff| to the exported graph %.2g",
              layers, diff)
@@ -114,7 +113,7 @@ def check_norms_adaptable(net: torch.nn.Module, slimmed: onnx.ModelProto) -> Non
 
 
 def export_mc_dropout_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
-                            samples: np.ndarray, slimmed: onnx.ModelProto, config: Config,
+                            samples: np.ndarray, slimmed: onnx.ModelProto, options: ExportOptions,
                             manifest: Manifest, val: tuple[np.ndarray, np.ndarray] | None = None
                             ) -> ExtraGraph | None:
     """The graph MC-dropout samples (`graph`, trace_graphs' sampling graph): the network with
@@ -131,17 +130,17 @@ def export_mc_dropout_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
     if layers == 0:
         raise ExportError(f"the MC-dropout graph lost its {len(dropouts)} dropout layers",
                           "report it; export with --log_level DEBUG")
-    diff = _max_diff_to(graph, slimmed, samples, config, manifest)
-    _require_close(diff, "MC-dropout graph (dropout off)", config)
+    diff = _max_diff_to(graph, slimmed, samples, options, manifest)
+    _require_close(diff, "MC-dropout graph (dropout off)", options)
     info = {"purpose": "MC-dropout: Dropout nodes in training mode, not slimmed; run with "
             "EliminateDropout disabled", "dropout_layers": layers, "rates": [m.p for m in dropouts]}
     if calibrating(manifest, val):
         sampling = sampling_copy(net)
         passes = [softmax(network_logits(sampling, val[0], manifest.input,
-                                            seed=config.seed + k))
-                  for k in range(config.iterations)]
+                                            seed=options.seed + k))
+                  for k in range(options.iterations)]
         info.update(averaged_temperature("MC-dropout", np.mean(passes, axis=0), val[1],
-                                         manifest, passes=config.iterations))
+                                         manifest, passes=options.iterations))
     return ExtraGraph(graph, info)
 
 
@@ -180,9 +179,9 @@ def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, manifest: M
             "temperature_fit": {**fit.manifest_entry(), **details}}
 
 
-def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, config: Config,
-                          manifest: Manifest, val: tuple[np.ndarray, np.ndarray] | None = None
-                          ) -> ExtraGraph:
+def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray,
+                          options: ExportOptions, manifest: Manifest,
+                          val: tuple[np.ndarray, np.ndarray] | None = None) -> ExtraGraph:
     """Every member exported and slimmed like model.onnx, merged into one graph that returns
     their mean (iterative.ensemble_model), rescaled by a temperature fitted on `val`; checked
     against the PyTorch members' mean, rescaled the same way."""
@@ -190,7 +189,7 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
 
     output_names = list(manifest.output_names)
     spec = manifest.input
-    members = [slim_graph(export_graph(net.eval(), export_example(samples, spec), config.opset,
+    members = [slim_graph(export_graph(net.eval(), export_example(samples, spec), options.opset,
                                        spec, output_names)) for net in nets]
     calibration = {}
     if calibrating(manifest, val):
@@ -204,12 +203,12 @@ def export_ensemble_graph(nets: Sequence[torch.nn.Module], samples: np.ndarray, 
     expected = rescale(np.mean([softmax(network_logits(net, probe, spec)) for net in nets],
                                axis=0), temperature)
     session = create_session(graph.SerializeToString(),
-                             RuntimeOptions(intra_op_threads=config.num_threads))
+                             RuntimeOptions(intra_op_threads=options.num_threads))
     got = session.run(["probabilities"], session_feeder(session)(probe))[0]
     diff = float(np.abs(got - expected).max())
-    _require_close(diff, "ensemble graph (against the PyTorch members' mean)", config)
+    _require_close(diff, "ensemble graph (against the PyTorch members' mean)", options)
     LOG.info("ensemble graph: %d members, max |onnx - torch| %.2g", len(nets), diff)
     return ExtraGraph(graph, {"purpose": "the mean of several models trained with different "
                               "seeds, in one graph", "members": len(nets),
-                              "seeds": [config.seed + k for k in range(len(nets))],
+                              "seeds": [options.seed + k for k in range(len(nets))],
                               "max_abs_diff": diff, **calibration})

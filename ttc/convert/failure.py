@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ttc.convert.checking import RETRAIN
+from ttc.options.stages import ExportOptions
 from ttc.serving.bundle import BUNDLE_FORMAT, FILE_SIZE_LIMITS, BundlePaths
 from utils import LOG, ExportError
-
-if TYPE_CHECKING:
-    from config import Config
 
 KEPT_STEM = "unexported"  # model.unexported.pt and .json, beside a bundle a failure must not touch
 # export.py's flags a re-export does not repeat: where it writes and how it talks
@@ -23,7 +22,7 @@ NOT_REPEATED = ("output_model", "report_json", "log_level", "no_progress", "time
 VALUE = "VALUE"  # the placeholder of the flag the error says to change
 
 
-def keep_trained_weights(error: ExportError, config: Config, paths: BundlePaths,
+def keep_trained_weights(error: ExportError, options: ExportOptions, paths: BundlePaths,
                          keep: Callable[[BundlePaths], Any]) -> ExportError:
     """`error`, after `keep` (train.py's save_checkpoint) wrote the trained weights and their
     manifest where kept_paths says, with how to export them again added to its hint; `error`
@@ -35,7 +34,7 @@ def keep_trained_weights(error: ExportError, config: Config, paths: BundlePaths,
         LOG.warning("the trained weights could not be kept in %s: %s", kept.weights,
                     err.strerror or err)
         return error
-    return weights_kept(error, config, paths, kept)
+    return weights_kept(error, options, paths, kept)
 
 
 def kept_paths(paths: BundlePaths) -> BundlePaths:
@@ -69,7 +68,7 @@ def holds_no_bundle(manifest: Path) -> bool:
         isinstance(files, dict) and not files.get("onnx")
 
 
-def weights_kept(error: ExportError, config: Config, paths: BundlePaths,
+def weights_kept(error: ExportError, options: ExportOptions, paths: BundlePaths,
                  kept: BundlePaths) -> ExportError:
     """`error` with where the weights are kept, and (unless the error says to retrain: diverged
     weights export no better a second time) the export.py command that exports them."""
@@ -81,33 +80,37 @@ def weights_kept(error: ExportError, config: Config, paths: BundlePaths,
     parts = [error.hint, where]
     if RETRAIN not in error.hint:
         parts.append("to export them again without training: "
-                     f"{export_command(config, kept, error.raise_flags)}")
+                     f"{export_command(options, kept, error.raise_flags)}")
     return ExportError(error.message, "; ".join(part for part in parts if part))
 
 
-def export_command(config: Config, kept: BundlePaths, raise_flags: Sequence[str]) -> str:
+def export_command(options: ExportOptions, kept: BundlePaths, raise_flags: Sequence[str]) -> str:
     """export.py on the kept weights, with the run's own export flags (its data, tolerance, NMS
     and TTA settings as given; --trust_model_code true for the run's own --model_def file) and
     VALUE for each flag the error says to raise, whose value in this run follows in brackets."""
-    from config import flags_for
-
-    takes = flags_for("export")
+    takes = export_flags(options)
     raised = [name for name in raise_flags if name in takes]
-    given = getattr(config, "given", ())
+    given = getattr(options, "given", ())
     words = ["python", "export.py", "--output_model", str(kept.onnx)]
     for name in takes:
-        value = getattr(config, name)
+        value = getattr(options, name)
         if name in given and name not in NOT_REPEATED and name not in raised and \
                 value is not None and not str(value).startswith("builtin:"):
             words += [f"--{name}", flag_text(value)]
-    if getattr(config, "model_def", None) and "trust_model_code" not in given:
+    if options.model_def and "trust_model_code" not in given:
         words += ["--trust_model_code", "true"]  # the user's own network file, kept beside
     words += [part for name in raised for part in (f"--{name}", VALUE)]
     command = shlex.join(words)
     if not raised:
         return command
     return command + " (this run: " + ", ".join(
-        f"--{name} {flag_text(getattr(config, name))}" for name in raised) + ")"
+        f"--{name} {flag_text(getattr(options, name))}" for name in raised) + ")"
+
+
+def export_flags(options: ExportOptions) -> list[str]:
+    """The flags export.py takes, in their declaration order (config.flags_for("export")): all
+    of them are export's options."""
+    return [f.name for f in fields(options) if "export" in f.metadata["scripts"]]
 
 
 def flag_text(value: Any) -> str:

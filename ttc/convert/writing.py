@@ -10,14 +10,13 @@ import numpy as np
 import onnx
 
 from ttc.convert.checking import NumericCheck
+from ttc.options.stages import ExportOptions
 from ttc.serving.bundle import (BundlePaths, Manifest, manifest_text, record_export,
                                 stamp_contract)
 from utils import sha256_of, staged_files
 
 if TYPE_CHECKING:  # torch loads only when a bundle is exported
     import torch
-
-    from config import Config
 
 
 @dataclass
@@ -52,9 +51,10 @@ class ExportJob:
     """What export_bundle hands a model type's exporter (its Parts.exporter): the trained
     network, the manifest (typed, and its JSON draft, which the exporter may fill and
     write_bundle writes), the 32-64 samples of the numeric check and the bundle's paths; a
-    classifier's ensemble members and validation split (the averaged graphs' temperatures)."""
+    classifier's ensemble members and validation split (the averaged graphs' temperatures),
+    and export's options (their validate_atol resolved for the network)."""
 
-    config: Config
+    options: ExportOptions
     net: torch.nn.Module  # in eval mode
     manifest: Manifest
     draft: dict
@@ -68,10 +68,10 @@ class ExportJob:
                own_check: dict | None = None) -> ExportResult:
         """The result of exporting `exported`, slimmed to `slimmed` and checked by `check`."""
         return ExportResult(paths=self.paths, manifest=self.manifest, draft=self.draft,
-                            opset=self.config.opset,
+                            opset=self.options.opset,
                             nodes_before_slim=len(exported.graph.node),
                             nodes_after_slim=len(slimmed.graph.node), check=check,
-                            atol=self.config.validate_atol, size_bytes=slimmed.ByteSize(),
+                            atol=self.options.validate_atol, size_bytes=slimmed.ByteSize(),
                             seconds=round(time.perf_counter() - self.started, 3),
                             own_check=own_check)
 

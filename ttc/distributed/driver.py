@@ -18,10 +18,10 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from config import Config
 from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image_planner,
                                     new_ray_run, new_search, require_local_gpus, require_room,
                                     restore, trained_of, worker_payload)
@@ -35,30 +35,33 @@ from ttc.nets.training import TrainedModel, TrainingPlan, engine_section, plan_t
 from ttc.serving.cluster import driving_ray
 from utils import LOG, ConfigError, stdout_to_stderr
 
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
 
-def train_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
+
+def train_on_ray(options: TrainingOptions, dataset: Dataset) -> TrainedModel:
     """pipeline.py and train.py's training stage for --engine ray (a candidate search: its
     candidates as parallel Ray Tune trials, ttc/distributed/search.py)."""
-    if config.searches():
+    if options.searches():
         from ttc.distributed.search import search_on_ray
 
-        return search_on_ray(config, dataset)
-    plan = (image_planner(config.model_type) or plan_training)(config, dataset, engine="ray")
-    rate, seed = config.learning_rates()[0], config.seed
+        return search_on_ray(options, dataset)
+    plan = (image_planner(options.model_type) or plan_training)(options, dataset, engine="ray")
+    rate, seed = options.learning_rates()[0], options.seed
     student = plan.make_student(seed)
     torch_rng = torch.get_rng_state()  # what a local run's first epoch starts from
     trainer = plan.make_trainer(rate, seed)
-    ray_run = new_ray_run(config)
-    payload = worker_payload(config, dataset, plan, student, trainer, torch_rng, ray_run)
+    ray_run = new_ray_run(options)
+    payload = worker_payload(options, dataset, plan, student, trainer, torch_rng, ray_run)
     payload.starts = str(ray_run.starts_file)
-    require_local_gpus(config, ray_run.options)
+    require_local_gpus(options.use_gpu, ray_run.options)
     with driving_ray(ray_run.options) as session:
         ray_run.address, ray_run.start_seconds = session.address, session.start_seconds
-        state = fit(config, payload, ray_run)
-    return finished(config, dataset, plan, student, trainer, state, ray_run)
+        state = fit(options, payload, ray_run)
+    return finished(options, dataset, plan, student, trainer, state, ray_run)
 
 
-def fit(config: Config, payload: WorkerPayload, ray_run: RayRun) -> dict:
+def fit(options: TrainingOptions, payload: WorkerPayload, ray_run: RayRun) -> dict:
     """The TorchTrainer run: its last checkpoint's state (the best weights, the history)."""
     # Ray Train's controller polls its workers every 2 s by default and takes one report per
     # poll: 6 short digits epochs reached the driver 5 s after the last one ended, and a lost
@@ -69,8 +72,8 @@ def fit(config: Config, payload: WorkerPayload, ray_run: RayRun) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    require_room(config, ray_run.options)
-    workers, gpu = ray_run.options.workers, config.use_gpu
+    require_room(options.use_gpu, ray_run.options)
+    workers, gpu = ray_run.options.workers, options.use_gpu
     shards, ray_run.shard_bytes = put_shards(payload, workers)
     ray_run.shard_rows = [payload.shard.of(rank, workers).size() for rank in range(workers)]
     shipped = ray.put(replace(payload, x=None, y=None))
@@ -121,7 +124,7 @@ def trainer_class(local: bool) -> type:
     return LocalTorchTrainer
 
 
-def finished(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
+def finished(options: TrainingOptions, dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
              trainer, state: dict, ray_run: RayRun) -> TrainedModel:
     """The TrainedModel of a local run, from the last checkpoint: the best epoch's weights in
     the driver's student, the history in its trainer; train.engine from the workers'
@@ -134,12 +137,12 @@ def finished(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan, s
                                    trainer.best_epoch,
                                    round(time.perf_counter() - plan.started, 3))]
     search.chosen, search.chosen_trainer = 0, trainer
-    trained = trained_of(plan, student, search, dataset, config)
-    trained.engine = ray_engine_section(config, state.get("engine_epochs", []), ray_run)
+    trained = trained_of(plan, student, search, dataset, options)
+    trained.engine = ray_engine_section(options, state.get("engine_epochs", []), ray_run)
     return trained
 
 
-def ray_engine_section(config: Config, epochs: list[dict], ray_run: RayRun) -> dict:
+def ray_engine_section(options: TrainingOptions, epochs: list[dict], ray_run: RayRun) -> dict:
     """train.engine for a Ray run: per epoch, rank 0's seconds and its time in the gradients'
     all-reduce (the DDP hook's) and in the loss sums; the all-reduce's share of the epochs;
     the workers' restarts after a lost worker, and the epoch each continued from."""
@@ -151,7 +154,7 @@ def ray_engine_section(config: Config, epochs: list[dict], ray_run: RayRun) -> d
         "ray", ray_run.address, ray_run.options.workers, ray_run.options.threads, seconds,
         allreduce_seconds=allreduce,
         allreduce_share=round(sum(allreduce) / total, 4) if total else None,
-        sync_seconds=[e["sync_seconds"] for e in epochs], use_gpu=config.use_gpu,
+        sync_seconds=[e["sync_seconds"] for e in epochs], use_gpu=options.use_gpu,
         cluster_start_s=round(ray_run.start_seconds, 3), checkpoint_dir=str(ray_run.folder),
         resumed_from_epoch=ray_run.resumed_from, max_failures=MAX_FAILURES,
         shard_rows=ray_run.shard_rows, shard_bytes=ray_run.shard_bytes,

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from config import Config
 from ttc.distributed.worker import WorkerPayload, build_program
 from ttc.inputs.data import Dataset
 from ttc.nets.checkpoints import latest_single_run, new_run_id
@@ -27,6 +26,9 @@ from ttc.serving.cluster import RayOptions
 from ttc.tasks.base import resolve
 from ttc.tasks.registry import task_for
 from utils import LOG, ConfigError
+
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
 
 # a worker lost mid-run (killed, its node gone): the run restarts from the last checkpoint this
 # many times before it fails
@@ -52,12 +54,13 @@ class RayRun:
         return self.folder / f"ray-{self.run}" / "workers.starts"
 
 
-def new_ray_run(config: Config) -> RayRun:
+def new_ray_run(options: TrainingOptions) -> RayRun:
     """The cluster to start or join, and this run's name in the checkpoint folder."""
-    return RayRun(RayOptions(None if config.local_ray() else config.ray_address,
-                             config.ray_workers(), 0, max(1, config.num_threads),
-                             debug=config.log_level == "DEBUG"),
-                  config.checkpoint_folder().absolute(), new_run_id())
+    return RayRun(RayOptions(None if options.local_ray() else options.ray_address,
+                             options.workers(options.ray_threads()), 0,
+                             max(1, options.num_threads),
+                             debug=options.log_level == "DEBUG"),
+                  options.checkpoint_folder().absolute(), new_run_id())
 
 
 def image_planner(model_type: str) -> Callable | None:
@@ -83,16 +86,16 @@ def new_search(plan: TrainingPlan | ImagePlan, learning_rates: list[float],
 
 
 def trained_of(plan: TrainingPlan | ImagePlan, program, search: CandidateSearch,
-               dataset: Dataset, config: Config) -> TrainedModel:
+               dataset: Dataset, options: TrainingOptions) -> TrainedModel:
     """The TrainedModel a local run of this model type hands to export, for the search's kept
     candidate."""
     if isinstance(plan, ImagePlan):
-        trained = plan.trained(program, search, dataset, plan.architecture, plan.started, config,
+        trained = plan.trained(program, search, dataset, plan.architecture, plan.started, options,
                                plan.transfer)
     else:
         trained = trained_model(program, search, dataset, plan.architecture, plan.started,
-                                plan.transfer, config)
-    trained.device, trained.amp = workers_device(config.use_gpu, config.amp)
+                                plan.transfer, options)
+    trained.device, trained.amp = workers_device(options.use_gpu, options.amp)
     return trained
 
 
@@ -105,23 +108,23 @@ def workers_device(use_gpu: bool, amp: str) -> tuple[str, str]:
         "auto: bf16 on a worker GPU that has it, else fp16" if amp == "auto" else amp)
 
 
-def worker_payload(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
-                   trainer, torch_rng: torch.Tensor, ray_run: RayRun) -> WorkerPayload:
+def worker_payload(options: TrainingOptions, dataset: Dataset, plan: TrainingPlan | ImagePlan,
+                   student, trainer, torch_rng: torch.Tensor, ray_run: RayRun) -> WorkerPayload:
     """What the workers train from; with --resume, the checkpoint to continue (checked against
     this run before any cluster starts)."""
-    fingerprint = run_fingerprint(config, dataset, plan.architecture)
+    fingerprint = run_fingerprint(options, dataset, plan.architecture)
     resume_from = None
-    if config.resume and not config.searches():  # a search's trials: search.py
+    if options.resume and not options.searches():  # a search's trials: search.py
         latest = latest_single_run(ray_run.folder, fingerprint,
                                    runner_of(plan).checkpoint_check(student.net))
         resume_from = str(latest[0].path)
         ray_run.resumed_from = int(latest[1]["epoch"])
         LOG.info("resuming from %s (epoch %d)", latest[0].path, ray_run.resumed_from)
-    model_def = str(config.model_def_parts()[0].resolve()) if config.model_def else None
+    model_def = str(options.model_def_parts()[0].resolve()) if options.model_def else None
     return WorkerPayload(
         trainer=trainer, architecture=plan.architecture, preprocessing=dataset.preprocessing,
         labels=list(dataset.labels), weights=student.net.state_dict(), torch_rng=torch_rng,
-        threads=max(1, config.num_threads), use_gpu=config.use_gpu, model_def=model_def,
+        threads=max(1, options.num_threads), use_gpu=options.use_gpu, model_def=model_def,
         run=ray_run.run, storage=str(ray_run.folder), fingerprint=fingerprint,
         resume_from=resume_from, **training_data(dataset, plan, student, trainer))
 
@@ -151,10 +154,10 @@ def training_data(dataset: Dataset, plan: TrainingPlan | ImagePlan, student,
             "field": plan.field, "tokenizer": student.tokenizer, "pad_id": student.pad_id}
 
 
-def require_local_gpus(config: Config, options: RayOptions) -> None:
+def require_local_gpus(use_gpu: bool, options: RayOptions) -> None:
     """--use_gpu on a local cluster: this machine must have a GPU per worker (before Ray
     starts; a cluster's are counted once joined: require_room)."""
-    if config.use_gpu and options.address is None and \
+    if use_gpu and options.address is None and \
             torch.cuda.device_count() < options.workers:
         raise ConfigError(f"--use_gpu: {options.workers} worker(s) need a GPU each, and this "
                           f"machine has {torch.cuda.device_count()}",
@@ -162,12 +165,12 @@ def require_local_gpus(config: Config, options: RayOptions) -> None:
                           "GPUs with --ray_address")
 
 
-def require_room(config: Config, options: RayOptions) -> None:
+def require_room(use_gpu: bool, options: RayOptions) -> None:
     """The joined cluster's GPUs for --use_gpu (its CPUs: connect checked them)."""
     import ray
 
     gpus = ray.cluster_resources().get("GPU", 0)
-    if config.use_gpu and gpus < options.workers:
+    if use_gpu and gpus < options.workers:
         raise ConfigError(f"--use_gpu: {options.workers} worker(s) need a GPU each, and the Ray "
                           f"cluster has {gpus:g}", "drop --use_gpu, lower --num_workers, or "
                           "add GPU nodes to the cluster")

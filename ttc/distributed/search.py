@@ -14,10 +14,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from config import Config
 from ttc.distributed.launch import (MAX_FAILURES, RayRun, check_model_def, image_planner,
                                     new_ray_run, new_search, require_local_gpus, require_room,
                                     restore, runner_of, trained_of, worker_payload)
@@ -31,6 +31,9 @@ from ttc.nets.image_loop import ImagePlan
 from ttc.nets.training import TrainedModel, TrainingPlan, engine_section, plan_training
 from ttc.serving.cluster import driving_ray
 from utils import LOG, ConfigError, stdout_to_stderr
+
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
 
 
 @dataclass
@@ -46,25 +49,25 @@ class Trials:
     seconds: float = 0.0
 
 
-def search_on_ray(config: Config, dataset: Dataset) -> TrainedModel:
+def search_on_ray(options: TrainingOptions, dataset: Dataset) -> TrainedModel:
     """The candidate search's training stage for --engine ray (a classifier's, a segmenter's
     or a detector's: the model type's own plan and CandidateSearch)."""
-    plan = (image_planner(config.model_type) or plan_training)(config, dataset, engine="ray")
-    search = new_search(plan, config.learning_rates(),
-                        [config.seed + k for k in range(config.num_candidates)])
-    ray_run = new_ray_run(config)
-    trials, base = candidate_payloads(config, dataset, plan, search, ray_run)
-    require_local_gpus(config, ray_run.options)
+    plan = (image_planner(options.model_type) or plan_training)(options, dataset, engine="ray")
+    search = new_search(plan, options.learning_rates(),
+                        [options.seed + k for k in range(options.num_candidates)])
+    ray_run = new_ray_run(options)
+    trials, base = candidate_payloads(options, dataset, plan, search, ray_run)
+    require_local_gpus(options.use_gpu, ray_run.options)
     with driving_ray(ray_run.options) as session:
         ray_run.address, ray_run.start_seconds = session.address, session.start_seconds
-        run_trials(config, base, trials, ray_run)
-    program = search.choose(trained_candidates(search, trials, config.epochs), base.devset)
-    trained = trained_of(plan, program, search, dataset, config)
-    trained.engine = search_engine_section(config, search, trials, ray_run)
+        run_trials(options, base, trials, ray_run)
+    program = search.choose(trained_candidates(search, trials, options.epochs), base.devset)
+    trained = trained_of(plan, program, search, dataset, options)
+    trained.engine = search_engine_section(options, search, trials, ray_run)
     return trained
 
 
-def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan | ImagePlan,
+def candidate_payloads(options: TrainingOptions, dataset: Dataset, plan: TrainingPlan | ImagePlan,
                        search: CandidateSearch, ray_run: RayRun
                        ) -> tuple[Trials, WorkerPayload]:
     """Each candidate's student and trainer built as a local search builds them (the same
@@ -75,8 +78,8 @@ def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan | Im
         student = plan.make_student(seed)
         torch_rng = torch.get_rng_state()  # what the local candidate's first epoch starts from
         if base is None:
-            base = worker_payload(config, dataset, plan, student, trainer, torch_rng, ray_run)
-            if config.resume:
+            base = worker_payload(options, dataset, plan, student, trainer, torch_rng, ray_run)
+            if options.resume:
                 searched = latest_search(ray_run.folder, search.grid, base.fingerprint)
         trials.students.append(student)
         trials.trainers.append(trainer)
@@ -88,18 +91,18 @@ def candidate_payloads(config: Config, dataset: Dataset, plan: TrainingPlan | Im
                           f"trial{index + 1}.starts"),
             "fingerprint": fingerprint,
             "meta": {"search": search_key(searched, index + 1, search.grid)},
-            "resume_from": resumed_candidate(config, ray_run, search, index, searched,
+            "resume_from": resumed_candidate(options, ray_run, search, index, searched,
                                              fingerprint, runner_of(plan).checkpoint_check(
                                                  student.net))})
     return trials, base
 
 
-def resumed_candidate(config: Config, ray_run: RayRun, search: CandidateSearch, index: int,
-                      searched: str, fingerprint: dict, check: StateCheck) -> str | None:
+def resumed_candidate(options: TrainingOptions, ray_run: RayRun, search: CandidateSearch,
+                      index: int, searched: str, fingerprint: dict, check: StateCheck) -> str | None:
     """--resume: the checkpoint candidate `index` continues from (its latest usable one in the
     search resumed, a local one or a trial's), checked against its fingerprint and network
     (`check`); None: it starts afresh."""
-    if not config.resume:
+    if not options.resume:
         return None
     latest = latest_of_candidate(ray_run.folder, searched, index + 1, fingerprint, check)
     search.resumed_from[index] = None if latest is None else int(latest[1]["epoch"])
@@ -108,7 +111,8 @@ def resumed_candidate(config: Config, ray_run: RayRun, search: CandidateSearch, 
     return str(latest[0].path)
 
 
-def run_trials(config: Config, base: WorkerPayload, trials: Trials, ray_run: RayRun) -> None:
+def run_trials(options: TrainingOptions, base: WorkerPayload, trials: Trials,
+               ray_run: RayRun) -> None:
     """The Tuner: one trial per candidate, each of --num_threads CPUs (and a GPU with
     --use_gpu); trials.results in the candidates' order."""
     # Tune's own progress tables (the legacy reporter, silent at verbose=0; the new one
@@ -117,19 +121,19 @@ def run_trials(config: Config, base: WorkerPayload, trials: Trials, ray_run: Ray
     import ray
     from ray import tune
 
-    require_room(config, ray_run.options)
+    require_room(options.use_gpu, ray_run.options)
     shipped = ray.put(base)
     check_model_def(base, shipped)
-    resources = {"cpu": base.threads, "gpu": 1 if config.use_gpu else 0}
-    trials.at_once = trials_at_once(config, base.threads, len(trials.overrides))
+    resources = {"cpu": base.threads, "gpu": 1 if options.use_gpu else 0}
+    trials.at_once = trials_at_once(options, base.threads, len(trials.overrides))
     LOG.info("candidate search on Ray: %d trials, %d at once, of %d thread(s) each%s",
              len(trials.overrides), trials.at_once, base.threads,
-             " and a GPU" if config.use_gpu else "")
+             " and a GPU" if options.use_gpu else "")
     trainable = tune.with_resources(tune.with_parameters(
         train_trial, base=base, candidates=[ray.put(o) for o in trials.overrides]), resources)
     tuner = tune.Tuner(
         trainable, param_space={"candidate": tune.grid_search(list(range(len(trials.overrides))))},
-        tune_config=tune.TuneConfig(max_concurrent_trials=config.num_workers,
+        tune_config=tune.TuneConfig(max_concurrent_trials=options.num_workers,
                                     reuse_actors=True),  # no process start per trial
         run_config=tune.RunConfig(
             name=f"search-{ray_run.run}", storage_path=str(ray_run.folder), verbose=0,
@@ -145,17 +149,17 @@ def run_trials(config: Config, base: WorkerPayload, trials: Trials, ray_run: Ray
     trials.results = sorted(grid, key=lambda result: result.config["candidate"])
 
 
-def trials_at_once(config: Config, threads: int, count: int) -> int:
+def trials_at_once(options: TrainingOptions, threads: int, count: int) -> int:
     """How many trials the cluster runs at once: as many as its CPUs (GPUs) hold, at most
     --num_workers when given."""
     import ray
 
     resources = ray.cluster_resources()
     fit = int(resources.get("CPU", 0) // threads)
-    if config.use_gpu:
+    if options.use_gpu:
         fit = min(fit, int(resources.get("GPU", 0)))
-    if config.num_workers is not None:
-        fit = min(fit, config.num_workers)
+    if options.num_workers is not None:
+        fit = min(fit, options.num_workers)
     return max(1, min(fit, count))
 
 
@@ -190,20 +194,20 @@ def trained_candidates(search: CandidateSearch, trials: Trials, epochs: int
     return done
 
 
-def search_engine_section(config: Config, search: CandidateSearch, trials: Trials,
+def search_engine_section(options: TrainingOptions, search: CandidateSearch, trials: Trials,
                           ray_run: RayRun) -> dict:
     """train.engine for a search on Ray: the kept trial's epoch times, and the trials (how many
     at once, the search's wall time, the early-stopped)."""
     chosen = trials.trainers[search.chosen]
     return engine_section(
         "ray", ray_run.address, 1, ray_run.options.threads,
-        [record.seconds for record in chosen.history], use_gpu=config.use_gpu,
+        [record.seconds for record in chosen.history], use_gpu=options.use_gpu,
         cluster_start_s=round(ray_run.start_seconds, 3), checkpoint_dir=str(ray_run.folder),
-        resumed_from_epoch=search.resumed_from.get(search.chosen) if config.resume else None,
+        resumed_from_epoch=search.resumed_from.get(search.chosen) if options.resume else None,
         max_failures=MAX_FAILURES,
         trials=len(search.grid), trials_at_once=trials.at_once,
         search_seconds=trials.seconds,
         stopped_early_trials=[c.index for c in search.candidates
                               if getattr(c, "stopped_early", False)],
-        **({"candidates_resumed_from_epoch": search.resumed_epochs()} if config.resume
+        **({"candidates_resumed_from_epoch": search.resumed_epochs()} if options.resume
            else {}))

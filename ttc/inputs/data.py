@@ -66,10 +66,12 @@ class DataOptions:
                 "test_fraction", "seed")
 
     @classmethod
-    def from_config(cls, config) -> "DataOptions":
+    def from_config(cls, flags: Any) -> "DataOptions":
+        """From the parsed flags: the data flags (ttc/options/data.py) and --no_progress, of
+        a Config or a stage's options."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("path", "show_progress")]
-        return cls(path=config.dataset_path, show_progress=not config.no_progress,
-                   **{name: getattr(config, name) for name in names})
+        return cls(path=flags.dataset_path, show_progress=not flags.no_progress,
+                   **{name: getattr(flags, name) for name in names})
 
     @classmethod
     def from_manifest(cls, recorded: dict, path: str | None = None, show_progress: bool = True,
@@ -271,11 +273,11 @@ def bundle_data_options(manifest: BundleRecord, path: str | None, show_progress:
                                      alternative)
 
 
-def split_paths_of(config) -> dict[str, str | None]:
+def split_paths_of(flags: Any) -> dict[str, str | None]:
     """--val_path, --test_path (and a detector's --annotations) as bundle_data_options takes
-    them."""
-    return {"val": config.val_path, "test": config.test_path,
-            "annotations": getattr(config, "annotations", None)}
+    them, from the parsed flags (a Config or a stage's options)."""
+    return {"val": flags.val_path, "test": flags.test_path,
+            "annotations": getattr(flags, "annotations", None)}
 
 
 def load_bundle_dataset(manifest: BundleRecord, path: str | None, splits: Sequence[str],

@@ -50,10 +50,11 @@ class Limits:
 LIMITS = Limits()
 
 
-def configure(config: Any) -> None:
-    """Take the limits from a parsed Config (flags a script does not have keep their defaults)."""
+def configure(flags: Any) -> None:
+    """Take the limits from the parsed flags, a Config or a stage's options (flags a script
+    does not have keep their defaults)."""
     for name in vars(LIMITS):
-        value = getattr(config, name, None)
+        value = getattr(flags, name, None)
         if value is not None:
             setattr(LIMITS, name, int(value))
 

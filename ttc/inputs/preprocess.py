@@ -13,11 +13,12 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from ttc.inputs.tables import IMAGE_EXTENSIONS, category_cells, numeric_cells, numeric_share
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, category_cells, category_texts, frame_columns,
+                               numeric_cells, numeric_share)
 from utils import LOG, STDERR_FD_LOCK, ExportError, first_line
 
 if TYPE_CHECKING:
@@ -391,25 +392,39 @@ class TabularEncoder:
     def encode(self, frame) -> tuple[np.ndarray, list[str | None]]:
         """float32 (N, features) and, per row, why it cannot be trusted (None when it can): a
         numeric cell that is not a number (NaN in x) or a number beyond float32 (inf in x)."""
-        parts: list[np.ndarray] = []
+        cells = frame_columns(frame, [c["name"] for c in self.columns])
         reasons: list[str | None] = [None] * len(frame)
-        numeric = numeric_block(frame, [c["name"] for c in self.columns if c["type"] == "numeric"])
+        numeric = [c["name"] for c in self.columns if c["type"] == "numeric"]
+        numbers, wrong = numeric_block(cells, numeric)
+        as_float32 = float32_features(numbers)
+        beyond = self._beyond(as_float32, numeric)
+        for i, j in zip(*np.nonzero(wrong | beyond)):  # row by row, the first column first
+            name = numeric[j]
+            reasons[i] = reasons[i] or (
+                f"non-numeric value {str(cells[name][i]).strip()[:40]!r} in column {name!r}"
+                if wrong[i, j] else self._range_reason(numbers[i, j], name))
+        parts, at = [], 0
         for col in self.columns:
-            if col["type"] != "numeric":
-                text = category_cells(frame[col["name"]])
-                parts.append(np.stack([(text == c).to_numpy(np.float32)
-                                       for c in col["categories"]], axis=1))
+            if col["type"] == "numeric":
+                parts.append(as_float32[:, at:at + 1])
+                at += 1
                 continue
-            numbers, wrong = numeric[col["name"]]
-            as_float32 = float32_features(numbers)
-            for i in np.flatnonzero(wrong):
-                cell = str(frame[col["name"]].iloc[i]).strip()[:40]
-                reasons[i] = reasons[i] or f"non-numeric value {cell!r} in column {col['name']!r}"
-            for i in np.flatnonzero(self._out_of_range(as_float32, col["name"])):
-                reasons[i] = reasons[i] or self._range_reason(numbers[i], col["name"])
-            parts.append(as_float32[:, None])
+            text = category_texts(cells[col["name"]])
+            parts.append(np.stack([text == c for c in col["categories"]], axis=1)
+                         .astype(np.float32))
         x = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), 0), np.float32)
         return x, reasons
+
+    def _beyond(self, x: np.ndarray, names: list[str]) -> np.ndarray:
+        """_out_of_range of each column of x (rows, len(names)), all columns in one pass."""
+        beyond = np.isinf(x)
+        known = [j for j, name in enumerate(names) if name in self.statistics]
+        if known:
+            mean, std = np.array([self.statistics[names[j]] for j in known]).T
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # NaN: False
+                beyond[:, known] |= np.abs((x[:, known].astype(np.float64) - mean) / std) \
+                    > MAX_STANDARDISED
+        return beyond
 
     @property
     def all_numeric(self) -> bool:
@@ -423,8 +438,7 @@ class TabularEncoder:
         trusted cannot (by row index): the first column holding a number out of range."""
         x = float32_features(numbers)
         names = [c["name"] for c in self.columns]
-        beyond = np.stack([self._out_of_range(x[:, j], name) for j, name in enumerate(names)],
-                          axis=1) if len(x) else np.zeros(x.shape, dtype=bool)
+        beyond = self._beyond(x, names)
         reasons = {}
         for i in np.flatnonzero(beyond.any(axis=1)):
             j = int(np.flatnonzero(beyond[i])[0])
@@ -434,11 +448,7 @@ class TabularEncoder:
     def _out_of_range(self, values: np.ndarray, column: str) -> np.ndarray:
         """Which float32 values of a numeric column the graph cannot take: infinite (a number
         beyond float32), or more than MAX_STANDARDISED training deviations from the mean."""
-        beyond = np.isinf(values)
-        if column in self.statistics:
-            with np.errstate(invalid="ignore"):  # NaN (missing) compares False
-                beyond |= np.abs(self._standardised(values, column)) > MAX_STANDARDISED
-        return beyond
+        return self._beyond(np.asarray(values)[:, None], [column])[:, 0]
 
     def _standardised(self, values: np.ndarray | float, column: str) -> np.ndarray:
         mean, std = self.statistics[column]
@@ -503,24 +513,24 @@ def out_of_range(value: float, column: str) -> str:
     return f"value {value:g} in column {column!r} is out of range"
 
 
-def numeric_block(frame, names: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """tables.numeric_cells of each of the frame's `names` columns, the columns of text cells
-    read in one pass (a row served alone paid a dozen passes of pandas' fixed costs)."""
-    import pandas as pd
-
-    out = {}
-    dtypes = frame.dtypes
-    text = [n for n in names if not pd.api.types.is_numeric_dtype(dtypes[n])]
-    for name in names:
-        if name not in text:
-            out[name] = numeric_cells(frame[name])
+def numeric_block(cells: Mapping[str, np.ndarray], names: list[str]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """tables.numeric_cells of the `names` columns, as (rows, columns) float64 numbers and the
+    mask of the cells that are not numbers; the columns of text cells parsed in one pass."""
+    rows = len(next(iter(cells.values()))) if cells else 0
+    numbers = np.empty((rows, len(names)), dtype=np.float64)
+    wrong = np.zeros((rows, len(names)), dtype=bool)
+    text = []
+    for j, name in enumerate(names):
+        if cells[name].dtype == object:
+            text.append(j)
+        else:
+            numbers[:, j], wrong[:, j] = numeric_cells(cells[name])
     if text:
-        cells = frame[text].to_numpy(dtype=object)
-        numbers, wrong = numeric_cells(pd.Series(cells.ravel(order="F"), dtype=object))
-        rows = len(frame)
-        for k, name in enumerate(text):
-            out[name] = (numbers[k * rows:(k + 1) * rows], wrong[k * rows:(k + 1) * rows])
-    return out
+        parsed, bad = numeric_cells(np.concatenate([cells[names[j]] for j in text]))
+        numbers[:, text] = parsed.reshape(len(text), rows).T
+        wrong[:, text] = bad.reshape(len(text), rows).T
+    return numbers, wrong
 
 
 NUMERIC_SHARE = 0.95  # a column with at least this share of numbers is numeric

@@ -16,12 +16,10 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ttc.inputs.formats import FORMAT_NAMES, TABLE_FORMATS  # noqa: F401 - read from here too
 from ttc.inputs.limits import LIMITS, check_line_lengths, check_text_lengths
 from utils import LOG, DataError, quoted, quoted_sample, with_article
 
-TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".txt": "tsv", ".json": "json",
-                 ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
-FORMAT_NAMES = ("csv", "tsv", "json", "jsonl", "parquet")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LABEL_NAMES = ("label", "labels", "class", "target", "category", "y", "sentiment", "intent")
 TEXT_NAMES = ("text", "message", "sms", "sentence", "review", "content", "body", "comment",
@@ -190,34 +188,52 @@ def _json_chunks(path: Path, kind: str, chunk_rows: int | None) -> Iterator:
 
 def json_records(records: Sequence[Mapping]):
     """JSON objects (serve.py's request rows, already parsed) as the frame the lines of a JSONL
-    file holding them read as: pandas' frame of the records (what read_json builds of them with
-    dtype=False) and the same cells (json_cells)."""
-    import pandas as pd
-
-    return json_cells(pd.DataFrame.from_records(list(records)), 0)
+    file holding them read as: the records' values by key, keys in the order they first appear
+    and a missing key empty (what read_json builds of them with dtype=False), and the same cells
+    (json_cells). Built as one array of cells, not through pandas' record parser, whose cost is
+    per call: a request of one row paid it whole."""
+    names: dict = {}
+    for record in records:
+        names.update(dict.fromkeys(record))
+    for name in names:
+        _unicode(str(name))
+    values = np.full((len(records), len(names)), np.nan, dtype=object)
+    where = {name: j for j, name in enumerate(names)}
+    for i, record in enumerate(records):
+        for name, value in record.items():
+            values[i, where[name]] = value
+    return cell_frame(values, list(names), 0)
 
 
 _CELL_TEXTS = np.frompyfunc(lambda value: _cell_text(value), 1, 1)  # elementwise, kept object
 
 
 def json_cells(frame, first_row: int):
-    """A frame pandas read from JSON as a table's cells: text as a CSV cell would hold it
-    (_cell_text), empty cells NaN, rows with every cell empty left out, the index the data row;
-    which columns hold nested values is kept for refuse_nested. One pass over the cells as an
-    array (a column at a time cost a served row milliseconds of pandas' fixed costs)."""
+    """A frame pandas read from JSON as a table's cells (cell_frame)."""
+    return cell_frame(frame.to_numpy(dtype=object), list(frame.columns), first_row)
+
+
+def cell_frame(values: np.ndarray, columns: Sequence, first_row: int):
+    """JSON values (rows, columns; an object array) as a table's cells: text as a CSV cell would
+    hold it (_cell_text), empty cells NaN, rows with every cell empty left out, the index the
+    data row; which columns hold nested values is kept for refuse_nested. One pass over the
+    cells as an array, one frame built of it (a column at a time cost a served row milliseconds
+    of pandas' fixed costs)."""
     import pandas as pd
 
-    values = frame.to_numpy(dtype=object)
-    nested = [_json_nested(values[:, j]) for j in range(values.shape[1])]
+    nested = [_json_nested(values[:, j]) for j in range(values.shape[1])] \
+        if _json_nested(values.ravel()) else []  # the columns looked at where one holds any
     with np.errstate(invalid="ignore"):  # NaN compared with itself, on purpose
         cells = _CELL_TEXTS(values) if values.size else values
     present = ~(pd.isna(cells) | (cells == "")) if values.size else \
         np.zeros(values.shape, dtype=bool)
     cells[~present] = np.nan
     keep = present.any(axis=1)
-    index = pd.RangeIndex(first_row, first_row + len(frame))
-    out = pd.DataFrame(cells[keep], index=index[keep], columns=unique_names(frame.columns),
-                       dtype=object)
+    index = pd.RangeIndex(first_row, first_row + len(values))
+    if not keep.all():
+        cells, index = cells[keep], index[keep]
+    out = pd.DataFrame(cells, index=index,
+                       columns=pd.Index(unique_names(columns), dtype=object), dtype=object)
     out.attrs[NESTED] = {n: k for n, k in zip(out.columns, nested) if k}
     return out
 
@@ -509,7 +525,17 @@ def _cell_text(value) -> str | None:
         return str(int(value))
     if isinstance(value, bytes):
         return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, str):
+        return _unicode(value)
     return str(value)
+
+
+def _unicode(text: str) -> str:
+    """The text, where it is valid Unicode (UnicodeEncodeError for a lone surrogate, such as a
+    JSON \\ud800 escape makes, as every UTF-8 encoder raises it)."""
+    if not text.isascii():
+        text.encode("utf-8")
+    return text
 
 
 def unique_names(columns) -> list[str]:
@@ -871,18 +897,38 @@ def refuse_nested(frame, used: Sequence[str | None], path: Path) -> None:
 # ----------------------------------------------------------------------------- cells
 
 
-def joined_texts(frame, columns: Sequence[str]):
-    """The text of each row: its `columns` joined with a space (missing cells empty), stripped."""
+def frame_columns(frame, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The frame's `names` columns as 1-D arrays: typed (numeric) columns as they are, the
+    others as object arrays, read in one pass where the frame has no typed column (selecting
+    columns in pandas costs tens to hundreds of microseconds whatever the rows: a row served
+    alone paid that per column)."""
     import pandas as pd
 
-    if frame.empty:
-        return pd.Series([], index=frame.index, dtype=object)
-    if len(columns) == 1:  # the join of one cell is the cell (and pandas' row-wise agg is slow)
-        texts = frame[columns[0]].fillna("").astype(str).str.strip()
-    else:
-        texts = frame[list(columns)].fillna("").astype(str).agg(" ".join, axis=1).str.strip()
+    typed = {name for name, kind in zip(frame.columns, frame.dtypes.to_numpy())
+             if kind != object and pd.api.types.is_numeric_dtype(kind)}
+    if not typed:
+        where = {name: k for k, name in enumerate(frame.columns)}
+        block = frame.to_numpy(dtype=object)
+        return {name: block[:, where[name]] for name in names}
+    return {name: frame[name].to_numpy() if name in typed else
+            frame[name].to_numpy(dtype=object) for name in names}
+
+
+def joined_texts(frame, columns: Sequence[str]):
+    """The text of each row (a Series on the frame's index): its `columns` joined with a space
+    (missing cells empty), stripped. Computed on the cells as arrays: per row, not per call."""
+    import pandas as pd
+
+    cells = frame_columns(frame, list(columns))
+    parts = [_TEXT(values, pd.isna(values)) if len(values) else values
+             for values in cells.values()]
+    joined = parts[0] if len(parts) == 1 else [" ".join(row) for row in zip(*parts)]
+    texts = pd.Series([text.strip() for text in joined], index=frame.index, dtype=object)
     check_text_lengths(texts)
     return texts
+
+
+_TEXT = np.frompyfunc(lambda value, missing: "" if missing else str(value), 2, 1)
 
 
 def label_text(value) -> str | None:
@@ -920,24 +966,61 @@ def label_texts(values) -> list[str | None]:
 
 
 def numeric_cells(values) -> tuple[np.ndarray, np.ndarray]:
-    """A column as float64 numbers (NaN where missing) and a mask of the cells that are not
-    numbers (NaN too): the parser's numbers pass through, strings are parsed, NUMERIC_MISSING
-    markers are missing, not wrong."""
+    """A column (a pandas Series or a 1-D array of cells) as float64 numbers (NaN where missing)
+    and a mask of the cells that are not numbers (NaN too): the parser's numbers pass through,
+    strings are parsed, NUMERIC_MISSING markers are missing, not wrong. Array in, array out, so
+    that the cost is per cell, not per call (a served row is one cell a column)."""
     import pandas as pd
 
-    if pd.api.types.is_numeric_dtype(values.dtype):
-        return values.to_numpy(dtype=np.float64), np.zeros(len(values), dtype=bool)
-    text = values.astype(str).str.strip()
-    missing = values.isna().to_numpy() | text.isin(NUMERIC_MISSING).to_numpy()
-    numbers = pd.to_numeric(values.where(~missing), errors="coerce").to_numpy(dtype=np.float64)
+    cells = _cell_array(values)
+    if pd.api.types.is_numeric_dtype(cells.dtype):
+        return cells.astype(np.float64), np.zeros(len(cells), dtype=bool)
+    text, absent = _stripped(cells)
+    missing = absent | _member(text, NUMERIC_MISSING)
+    kept = cells.astype(object)  # a copy: the caller's cells stay as they are
+    kept[missing] = np.nan
+    numbers = np.asarray(pd.to_numeric(kept, errors="coerce"), dtype=np.float64)
     return numbers, np.isnan(numbers) & ~missing
 
 
+def category_texts(values) -> np.ndarray:
+    """A categorical column's cells (a Series or a 1-D array) as the text one-hot encoding
+    compares: stripped, MISSING markers as NaN (no category); an object array."""
+    text, absent = _stripped(_cell_array(values))
+    text[absent | _member(text, MISSING)] = np.nan
+    return text
+
+
 def category_cells(values) -> "object":
-    """A categorical column's cells as the text one-hot encoding compares: stripped, MISSING
-    markers as NaN (no category)."""
-    text = values.astype(str).str.strip()
-    return text.where(values.notna() & ~text.isin(MISSING))
+    """category_texts as a Series on the column's index (what fitting counts)."""
+    import pandas as pd
+
+    return pd.Series(category_texts(values), index=values.index, dtype=object)
+
+
+def _cell_array(values) -> np.ndarray:
+    return values.to_numpy() if hasattr(values, "to_numpy") else np.asarray(values)
+
+
+_STRIPPED = np.frompyfunc(lambda value: str(value).strip(), 1, 1)
+_MEMBER = {}  # a frozenset → its elementwise membership test
+
+
+def _stripped(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each cell's text, stripped (an object array), and where the cell is missing (None,
+    NaN, NA), whose text is then meaningless."""
+    import pandas as pd
+
+    absent = np.asarray(pd.isna(cells), dtype=bool)
+    text = _STRIPPED(cells) if len(cells) else np.array([], dtype=object)
+    return np.asarray(text, dtype=object), absent
+
+
+def _member(text: np.ndarray, words: frozenset) -> np.ndarray:
+    if words not in _MEMBER:
+        _MEMBER[words] = np.frompyfunc(words.__contains__, 1, 1)
+    return np.asarray(_MEMBER[words](text), dtype=bool) if len(text) else \
+        np.zeros(0, dtype=bool)
 
 
 def numeric_share(values) -> tuple[float, list[str]]:

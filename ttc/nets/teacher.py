@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map download on import
 
@@ -36,6 +36,9 @@ from ttc.inputs.tables import (TEXT_NAMES, find_by_name, joined_texts, longest_t
                     read_table, refuse_nested, resolve_all, split_spec)
 from utils import (LOG, ConfigError, DataError, RuntimeFailure, first_line,  # noqa: E402
                    progress, stdout_to_stderr)
+
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
 
 MAX_BOOTSTRAP_ERRORS = 5
 ENDPOINT_HINT = ("check --teacher_lm and --teacher_api_base, that the server is up, and the "
@@ -67,15 +70,15 @@ def match_label(answer: object, labels: Sequence[str]) -> str | None:
     return by_name.get(text)
 
 
-def make_lm(config) -> dspy.LM:
-    kwargs = {"temperature": 0.0, "cache": config.teacher_cache,
-              "num_retries": config.teacher_retries, "timeout": config.teacher_timeout}
-    if config.teacher_api_base:
-        kwargs["api_base"] = config.teacher_api_base
+def make_lm(options: TrainingOptions) -> dspy.LM:
+    kwargs = {"temperature": 0.0, "cache": options.teacher_cache,
+              "num_retries": options.teacher_retries, "timeout": options.teacher_timeout}
+    if options.teacher_api_base:
+        kwargs["api_base"] = options.teacher_api_base
     try:
-        return dspy.LM(config.teacher_lm, **kwargs)
+        return dspy.LM(options.teacher_lm, **kwargs)
     except (ValueError, TypeError, LMError) as err:
-        raise ConfigError(f"--teacher_lm {config.teacher_lm!r} is not usable: {err}",
+        raise ConfigError(f"--teacher_lm {options.teacher_lm!r} is not usable: {err}",
                           "give a model string dspy.LM accepts, e.g. openai/gpt-4o-mini") from None
 
 
@@ -232,39 +235,39 @@ class Distillation:
     section: dict = field(default_factory=dict)
 
 
-def distill(config, dataset: Dataset, lm: dspy.LM | None = None) -> Distillation:
+def distill(options: TrainingOptions, dataset: Dataset, lm: dspy.LM | None = None) -> Distillation:
     """Compile the teacher, measure it on validation texts, label the unlabeled texts, and
     return the dataset the student trains on."""
     started = time.perf_counter()
-    texts, skipped = new_texts(read_unlabeled(config.unlabeled_path, config.text_column), dataset)
+    texts, skipped = new_texts(read_unlabeled(options.unlabeled_path, options.text_column), dataset)
     if skipped:
         LOG.info("skipped %d unlabeled texts already in the dataset or repeated", skipped)
-    lm = lm or make_lm(config)
-    show = not config.no_progress
-    program = teacher_program(dataset.labels, config.teacher_program)
+    lm = lm or make_lm(options)
+    show = not options.no_progress
+    program = teacher_program(dataset.labels, options.teacher_program)
     # One call first: a dead endpoint fails here, before BootstrapFewShot retries it per example.
     ask_teacher(program, lm, dataset.train.raw[:1], dataset.labels, 1, "probe", False)
     LOG.info("teacher %s answers; compiling it with BootstrapFewShot (%d demos)", lm.model,
-             config.teacher_demos)
-    program = compile_teacher(program, lm, dataset.train, dataset.labels, config.teacher_demos,
-                              config.seed, show)
-    limit = config.teacher_val_limit or len(dataset.val)
+             options.teacher_demos)
+    program = compile_teacher(program, lm, dataset.train, dataset.labels, options.teacher_demos,
+                              options.seed, show)
+    limit = options.teacher_val_limit or len(dataset.val)
     val_texts, val_y = dataset.val.raw[:limit], dataset.val.y[:limit]
-    on_val = ask_teacher(program, lm, val_texts, dataset.labels, config.teacher_threads,
+    on_val = ask_teacher(program, lm, val_texts, dataset.labels, options.teacher_threads,
                          "teacher on val", show)
     truth = [dataset.labels[y] for y in val_y]
     val_accuracy = (sum(a == t for a, t in zip(on_val.labels, truth)) / len(truth)
                     if truth else None)
-    answers = ask_teacher(program, lm, texts, dataset.labels, config.teacher_threads,
+    answers = ask_teacher(program, lm, texts, dataset.labels, options.teacher_threads,
                           "teacher labelling", show)
     kept = [(t, label) for t, label in zip(texts, answers.labels) if label is not None]
     if answers.outside_classes or answers.unparseable:
         LOG.warning("dropped %d teacher answers outside the classes (%s) and %d unparseable ones",
                     answers.outside_classes, ", ".join(dataset.labels), answers.unparseable)
     enlarged = with_teacher_labels(dataset, [t for t, _ in kept], [label for _, label in kept],
-                                   config.max_vocab, config.max_length) if kept else dataset
+                                   options.max_vocab, options.max_length) if kept else dataset
     section = {
-        "lm": lm.model, "program": config.teacher_program,
+        "lm": lm.model, "program": options.teacher_program,
         "demos": sum(len(p.demos) for p in program.predictors()),
         "val_accuracy": val_accuracy, "val_samples": len(truth),
         "unlabeled_texts": len(texts) + skipped, "skipped_known_or_repeated": skipped,

@@ -9,14 +9,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import dspy
 import numpy as np
 import torch
 from torch import nn
 
-from config import Config
 from ttc.inputs.data import Dataset
 from ttc.inputs.preprocess import PAD_ID, text_tokenizer
 from ttc.nets.candidates import Candidate, CandidateSearch
@@ -34,6 +33,9 @@ from ttc.reporting.metrics import accuracy
 from ttc.tasks.registry import task_of_kind
 from ttc.testtime.tta import build_transforms
 from utils import LOG, ConfigError
+
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
 
 
 @dataclass
@@ -109,82 +111,83 @@ class TrainingPlan:
         return self.transfers[0] if self.transfers else None
 
 
-def plan_training(config: Config, dataset: Dataset, engine: str = "local") -> TrainingPlan:
+def plan_training(options: TrainingOptions, dataset: Dataset,
+                  engine: str = "local") -> TrainingPlan:
     """Check the data, build the network for it (checked and announced once), and the
     factories of the DSPy program (a student per seed) and of its WeightTrainer (per learning
     rate and seed), with a local run's checkpoints (--checkpoint_dir, --resume) when asked."""
     started = time.perf_counter()
     check_finite_inputs(dataset)
     task = task_of_kind(dataset.preprocessing["kind"])
-    architecture = network_architecture(config, dataset)
+    architecture = network_architecture(options, dataset)
     tokenizer = text_tokenizer(dataset.preprocessing) if task.input_role == "text" else None
     pad_id = dataset.preprocessing.get("pad_id", PAD_ID)
     fine_tune = architecture["name"] == "HFTextNet"
-    device = training_device(config.device)
+    device = training_device(options.device)
     transfers: list[Transfer] = []
 
     def make_student(seed: int) -> ClassifierProgram:
         torch.manual_seed(seed)
         net = build_model(architecture, dataset.preprocessing, pretrained=True)
-        transfer = starting_weights(config, net)
+        transfer = starting_weights(options, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
         return ClassifierProgram(net, dataset.labels, task.input_field, tokenizer, pad_id)
 
-    first = make_student(config.seed).net
-    check_output_shape(first, dataset, config)
+    first = make_student(options.seed).net
+    check_output_shape(first, dataset, options)
     architecture["num_parameters"] = count_parameters(first)
-    announce_training(config, dataset, architecture, first)
-    views = (build_transforms(config.tta_transforms, dataset.preprocessing)
-             if config.tta and config.train_augment else [])
+    announce_training(options, dataset, architecture, first)
+    views = (build_transforms(options.tta_transforms, dataset.preprocessing)
+             if options.tta and options.train_augment else [])
     if views:
         LOG.info("training on the TTA transforms too: %s", ", ".join(t.spec for t in views))
-    recipe = config.recipe(config.model_type, config.arch, config.model_def)
-    folder = config.checkpoint_folder()
-    store = (CheckpointStore(folder, new_run_id(), run_fingerprint(config, dataset, architecture),
-                             config.resume) if folder is not None and engine == "local" else None)
+    recipe = options.recipe(options.model_type, options.arch, options.model_def)
+    folder = options.checkpoint_folder()
+    store = (CheckpointStore(folder, new_run_id(), run_fingerprint(options, dataset, architecture),
+                             options.resume) if folder is not None and engine == "local" else None)
 
     def make_trainer(learning_rate: float, seed: int) -> WeightTrainer:
-        return WeightTrainer(label_match, epochs=config.epochs, batch_size=config.batch_size,
+        return WeightTrainer(label_match, epochs=options.epochs, batch_size=options.batch_size,
                              learning_rate=learning_rate, recipe=recipe,
-                             augment=config.train_augment and task.augments, seed=seed,
-                             show_progress=not config.no_progress, view_transforms=views,
-                             freeze_epochs=config.freeze_epochs, fine_tune=fine_tune,
-                             pad_id=pad_id, checkpoints=store, device=device, amp=config.amp)
+                             augment=options.train_augment and task.augments, seed=seed,
+                             show_progress=not options.no_progress, view_transforms=views,
+                             freeze_epochs=options.freeze_epochs, fine_tune=fine_tune,
+                             pad_id=pad_id, checkpoints=store, device=device, amp=options.amp)
 
     return TrainingPlan(architecture, make_student, make_trainer, transfers, started,
                         task.input_field)
 
 
-def run_fingerprint(config: Config, dataset: Dataset, architecture: dict) -> dict:
+def run_fingerprint(options: TrainingOptions, dataset: Dataset, architecture: dict) -> dict:
     """What a checkpoint must share with a run that resumes it (checkpoints.FINGERPRINT_KEYS)."""
-    return {"model_type": config.model_type, "labels": list(dataset.labels),
+    return {"model_type": options.model_type, "labels": list(dataset.labels),
             "network": architecture.get("arch") or architecture["name"],
             "num_parameters": architecture.get("num_parameters"), "samples": len(dataset.train),
-            "batch_size": config.batch_size, "learning_rate": config.learning_rates()[0],
-            "seed": config.seed}
+            "batch_size": options.batch_size, "learning_rate": options.learning_rates()[0],
+            "seed": options.seed}
 
 
-def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
+def train_classifier(options: TrainingOptions, dataset: Dataset) -> TrainedModel:
     """Build the network for this data, wrap it in the DSPy program, compile it with
     CandidateSearch (one WeightTrainer per learning rate and seed; one candidate by default)."""
-    plan = plan_training(config, dataset)
+    plan = plan_training(options, dataset)
     search = CandidateSearch(label_match, plan.make_student, plan.make_trainer,
-                             config.learning_rates(),
-                             [config.seed + k for k in range(config.num_candidates)])
+                             options.learning_rates(),
+                             [options.seed + k for k in range(options.num_candidates)])
     try:
         program = search.compile(
             trainset=to_examples(dataset.train, dataset.labels, plan.field),
             valset=to_examples(dataset.val, dataset.labels, plan.field))
     except TrainingDiverged as err:  # one candidate only: say which flag set its rate
-        if config.lr_candidates:
+        if options.lr_candidates:
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
     trained = trained_model(program, search, dataset, plan.architecture, plan.started,
-                            plan.transfer, config)
+                            plan.transfer, options)
     store = search.chosen_trainer.checkpoints
     trained.engine = engine_section(
-        "local", None, 1, config.num_threads,
+        "local", None, 1, options.num_threads,
         [record.seconds for record in trained.history],
         checkpoint_dir=str(store.root) if store else None,
         resumed_from_epoch=store.resumed_from if store else None,
@@ -194,8 +197,8 @@ def train_classifier(config: Config, dataset: Dataset) -> TrainedModel:
 
 
 def image_trained_model(program: dspy.Module, search: CandidateSearch, dataset: Dataset,
-                        architecture: dict, started: float, config, transfer: Transfer | None,
-                        train_score: float) -> TrainedModel:
+                        architecture: dict, started: float, options: TrainingOptions,
+                        transfer: Transfer | None, train_score: float) -> TrainedModel:
     """What a segmenter's or a detector's training hands to export (their `trained`): the
     chosen candidate's network and its history; train_accuracy is `train_score` (the training
     split's mean IoU or mAP, in eval mode), val_accuracy the best epoch's validation score."""
@@ -208,7 +211,7 @@ def image_trained_model(program: dspy.Module, search: CandidateSearch, dataset: 
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
+                        epochs_planned=options.epochs, initial_loss=trainer.initial_loss,
                         transfer=transfer, **trained_on(trainer))
 
 
@@ -218,36 +221,36 @@ def trained_on(trainer: WeightTrainer | ImageTrainer) -> dict:
             "amp": precision_for(trainer.amp, trainer.device).mode}
 
 
-def checkpoint_store(config, dataset: Dataset, architecture: dict,
+def checkpoint_store(options: TrainingOptions, dataset: Dataset, architecture: dict,
                      engine: str) -> CheckpointStore | None:
     """A local run's checkpoints (--checkpoint_dir, --resume); None for a Ray run (its workers
     report theirs) or a run that keeps none."""
-    folder = config.checkpoint_folder() if hasattr(config, "checkpoint_folder") else None
+    folder = options.checkpoint_folder() if hasattr(options, "checkpoint_folder") else None
     if folder is None or engine != "local":
         return None
-    return CheckpointStore(folder, new_run_id(), run_fingerprint(config, dataset, architecture),
-                           config.resume)
+    return CheckpointStore(folder, new_run_id(), run_fingerprint(options, dataset, architecture),
+                           options.resume)
 
 
-def train_images(config, dataset: Dataset, plan: ImagePlan) -> TrainedModel:
+def train_images(options: TrainingOptions, dataset: Dataset, plan: ImagePlan) -> TrainedModel:
     """A segmenter's or a detector's local training stage: the plan's search (one trainer per
     learning rate and seed; one by default) compiled on the training examples, the kept
     candidate's TrainedModel with train.engine."""
     search = plan.search(plan.metric, plan.make_student, plan.make_trainer,
-                         config.learning_rates(),
-                         [config.seed + k for k in range(config.num_candidates)])
+                         options.learning_rates(),
+                         [options.seed + k for k in range(options.num_candidates)])
     try:
         program = search.compile(trainset=plan.examples(dataset.train),
                                  valset=plan.examples(dataset.val))
     except TrainingDiverged as err:  # one candidate only: say which flag set its rate
-        if getattr(config, "lr_candidates", None):
+        if getattr(options, "lr_candidates", None):
             err.hint = f"lower --lr_candidates (e.g. {example_rate(err.learning_rate)})"
         raise
-    trained = plan.trained(program, search, dataset, plan.architecture, plan.started, config,
+    trained = plan.trained(program, search, dataset, plan.architecture, plan.started, options,
                            plan.transfer)
     store = search.chosen_trainer.checkpoints
     trained.engine = engine_section(
-        "local", None, 1, getattr(config, "num_threads", 0),
+        "local", None, 1, getattr(options, "num_threads", 0),
         [record.seconds for record in trained.history],
         checkpoint_dir=str(store.root) if store else None,
         resumed_from_epoch=store.resumed_from if store else None,
@@ -272,18 +275,18 @@ def engine_section(engine: str, address: str | None, workers: int, threads: int,
             "allreduce_seconds": None, "allreduce_share": None, **more}
 
 
-def announce_training(config: Config, dataset: Dataset, architecture: dict,
+def announce_training(options: TrainingOptions, dataset: Dataset, architecture: dict,
                       net: torch.nn.Module) -> None:
     """Log what is trained on what, and warn about a setting that trains less than it seems; a
     --freeze_epochs network without a head to train alone fails here, before any epoch."""
     LOG.info("training %s (%d parameters) on %d samples, validating on %d",
              architecture.get("arch") or architecture["name"], architecture["num_parameters"],
              len(dataset.train), len(dataset.val))
-    if config.freeze_epochs:
+    if options.freeze_epochs:
         head_parameters(net)
-        if not (config.init_weights or config.pretrained):
+        if not (options.init_weights or options.pretrained):
             LOG.warning("--freeze_epochs %d without --init_weights or --pretrained trains the "
-                        "head on randomly initialised features", config.freeze_epochs)
+                        "head on randomly initialised features", options.freeze_epochs)
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
@@ -291,7 +294,7 @@ def announce_training(config: Config, dataset: Dataset, architecture: dict,
 
 def trained_model(program: ClassifierProgram, search: CandidateSearch, dataset: Dataset,
                   architecture: dict, started: float, transfer: Transfer | None,
-                  config: Config) -> TrainedModel:
+                  options: TrainingOptions) -> TrainedModel:
     """What training hands to export: the chosen candidate's network and its history."""
     trainer, chosen = search.chosen_trainer, search.chosen_candidate
     train_accuracy = accuracy(program.predict_proba(dataset.train.x), dataset.train.y)
@@ -303,40 +306,40 @@ def trained_model(program: ClassifierProgram, search: CandidateSearch, dataset: 
                         samples=len(dataset.train), learning_rate=chosen.learning_rate,
                         seed=chosen.seed, candidates=search.candidates,
                         chosen_candidate=search.chosen, diverged_candidates=search.diverged,
-                        transfer=transfer, freeze_epochs=config.freeze_epochs,
-                        epochs_planned=config.epochs, initial_loss=trainer.initial_loss,
+                        transfer=transfer, freeze_epochs=options.freeze_epochs,
+                        epochs_planned=options.epochs, initial_loss=trainer.initial_loss,
                         **trained_on(trainer))
 
 
-def network_architecture(config: Config, dataset: Dataset) -> dict:
+def network_architecture(options: TrainingOptions, dataset: Dataset) -> dict:
     """The manifest's architecture: --model_def's network, or --arch's (default per type);
     --pretrained switches a torchvision network to ImageNet's normalisation."""
-    if config.model_def:
-        path, factory = config.model_def_parts()
+    if options.model_def:
+        path, factory = options.model_def_parts()
         return user_architecture(path.resolve(), factory, dataset.preprocessing,
                                  len(dataset.labels))
-    dropout = config.regularisation(config.model_type, config.arch, None).dropout
-    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), config.arch,
+    dropout = options.regularisation(options.model_type, options.arch, None).dropout
+    architecture = architecture_for(dataset.preprocessing, len(dataset.labels), options.arch,
                                     dataset.labels, dropout)
-    if config.pretrained:
-        require_pretrained_file(config.arch)  # before any training: exit 3 with the path
+    if options.pretrained:
+        require_pretrained_file(options.arch)  # before any training: exit 3 with the path
         architecture["normalization"] = "imagenet"
     return architecture
 
 
-def starting_weights(config: Config, net: nn.Module) -> Transfer | None:
+def starting_weights(options: TrainingOptions, net: nn.Module) -> Transfer | None:
     """--init_weights or --pretrained into a freshly built network."""
-    if config.init_weights:
-        return init_from_file(net, Path(config.init_weights))
-    if config.pretrained:
-        return init_from_pretrained(net, config.arch)
+    if options.init_weights:
+        return init_from_file(net, Path(options.init_weights))
+    if options.pretrained:
+        return init_from_pretrained(net, options.arch)
     return None
 
 
-def check_output_shape(net: nn.Module, dataset: Dataset, config: Config) -> None:
+def check_output_shape(net: nn.Module, dataset: Dataset, options: TrainingOptions) -> None:
     """A --model_def network must map a batch to one logit per class (a forward that fails is
     the user's error, exit 2, as anywhere: models.user_code)."""
-    if not config.model_def or len(dataset.train) == 0:
+    if not options.model_def or len(dataset.train) == 0:
         return
     sample = torch.from_numpy(np.ascontiguousarray(dataset.train.x[:2]))
     with torch.no_grad():
@@ -344,6 +347,6 @@ def check_output_shape(net: nn.Module, dataset: Dataset, config: Config) -> None
     expected = (len(sample), len(dataset.labels))
     if not torch.is_tensor(logits) or tuple(logits.shape) != expected:
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
-        raise ConfigError(f"--model_def {config.model_def}: forward returned {shape} for a "
+        raise ConfigError(f"--model_def {options.model_def}: forward returned {shape} for a "
                           f"batch of {len(sample)}; expected {expected} (one logit per class)",
                           "return logits of shape (batch, num_classes)")

@@ -4,6 +4,7 @@ one way every caller does (inference.py, its Ray workers, serve.py, users' code:
 FastAPI application (its endpoints, limits, metrics and reloads); ray_serve.py deploys that
 application on Ray Serve; tool.py hands a bundle to DSPy as a tool.
 
-May import the card (config, utils) and every layer below it: inputs, serving, testtime, tasks,
-options, reporting; nothing imports it but the CLIs.
+May import utils and every layer below it: inputs, serving, testtime, tasks, options (its
+stages take ttc/options/stages.py's InferenceOptions and ServeOptions, never the whole Config),
+reporting; nothing imports it but the CLIs.
 """

@@ -23,6 +23,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import gc
 import json
 import re
 import signal
@@ -36,15 +37,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from config import Config
 from ttc.online.batcher import BatcherClosed, DeadlineExceeded, MicroBatcher, QueueFull
 from ttc.online.docs_page import docs_page
 from ttc.online.guards import (MAX_HEADER_BYTES, SMALL_BODY, BodyLimit, BodyRefused,
                                LedgerMiddleware, RequestLedger, connection_cap, drain_wait_s,
                                guarded_http)
 from ttc.online.server_metrics import MetricsMiddleware, ServerMetrics
-from ttc.online.predictor import Predictor
+from ttc.online.predictor import FlagCheck, Predictor
 from ttc.online.v2 import ProtocolError, input_metadata, request_rows, response, wanted_outputs
+from ttc.options.stages import ServeOptions
 from utils import LOG, ConfigError, DataError, PipelineError, first_line, quoted, quoted_sample
 
 SERVER_NAME = "ttc-serve"
@@ -54,6 +55,10 @@ EXTRA_KEYS = 64
 # Parsing large bodies (and building large answers): one thread, off the event loop (one parse at
 # a time bounds the memory parsing takes; the loop answers small requests meanwhile)
 PARSING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
+# How long a thread holds the interpreter lock while another waits for it: the event loop and
+# the model thread take turns, and Python's 5 ms default made a batch wait that long for the
+# lock while the loop parsed requests (the batch's own work a few hundred microseconds)
+SWITCH_INTERVAL_S = 0.0005
 
 
 # ----------------------------------------------------------------------------- typed bodies
@@ -133,11 +138,13 @@ class ServerError(Exception):
 
 
 class ModelServer:
-    """The state behind the endpoints: the served model, its swap on reload, the limits."""
+    """The state behind the endpoints: the served model, its swap on reload (its flags checked
+    against the bundle's model type again by `check_flags`), the limits."""
 
-    def __init__(self, config: Config, predictor: Predictor) -> None:
-        self.config = config
-        self.name = config.name or predictor.paths.onnx.stem
+    def __init__(self, options: ServeOptions, predictor: Predictor,
+                 check_flags: FlagCheck | None = None) -> None:
+        self.options, self.check_flags = options, check_flags
+        self.name = options.name or predictor.paths.onnx.stem
         self.metrics = ServerMetrics()
         self.first = predictor
         self.served: LiveModel | None = None
@@ -149,18 +156,18 @@ class ModelServer:
     # ------------------------------------------------------------------ lifecycle
 
     def _batcher(self, predictor: Predictor) -> MicroBatcher:
-        config = self.config
-        return MicroBatcher(predictor.predict_parts, max_batch_size=config.max_batch_size,
-                            max_delay_s=config.max_queue_delay_ms / 1000,
-                            max_queue=config.max_queue, max_rows=self.max_queued_rows,
+        options = self.options
+        return MicroBatcher(predictor.predict_parts, max_batch_size=options.max_batch_size,
+                            max_delay_s=options.max_queue_delay_ms / 1000,
+                            max_queue=options.max_queue, max_rows=self.max_queued_rows,
                             on_batch=self._count_batch)
 
     @property
     def max_queued_rows(self) -> int:
         """Rows that may wait for the model in all: --max_queue full batches, or one request
         of --max_request_rows."""
-        config = self.config
-        return max(config.max_queue * config.max_batch_size, config.max_request_rows)
+        options = self.options
+        return max(options.max_queue * options.max_batch_size, options.max_request_rows)
 
     def _count_batch(self, stats) -> None:
         self.metrics.batch_rows.observe(stats.rows)
@@ -192,7 +199,7 @@ class ModelServer:
             loop = asyncio.get_running_loop()
             try:
                 predictor = await loop.run_in_executor(
-                    None, warmed_predictor, self.config,
+                    None, warmed_predictor, self.options, self.check_flags,
                     self.served.predictor.manifest.model_type)
             except Exception as err:  # noqa: BLE001 - whatever it is, the old model serves on
                 reason = err.one_line() if isinstance(err, PipelineError) else \
@@ -214,7 +221,7 @@ class ModelServer:
         """Rows → (the predictor that answered, its outputs, extra values)."""
         if self.draining or self.served is None:
             raise ServerError(503, "the server is shutting down")
-        deadline = time.monotonic() + self.config.timeout_ms / 1000
+        deadline = time.monotonic() + self.options.timeout_ms / 1000
         while True:
             served = self.served
             try:
@@ -230,13 +237,13 @@ class ModelServer:
                     from None
             except DeadlineExceeded:
                 raise ServerError(504, f"not answered within --timeout_ms "
-                                  f"{self.config.timeout_ms:g}") from None
+                                  f"{self.options.timeout_ms:g}") from None
 
     def admit(self, predictor: Predictor, rows: Sequence) -> None:
         """What a request's rows must be before they may wait for the model: at most
         --max_request_rows (413), no row with far more keys than the model reads (422, before
         a table is made of it), then the reader's own check."""
-        limit = self.config.max_request_rows
+        limit = self.options.max_request_rows
         if len(rows) > limit:
             raise ServerError(413, f"the request holds {len(rows):,} rows, over "
                               f"--max_request_rows {limit}; send at most {limit} rows a "
@@ -248,7 +255,7 @@ class ModelServer:
         if full.rows:
             return (f"{self.max_queued_rows:,} rows may wait for the model at once, and this "
                     "request's would pass that; retry shortly, or send fewer rows a request")
-        return (f"{self.config.max_queue} requests are waiting for the model (--max_queue); "
+        return (f"{self.options.max_queue} requests are waiting for the model (--max_queue); "
                 "retry shortly")
 
 
@@ -278,13 +285,14 @@ def request_reason(err: DataError) -> str:
     return err.one_line() if err.hint and "--" not in err.hint else err.message.rstrip(".")
 
 
-def warmed_predictor(config: Config, model_type: str | None = None) -> Predictor:
-    """The bundle of config, opened with every check serve.py applies, at start-up and on every
+def warmed_predictor(options: ServeOptions, check_flags: FlagCheck | None,
+                     model_type: str | None = None) -> Predictor:
+    """The bundle of --model, opened with every check serve.py applies, at start-up and on every
     reload alike (this function is both): the bundle's own checks (inference.py's) and its
-    model type's (the flags it is served with), the model type served so far on a reload
-    (`model_type`: its clients expect its answers), and one warm-up run answered as a request
-    is."""
-    predictor = Predictor.from_config(config)
+    model type's (`check_flags`: the flags it is served with), the model type served so far on
+    a reload (`model_type`: its clients expect its answers), and one warm-up run answered as a
+    request is."""
+    predictor = Predictor.open(options, check_flags)
     refuse_another_model_type(predictor, model_type)
     predictor.warm_up()
     return predictor
@@ -324,10 +332,10 @@ def create_app(server: ModelServer) -> FastAPI:
                   "/predict/image (one uploaded image), the Open Inference Protocol (/v2), "
                   "/metrics (Prometheus).",
                   docs_url=None, redoc_url=None)  # FastAPI's load Swagger UI from a CDN
-    config = server.config
-    app.add_middleware(BodyLimit, limit=int(config.max_body_mb * 1e6),
-                       budget=int(config.max_inflight_mb * 1e6),
-                       read_timeout_s=config.read_timeout_s)
+    options = server.options
+    app.add_middleware(BodyLimit, limit=int(options.max_body_mb * 1e6),
+                       budget=int(options.max_inflight_mb * 1e6),
+                       read_timeout_s=options.read_timeout_s)
     app.add_middleware(LedgerMiddleware, ledger=server.ledger)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
     add_error_handlers(app)
@@ -398,7 +406,7 @@ def add_predict_routes(app: FastAPI, server: ModelServer) -> None:
             raise ServerError(422, 'the body must be {"instances": [ROW, ...]}')
         predictor, outputs, extra = await server.predict(body["instances"])
         return await off_loop(prediction_response, predictor, outputs, extra,
-                              large=len(outputs) > server.config.max_batch_size)
+                              large=len(outputs) > server.options.max_batch_size)
 
     @app.post("/predict/image", response_model=PredictResponse, responses=ERRORS)
     async def predict_image(file: UploadFile = File(description="one image file")) -> Response:
@@ -464,7 +472,7 @@ def add_v2_routes(app: FastAPI, server: ModelServer) -> None:
             raise ServerError(400, str(err)) from None
         predictor, outputs, extra = await server.predict(rows)
         answer = await off_loop(v2_answer, server.name, predictor, body.get("id"), outputs,
-                                extra, wanted, large=len(outputs) > server.config.max_batch_size)
+                                extra, wanted, large=len(outputs) > server.options.max_batch_size)
         return json_response(answer)
 
     @app.post("/v2/repository/index")
@@ -578,26 +586,32 @@ def bound_socket(host: str, port: int):
     return sock
 
 
-def serve(config: Config, held_hangups: list[int] | None = None) -> int:
+def serve(options: ServeOptions, check_flags: FlagCheck,
+          held_hangups: list[int] | None = None) -> int:
     """Bind the port (one in use: exit 5), load and warm the bundle (a bad one fails here, exit
-    3/4, before any connection is accepted), then serve until SIGTERM (exit 0 once the accepted
-    requests are answered, or answered 503 after --drain_s) or SIGINT (130). `held_hangups`:
-    the SIGHUPs serve.py held while it started (one reloads the bundle once the server is up)."""
+    3/4, before any connection is accepted; `check_flags`: the flags against its model type, at
+    start and on every reload), then serve until SIGTERM (exit 0 once the accepted requests are
+    answered, or answered 503 after --drain_s) or SIGINT (130). `held_hangups`: the SIGHUPs
+    serve.py held while it started (one reloads the bundle once the server is up)."""
     import uvicorn
 
     from utils import EXIT_INTERRUPTED, hand_stops_to_server
 
-    sock = bound_socket(config.host, config.port)
-    predictor = warmed_predictor(config)
+    sock = bound_socket(options.host, options.port)
+    predictor = warmed_predictor(options, check_flags)
+    # start-up's objects (the libraries, the model: ~165,000) out of the cycle collector's
+    # sweeps: a full collection of them took ~80 ms, paid by whichever request triggered it
+    gc.freeze()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     sock.listen(2048)
-    server = ModelServer(config, predictor)
+    server = ModelServer(options, predictor, check_flags)
     server.held_hangups = held_hangups if held_hangups is not None else []
     uv = uvicorn.Server(uvicorn.Config(
         create_app(server), log_config=None, access_log=False, lifespan="on",
-        http=guarded_http(config.read_timeout_s, connection_cap(config.max_connections)),
+        http=guarded_http(options.read_timeout_s, connection_cap(options.max_connections)),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # where httptools is not installed
-        timeout_graceful_shutdown=drain_wait_s(config.drain_s), timeout_keep_alive=30,
-        log_level="debug" if config.log_level == "DEBUG" else "warning"))
+        timeout_graceful_shutdown=drain_wait_s(options.drain_s), timeout_keep_alive=30,
+        log_level="debug" if options.log_level == "DEBUG" else "warning"))
     host, port = sock.getsockname()[:2]
     LOG.info("serving %s as %r on http://%s:%d (POST /predict, /v2/models/%s/infer; "
              "docs at /docs)", predictor.paths.onnx, server.name,
@@ -607,6 +621,6 @@ def serve(config: Config, held_hangups: list[int] | None = None) -> int:
     with contextlib.suppress(ValueError):  # the loop is gone: a SIGHUP now would end the exit
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stops = getattr(uv, "_captured_signals", [])
-    summary = server.ledger.summary(config.drain_s)
+    summary = server.ledger.summary(options.drain_s)
     (LOG.info if summary.startswith("every") else LOG.warning)("stopped: %s", summary)
     return EXIT_INTERRUPTED if signal.SIGINT in stops else 0

@@ -1,18 +1,22 @@
 """Dynamic batching, as Triton's dynamic batcher and Ray Serve's @serve.batch do it: concurrent
 requests wait in one bounded queue, and one model thread runs them joined into batches of up to
-`max_batch_size` rows, a batch leaving once it is full or once its oldest row has waited
-`max_delay_s`. A request of many rows is split across batches and its parts merged back in
+`max_batch_size` rows. What is queued runs as soon as the model is idle: a lone request waits for
+nothing, and batches form from the requests that arrive while the model runs the last one (the
+more load, the larger the batches). Before a batch leaves, the event loop gets a turn so that
+requests arriving at the same moment join it, for as long as each turn brings more of them and
+at most until its oldest row has waited `max_delay_s`: an upper bound, never a fixed wait. A
+request of many rows is split across batches and its parts merged back in
 order, and its batches take turns with newer requests: a batch takes the rows of requests not yet
 started first, then the rest of those under way, so that a one-row request waits about one batch
 behind a request of thousands, not all of it. The queue is bounded in requests (`max_queue`) and
 in rows (`max_rows`). A request whose deadline passes while it waits, or whose caller is gone (a
 shutdown cancelled it), is dropped from the queue, never run.
 
-The batch runs on one thread of its own: encoding the rows of all its requests in one pass (the
-encoders' cost is mostly per pass, not per row) and the model (ONNX Runtime releases the GIL, so
-the event loop keeps accepting requests meanwhile; its intra-op threads are the cores it was
-given). The batcher only cuts and joins: `run` gets each request's part of the batch and answers
-each part with its predictions or the error that request alone gets.
+The batch runs on one thread of its own: encoding the rows of all its requests in one pass and
+the model (ONNX Runtime releases the GIL, so the event loop keeps accepting requests meanwhile;
+its intra-op threads are the cores it was given). The batcher only cuts and joins: `run` gets
+each request's part of the batch and answers each part with its predictions or the error that
+request alone gets.
 """
 from __future__ import annotations
 
@@ -146,15 +150,15 @@ class MicroBatcher:
             await self.wakeup.wait()
 
     async def _wait_to_fill(self) -> None:
-        """Until the queued rows fill a batch, or the oldest has waited max_delay_s."""
-        while (self._queued_rows() < self.max_batch_size and not self.closing
-               and (left := self.queue[0].arrived + self.max_delay_s - time.monotonic()) > 0):
-            self.wakeup.clear()
-            try:
-                await asyncio.wait_for(self.wakeup.wait(), left)
-            except asyncio.TimeoutError:
-                return
-            if not self.queue:
+        """Let requests arriving at this moment join the batch: one turn of the event loop at a
+        time, while each turn queued more, the batch is not full, and the oldest row has waited
+        less than max_delay_s. A lone request costs one turn (microseconds), not max_delay_s."""
+        until = self.queue[0].arrived + self.max_delay_s
+        while (self.queue and self._queued_rows() < self.max_batch_size and not self.closing
+               and time.monotonic() < until):
+            queued = len(self.queue)
+            await asyncio.sleep(0)
+            if len(self.queue) <= queued:
                 return
 
     def _queued_rows(self) -> int:

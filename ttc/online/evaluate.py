@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from config import Config
 from ttc.online.predictor import load_bundle_session, served_graph
 from ttc.reporting.evaluation import Tally, bundle_evaluation
 from ttc.reporting.metrics import accuracy
@@ -23,6 +22,7 @@ from ttc.serving.bundle import BundlePaths, require_onnx_in_bundle
 from ttc.serving.profiling import profile_runs, profile_section, profiled_batches
 from ttc.serving.runtime import (batches_of, create_session, graph_padding_id, predict_proba,
                                  session_device, session_runner, time_runners, whole_batches)
+from ttc.options.stages import InferenceOptions
 from ttc.serving.stages import SplitRun, Variant
 from ttc.tasks.registry import task_of_kind
 from ttc.testtime.calibration import (calibration_under_shift, joined, run_calibration,
@@ -34,6 +34,7 @@ from utils import LOG, RuntimeFailure
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+    from ttc.options.sessions import RuntimeFlags
     from ttc.serving.manifest import Manifest
     from ttc.serving.runtime import RuntimeOptions
 
@@ -58,7 +59,8 @@ def benchmark_variants(variants: Sequence[Variant], x: np.ndarray, y: np.ndarray
             for k, variant in enumerate(variants)]
 
 
-def bundle_variants(paths: BundlePaths, manifest: Manifest, config: Config) -> list[Variant]:
+def bundle_variants(paths: BundlePaths, manifest: Manifest, options: RuntimeFlags
+                    ) -> list[Variant]:
     """ONNX Runtime fp32, and int8 when the bundle has it, on the requested providers."""
     variants = []
     for variant, label in (("onnx", "onnxruntime fp32"), ("int8", "onnxruntime int8"),
@@ -66,7 +68,7 @@ def bundle_variants(paths: BundlePaths, manifest: Manifest, config: Config) -> l
         if variant != "onnx" and variant not in manifest.files:
             continue
         path = require_onnx_in_bundle(paths, manifest, variant)
-        session = create_session(str(path), config.runtime(), classes=manifest.classes)
+        session = create_session(str(path), options.runtime(), classes=manifest.classes)
         if variant == "fp16" and session.get_providers()[0] == "CPUExecutionProvider":
             continue  # fp16 rows only where a GPU provider runs them
         mode = manifest.quantization.mode if manifest.quantization else None
@@ -95,37 +97,37 @@ class InferenceResult:
         return dict(vars(self))
 
 
-def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray, config: Config,
-             model_path: Path) -> tuple[InferenceResult, np.ndarray]:
+def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray,
+             options: InferenceOptions, model_path: Path) -> tuple[InferenceResult, np.ndarray]:
     """Test accuracy, then per-batch latency and throughput at --batch_size; and the test
     probabilities (for the evaluation section)."""
     if len(x) == 0:
         raise RuntimeFailure("no test samples to run", "check the dataset's test split")
-    probabilities = predict_proba(session, x, config.batch_size)
+    probabilities = predict_proba(session, x, options.batch_size)
     score = accuracy(probabilities, y)
-    batches = whole_batches(batches_of(x, config.batch_size, graph_padding_id(session)),
-                            config.batch_size)
+    batches = whole_batches(batches_of(x, options.batch_size, graph_padding_id(session)),
+                            options.batch_size)
     # at least 30 batches and one whole pass; one variant, so no floor on the time spent
     timings = time_runners([session_runner(session)], batches, max(30, len(batches)),
                            min_seconds=0)
     return InferenceResult(
-        providers_requested=config.providers(), providers_active=session.get_providers(),
-        provider_options=config.runtime().provider_options,
+        providers_requested=options.providers(), providers_active=session.get_providers(),
+        provider_options=options.runtime().provider_options,
         io_binding=session_device(session) is not None,
         model_path=str(model_path), accuracy=score,
         latency_ms_p50=timings.percentile_ms(0, 50), latency_ms_p95=timings.percentile_ms(0, 95),
-        throughput_per_s=timings.throughput(0), batch_size=config.batch_size, samples=len(x),
+        throughput_per_s=timings.throughput(0), batch_size=options.batch_size, samples=len(x),
         timed_batches=len(timings.samples)), probabilities
 
 
-def run_on_bundle(config: Config, paths: BundlePaths, variant: str,
+def run_on_bundle(options: InferenceOptions, paths: BundlePaths, variant: str,
                   test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
                   report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
     """The inference stage on one session of the chosen graph, handed to the bundle's model
     type's `test_split` part (a classifier's: evaluate_classifier), into `report`."""
-    manifest, session, model_path = load_bundle_session(paths, config, variant)
+    manifest, session, model_path = load_bundle_session(paths, options, variant)
     evaluate_split = task_of_kind(manifest.preprocessing.kind).part("test_split")
-    evaluate_split(SplitRun(config, paths, manifest, session, model_path, test, val, report,
+    evaluate_split(SplitRun(options, paths, manifest, session, model_path, test, val, report,
                             benchmark, baseline))
 
 
@@ -134,38 +136,38 @@ def evaluate_classifier(run: SplitRun) -> None:
     section; then each test-time method asked for (the registry's order, each into its section;
     --eval_shift measures the variants they hand back) and the benchmark table (`baseline` rows
     first)."""
-    config, manifest, session, test, report = (run.config, run.manifest, run.session, run.test,
-                                               run.report)
-    result, probabilities = evaluate(session, *test, config, run.model_path)
+    options, manifest, session, test, report = (run.options, run.manifest, run.session,
+                                                run.test, run.report)
+    result, probabilities = evaluate(session, *test, options, run.model_path)
     LOG.info("inference on %s: accuracy %.4f, p50 %.3f ms/batch of %d, %.0f samples/s",
              ", ".join(result.providers_active), result.accuracy, result.latency_ms_p50,
-             config.batch_size, result.throughput_per_s)
+             options.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
-    if config.profile:
-        report["profile"] = profile_graph(config.runtime(), config.batch_size,
-                                          config.profile_path(), run.model_path, test[0],
+    if options.profile:
+        report["profile"] = profile_graph(options.runtime(), options.batch_size,
+                                          options.profile_path(), run.model_path, test[0],
                                           graph_padding_id(session))
     section_of = task_of_kind(manifest.preprocessing.kind).part("evaluation")
     report["evaluation"] = bundle_evaluation(
         section_of, manifest.labels, manifest.dataset.train_class_counts,
         Tally(manifest.classes).add(probabilities, test[1]), dataset=report.get("dataset"))
-    raw = without_temperature(session, test[0], config.batch_size)
-    report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], config.seed)
-    served = served_graph(config, run.paths, manifest, session, run.model_path)
+    raw = without_temperature(session, test[0], options.batch_size)
+    report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], options.seed)
+    served = served_graph(options, run.paths, manifest, session, run.model_path)
     heldout = Heldout(test, run.val, raw)
-    variants = single_variants(session, manifest, config.batch_size)
-    for method in asked_methods(config):
-        evaluation = method.evaluate(config, served, heldout)
+    variants = single_variants(session, manifest, options.batch_size)
+    for method in asked_methods(options):
+        evaluation = method.evaluate(options, served, heldout)
         report[method.key] = evaluation.section
         if evaluation.variants is not None:
             variants = joined(variants, evaluation.variants)
-    if config.eval_shift and report["calibration"] is not None:
+    if options.eval_shift and report["calibration"] is not None:
         report["calibration"].update(calibration_under_shift(
-            config.eval_shift, config.shift_severity, config.seed, manifest.preprocessing,
+            options.eval_shift, options.shift_severity, options.seed, manifest.preprocessing,
             variants, test))
     if run.benchmark:
-        variants = [*run.baseline, *bundle_variants(run.paths, manifest, config)]
-        report["benchmark"] = benchmark_variants(variants, *test, config.batch_size,
+        variants = [*run.baseline, *bundle_variants(run.paths, manifest, options)]
+        report["benchmark"] = benchmark_variants(variants, *test, options.batch_size,
                                                  manifest.input.pad_id)
 
 
@@ -173,7 +175,7 @@ def profile_graph(runtime: RuntimeOptions, batch_size: int, trace: Path, model_p
                   x: np.ndarray, pad_id: int) -> dict:
     """--profile: the served graph's plain pass under ONNX Runtime's profiler, in a session of
     its own on the first PROFILED_RUNS batches of `x` (so that the profiler's overhead stays out
-    of the timings above); the trace kept at `trace` (config.profile_path())."""
+    of the timings above); the trace kept at `trace` (InferenceOptions.profile_path())."""
     profile = profile_runs(str(model_path), runtime,
                            profiled_batches(batches_of(x, batch_size, pad_id)), trace)
     section = profile_section(profile, trace)

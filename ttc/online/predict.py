@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from config import Config
 from ttc.online.evaluate import profile_graph
-from ttc.online.predictor import (chunk_predictor, input_variant, load_bundle_session,
-                                  worker_predictor, worker_runner)
+from ttc.online.predictor import (chunk_predictor, load_bundle_session, worker_predictor,
+                                  worker_runner)
+from ttc.options.stages import InferenceOptions
 from ttc.serving.bundle import BundlePaths, read_manifest
 from ttc.serving.profiling import PROFILED_RUNS
 from ttc.serving.runtime import graph_padding_id
@@ -31,13 +31,15 @@ if TYPE_CHECKING:
     from ttc.serving.cluster import RayOptions
 
 
-def predict_new_data(config: Config, paths: BundlePaths, report: dict) -> None:
-    """--input: the bundle's model type's `new_input` part (a classifier's: predict_rows)."""
+def predict_new_data(options: InferenceOptions, paths: BundlePaths, variant: str,
+                     report: dict) -> None:
+    """--input: the bundle's model type's `new_input` part (a classifier's: predict_rows), on
+    its `variant` graph (predictor.input_variant)."""
     manifest = read_manifest(paths)
     predict = task_of_kind(manifest.preprocessing.kind).part("new_input")
-    predict(InputRun(config, paths, report,
-                     open=lambda: load_bundle_session(paths, config, input_variant(config)),
-                     ray_workers=lambda: runner_workers(config, paths)))
+    predict(InputRun(options, paths, variant, report,
+                     open=lambda: load_bundle_session(paths, options, variant),
+                     ray_workers=lambda: runner_workers(options, paths, variant)))
 
 
 def predict_rows(run: InputRun) -> None:
@@ -46,26 +48,26 @@ def predict_rows(run: InputRun) -> None:
     predictor."""
     from ttc.serving.batch import BatchOptions, predict_input
 
-    config, report = run.config, run.report
-    chunk_rows = config.worker_batch_size or config.chunk_rows
-    if config.ttt:  # whole adaptation batches per chunk, as if the input were read at once
-        chunk_rows = -(-chunk_rows // config.batch_size) * config.batch_size
-    options = BatchOptions.from_config(config, chunk_rows)
-    if config.engine == "ray":
-        predict_with_ray(config, run.paths, options, report)
+    options, report = run.options, run.report
+    chunk_rows = options.worker_batch_size or options.chunk_rows
+    if options.ttt:  # whole adaptation batches per chunk, as if the input were read at once
+        chunk_rows = -(-chunk_rows // options.batch_size) * options.batch_size
+    batch = BatchOptions.from_config(options, chunk_rows)
+    if options.engine == "ray":
+        predict_with_ray(run, batch)
         return
     manifest, session, model_path = run.open()
-    predict, _ = chunk_predictor(config, run.paths, manifest, session, model_path)
+    predict, _ = chunk_predictor(options, run.paths, manifest, session, model_path)
     seen: list[np.ndarray] = []
-    if config.profile:
-        predict = keeping_first_rows(predict, seen, config.batch_size * PROFILED_RUNS)
-    done = predict_input(options, manifest, predict, report)
+    if options.profile:
+        predict = keeping_first_rows(predict, seen, options.batch_size * PROFILED_RUNS)
+    done = predict_input(batch, manifest, predict, report)
     from ttc.serving.cluster import local_engine_section
 
-    report["engine"] = local_engine_section(done, config.runtime().intra_op_threads)
-    if config.profile and seen:
-        report["profile"] = profile_graph(config.runtime(), config.batch_size,
-                                          config.profile_path(), model_path,
+    report["engine"] = local_engine_section(done, options.runtime().intra_op_threads)
+    if options.profile and seen:
+        report["profile"] = profile_graph(options.runtime(), options.batch_size,
+                                          options.profile_path(), model_path,
                                           np.concatenate(seen), graph_padding_id(session))
 
 
@@ -82,52 +84,52 @@ def keeping_first_rows(predict: Predictor, seen: list[np.ndarray], rows: int) ->
     return keep
 
 
-def predict_with_ray(config: Config, paths: BundlePaths, options: BatchOptions,
-                     report: dict) -> None:
-    """--engine ray: workers (ray_worker_config) running the local engine's predictor."""
+def predict_with_ray(run: InputRun, batch: BatchOptions) -> None:
+    """--engine ray: workers (ray_worker_options) running the local engine's predictor."""
     from ttc.serving.cluster import predict_on_ray
 
-    worker_config = ray_worker_config(config)
+    worker_options = ray_worker_options(run.options)
     # the workers' predictor built once here: a bundle, provider or test-time method that cannot
     # work fails now, with its own message, not as a worker that dies at start on the cluster
-    manifest, session, model_path = load_bundle_session(paths, worker_config,
-                                                        input_variant(config))
-    chunk_predictor(worker_config, paths, manifest, session, model_path)
-    ray_options = ray_options_of(config, options.chunk_rows, session)
+    manifest, session, model_path = load_bundle_session(run.paths, worker_options, run.variant)
+    chunk_predictor(worker_options, run.paths, manifest, session, model_path)
+    ray_options = ray_options_of(run.options, batch.chunk_rows, session)
     del session
-    predict_on_ray(options, manifest, functools.partial(worker_predictor, worker_config), report,
+    predict_on_ray(batch, manifest,
+                   functools.partial(worker_predictor, worker_options, run.variant), run.report,
                    ray_options)
 
 
-def runner_workers(config: Config, paths: BundlePaths) -> RayWorkers:
+def runner_workers(options: InferenceOptions, paths: BundlePaths, variant: str) -> RayWorkers:
     """--engine ray for a segmenter or a detector: chunks of --worker_batch_size images
     (default --batch_size; rounded up to whole --batch_size batches), run by workers whose
-    served part's runner (predictor.worker_runner) is built from ray_worker_config."""
-    worker_config = ray_worker_config(config)
+    served part's runner (predictor.worker_runner) is built from ray_worker_options."""
+    worker_options = ray_worker_options(options)
     # the workers' session made once here: a bundle or provider that cannot work fails now
-    manifest, session, _ = load_bundle_session(paths, worker_config, input_variant(config))
-    chunk = -(-(config.worker_batch_size or config.batch_size) // config.batch_size) \
-        * config.batch_size
-    ray_options = ray_options_of(config, chunk, session)
+    manifest, session, _ = load_bundle_session(paths, worker_options, variant)
+    chunk = -(-(options.worker_batch_size or options.batch_size) // options.batch_size) \
+        * options.batch_size
+    ray_options = ray_options_of(options, chunk, session)
     del session
-    return RayWorkers(manifest, functools.partial(worker_runner, worker_config), ray_options)
+    return RayWorkers(manifest, functools.partial(worker_runner, worker_options, variant),
+                      ray_options)
 
 
-def ray_worker_config(config: Config) -> Config:
-    """A Ray worker's Config: --num_threads ONNX Runtime intra-op threads (its num_cpus: Ray's
+def ray_worker_options(options: InferenceOptions) -> InferenceOptions:
+    """A Ray worker's options: --num_threads ONNX Runtime intra-op threads (its num_cpus: Ray's
     OMP_NUM_THREADS does not reach ONNX Runtime) and one inter-op thread, no progress bar, the
     bundle read by absolute path."""
-    return dataclasses.replace(config, intra_op_threads=config.ray_threads(), inter_op_threads=1,
-                               no_progress=True,
-                               output_model=str(Path(config.output_model).absolute()))
+    return dataclasses.replace(options, intra_op_threads=options.ray_threads(),
+                               inter_op_threads=1, no_progress=True,
+                               output_model=str(Path(options.output_model).absolute()))
 
 
-def ray_options_of(config: Config, worker_batch_size: int,
+def ray_options_of(options: InferenceOptions, worker_batch_size: int,
                    session: ort.InferenceSession) -> RayOptions:
     """Where and how wide --engine ray runs: a GPU per worker where the session runs on one."""
     from ttc.serving.cluster import RayOptions
 
     gpu = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
-    return RayOptions(None if config.local_ray() else config.ray_address, config.ray_workers(),
-                      worker_batch_size, config.ray_threads(), 1.0 if gpu else 0.0,
-                      config.log_level == "DEBUG")
+    return RayOptions(None if options.local_ray() else options.ray_address, options.ray_workers(),
+                      worker_batch_size, options.ray_threads(), 1.0 if gpu else 0.0,
+                      options.log_level == "DEBUG")

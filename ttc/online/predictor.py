@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from config import Config
+from ttc.options.stages import InferenceOptions, ServeOptions, view_of
 from ttc.options.ttt import no_batchnorm_error, norm_without_batchnorm
 from ttc.serving.bundle import (BundlePaths, read_manifest, require_onnx_in_bundle,
                                 require_trusted_model_code)
@@ -39,8 +39,13 @@ from utils import LOG, ConfigError, ExportError
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+    from ttc.options.sessions import RuntimeFlags
     from ttc.serving.batch import Predictor as BatchPredictor
     from ttc.serving.manifest import Manifest
+
+# The flags checked against the bundle's model type once its manifest names it: the CLI's
+# config.Config.validate_tta (the Python API's: ServeOptions.validate_tta)
+FlagCheck = Callable[[str], None]
 
 # --variant → the bundle's file key
 GRAPH_OF = {"fp32": "onnx", "int8": "int8", "fp16": "fp16", "pruned": "pruned", "qat": "qat",
@@ -50,28 +55,30 @@ GRAPH_OF = {"fp32": "onnx", "int8": "int8", "fp16": "fp16", "pruned": "pruned", 
 # ----------------------------------------------------------------------------- opening a bundle
 
 
-def check_bundle(config: Config, paths: BundlePaths) -> Manifest:
+def check_bundle(options: InferenceOptions | ServeOptions, paths: BundlePaths,
+                 check_flags: FlagCheck) -> Manifest:
     """What inference.py checks before any data is read: the manifest, a --model_def network's
-    trust where Tent rebuilds it, the graph against its manifest, the TTA transforms and the
-    test-time training method against the model."""
+    trust where Tent rebuilds it, the graph against its manifest, the flags against its model
+    type (`check_flags`: the TTA transforms, the flags the type refuses) and the test-time
+    training method against the model."""
     manifest = read_manifest(paths)
-    if config.ttt and config.ttt_method in ("tent", "all"):  # Tent rebuilds it in PyTorch
-        require_trusted_model_code(manifest, paths, config.trust_model_code)
+    if options.ttt and options.ttt_method in ("tent", "all"):  # Tent rebuilds it in PyTorch
+        require_trusted_model_code(manifest, paths, options.trust_model_code)
     require_onnx_in_bundle(paths, manifest)  # graph and manifest agree, before any data
-    config.validate_tta(manifest.model_type)
-    if config.ttt:
-        require_ttt_method_applies(config.ttt_method, manifest)
+    check_flags(manifest.model_type)
+    if options.ttt:
+        require_ttt_method_applies(options.ttt_method, manifest)
     return manifest
 
 
-def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx"
+def load_bundle_session(paths: BundlePaths, options: RuntimeFlags, variant: str = "onnx"
                         ) -> tuple[Manifest, ort.InferenceSession, Path]:
     """Manifest + verified graph (fp32 "onnx", "int8" or "fp16") + a session whose input
     matches what the manifest promises."""
     manifest = read_manifest(paths)
     model_path = require_onnx_in_bundle(paths, manifest, variant)
     warn_if_int8_saturates(manifest, variant, model_path)
-    session = create_session(str(model_path), config.runtime(), classes=manifest.classes)
+    session = create_session(str(model_path), options.runtime(), classes=manifest.classes)
     graph_input = session.get_inputs()[0]
     if graph_input.name != manifest.input.name:
         raise ExportError(f"{paths.onnx} takes input {graph_input.name!r} but its manifest says "
@@ -79,13 +86,13 @@ def load_bundle_session(paths: BundlePaths, config: Config, variant: str = "onnx
     return manifest, session, model_path
 
 
-def input_variant(config: Config, manifest: Manifest | None = None) -> str:
-    """inference.py's graph: --fp16, --quantized, else --variant (fp32 by default)."""
-    if config.fp16 or config.quantized:
-        return "fp16" if config.fp16 else "int8"
-    if config.variant == "auto" and manifest is None:
-        manifest = read_manifest(BundlePaths.from_model_path(config.output_model))
-    return served_variant(config.variant, manifest, gpu_runs_first(config.runtime().providers))
+def input_variant(manifest: Manifest, sessions: RuntimeFlags, *, fp16: bool, quantized: bool,
+                  variant: str) -> str:
+    """inference.py's graph: --fp16, --quantized, else --variant (fp32 by default; auto as
+    serve.py's, on the providers of `sessions`)."""
+    if fp16 or quantized:
+        return "fp16" if fp16 else "int8"
+    return served_variant(variant, manifest, gpu_runs_first(sessions.runtime().providers))
 
 
 def served_variant(variant: str, manifest: Manifest, gpu: bool = False) -> str:
@@ -134,26 +141,26 @@ def warn_if_int8_saturates(manifest: Manifest, variant: str, model_path: Path) -
                     model_path.name, cpu)
 
 
-def chunk_predictor(config: Config, paths: BundlePaths, manifest: Manifest,
-                    session: ort.InferenceSession, model_path: Path
+def chunk_predictor(options: InferenceOptions | ServeOptions, paths: BundlePaths,
+                    manifest: Manifest, session: ort.InferenceSession, model_path: Path
                     ) -> tuple[BatchPredictor, list[str]]:
     """encoded rows → (probabilities, extra columns), with the test-time compute asked for
     (one of --tta, --ttt, --iterative), and the extra columns' names."""
-    asked = asked_methods(config)
+    asked = asked_methods(options)
     if len(asked) > 1:
         raise ConfigError(f"predicting new data takes one test-time method at a time, not "
                           f"{' and '.join(method.flag for method in asked)}", "keep one of them")
-    served = served_graph(config, paths, manifest, session, model_path)
+    served = served_graph(options, paths, manifest, session, model_path)
     if asked:
-        return asked[0].predictor(config, served)
-    return plain_predictor(served, config.batch_size)
+        return asked[0].predictor(options, served)
+    return plain_predictor(served, options.batch_size)
 
 
-def served_graph(config: Config, paths: BundlePaths, manifest: Manifest,
+def served_graph(options: RuntimeFlags, paths: BundlePaths, manifest: Manifest,
                  session: ort.InferenceSession, model_path: Path) -> Served:
     """The chosen graph as the test-time methods see it, with the sessions' settings and the
     BatchNorm check test-time training runs when it picks its graph."""
-    return Served(paths, manifest, session, model_path, config.runtime(),
+    return Served(paths, manifest, session, model_path, options.runtime(),
                   lambda method: require_ttt_method_applies(method, manifest))
 
 
@@ -183,20 +190,22 @@ def require_ttt_method_applies(method: str, manifest: Manifest) -> bool:
     return True
 
 
-def worker_predictor(config: Config) -> tuple[BatchPredictor, list[str]]:
-    """inference.py's predictor, built on a Ray Data worker (cluster.PredictorFactory)."""
-    paths = BundlePaths.from_model_path(config.output_model)
-    manifest, session, model_path = load_bundle_session(paths, config, input_variant(config))
-    return chunk_predictor(config, paths, manifest, session, model_path)
+def worker_predictor(options: InferenceOptions, variant: str
+                     ) -> tuple[BatchPredictor, list[str]]:
+    """inference.py's predictor of the `variant` graph, built on a Ray Data worker
+    (cluster.PredictorFactory)."""
+    paths = BundlePaths.from_model_path(options.output_model)
+    manifest, session, model_path = load_bundle_session(paths, options, variant)
+    return chunk_predictor(options, paths, manifest, session, model_path)
 
 
-def worker_runner(config: Config) -> Callable[[np.ndarray], Any]:
+def worker_runner(options: InferenceOptions, variant: str) -> Callable[[np.ndarray], Any]:
     """A segmenter's or a detector's batch run (its served part's `runner`: the masks, or the
     detections with padding removed) in a session of its own, built on a Ray Data worker
     (ttc/tasks/segment/cluster.py's and ttc/tasks/detect/cluster.py's RunnerFactory): the graph
     inference.py's local engine runs."""
-    paths = BundlePaths.from_model_path(config.output_model)
-    manifest, session, _ = load_bundle_session(paths, config, input_variant(config))
+    paths = BundlePaths.from_model_path(options.output_model)
+    manifest, session, _ = load_bundle_session(paths, options, variant)
     return served_part(manifest).runner(session)
 
 
@@ -213,7 +222,7 @@ class Opened:
     """A bundle opened for prediction, what a served part is built from: serve.py's flags,
     its paths, manifest, chosen graph (its session and file), and the request rows' reader."""
 
-    config: Config
+    options: ServeOptions
     paths: BundlePaths
     manifest: Manifest
     session: ort.InferenceSession
@@ -230,7 +239,7 @@ class Predictor:
     `predict_parts` (several requests' rows, one model run: what serve.py's batcher calls) and
     `predictions` (their outputs → the answers), which the model type's served part does."""
 
-    config: Config
+    options: ServeOptions  # serve.py's flags, --batch_size the batcher's --max_batch_size
     paths: BundlePaths
     manifest: Manifest
     variant: str  # the graph's file key: "onnx" (fp32), "int8" or "fp16"
@@ -245,29 +254,45 @@ class Predictor:
              num_threads: int = 1, ep: str = "cpu", **flags: Any) -> "Predictor":
         """Open a bundle (its model.onnx path) as serve.py does: `variant` fp32, int8, fp16 or
         auto; `ttt` bn, tent or all; `iterative` mc_dropout, ensemble or state; any other
-        serve.py flag by name (e.g. tta_merge="gmean", iterations=8)."""
-        config = Config(output_model=str(bundle), variant=variant, tta=tta, ttt=ttt is not None,
-                        ttt_method=ttt or "bn", iterative=iterative or "none", top_k=top_k,
-                        num_threads=num_threads, ep=ep, **flags)
-        config.script = "serve"
-        return cls.from_config(config.validate())
+        serve.py flag by name (e.g. tta_merge="gmean", iterations=8), checked as serve.py
+        checks them (ServeOptions.validate)."""
+        given = dict(output_model=str(bundle), variant=variant, tta=tta, ttt=ttt is not None,
+                     ttt_method=ttt or "bn", iterative=iterative or "none", top_k=top_k,
+                     num_threads=num_threads, ep=ep, **flags)
+        known = {f.name for f in dataclasses.fields(ServeOptions)}
+        if unknown := [name for name in flags if name not in known]:
+            raise ConfigError(f"Predictor.load takes serve.py's flags, and {unknown[0]!r} is "
+                              "not one", "see python serve.py --help")
+        options = ServeOptions(**given)
+        options.script, options.given = "serve", frozenset(given)
+        return cls.open(options.validate(), options.validate_tta)
 
     @classmethod
-    def from_config(cls, config: Config) -> "Predictor":
-        """The bundle of --model with serve.py's flags (a validated Config)."""
-        paths = BundlePaths.from_model_path(config.output_model)
-        manifest = check_bundle(config, paths)
-        variant = served_variant(config.variant, manifest,
-                                 gpu_runs_first(config.runtime().providers))
-        config = dataclasses.replace(config, batch_size=config.max_batch_size)
-        config.script = "serve"
-        manifest, session, model_path = load_bundle_session(paths, config, variant)
+    def from_config(cls, config: Any) -> "Predictor":
+        """The bundle of --model with serve.py's flags (a validated config.Config, of which it
+        keeps its ServeOptions; the flags checked against the bundle's model type by the
+        Config's validate_tta)."""
+        return cls.open(view_of(config, ServeOptions), config.validate_tta)
+
+    @classmethod
+    def open(cls, options: ServeOptions, check_flags: FlagCheck | None) -> "Predictor":
+        """The bundle of --model with serve.py's (validated) flags: checked as inference.py
+        checks it (`check_flags`: the flags against its model type; None where they already
+        were, as in a Ray Serve replica), its graph (--variant) opened in a session, handed to
+        its model type's served part."""
+        paths = BundlePaths.from_model_path(options.output_model)
+        manifest = check_bundle(options, paths, check_flags or (lambda model_type: None))
+        variant = served_variant(options.variant, manifest,
+                                 gpu_runs_first(options.runtime().providers))
+        options = dataclasses.replace(options, batch_size=options.max_batch_size)
+        options.script = "serve"
+        manifest, session, model_path = load_bundle_session(paths, options, variant)
         reader = RecordReader(manifest)
-        serving = served_part(manifest)(Opened(config, paths, manifest, session, model_path,
+        serving = served_part(manifest)(Opened(options, paths, manifest, session, model_path,
                                                reader))
         LOG.info("serving %s (%s graph, %s) on %s", paths.onnx, variant, manifest.model_type,
                  ", ".join(session.get_providers()))
-        return cls(config, paths, manifest, variant, model_path, session.get_providers(),
+        return cls(options, paths, manifest, variant, model_path, session.get_providers(),
                    serving, reader)
 
     # ------------------------------------------------------------------ predicting
@@ -348,7 +373,7 @@ class Predictor:
         return digest[:12] or "unknown"
 
     def test_time(self) -> str:
-        asked = asked_methods(self.config)
+        asked = asked_methods(self.options)
         return asked[0].flag.removeprefix("--") if asked else "none"
 
     def as_dspy_tool(self) -> Any:

@@ -39,8 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from config import Config
 from ttc.online.app import ModelServer, ServerError, create_app, warmed_predictor
+from ttc.online.predictor import FlagCheck
+from ttc.options.stages import ServeOptions
 from ttc.serving import cluster
 from utils import EXIT_INTERRUPTED, LOG, ConfigError, RuntimeFailure
 
@@ -65,82 +66,85 @@ class ModelReplica:
     """One Ray Serve replica: the bundle opened with every check and warmed (a session of
     --num_threads threads), the server around it, and create_app's app for Ray to run."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, options: ServeOptions) -> None:
         from ttc.inputs.limits import configure
 
-        configure(config)  # the driver's --max_* flags, in this replica's process
-        self.server = RayModelServer(config, warmed_predictor(config))
+        configure(options)  # the driver's --max_* flags, in this replica's process
+        # the flags were checked against the bundle's model type by the driver, before deploying
+        self.server = RayModelServer(options, warmed_predictor(options, None))
 
     def __serve_build_asgi_app__(self):
         return create_app(self.server)
 
 
-def deployment(config: Config, threads: int, gpu: bool):
+def deployment(options: ServeOptions, threads: int, gpu: bool):
     """The Serve application: --num_replicas ModelReplica actors of `threads` CPUs each."""
     from ray import serve
 
     # the replicas import this checkout's code (Ray adds the driver's folder to its own job's
     # workers only, and Serve's controller may be another job's), from the same path
     paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
-    options: dict[str, Any] = {"num_cpus": threads, "runtime_env": {"env_vars": {
+    actor: dict[str, Any] = {"num_cpus": threads, "runtime_env": {"env_vars": {
         "PYTHONPATH": os.pathsep.join(p for p in paths if p)}}}
     if gpu:
-        options["num_gpus"] = 1
+        actor["num_gpus"] = 1
     return serve.deployment(
-        serve.ingress()(ModelReplica), name=DEPLOYMENT, num_replicas=config.num_replicas,
-        ray_actor_options=options,
+        serve.ingress()(ModelReplica), name=DEPLOYMENT, num_replicas=options.num_replicas,
+        ray_actor_options=actor,
         # the replica's own batcher queues up to --max_queue requests and answers 429 beyond,
         # as locally: Ray lets that many, the batch being run and those being parsed reach it
         # (its default, 5, would cap every batch at 5 requests and hold the rest in the proxy)
-        max_ongoing_requests=config.max_queue + config.max_batch_size + 16,
+        max_ongoing_requests=options.max_queue + options.max_batch_size + 16,
         # a stop drains the replica's accepted requests within --drain_s
-        graceful_shutdown_timeout_s=max(config.drain_s, 0.1), graceful_shutdown_wait_loop_s=0.1,
+        graceful_shutdown_timeout_s=max(options.drain_s, 0.1), graceful_shutdown_wait_loop_s=0.1,
         # a replica that cannot open the bundle fails the deployment at once, not 20 times
-        max_constructor_retry_count=1).bind(config)
+        max_constructor_retry_count=1).bind(options)
 
 
 # ----------------------------------------------------------------------------- the driver
 
 
-def serve_on_ray(config: Config) -> int:
-    """Check and warm the bundle here, start or join the cluster, deploy, serve until SIGTERM
-    (exit 0) or SIGINT (130), and stop what was started."""
-    threads = max(1, config.ray_threads())
-    local = config.local_ray()
+def serve_on_ray(options: ServeOptions, check_flags: FlagCheck) -> int:
+    """Check and warm the bundle here (`check_flags`: the flags against its model type), start
+    or join the cluster, deploy, serve until SIGTERM (exit 0) or SIGINT (130), and stop what was
+    started."""
+    threads = max(1, options.ray_threads())
+    local = options.local_ray()
     if local:  # both before the model, as the local server checks its port
-        _require_local_cpus(config.num_replicas, threads)
-        port = _free_port(config.host, config.port)
-    elif config.port == 0:  # a free port here says nothing of the cluster's nodes
+        _require_local_cpus(options.num_replicas, threads)
+        port = _free_port(options.host, options.port)
+    elif options.port == 0:  # a free port here says nothing of the cluster's nodes
         raise ConfigError("--port 0 (any free port) works only on a local cluster: a joined "
                           "cluster's proxies listen on the same port on every node",
                           "give --port a number")
     else:  # each node's proxy listens there
-        port = config.port
-    replica_config = dataclasses.replace(
-        config, intra_op_threads=threads, inter_op_threads=1, no_progress=True,
-        output_model=str(Path(config.output_model).absolute()))  # the replicas' path
-    replica_config.script = "serve"
-    predictor = warmed_predictor(replica_config)  # a bad bundle: exit 3/4 before Ray starts
-    name = config.name or predictor.paths.onnx.stem
+        port = options.port
+    replica_options = dataclasses.replace(
+        options, intra_op_threads=threads, inter_op_threads=1, no_progress=True,
+        output_model=str(Path(options.output_model).absolute()))  # the replicas' path
+    replica_options.script = "serve"
+    # a bad bundle: exit 3/4 before Ray starts
+    predictor = warmed_predictor(replica_options, check_flags)
+    name = options.name or predictor.paths.onnx.stem
     gpu = predictor.providers[0] in GPU_PROVIDERS
     del predictor
-    debug = config.log_level == "DEBUG"
+    debug = options.log_level == "DEBUG"
     started_serve, deployed, stops = False, False, None
     with cluster.ray_prints_to_stderr():
         try:
-            address, seconds = _connect(config, local)
-            _require_room(config.num_replicas, threads, gpu)
-            started_serve = _start_serve(config.host, port, name, local, debug)
+            address, seconds = _connect(options, local)
+            _require_room(options.num_replicas, threads, gpu)
+            started_serve = _start_serve(options.host, port, name, local, debug)
             # from here on SIGTERM is a drained stop (exit 0), also while the replicas start: the
             # first one answers before the others are up
             stops = _StopSignals()
             began, deployed = time.perf_counter(), True
-            if _deploy(deployment(replica_config, threads, gpu), name, stops, debug):
+            if _deploy(deployment(replica_options, threads, gpu), name, stops, debug):
                 LOG.info("serving %s as %r on http://%s:%d with Ray Serve: %d replica(s) of %d "
                          "thread(s) (POST /predict, /v2/models/%s/infer; cluster %s ready in "
-                         "%.1f s, replicas in %.1f s)", replica_config.output_model, name,
-                         f"[{config.host}]" if ":" in config.host else config.host, port,
-                         config.num_replicas, threads, name, address, seconds,
+                         "%.1f s, replicas in %.1f s)", replica_options.output_model, name,
+                         f"[{options.host}]" if ":" in options.host else options.host, port,
+                         options.num_replicas, threads, name, address, seconds,
                          time.perf_counter() - began)
                 stops.wait()
         finally:
@@ -170,12 +174,12 @@ def _free_port(host: str, port: int) -> int:
         return sock.getsockname()[1]
 
 
-def _connect(config: Config, local: bool) -> tuple[str, float]:
+def _connect(options: ServeOptions, local: bool) -> tuple[str, float]:
     """ray.init as batch inference does it (cluster.py): a new local cluster of this machine's
     CPUs, or the cluster at --ray_address, with SIGTERM and SIGINT held until it is done; Ray's
     logs at ERROR on stderr (all of them at --log_level DEBUG). The cluster's address and the
     seconds it took."""
-    debug = config.log_level == "DEBUG"
+    debug = options.log_level == "DEBUG"
     level = logging.DEBUG if debug else logging.ERROR
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not debug:
@@ -183,18 +187,18 @@ def _connect(config: Config, local: bool) -> tuple[str, float]:
     import ray
 
     logging.getLogger("ray").setLevel(level)
-    options = cluster.RayOptions(None if local else config.ray_address, config.num_replicas, 1,
-                                 1, debug=debug)
+    ray_options = cluster.RayOptions(None if local else options.ray_address,
+                                     options.num_replicas, 1, 1, debug=debug)
     if not local:
-        cluster._require_reachable(config.ray_address)
+        cluster._require_reachable(options.ray_address)
         cluster._attach_token_if_any()
     started = time.perf_counter()
     try:
         with cluster._signals_held(), cluster._ray_sigterm_handler_off(), \
                 cluster._quiet_native_logs(not debug):
-            cluster._init(ray, options, level)
+            cluster._init(ray, ray_options, level)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        raise RuntimeFailure(f"cannot reach a Ray cluster at {config.ray_address}: "
+        raise RuntimeFailure(f"cannot reach a Ray cluster at {options.ray_address}: "
                              f"{_first_line(err)}", "start one with `ray start --head` (then "
                              "--ray_address auto), or leave --ray_address out for a local "
                              "cluster") from None

@@ -1,6 +1,6 @@
 """What serve.py, the V2 endpoints, the Predictor and the DSPy tool answer for one model type:
-its `Parts.served` part, a class built once per opened bundle from `predictor.Opened` (the
-Config, the bundle's paths, manifest, session and graph, the request row reader). This module
+its `Parts.served` part, a class built once per opened bundle from `predictor.Opened` (its
+ServeOptions, the bundle's paths, manifest, session and graph, the request row reader). This module
 holds the shape every type's part has, and the classifiers' (the default): labels and
 probabilities. A segmenter's and a detector's live in their own folders
 (ttc/tasks/segment/served.py, ttc/tasks/detect/served.py); ttc/online imports neither.
@@ -79,8 +79,8 @@ class ClassifierServing:
     extra values."""
 
     def __init__(self, opened: Opened) -> None:
-        self.config, self.manifest, self.reader = opened.config, opened.manifest, opened.reader
-        self.run, self.extra = chunk_predictor(opened.config, opened.paths, opened.manifest,
+        self.options, self.manifest, self.reader = opened.options, opened.manifest, opened.reader
+        self.run, self.extra = chunk_predictor(opened.options, opened.paths, opened.manifest,
                                                opened.session, opened.model_path)
 
     # ------------------------------------------------------------------ predicting
@@ -142,7 +142,7 @@ class ClassifierServing:
         """Probabilities → [{"label", "confidence", "top": [[label, p], ...], extras}], the
         values rounded as in a prediction file."""
         labels = self.manifest.labels
-        order, top = top_classes(outputs, min(self.config.top_k, len(labels)))
+        order, top = top_classes(outputs, min(self.options.top_k, len(labels)))
         rows = []
         for k in range(len(outputs)):
             row = {"label": labels[order[k, 0]], "confidence": float(top[k, 0]),

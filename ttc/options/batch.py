@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Callable
 
 from ttc.options.fields import bad, opt, parse_bool, positive
-from ttc.serving.runtime import usable_cpus
 from utils import ConfigError
 
 ENGINES = ("local", "ray")
@@ -170,11 +169,15 @@ class BatchFlags:
         `threads` threads each."""
         if self.num_workers is not None:
             return self.num_workers
+        from ttc.serving.runtime import usable_cpus  # numpy: not at --help
+
         return max(1, min(2, usable_cpus() // threads)) if self.local_ray() else 2
 
     def _require_local_cpus(self, threads: int) -> None:
         """A local cluster has this machine's CPUs: more workers than they hold would never be
         placed (sizing the cluster to the request instead started them all, and hung)."""
+        from ttc.serving.runtime import usable_cpus
+
         workers, cpus = self.workers(threads), usable_cpus()
         if workers * threads > cpus:
             asked = (f"--num_workers {workers} with {threads} thread(s) each needs"

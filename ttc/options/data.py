@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.inputs.limits import MAX_TEXT_LENGTH
-from ttc.inputs.tables import FORMAT_NAMES
+from ttc.inputs.formats import FORMAT_NAMES
 from ttc.options.fields import bad, opt, parse_image_size, positive
 from ttc.tasks.registry import TASKS, builtin_datasets, find_task, model_types
 from utils import ConfigError
@@ -116,6 +115,8 @@ class DataFlags:
             bad("ignore_index", self.ignore_index, "masks hold 8-bit indices: use 0 to 255")
 
     def check_text_length(self) -> None:
+        from ttc.inputs.limits import MAX_TEXT_LENGTH  # numpy: not at --help
+
         if self.max_length > MAX_TEXT_LENGTH:
             bad("max_length", self.max_length, f"use at most {MAX_TEXT_LENGTH} token ids (a "
                 "bundle's manifest may not hold more)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ttc.inputs.preprocess import hf_source
 from ttc.options.fields import bad, opt
 from ttc.tasks.base import Regularisation
 from ttc.tasks.registry import TASKS, find_task
@@ -122,6 +121,8 @@ def network_regularisation(model_type: str, arch: str | None,
     if model_def or task is None:
         return USER_NETWORK
     chosen = arch or task.default_arch
+    from ttc.inputs.preprocess import hf_source  # numpy: not at --help
+
     return task.regularisation.get("hf" if hf_source(chosen) else chosen, USER_NETWORK)
 
 

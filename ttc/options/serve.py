@@ -28,9 +28,11 @@ class ServeFlags:
                        "fp32)", "serve", choices=VARIANTS, scripts="SI")
     max_batch_size: int = opt(32, "the most rows the micro-batcher joins into one model run",
                               "serve", type=int, metavar="N", scripts="S")
-    max_queue_delay_ms: float = opt(2.0, "the longest the oldest waiting row is held for more "
-                                    "rows to join its batch (0: run whatever is waiting at "
-                                    "once)", "serve", type=float, metavar="MS", scripts="S")
+    max_queue_delay_ms: float = opt(2.0, "the most the oldest waiting row is held while requests "
+                                    "arriving at the same moment join its batch, an upper bound: "
+                                    "what is queued runs as soon as the model is idle, a lone "
+                                    "request at once (0: never held)", "serve", type=float,
+                                    metavar="MS", scripts="S")
     max_queue: int = opt(256, "requests that may wait for the model at once; more are refused "
                          "with 429 and Retry-After", "serve", type=int, metavar="N", scripts="S")
     timeout_ms: float = opt(10000.0, "a request's deadline: one not answered by then gets 504",

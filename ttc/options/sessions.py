@@ -4,9 +4,12 @@ wall-clock limit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ttc.options.fields import bad, opt, parse_bool, positive
-from ttc.serving.runtime import RuntimeOptions, parse_ep_options, parse_providers
+
+if TYPE_CHECKING:
+    from ttc.serving.runtime import RuntimeOptions
 
 
 @dataclass
@@ -62,6 +65,8 @@ class RuntimeFlags:
             bad("timeout_s", self.timeout_s, "use a number of seconds, or 0 for no limit")
         if self.num_threads < 0:
             bad("num_threads", self.num_threads, "use 0 (library default) or a positive count")
+        from ttc.serving.runtime import parse_ep_options, parse_providers  # numpy: not at --help
+
         parse_ep_options(self.ep_options, parse_providers(self.ep))
         for name in ("intra_op_threads", "inter_op_threads"):
             value = getattr(self, name)
@@ -69,10 +74,14 @@ class RuntimeFlags:
                 bad(name, value, "use 0 (library default) or a positive count")
 
     def providers(self) -> list[str]:
+        from ttc.serving.runtime import parse_providers
+
         return parse_providers(self.ep)
 
     def runtime(self) -> RuntimeOptions:
         """The session settings for the inference stage (--ep, --ep_options, threads)."""
+        from ttc.serving.runtime import RuntimeOptions, parse_ep_options
+
         providers = self.providers()
         return RuntimeOptions(providers=providers,
                               provider_options=parse_ep_options(self.ep_options, providers),
@@ -83,6 +92,8 @@ class RuntimeFlags:
 
     def cpu_runtime(self) -> RuntimeOptions:
         """The session settings for validation and quantization, which compare on the CPU."""
+        from ttc.serving.runtime import RuntimeOptions
+
         return RuntimeOptions(intra_op_threads=self.runtime().intra_op_threads)
 
     def ray_threads(self) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttc.inputs.shifts import parse_shift_names, parse_stream_order
 from ttc.options.fields import bad, opt
 from utils import ConfigError
 
@@ -34,6 +33,8 @@ class ShiftFlags:
         """--eval_stream's order is known and comes with --ttt; the pass count is positive."""
         if self.eval_stream is None:
             return
+        from ttc.inputs.shifts import parse_stream_order  # numpy: not at --help
+
         parse_stream_order(self.eval_stream)
         if not ttt:
             raise ConfigError("--eval_stream measures test-time training on a stream, and --ttt "
@@ -44,4 +45,6 @@ class ShiftFlags:
     def shift_names(self, kind: str) -> list[str]:
         """--eval_shift's corruptions for a model of preprocessing `kind` (image, text,
         tabular); ConfigError for one that kind has not."""
+        from ttc.inputs.shifts import parse_shift_names
+
         return parse_shift_names(self.eval_shift, kind)

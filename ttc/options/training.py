@@ -7,7 +7,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ttc.inputs.preprocess import HF_PREFIX, hf_source
 from ttc.options.fields import bad, opt, parse_bool, positive
 from ttc.tasks.registry import archs, find_task
 from utils import ConfigError
@@ -31,6 +30,8 @@ HF_LEARNING_RATE = 2e-5
 
 def is_hf_arch(arch: str | None) -> bool:
     """--arch hf:NAME_OR_PATH: a Hugging Face model (text); transformers' encoders use LayerNorm."""
+    from ttc.inputs.preprocess import hf_source  # numpy: not at --help
+
     return hf_source(arch) is not None
 
 
@@ -131,6 +132,8 @@ class TrainingFlags:
         self.check_device()
         names = ARCHS.get(model_type, ())
         if is_hf_arch(self.arch):
+            from ttc.inputs.preprocess import HF_PREFIX
+
             task = find_task(model_type)
             if task is None or not task.hf_archs:
                 bad("arch", self.arch, "hf:NAME_OR_PATH is a Hugging Face text model: use it "

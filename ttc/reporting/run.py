@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ttc.reporting.kinds import report_part
@@ -137,7 +138,26 @@ def write_visuals(report: dict, plots_folder: Path | None, page: Path | None,
     LOG.info("plots and page written in %.2f s", report["seconds_visuals"])
 
 
-def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
+@dataclass
+class ReportOptions:
+    """What a run's report takes of its flags (config.Config.report_options makes it): the
+    config section (the script's resolved settings), where the JSON goes and whether stdout
+    gets it or the summary, the plots and the page (`visuals`: whether the script takes --plots;
+    `plots`, `page`: where they go, None for none), and the script and bundle the summary's
+    next: lines name."""
+
+    config: dict
+    report_json: str | None = None
+    json: bool = False
+    quiet: bool = False
+    visuals: bool = False
+    plots: Path | None = None
+    page: Path | None = None
+    script: str | None = None
+    output_model: str | None = None
+
+
+def run_with_report(options: ReportOptions, stages: Callable[[dict], None]) -> int:
     """Run `stages(report)`, which fills report sections; then write the report and summary.
 
     On failure the report (status "error", the sections that finished) is still written where
@@ -145,26 +165,25 @@ def run_with_report(config: Any, stages: Callable[[dict], None]) -> int:
     """
     started = time.perf_counter()
     report: dict[str, Any] = {"version": 1, "status": "running", "error": None,
-                              "config": config.as_dict(), **{s: None for s in JSON_KEYS}}
+                              "config": options.config, **{s: None for s in JSON_KEYS}}
     try:
         stages(report)
     except BaseException as err:
         report.update(status="error", error=error_section(err),
                       seconds_total=round(time.perf_counter() - started, 3))
         try:
-            if config.report_json and config.report_json != "-":
-                atomic_write_json(config.report_json, report)
-            if config.report_json == "-" or getattr(config, "json", False):
+            if options.report_json and options.report_json != "-":
+                atomic_write_json(options.report_json, report)
+            if options.report_json == "-" or options.json:
                 sys.stdout.write(json.dumps(report, indent=2) + "\n")
         except OSError as write_err:  # never let the report hide the real error
-            LOG.warning("could not write the report to %s: %s", config.report_json, write_err)
+            LOG.warning("could not write the report to %s: %s", options.report_json, write_err)
         raise
     report.update(status="ok", seconds_total=round(time.perf_counter() - started, 3))
-    if hasattr(config, "plots_folder") and "plots" in config.names():
-        write_visuals(report, config.plots_folder(), config.page_path())
-    emit_report(report, config.report_json, json_stdout=getattr(config, "json", False),
-                quiet=getattr(config, "quiet", False),
-                next_steps=next_commands(getattr(config, "script", None), config.output_model))
+    if options.visuals:
+        write_visuals(report, options.plots, options.page)
+    emit_report(report, options.report_json, json_stdout=options.json, quiet=options.quiet,
+                next_steps=next_commands(options.script, options.output_model))
     return EXIT_OK
 
 

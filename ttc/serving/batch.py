@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -31,7 +31,8 @@ from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files
 from ttc.serving.manifest import Manifest, as_manifest
 from ttc.inputs.data import table_reader
 from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, FeatureBlock, iter_table,
-                    ID_NAMES, PARQUET_BATCH_ROWS, canonical_number, find_by_name, joined_texts,
+                    ID_NAMES, PARQUET_BATCH_ROWS, canonical_number, find_by_name, frame_columns,
+                    joined_texts,
                     label_texts, parquet_cells, parquet_feature_blocks, parquet_header,
                     reads_as_numbers, refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
@@ -73,7 +74,7 @@ class Chunk:
 
 @dataclass
 class BatchOptions:
-    """What the --input path takes from the Config."""
+    """What the --input path takes from the inference stage's options."""
 
     input: str
     output: str
@@ -93,10 +94,12 @@ class BatchOptions:
     id_column: str | None = None
 
     @classmethod
-    def from_config(cls, config, chunk_rows: int) -> "BatchOptions":
+    def from_config(cls, options: Any, chunk_rows: int) -> "BatchOptions":
+        """Out of the inference stage's options (ttc/options/stages.py's InferenceOptions, or
+        any larger flags object)."""
         names = [n for n in cls.__dataclass_fields__ if n not in ("chunk_rows", "show_progress")]
-        return cls(chunk_rows=chunk_rows, show_progress=not config.no_progress,
-                   **{n: getattr(config, n) for n in names})
+        return cls(chunk_rows=chunk_rows, show_progress=not options.no_progress,
+                   **{n: getattr(options, n) for n in names})
 
     def input_spec(self, role: str) -> str | None:
         return {"text": self.text_column, "feature": self.feature_columns,
@@ -114,33 +117,38 @@ class BatchOptions:
 
 def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
               errors: Sequence[str] | None = None,
-              keys: tuple[str, Sequence[str]] | None = None):
+              keys: tuple[str, Sequence[str]] | None = None, index=None):
     """A row frame from its parts: `inputs` a DataFrame already holding the input columns under
-    their fixed names (its columns are kept as they are, not copied), or a dict of them; labels
-    None when the input has no label column; `keys` (a name, the cells) the input's own id
-    column, for the prediction table."""
+    their fixed names (its columns are kept as they are, not copied), or a dict of them (arrays
+    or lists; `index` the rows' index, by default 0, 1, ...); labels None when the input has no
+    label column; `keys` (a name, the cells) the input's own id column, for the prediction
+    table. Cells of text are plain Python strings (pandas would copy them to Arrow)."""
     import pandas as pd
 
-    index = inputs.index if isinstance(inputs, pd.DataFrame) else pd.RangeIndex(len(ids))
-
-    def cells(values) -> "pd.Series":  # plain Python strings: pandas would copy them to Arrow
-        return pd.Series(np.asarray(values, dtype=object), index=index, dtype=object)
-
-    frame = inputs if isinstance(inputs, pd.DataFrame) else pd.DataFrame(
-        {name: cells(v) for name, v in inputs.items()}, index=index)
-    frame.insert(0, ROW_ID, cells(ids))
+    if isinstance(inputs, pd.DataFrame):
+        index, inputs = inputs.index, {k: v.to_numpy() for k, v in inputs.items()}
+    columns = {ROW_ID: ids}
     if labels is not None:
-        frame.insert(1, ROW_LABEL, cells(["" if v is None else v for v in labels]))
-    frame.insert(frame.columns.get_loc(ROW_ID) + 1 + (labels is not None), ROW_ERROR,
-                 cells(errors) if errors is not None else np.full(len(ids), "", object))
+        columns[ROW_LABEL] = ["" if v is None else v for v in labels]
+    columns[ROW_ERROR] = errors if errors is not None else np.full(len(ids), "", object)
+    columns.update(inputs)
     if keys is not None:
-        frame[ROW_KEY + keys[0]] = cells(keys[1])
-    return frame
+        columns[ROW_KEY + keys[0]] = keys[1]
+    index = pd.RangeIndex(len(ids)) if index is None else index
+    names = pd.Index(list(columns), dtype=object)
+    arrays = [np.asarray(v, dtype=object) if not isinstance(v, np.ndarray) or v.dtype.kind in "OUS"
+              else v for v in columns.values()]
+    if all(a.dtype == object for a in arrays):  # one block: one pass, whatever the columns
+        return pd.DataFrame(np.stack(arrays, axis=1) if arrays else None, index=index,
+                            columns=names, dtype=object)
+    return pd.DataFrame({k: pd.Series(a, index=index, dtype=a.dtype, copy=False)
+                         for k, a in zip(names, arrays)}, index=index, columns=names)
 
 
-def row_keys(frame) -> RowKeys | None:
-    """A row frame's id column (ROW_KEY), by row id; None when it has none."""
-    column = next((c for c in frame.columns if c.startswith(ROW_KEY)), None)
+def row_keys(frame, names: Sequence[str] | None = None) -> RowKeys | None:
+    """A row frame's id column (ROW_KEY), by row id; None when it has none. `names`: its
+    columns, where the caller has them."""
+    column = next((c for c in (names or frame.columns) if c.startswith(ROW_KEY)), None)
     if column is None:
         return None
     return RowKeys(column[len(ROW_KEY):], dict(zip(frame[ROW_ID].tolist(),
@@ -208,17 +216,18 @@ class RowEncoder:
         self.rows = task_of_kind(preprocessing.kind).part("rows")(preprocessing.spec)
 
     def encode(self, frame) -> Chunk:
-        keys = row_keys(frame)
-        reasons = frame[ROW_ERROR].to_numpy(dtype=object)
+        names = list(frame.columns)
+        keys = row_keys(frame, names)
+        own = frame_columns(frame, [n for n in (ROW_ID, ROW_ERROR, ROW_LABEL) if n in names])
+        reasons, ids = own[ROW_ERROR], own[ROW_ID]
         failed = reasons != ""
-        ids = frame[ROW_ID].to_numpy(dtype=object)
         errors = [(str(ids[k]), str(reasons[k])) for k in np.flatnonzero(failed)]
         if errors:
             frame = frame[~failed]
             ids = ids[~failed]
         ids = ids.tolist()
-        labels = ([v if v != "" else None for v in frame[ROW_LABEL].tolist()]
-                  if ROW_LABEL in frame else None)
+        labels = ([v if v != "" else None for v in own[ROW_LABEL][~failed].tolist()]
+                  if ROW_LABEL in own else None)
         chunk = self._encoded(frame, ids, labels)
         chunk.errors = errors + chunk.errors
         chunk.keys = keys
@@ -442,20 +451,19 @@ class TableReader:
         refuse_nested(frame, [self.columns.label, *self.columns.inputs], self.path)
         if frame.empty:
             return None
-        ids = (frame.index.to_numpy() + 1).astype(str)  # 1-based data rows, no header
+        ids = (frame.index.to_numpy() + 1).astype(str).astype(object)  # data rows, 1-based
         label = self.columns.label
-        inputs = frame if list(frame.columns) == self.columns.inputs \
-            else frame[self.columns.inputs]
-        if any(old != new for old, new in self.renamed.items()):
-            inputs = inputs.rename(columns=self.renamed)
+        wanted = list(dict.fromkeys([*self.columns.inputs, *filter(None, (label, self.key))]))
+        cells = frame_columns(frame, wanted)
+        inputs = {self.renamed.get(name, name): cells[name] for name in self.columns.inputs}
         errors = None
         if self.task.image_files:
             inputs, errors = self._images(inputs[ROW_PATH])
         elif self.role == "text":  # text cells as plain strings (see row_frame)
-            inputs = inputs.astype(object)
-        keys = (self.key, id_texts(frame[self.key])) if self.key else None
-        return row_frame(ids, label_texts(frame[label]) if label else None, inputs, errors,
-                         keys)
+            inputs = {name: values.astype(object) for name, values in inputs.items()}
+        keys = (self.key, id_texts(cells[self.key])) if self.key else None
+        return row_frame(ids, label_texts(cells[label]) if label else None, inputs, errors,
+                         keys, index=frame.index)
 
     def _images(self, cells) -> tuple[dict, list[str]]:
         return self._image_paths(cells)

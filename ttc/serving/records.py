@@ -41,6 +41,7 @@ class RecordReader(TableReader):
         self.rows = RowEncoder(self.manifest)
         self.names = self._request_names()
         self._lock = threading.Lock()  # the column choice is per call
+        self._last_choice: tuple = (None, None, {})  # (keys, Columns, renamed)
 
     def encode(self, records: Sequence[Mapping]) -> np.ndarray:
         """The rows' model inputs; raises DataError for the request, RowError for a row."""
@@ -114,9 +115,14 @@ class RecordReader(TableReader):
 
     def _chunk(self, records: Sequence[Mapping]) -> Chunk:
         frame = json_records(records)
-        with self._lock:
-            self.columns = None  # each group's keys are its own
+        keys = tuple(frame.columns)
+        with self._lock:  # each group's keys are its own
+            # the last choice again for the same keys: with the trained columns known, the
+            # choice depends on the keys alone (without them it reads the cells: made anew)
+            known = self._last_choice[0] == keys and bool(self._trained_columns().inputs)
+            self.columns, self.renamed = self._last_choice[1:] if known else (None, {})
             rows = self.row_frame_of(frame)
+            self._last_choice = (keys, self.columns, self.renamed)
         return self.rows.encode(rows) if rows is not None else Chunk([], None)
 
     def _part_of(self, chunk: Chunk, start: int, count: int, first: int) -> np.ndarray | RowError:

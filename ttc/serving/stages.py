@@ -4,7 +4,8 @@ its graph here and on Ray workers. Plain data; the opening itself is ttc/online'
 every caller opens a bundle), handed over as callables so that a type's own folder, which may
 not import ttc/online, opens the graph as every other caller does.
 
-`config` is the run's config.Config (this layer does not import config.py; a type's code may).
+`options` are the inference stage's options (ttc/options/stages.py's InferenceOptions, which
+this layer does not import): the flags that stage reads, never the whole Config.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class SplitRun:
     fills (`inference`, `evaluation`, and its test-time methods'), into `report`; `benchmark`
     and `baseline` (rows first in the table) for the types that draw the benchmark table."""
 
-    config: Any  # config.Config
+    options: Any  # ttc.options.stages.InferenceOptions
     paths: BundlePaths
     manifest: Manifest
     session: ort.InferenceSession
@@ -56,13 +57,14 @@ class RayWorkers:
 
 @dataclass
 class InputRun:
-    """--input: the flags, the bundle, the report the run fills, and how its graph (--variant,
-    --quantized, --fp16) is opened in this process (`open`) or for Ray workers
-    (`ray_workers`; the session made once here, so that a bundle or provider that cannot work
-    fails now)."""
+    """--input: the flags, the bundle, its graph's file key (`variant`: --variant, --quantized,
+    --fp16), the report the run fills, and how that graph is opened in this process (`open`)
+    or for Ray workers (`ray_workers`; the session made once here, so that a bundle or provider
+    that cannot work fails now)."""
 
-    config: Any  # config.Config
+    options: Any  # ttc.options.stages.InferenceOptions
     paths: BundlePaths
+    variant: str
     report: dict
     open: Callable[[], Opened]
     ray_workers: Callable[[], RayWorkers]

@@ -19,14 +19,15 @@ class Parts:
     modules: str  # {the architecture record's name: the nn.Module class it builds}
     # (Tally, labels, train_class_counts, split) -> the report's `evaluation`; a classifier's
     evaluation: str = "ttc.reporting.evaluation:evaluation_section"
-    # (Config, Dataset) -> ttc.nets.training.TrainedModel: the training stage; a classifier's
+    # (TrainingOptions, Dataset) -> ttc.nets.training.TrainedModel: the training stage; a
+    # classifier's
     trainer: str = "ttc.nets.training:train_classifier"
     # (the opened bundle) -> what serve.py and the Predictor answer for a row (predict_parts,
     # answers, the V2 outputs, the tool's description: ttc/online/served.py says the shape); a
     # classifier's: labels and probabilities
     served: str = "ttc.online.served:ClassifierServing"
-    # (Config) -> None: the type's own checks of its flags, before any work (exit 2); the
-    # classifiers have none beyond the shared ones
+    # (ttc.options.stages.FlagCheckOptions) -> None: the type's own checks of its flags, before
+    # any work (exit 2; config.Config.validate_tta); the classifiers have none beyond the shared
     flag_checks: str = "ttc.tasks.base:no_flag_checks"
     # (net, validation Split, preprocessing, batch_size, seed) -> (logits, classes): what
     # --calibrate temperature fits T on; a classifier's: one row per sample
@@ -60,7 +61,7 @@ class Regularisation:
     source: str = ""  # where the values come from, for the docs and the summary
 
 
-def no_flag_checks(config: Any) -> None:
+def no_flag_checks(options: Any) -> None:
     """Parts.flag_checks of a type with no flag checks of its own (the classifiers')."""
 
 
@@ -111,7 +112,8 @@ class Task:
     image_loop: bool = False  # trains with ttc/nets/image_loop.py (its trainer module's
     # plan_training makes an ImagePlan): --engine ray trains it with an ImageRunner per worker
     tta_graph: bool = False  # export.py --tta writes its TTA graph (model.tta.onnx) in the bundle
-    masks: bool = False  # its labels are masks: --ignore_index (void pixels) applies
+    masks: bool = False  # its labels are masks: --ignore_index (void pixels) applies, and
+    # --input writes a mask per image (config.Config.validate_tta checks its folder)
 
     @property
     def default_arch(self) -> str:

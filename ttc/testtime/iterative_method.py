@@ -44,22 +44,22 @@ class Iterative:
     flag: ClassVar[str] = "--iterative"
     key: ClassVar[str] = "iterative"
 
-    def asked(self, config: RunFlags) -> bool:
-        return config.iterative != "none"
+    def asked(self, flags: RunFlags) -> bool:
+        return flags.iterative != "none"
 
-    def options(self, config: RunFlags, manifest: Manifest) -> IterativeOptions:
-        return IterativeOptions(config.iterative, config.iterative_backend, config.iterations,
-                                config.iterative_tol, config.iterative_patience,
-                                tuple(config.ensemble_members()) if config.ensemble else None,
-                                config.batch_size, config.seed)
+    def options(self, flags: RunFlags, manifest: Manifest) -> IterativeOptions:
+        return IterativeOptions(flags.iterative, flags.iterative_backend, flags.iterations,
+                                flags.iterative_tol, flags.iterative_patience,
+                                tuple(flags.ensemble_members()) if flags.ensemble else None,
+                                flags.batch_size, flags.seed)
 
-    def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
-        section, variants = run_iterative(self.options(config, served.manifest), served,
+    def evaluate(self, flags: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
+        section, variants = run_iterative(self.options(flags, served.manifest), served,
                                           heldout.test, heldout.raw)
         return Evaluation(section, variants)
 
-    def predictor(self, config: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
-        options = self.options(config, served.manifest)
+    def predictor(self, flags: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
+        options = self.options(flags, served.manifest)
         if options.mode in ("mc_dropout", "ensemble"):
             return passes_predictor(options, served), ["entropy", "std"]
         return plain_predictor(served, options.batch_size, state_passes=options.iterations)

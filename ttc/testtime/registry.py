@@ -28,13 +28,13 @@ class Method(Protocol):
     flag: str
     key: str
 
-    def asked(self, config: RunFlags) -> bool: ...
+    def asked(self, flags: RunFlags) -> bool: ...
 
-    def options(self, config: RunFlags, manifest: Manifest) -> object: ...
+    def options(self, flags: RunFlags, manifest: Manifest) -> object: ...
 
-    def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation: ...
+    def evaluate(self, flags: RunFlags, served: Served, heldout: Heldout) -> Evaluation: ...
 
-    def predictor(self, config: RunFlags, served: Served) -> tuple[Predictor, list[str]]: ...
+    def predictor(self, flags: RunFlags, served: Served) -> tuple[Predictor, list[str]]: ...
 
 
 METHODS: tuple[Method, ...] = (
@@ -44,6 +44,6 @@ METHODS: tuple[Method, ...] = (
 )
 
 
-def asked_methods(config: RunFlags) -> list[Method]:
+def asked_methods(flags: RunFlags) -> list[Method]:
     """The methods this run asked for, in METHODS' order."""
-    return [method for method in METHODS if method.asked(config)]
+    return [method for method in METHODS if method.asked(flags)]

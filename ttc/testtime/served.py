@@ -30,8 +30,9 @@ Variants = Callable[[np.ndarray], dict]  # inputs → {variant name: probabiliti
 
 
 class RunFlags(Protocol):
-    """The flags (config.Config's fields and option views) the test-time methods read: the
-    package may not import config.py, so the methods name what they need here."""
+    """The flags the test-time methods read, as the inference and serving stages hold them
+    (ttc/options/stages.py's InferenceOptions and ServeOptions): the methods name what they
+    need here, and take either."""
 
     tta: bool
     ttt: bool
@@ -58,7 +59,8 @@ class Served:
     or build their own graphs around, with the session settings they open theirs with.
     `adapts_model_graph(method)`: whether test-time training adapts model.onnx itself (a network
     without BatchNorm) rather than model.bn.onnx, raising where --ttt_method cannot apply; which
-    archs lack BatchNorm is config.py's knowledge, which the package does not import."""
+    archs lack BatchNorm is the flags' knowledge (ttc/options/ttt.py), which this layer
+    does not import."""
 
     paths: BundlePaths
     manifest: Manifest

@@ -22,24 +22,24 @@ class TTA:
     flag: ClassVar[str] = "--tta"
     key: ClassVar[str] = "tta"
 
-    def asked(self, config: RunFlags) -> bool:
-        return config.tta
+    def asked(self, flags: RunFlags) -> bool:
+        return flags.tta
 
-    def options(self, config: RunFlags, manifest: Manifest) -> TTAOptions:
-        return config.tta_options()
+    def options(self, flags: RunFlags, manifest: Manifest) -> TTAOptions:
+        return flags.tta_options()
 
-    def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
+    def evaluate(self, flags: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
         """TTA against the plain pass on the test split, judged on the validation split."""
         from ttc.testtime.tta import evaluate_tta
 
-        options = self.options(config, served.manifest)
+        options = self.options(flags, served.manifest)
         tta = evaluate_tta(runner(served, options, heldout.test[0]), heldout.test, heldout.val,
                            options.threshold)
         (LOG.warning if tta.lowers else LOG.info)("%s", tta.verdict)
         return Evaluation(tta.report_section())
 
-    def predictor(self, config: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
-        tta = runner(served, self.options(config, served.manifest))
+    def predictor(self, flags: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
+        tta = runner(served, self.options(flags, served.manifest))
         return (lambda x: (tta(x), {})), []
 
 

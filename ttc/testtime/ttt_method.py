@@ -25,21 +25,21 @@ class TTT:
     flag: ClassVar[str] = "--ttt"
     key: ClassVar[str] = "ttt"
 
-    def asked(self, config: RunFlags) -> bool:
-        return config.ttt
+    def asked(self, flags: RunFlags) -> bool:
+        return flags.ttt
 
-    def options(self, config: RunFlags, manifest: Manifest) -> TTTSettings:
-        return config.ttt_settings(manifest.preprocessing.kind)
+    def options(self, flags: RunFlags, manifest: Manifest) -> TTTSettings:
+        return flags.ttt_settings(manifest.preprocessing.kind)
 
-    def evaluate(self, config: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
-        return Evaluation(run_ttt(self.options(config, served.manifest), served,
+    def evaluate(self, flags: RunFlags, served: Served, heldout: Heldout) -> Evaluation:
+        return Evaluation(run_ttt(self.options(flags, served.manifest), served,
                                   session_runner(served.session), heldout.test))
 
-    def predictor(self, config: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
-        if config.ttt_method == "all":
+    def predictor(self, flags: RunFlags, served: Served) -> tuple[Predictor, list[str]]:
+        if flags.ttt_method == "all":
             raise ConfigError("--ttt_method all compares methods on the test split; predictions "
                               "need one", "use --ttt_method bn or tent with --input")
-        return ttt_predictor(self.options(config, served.manifest), served), []
+        return ttt_predictor(self.options(flags, served.manifest), served), []
 
 
 def run_ttt(settings: TTTSettings, served: Served, predict: Callable[[np.ndarray], np.ndarray],

@@ -109,7 +109,7 @@ def overfit_hint(trained: TrainedModel, best, gap: float) -> str | None:
 
 def learning_rate_advice(trained: TrainedModel) -> str:
     """The learning rates to try when the network barely learned."""
-    from config import HF_LEARNING_RATE, LEARNING_RATE, is_hf_arch
+    from ttc.options.training import HF_LEARNING_RATE, LEARNING_RATE, is_hf_arch
 
     if is_hf_arch(trained.architecture.get("arch")):
         return (f"--lr_candidates {HF_LEARNING_RATE:g},5e-5,1e-4 (fine-tuning a transformer "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from config import Config
 from ttc.inputs.data import Dataset
 from ttc.training.health import class_counts, train_section
 from ttc.serving.bundle import (BundlePaths, Manifest, manifest_text, new_manifest,
@@ -19,30 +18,35 @@ if TYPE_CHECKING:
     import dspy
 
     from ttc.nets.training import TrainedModel
+    from ttc.options.stages import TrainingOptions
+    from ttc.options.training import TrainingFlags
 
 
-def cap_batch_size(config: Config, dataset: Dataset) -> None:
+def cap_batch_size(flags: TrainingFlags, dataset: Dataset) -> None:
     """A --batch_size above the training split's size trains on the whole split per step: say
-    so once, and use the split's size everywhere (training, validation, timing)."""
+    so once, and use the split's size everywhere (training, validation, timing). The CLI caps
+    its whole Config before it copies out the stages' options, so that export, quantization
+    and the benchmark take the capped value too (the report's settings, recorded before the
+    stages run, keep the flag as given)."""
     samples = len(dataset.train)
-    if config.batch_size > samples > 0:
+    if flags.batch_size > samples > 0:
         LOG.warning("--batch_size %d is larger than the training split (%d samples); using %d",
-                    config.batch_size, samples, samples)
-        config.batch_size = samples
+                    flags.batch_size, samples, samples)
+        flags.batch_size = samples
 
 
-def check_training_device(config: Config) -> None:
+def check_training_device(options: TrainingOptions) -> None:
     """--device and --amp against what torch sees (a local run; a Ray run's workers check
     their own): exit 2 for a GPU that is not there, before any data is read where one is
     named."""
-    if config.trains_on_ray():
+    if options.trains_on_ray():
         return
     from ttc.nets.device import precision_for, training_device
 
-    precision_for(config.amp, training_device(config.device))
+    precision_for(options.amp, training_device(options.device))
 
 
-def train_stage(config: Config, dataset: Dataset, report: dict,
+def train_stage(options: TrainingOptions, dataset: Dataset, report: dict,
                 teacher_lm: dspy.BaseLM | None = None) -> tuple[TrainedModel, Dataset]:
     """Training as pipeline.py and train.py run it: with --teacher_lm, the teacher labels the
     unlabeled texts and the student is trained twice, without and with them, so the report can
@@ -50,59 +54,60 @@ def train_stage(config: Config, dataset: Dataset, report: dict,
     `teacher_lm` replaces the LM --teacher_lm names (tests pass dspy.utils.DummyLM)."""
     from ttc.tasks.registry import task_for
 
-    check_training_device(config)
-    train_network = task_for(config.model_type).part("trainer")
-    if config.trains_on_ray():  # Ray Train (config refused the types it does not train)
+    check_training_device(options)
+    train_network = task_for(options.model_type).part("trainer")
+    if options.trains_on_ray():  # Ray Train (config.py refused the types it does not train)
         from ttc.distributed.driver import train_on_ray
 
         train_network = train_on_ray
-    if config.compresses():  # a network with no path for --prune / --qat: before training
+    if options.compresses():  # a network with no path for --prune / --qat: before training
         from ttc.compress.variants import check_compressible
 
-        check_compressible(config, dataset)
-    if not config.teacher_lm:
-        trained = train_network(config, dataset)
+        check_compressible(options, dataset)
+    if not options.teacher_lm:
+        trained = train_network(options, dataset)
         report["train"] = train_section(trained, dataset)
-        calibrate_network(config, trained, dataset, report)
-        compress_stage(config, trained, dataset, report)
+        calibrate_network(options, trained, dataset, report)
+        compress_stage(options, trained, dataset, report)
         return trained, dataset
     from ttc.nets.teacher import distill
 
-    distilled = distill(config, dataset, teacher_lm)
+    distilled = distill(options, dataset, teacher_lm)
     report["teacher"] = distilled.section
     LOG.info("student without the teacher's labels (%d training texts)", len(dataset.train))
-    baseline = train_network(config, dataset)
+    baseline = train_network(options, dataset)
     LOG.info("student with the teacher's labels (%d training texts)", len(distilled.dataset.train))
-    trained = train_network(config, distilled.dataset)
+    trained = train_network(options, distilled.dataset)
     report["train"] = train_section(trained, distilled.dataset)
     report["teacher"].update(teacher_comparison(baseline, dataset, trained, distilled.dataset))
-    calibrate_network(config, trained, distilled.dataset, report)
-    compress_stage(config, trained, distilled.dataset, report)
+    calibrate_network(options, trained, distilled.dataset, report)
+    compress_stage(options, trained, distilled.dataset, report)
     return trained, distilled.dataset
 
 
-def compress_stage(config: Config, trained: TrainedModel, dataset: Dataset, report: dict) -> None:
+def compress_stage(options: TrainingOptions, trained: TrainedModel, dataset: Dataset,
+                   report: dict) -> None:
     """--prune / --qat: the compressed variants of the trained network, fine-tuned (export
     exports and checks them, the gate judges them). In the report: train.compression."""
-    if not config.compresses():
+    if not options.compresses():
         return
     from ttc.compress.variants import compress_trained
 
-    trained.compressed, trained.fp32_record = compress_trained(config, trained, dataset)
+    trained.compressed, trained.fp32_record = compress_trained(options, trained, dataset)
     report["train"]["compression"] = [
         {"name": v.name, "recipe": v.recipe, "params": v.params, "macs": v.macs,
          "channels": v.channels, "val_accuracy_torch": v.val_accuracy_torch,
          "seconds": v.seconds, "history": v.history} for v in trained.compressed]
 
 
-def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
+def calibrate_network(options: TrainingOptions, trained: TrainedModel, dataset: Dataset,
                       report: dict) -> None:
     """--calibrate temperature: fit T on the validation split's logits (calibrate.py); the
     manifest records it and export bakes it into every graph. In the report: train.calibration."""
     from ttc.testtime.calibrate import RULES, calibrate_scores, no_fit
 
     task = task_of_kind(dataset.preprocessing["kind"])
-    if config.calibrate == "none":
+    if options.calibrate == "none":
         fit = no_fit("--calibrate none")
     elif task.uncalibrated:
         fit = no_fit(task.uncalibrated)
@@ -111,8 +116,8 @@ def calibrate_network(config: Config, trained: TrainedModel, dataset: Dataset,
         LOG.warning("calibration: %s", fit.note)
     else:
         logits, truth = task.part("validation_scores")(
-            trained.net, dataset.val, dataset.preprocessing, config.batch_size, config.seed)
-        fit = calibrate_scores(logits, truth, RULES[config.calibrate], config.seed)
+            trained.net, dataset.val, dataset.preprocessing, options.batch_size, options.seed)
+        fit = calibrate_scores(logits, truth, RULES[options.calibrate], options.seed)
         LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation %s with %d "
                  "errors, NLL %.4f → %.4f%s; %s: %s", fit.fitted,
                  " [%.3f, %.3f]" % tuple(fit.interval) if fit.interval else "", fit.method,
@@ -158,13 +163,13 @@ def teacher_comparison(baseline: TrainedModel, dataset: Dataset, student: Traine
     return row
 
 
-def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
+def build_manifest(options: TrainingOptions, trained: TrainedModel, dataset: Dataset,
                    teacher: dict | None = None, paths: BundlePaths | None = None) -> dict:
     """The bundle manifest as training knows it (bundle.new_manifest); export fills the rest."""
     from ttc.nets.models import input_spec
 
     return new_manifest(
-        model_type=config.model_type, labels=trained.labels,
+        model_type=options.model_type, labels=trained.labels,
         input_spec=input_spec(trained.preprocessing), preprocessing=trained.preprocessing,
         architecture=trained.architecture,
         dataset={**dataset.options.to_manifest(), "given_splits": dataset.given_splits,
@@ -175,14 +180,14 @@ def build_manifest(config: Config, trained: TrainedModel, dataset: Dataset,
                   "optimizer": "WeightTrainer (dspy.teleprompt.Teleprompter): AdamW, " + (
                       "linear warm-up and decay, gradients clipped to norm 1"
                       if trained.architecture["name"] == "HFTextNet" else
-                      "one-cycle" if config.lr_schedule == "one_cycle" else
+                      "one-cycle" if options.lr_schedule == "one_cycle" else
                       "warm-up, stable, decay"),
-                  "epochs": config.epochs, "batch_size": config.batch_size,
-                  "learning_rate": config.learning_rate,
-                  **regularisation_record(config, trained),
-                  "train_augment": config.train_augment, "seed": config.seed,
-                  "augment_transforms": (config.tta_transforms or "default")
-                  if config.tta and config.train_augment else None,
+                  "epochs": options.epochs, "batch_size": options.batch_size,
+                  "learning_rate": options.learning_rate,
+                  **regularisation_record(options, trained),
+                  "train_augment": options.train_augment, "seed": options.seed,
+                  "augment_transforms": (options.tta_transforms or "default")
+                  if options.tta and options.train_augment else None,
                   **trained.report_section(), "teacher": teacher},
         calibration=trained.calibration) | compression_entry(trained, paths)
 
@@ -201,22 +206,22 @@ def compression_entry(trained: TrainedModel, paths: BundlePaths | None) -> dict:
     return {"compression": compression_draft(trained.compressed, trained.fp32_record, paths)}
 
 
-def regularisation_record(config: Config, trained: TrainedModel) -> dict:
+def regularisation_record(options: TrainingOptions, trained: TrainedModel) -> dict:
     """The manifest's record of how the weights were regularised, and where the defaults came
     from."""
-    chosen = config.regularisation(config.model_type, config.arch, config.model_def)
+    chosen = options.regularisation(options.model_type, options.arch, options.model_def)
     return {"weight_decay": chosen.weight_decay, "dropout": trained.architecture.get("dropout"),
             "label_smoothing": chosen.label_smoothing, "max_norm": chosen.max_norm or None,
-            "patience": config.patience, "lr_schedule": config.lr_schedule,
+            "patience": options.patience, "lr_schedule": options.lr_schedule,
             "regularisation_source": chosen.source or None}
 
 
-def save_checkpoint(config: Config, trained: TrainedModel, dataset: Dataset,
+def save_checkpoint(options: TrainingOptions, trained: TrainedModel, dataset: Dataset,
                     paths: BundlePaths, teacher: dict | None = None) -> dict:
     """train.py alone: weights and a manifest without an ONNX graph (export.py adds it)."""
     from ttc.nets.models import save_weights, side_files
 
-    manifest = build_manifest(config, trained, dataset, teacher, paths)
+    manifest = build_manifest(options, trained, dataset, teacher, paths)
     record_weights(manifest, paths, save_weights(trained.net, paths.weights))
     for variant in trained.compressed:  # export.py rebuilds and exports them
         key, path = f"weights_{variant.name}", paths.variant_weights(variant.name)
@@ -246,7 +251,8 @@ def torch_variant(net, paths: BundlePaths):
     return Variant("pytorch eager fp32", "torch cpu", paths.weights.stat().st_size, predict)
 
 
-def train_ensemble_members(config, dataset, first) -> list:
+def train_ensemble_members(options: TrainingOptions, dataset: Dataset,
+                           first: TrainedModel) -> list:
     """--ensemble_size N: N − 1 more networks on the same data, seeds --seed+1, ..., at the
     learning rate the candidate search chose for the first."""
     from dataclasses import replace
@@ -254,10 +260,10 @@ def train_ensemble_members(config, dataset, first) -> list:
     from ttc.nets.training import train_classifier
 
     members = []
-    for k in range(1, config.ensemble_size):
-        LOG.info("ensemble member %d of %d (seed %d)", k + 1, config.ensemble_size,
-                 config.seed + k)
-        member_config = replace(config, seed=config.seed + k, learning_rate=first.learning_rate,
-                                lr_candidates=None, num_candidates=1)
-        members.append(train_classifier(member_config, dataset).net)
+    for k in range(1, options.ensemble_size):
+        LOG.info("ensemble member %d of %d (seed %d)", k + 1, options.ensemble_size,
+                 options.seed + k)
+        member = replace(options, seed=options.seed + k, learning_rate=first.learning_rate,
+                         lr_candidates=None, num_candidates=1)
+        members.append(train_classifier(member, dataset).net)
     return members

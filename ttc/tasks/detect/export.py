@@ -28,7 +28,7 @@ from ttc.tasks.segment.export import MAX_CHECK_IMAGES, probes_at_two_sizes
 from utils import LOG, ExportError, first_line
 
 if TYPE_CHECKING:
-    from config import Config
+    from ttc.options.stages import ExportOptions
 
 MIN_MATCHED_IOU = 0.99  # the issue's: a graph box and PyTorch's overlap at least this much
 CHECK_BATCH_SIZES = (1, 4, 8)
@@ -261,12 +261,12 @@ def require_close(check: DetectionCheck, atol: float) -> None:
                           raise_flags=("validate_atol",))
 
 
-def nms_settings(config, preprocessing: dict) -> NmsSettings:
+def nms_settings(options: ExportOptions, preprocessing: dict) -> NmsSettings:
     """The bundle's NMS settings (recorded at training), with --iou_threshold,
     --score_threshold and --max_detections over them where export.py was given them."""
     recorded = NmsSettings.from_preprocessing(preprocessing)
-    given: Sequence[str] = getattr(config, "given", ())
-    return NmsSettings(*(getattr(config, name) if name in given else getattr(recorded, name)
+    given: Sequence[str] = getattr(options, "given", ())
+    return NmsSettings(*(getattr(options, name) if name in given else getattr(recorded, name)
                          for name in ("iou_threshold", "score_threshold", "max_detections")))
 
 
@@ -279,23 +279,23 @@ def export_detection_bundle(job: ExportJob) -> ExportResult:
     preprocessing.nms."""
     from ttc.tasks.detect.evaluate import detection_runner
 
-    config, net, samples, draft = job.config, job.net, job.samples, job.draft
-    nms = nms_settings(config, draft["preprocessing"])
+    options, net, samples, draft = job.options, job.net, job.samples, job.draft
+    nms = nms_settings(options, draft["preprocessing"])
     draft["preprocessing"]["nms"] = nms.record()
     job = dataclasses.replace(job, manifest=as_manifest(draft))
     try:  # one trace for the deployable graph and the adaptation graph (ttc/convert/graphs.py)
-        raw = export_candidates(net, samples[:2], config.opset, optimize=False)
+        raw = export_candidates(net, samples[:2], options.opset, optimize=False)
         exported = append_nms(optimised(raw), nms.iou_threshold, nms.score_threshold,
                               nms.max_detections)
     except (RuntimeError, ValueError, TypeError) as err:
-        raise ExportError(f"torch.onnx.export failed at opset {config.opset}: "
+        raise ExportError(f"torch.onnx.export failed at opset {options.opset}: "
                           f"{first_line(err)}", "rerun with --log_level DEBUG") from err
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     session = create_session(slimmed.SerializeToString(),
-                             RuntimeOptions(intra_op_threads=config.num_threads))
+                             RuntimeOptions(intra_op_threads=options.num_threads))
     check = compare_detections(detection_runner(session), net, samples, nms,
-                               config.validate_atol)
+                               options.validate_atol)
     LOG.info("export ok: %d → %d nodes after onnxslim; %d detections equal to PyTorch's "
              "(IoU ≥ %.4f, scores within %.2g) at batch %s and %s", len(exported.graph.node),
              len(slimmed.graph.node), check.detections, check.min_matched_iou,
@@ -307,16 +307,16 @@ def export_detection_bundle(job: ExportJob) -> ExportResult:
         "detections_checked": check.detections, "min_matched_iou": check.min_matched_iou,
         "count_mismatches": check.count_mismatches, "ties": check.ties,
         "resolutions_checked": check.resolutions, "nms": nms.record()})
-    adaptation = detection_adaptation_graph(config, raw, samples, nms,
+    adaptation = detection_adaptation_graph(options, raw, samples, nms,
                                             detection_runner(session))
     extras = {"bn": adaptation} if adaptation else {}
-    if config.tta:
-        extras["tta"] = detection_tta_graph(config, net, samples, nms)
+    if options.tta:
+        extras["tta"] = detection_tta_graph(options, net, samples, nms)
     write_bundle(slimmed, net, result, extras)
     return result
 
 
-def detection_adaptation_graph(config: Config, raw: onnx.ModelProto, samples: np.ndarray,
+def detection_adaptation_graph(options: ExportOptions, raw: onnx.ModelProto, samples: np.ndarray,
                                nms: NmsSettings, deployed: Callable) -> ExtraGraph | None:
     """A detector's graph for --ttt bn (model.bn.onnx): the candidates' unoptimised export
     (`raw`, the same trace the deployable graph was optimised from) constant-folded, so that
@@ -331,11 +331,11 @@ def detection_adaptation_graph(config: Config, raw: onnx.ModelProto, samples: np
     graph = append_nms(candidates, nms.iou_threshold, nms.score_threshold, nms.max_detections)
     check_graph(graph)
     session = create_session(graph.SerializeToString(),
-                             RuntimeOptions(intra_op_threads=config.num_threads))
+                             RuntimeOptions(intra_op_threads=options.num_threads))
     diff = max_score_diff(detection_runner(session), deployed,
                           np.ascontiguousarray(samples[:MAX_CHECK_IMAGES]),
                           "BatchNorm adaptation graph")
-    _require_close(diff, "BatchNorm adaptation graph", config)
+    _require_close(diff, "BatchNorm adaptation graph", options)
     layers = sum(n.op_type == "BatchNormalization" for n in graph.graph.node)
     LOG.info("adaptation graph: %d BatchNorm layers kept, max score diff to the exported graph "
              "%.2g", layers, diff)
@@ -344,7 +344,7 @@ def detection_adaptation_graph(config: Config, raw: onnx.ModelProto, samples: np
                               "batchnorm_layers": layers, "max_abs_diff": diff})
 
 
-def detection_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
+def detection_tta_graph(options: ExportOptions, net: torch.nn.Module, samples: np.ndarray,
                         nms: NmsSettings) -> ExtraGraph:
     """--tta for a detector: its views (--tta_transforms, default the TASK entry's) with their
     boxes mapped back and fused inside one graph (model.tta.onnx: ttc/tasks/detect/tta.py and
@@ -356,16 +356,16 @@ def detection_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarra
     from ttc.tasks.detect.tta import (default_settings, export_view_candidates,
                                       parse_box_views, tta_reference)
 
-    views_text = detector_views(config.tta_transforms)
+    views_text = detector_views(options.tta_transforms)
     views = parse_box_views(views_text)
     settings = default_settings(nms, len(views))
-    candidates = export_view_candidates(net, views, samples[:2], config.opset)
+    candidates = export_view_candidates(net, views, samples[:2], options.opset)
     graph = append_fusion(slim_graph(candidates), len(views), settings)
     check_graph(graph)
     session = create_session(graph.SerializeToString(),
-                             RuntimeOptions(intra_op_threads=config.num_threads))
+                             RuntimeOptions(intra_op_threads=options.num_threads))
     check = compare_detections(detection_runner(session), net, samples, nms,
-                               config.validate_atol, tta_reference(net, views, settings))
+                               options.validate_atol, tta_reference(net, views, settings))
     LOG.info("TTA graph (%s, box fusion at IoU %.2f) ok: %d detections equal to PyTorch's and "
              "numpy's (IoU ≥ %.4f, scores within %.2g)", views_text, settings.fusion_iou,
              check.detections, check.min_matched_iou, check.max_abs_diff)

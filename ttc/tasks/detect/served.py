@@ -35,7 +35,7 @@ class DetectorServing(ImageServing):
     def __init__(self, opened: Any) -> None:
         super().__init__(opened)
         options = DetectBatchOptions(REQUEST, REQUEST.with_suffix(".jsonl"),
-                                     min_score=float(getattr(opened.config, "min_score", 0.0)))
+                                     min_score=float(opened.options.min_score))
         self.predicting = Predicting(options, self.preprocessing, self.labels, self.run)
         self.rows = RowWriter(None, "jsonl", self.labels)  # its records only, no file
 

@@ -31,22 +31,22 @@ def evaluate_detector(run: SplitRun) -> None:
     graph), scored with COCO's metrics (evaluate.py), and its latency."""
     from ttc.tasks.detect.evaluate import run_test_split
 
-    config, manifest, report = run.config, run.manifest, run.report
+    options, manifest, report = run.options, run.manifest, run.report
     result, report["evaluation"], found = run_test_split(
         run.session, str(run.model_path), *run.test, manifest.labels,
-        manifest.dataset.train_class_counts, config.batch_size)
+        manifest.dataset.train_class_counts, options.batch_size)
     LOG.info("inference on %s: mAP@[.5:.95] %.4f, mAP@.5 %.4f, p50 %.3f ms/batch of %d, "
              "%.0f images/s", ", ".join(result.providers_active), result.map, result.map50,
-             result.latency_ms_p50, config.batch_size, result.throughput_per_s)
+             result.latency_ms_p50, options.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
-    if config.tta:
+    if options.tta:
         plain_model = Path(run.model_path) == run.paths.onnx
         report["tta"] = detector_tta(run.paths, manifest, run.test, found if plain_model else None,
-                                     config.tta_transforms, config.runtime(), config.batch_size)
-    if config.ttt:
+                                     options.tta_transforms, options.runtime(), options.batch_size)
+    if options.ttt:
         report["ttt"] = detector_ttt(run.paths, manifest, run.test,
-                                     config.ttt_settings(manifest.preprocessing.kind),
-                                     config.runtime())
+                                     options.ttt_settings(manifest.preprocessing.kind),
+                                     options.runtime())
 
 
 def detector_tta(paths: BundlePaths, manifest: Manifest, test: tuple[np.ndarray, Sequence],
@@ -110,17 +110,17 @@ def predict_detections(run: InputRun) -> None:
     from ttc.tasks.detect.evaluate import detection_runner
     from ttc.tasks.detect.predict import DetectBatchOptions, predict_detections_input
 
-    config = run.config
-    options = DetectBatchOptions(
-        input=Path(config.input), output=Path(config.output), output_format=config.output_format,
-        min_score=config.min_score, overlay=config.overlay, batch_size=config.batch_size,
-        errors=config.errors, allow_errors=config.allow_errors,
-        show_progress=not config.no_progress)
-    if config.engine == "ray":
-        predict_detections_with_ray(run, options)
+    options = run.options
+    batch = DetectBatchOptions(
+        input=Path(options.input), output=Path(options.output), output_format=options.output_format,
+        min_score=options.min_score, overlay=options.overlay, batch_size=options.batch_size,
+        errors=options.errors, allow_errors=options.allow_errors,
+        show_progress=not options.no_progress)
+    if options.engine == "ray":
+        predict_detections_with_ray(run, batch)
         return
     manifest, session, _ = run.open()
-    predict_detections_input(options, manifest.preprocessing.spec, list(manifest.labels),
+    predict_detections_input(batch, manifest.preprocessing.spec, list(manifest.labels),
                              detection_runner(session), run.report)
 
 

@@ -20,7 +20,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import dspy
 import numpy as np
@@ -42,6 +42,9 @@ from ttc.tasks.detect.nms import detect
 from ttc.tasks.detect.pretrained import init_pretrained, require_pretrained
 from utils import LOG, ConfigError, TrainingError
 
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
+
 INPUT_FIELD = "image"
 DEFAULT_ARCH = "centernet"
 EVAL_BATCH = 64  # images per forward pass when scoring
@@ -59,8 +62,8 @@ class NmsSettings:
     max_detections: int = 100
 
     @classmethod
-    def from_config(cls, config) -> "NmsSettings":
-        return cls(*(getattr(config, name, getattr(cls, name))
+    def from_options(cls, options: TrainingOptions) -> "NmsSettings":
+        return cls(*(getattr(options, name, getattr(cls, name))
                      for name in ("iou_threshold", "score_threshold", "max_detections")))
 
     @classmethod
@@ -313,7 +316,7 @@ class DetectorSearch(CandidateSearch):
 # ----------------------------------------------------------------------------- the stage
 
 
-def detection_architecture(config, dataset: Dataset) -> dict:
+def detection_architecture(options: TrainingOptions, dataset: Dataset) -> dict:
     """The manifest's architecture record: --model_def's network (the bundle keeps its file), or
     --arch's (default: our CenterNet) with the run's dropout (--dropout, or the network's
     default); --pretrained needs its weights in the torch hub cache (exit 3 before training),
@@ -321,15 +324,15 @@ def detection_architecture(config, dataset: Dataset) -> dict:
     transform does, always)."""
     from ttc.nets.models import architecture_for
 
-    if getattr(config, "model_def", None):
-        path, factory = config.model_def_parts()
+    if getattr(options, "model_def", None):
+        path, factory = options.model_def_parts()
         return user_architecture(path.resolve(), factory, dataset.preprocessing,
                                  len(dataset.labels))
-    arch = getattr(config, "arch", None) or DEFAULT_ARCH
-    dropout = (config.regularisation(config.model_type, config.arch, None).dropout
-               if hasattr(config, "regularisation") else getattr(config, "dropout", None))
+    arch = getattr(options, "arch", None) or DEFAULT_ARCH
+    dropout = (options.regularisation(options.model_type, options.arch, None).dropout
+               if hasattr(options, "regularisation") else getattr(options, "dropout", None))
     record = architecture_for(dataset.preprocessing, len(dataset.labels), arch, dropout=dropout)
-    if getattr(config, "pretrained", False):
+    if getattr(options, "pretrained", False):
         require_pretrained(arch)
         if record["name"] == "MobileNetCenterNet":
             record["normalization"] = "imagenet"
@@ -343,18 +346,18 @@ def build_detector(architecture: dict, preprocessing: dict) -> nn.Module:
         **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
 
 
-def starting_weights(config, net: nn.Module) -> Transfer | None:
+def starting_weights(options: TrainingOptions, net: nn.Module) -> Transfer | None:
     """--pretrained: torchvision's weights into the detector (pretrained.py)."""
-    if getattr(config, "pretrained", False):
-        return init_pretrained(net, config.arch)
+    if getattr(options, "pretrained", False):
+        return init_pretrained(net, options.arch)
     return None
 
 
-def check_detector_output(net: nn.Module, dataset: Dataset, config) -> None:
+def check_detector_output(net: nn.Module, dataset: Dataset, options: TrainingOptions) -> None:
     """A --model_def network must map a batch of training images (N, C, H, W) to the two heads
     the decoding reads: heatmap logits (N, classes, h, w) and raw box distances (N, 4, h, w),
     h = ceil(H / 4), w = ceil(W / 4) (a forward that fails is the user's error, exit 2)."""
-    if not getattr(config, "model_def", None) or len(dataset.train) == 0:
+    if not getattr(options, "model_def", None) or len(dataset.train) == 0:
         return
     sample = torch.from_numpy(np.ascontiguousarray(dataset.train.x[:2], dtype=np.float32))
     with torch.no_grad():
@@ -365,47 +368,47 @@ def check_detector_output(net: nn.Module, dataset: Dataset, config) -> None:
               if isinstance(outputs, (tuple, list)) else
               tuple(outputs.shape) if torch.is_tensor(outputs) else type(outputs).__name__)
     if shapes != expected:
-        raise ConfigError(f"--model_def {config.model_def}: forward returned {shapes} for a "
+        raise ConfigError(f"--model_def {options.model_def}: forward returned {shapes} for a "
                           f"batch of {tuple(sample.shape)}; expected heatmap logits and box "
                           f"distances {expected} (stride 4: ceil(height / 4), ceil(width / 4))",
                           "return (heatmap_logits, box_distances), see docs/detection.md's "
                           "'Your own network'")
     if not all(t.is_floating_point() for t in outputs):
-        raise ConfigError(f"--model_def {config.model_def}: forward returned "
+        raise ConfigError(f"--model_def {options.model_def}: forward returned "
                           f"{[str(t.dtype) for t in outputs]}; expected floating point",
                           "return float tensors")
 
 
-def weight_decay_of(config) -> float:
-    if hasattr(config, "regularisation"):
-        return config.regularisation(config.model_type, config.arch, None).weight_decay
-    weight_decay = getattr(config, "weight_decay", None)
+def weight_decay_of(options: TrainingOptions) -> float:
+    if hasattr(options, "regularisation"):
+        return options.regularisation(options.model_type, options.arch, None).weight_decay
+    weight_decay = getattr(options, "weight_decay", None)
     return 1e-4 if weight_decay is None else weight_decay
 
 
-def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
+def plan_training(options: TrainingOptions, dataset: Dataset, engine: str = "local") -> ImagePlan:
     """Build the detector for this data (checked and announced once), and the factories of
     its DetectorProgram (a student per seed) and DetectionTrainer (per learning rate and
     seed), with a local run's checkpoints (--checkpoint_dir, --resume) when asked: what the
     local run (train_detector) and a Ray run's driver (ttc/distributed) train from. The NMS
     settings go into the preprocessing record, which the manifest keeps and export bakes."""
     started = time.perf_counter()
-    nms = NmsSettings.from_config(config)
+    nms = NmsSettings.from_options(options)
     dataset.preprocessing = {**dataset.preprocessing, "nms": nms.record()}
-    architecture = detection_architecture(config, dataset)
+    architecture = detection_architecture(options, dataset)
     wrap = functools.partial(DetectorProgram, labels=list(dataset.labels), nms=nms)
     transfers: list[Transfer] = []
 
     def make_student(seed: int) -> DetectorProgram:
         torch.manual_seed(seed)
         net = build_detector(architecture, dataset.preprocessing)
-        transfer = starting_weights(config, net)
+        transfer = starting_weights(options, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
         return wrap(net)
 
-    first = make_student(config.seed).net
-    check_detector_output(first, dataset, config)
+    first = make_student(options.seed).net
+    check_detector_output(first, dataset, options)
     architecture["num_parameters"] = count_parameters(first)
     LOG.info("training %s (%d parameters) on %d images (%d boxes), validating on %d",
              architecture.get("arch") or architecture["name"], architecture["num_parameters"],
@@ -413,34 +416,34 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
-    store = checkpoint_store(config, dataset, architecture, engine)
-    device = training_device(config.device)
+    store = checkpoint_store(options, dataset, architecture, engine)
+    device = training_device(options.device)
 
     def make_trainer(learning_rate: float, seed: int) -> DetectionTrainer:
-        trainer = DetectionTrainer(epochs=config.epochs, batch_size=config.batch_size,
+        trainer = DetectionTrainer(epochs=options.epochs, batch_size=options.batch_size,
                                    learning_rate=learning_rate,
-                                   weight_decay=weight_decay_of(config), seed=seed,
-                                   lr_schedule=config.lr_schedule, patience=config.patience,
-                                   show_progress=not getattr(config, "no_progress", False))
+                                   weight_decay=weight_decay_of(options), seed=seed,
+                                   lr_schedule=options.lr_schedule, patience=options.patience,
+                                   show_progress=not getattr(options, "no_progress", False))
         trainer.checkpoints = store
-        trainer.device, trainer.amp = device, config.amp
+        trainer.device, trainer.amp = device, options.amp
         return trainer
 
     return ImagePlan(architecture, make_student, make_trainer, DetectorSearch, BoxRecall(),
                      to_examples, trained_detector, build_detector, wrap, transfers, started)
 
 
-def train_detector(config, dataset: Dataset) -> TrainedModel:
+def train_detector(options: TrainingOptions, dataset: Dataset) -> TrainedModel:
     """Build the detector for this data, wrap it in DetectorProgram and compile it with
     DetectorSearch (one DetectionTrainer per learning rate and seed; one by default)."""
-    return train_images(config, dataset, plan_training(config, dataset))
+    return train_images(options, dataset, plan_training(options, dataset))
 
 
 def trained_detector(program: DetectorProgram, search: DetectorSearch, dataset: Dataset,
-                     architecture: dict, started: float, config,
+                     architecture: dict, started: float, options: TrainingOptions,
                      transfer: Transfer | None = None) -> TrainedModel:
     """What training hands to export: the chosen candidate's network and its history;
     train_accuracy is the training split's COCO mAP in eval mode, val_accuracy the best
     epoch's validation mAP."""
-    return image_trained_model(program, search, dataset, architecture, started, config,
+    return image_trained_model(program, search, dataset, architecture, started, options,
                                transfer, split_map(program, dataset.train))

@@ -27,7 +27,7 @@ from ttc.tasks.segment.views import parse_view_specs, views_text
 from utils import LOG, ExportError
 
 if TYPE_CHECKING:
-    from config import Config
+    from ttc.options.stages import ExportOptions
     from ttc.serving.bundle import Manifest
 
 MIN_MASK_AGREEMENT = 0.9999  # the issue's goal: 99.99 % of the pixels
@@ -136,18 +136,18 @@ def export_dense_bundle(job: ExportJob) -> ExportResult:
     resolutions (compare_segmentation); its BatchNorm graph (model.bn.onnx) for --ttt bn,
     checked against model.onnx, and with --tta its TTA graph. Both graphs come from one trace
     (ttc/convert/graphs.py)."""
-    config, net, manifest, samples = job.config, job.net, job.manifest, job.samples
+    options, net, manifest, samples = job.options, job.net, job.manifest, job.samples
     spec, temperature = manifest.input, manifest.temperature
-    raw = export_graph(net, samples[:2], config.opset, spec, manifest.output_names,
+    raw = export_graph(net, samples[:2], options.opset, spec, manifest.output_names,
                        optimize=False, temperature=temperature,
                        wrapper=SegmentationGraph(net, temperature))
     exported = optimised(raw)
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     session = create_session(slimmed.SerializeToString(),
-                             RuntimeOptions(intra_op_threads=config.num_threads))
+                             RuntimeOptions(intra_op_threads=options.num_threads))
     masks = compare_segmentation(lambda batch: session.run(None, {spec.name: batch}), net,
-                                 samples, config.validate_atol, config.batch_size, temperature)
+                                 samples, options.validate_atol, options.batch_size, temperature)
     LOG.info("export ok: %d → %d nodes after onnxslim, max |onnx - torch| %.2g, mask agreement "
              "%.4f%% of %d pixels at %s", len(exported.graph.node), len(slimmed.graph.node),
              masks.max_abs_diff, 100 * masks.top1_agreement, masks.pixels,
@@ -161,29 +161,29 @@ def export_dense_bundle(job: ExportJob) -> ExportResult:
     unoptimised = fold_constants(raw)
     has_batchnorm = any(n.op_type == "BatchNormalization" for n in unoptimised.graph.node)
     extras = {"bn": export_adaptation_graph(net, unoptimised if has_batchnorm else None,
-                                            samples, slimmed, config, manifest)}
-    if config.tta:
-        extras["tta"] = segmentation_tta_graph(config, net, samples, manifest)
+                                            samples, slimmed, options, manifest)}
+    if options.tta:
+        extras["tta"] = segmentation_tta_graph(options, net, samples, manifest)
     write_bundle(slimmed, net, result, {k: v for k, v in extras.items() if v is not None})
     return result
 
 
-def segmentation_tta_graph(config: Config, net: torch.nn.Module, samples: np.ndarray,
+def segmentation_tta_graph(options: ExportOptions, net: torch.nn.Module, samples: np.ndarray,
                            manifest: Manifest) -> ExtraGraph:
     """--tta for a segmenter: its views (--tta_transforms, default hflip) and the mean of their
     logits, mapped back onto the input's pixels, in one graph (model.tta.onnx), checked against
     the same module in PyTorch at two resolutions as model.onnx is."""
     spec, temperature = manifest.input, manifest.temperature
-    views = views_text(parse_view_specs(config.tta_transforms))
+    views = views_text(parse_view_specs(options.tta_transforms))
     merged = SegmentationTTA(net, parse_views(views)).eval()
-    graph = slim_graph(export_graph(merged, samples[:2], config.opset, spec,
+    graph = slim_graph(export_graph(merged, samples[:2], options.opset, spec,
                                     manifest.output_names, temperature=temperature,
                                     wrapper=SegmentationGraph(merged, temperature)))
     check_graph(graph)
     session = create_session(graph.SerializeToString(),
-                             RuntimeOptions(intra_op_threads=config.num_threads))
+                             RuntimeOptions(intra_op_threads=options.num_threads))
     check = compare_segmentation(lambda batch: session.run(None, {spec.name: batch}), merged,
-                                 samples, config.validate_atol, config.batch_size, temperature)
+                                 samples, options.validate_atol, options.batch_size, temperature)
     LOG.info("TTA graph (%s) ok: max |onnx - torch| %.2g, mask agreement %.4f%%", views,
              check.max_abs_diff, 100 * check.top1_agreement)
     return ExtraGraph(graph, {"views": views, "max_abs_diff": check.max_abs_diff,

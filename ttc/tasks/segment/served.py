@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import io
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from ttc.tasks.segment.evaluate import mask_runner
 from ttc.tasks.segment.masks import class_shares, mask_image
 from ttc.tasks.segment.predict import Listed, Predicting, predicted_batch, resized_mask
 from utils import ConfigError
+
+if TYPE_CHECKING:
+    from ttc.testtime.served import RunFlags
 
 IMAGE_KEY = "image"  # a row's key for its image (records.IMAGE_KEY: an image classifier's too)
 SHARE_DECIMALS = 6  # as the summary table's shares (predict.SummaryWriter)
@@ -38,7 +41,7 @@ class ImageServing:
         self.manifest, self.reader = opened.manifest, opened.reader
         self.preprocessing = opened.manifest.preprocessing.spec
         self.labels = list(opened.manifest.labels)
-        refuse_test_time(opened.config, opened.manifest.model_type)
+        refuse_test_time(opened.options, opened.manifest.model_type)
         self.run = self.runner(opened.session)
 
     @staticmethod
@@ -105,11 +108,11 @@ class ImageServing:
         return shown + (f" and {more} more" if more > 0 else "")
 
 
-def refuse_test_time(config: Any, model_type: str) -> None:
+def refuse_test_time(options: RunFlags, model_type: str) -> None:
     """An image model served is its graph as `inference.py --input` runs it: --tta, --ttt and
     --iterative do not apply to its new images (exit 2, before the port opens)."""
-    asked = [flag for flag, on in (("--tta", config.tta), ("--ttt", config.ttt),
-                                   ("--iterative", config.iterative != "none")) if on]
+    asked = [flag for flag, on in (("--tta", options.tta), ("--ttt", options.ttt),
+                                   ("--iterative", options.iterative != "none")) if on]
     if asked:
         raise ConfigError(f"serve.py runs an {model_type}'s graph as inference.py --input does: "
                           f"{' and '.join(asked)} do not apply to its new images yet",

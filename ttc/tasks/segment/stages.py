@@ -32,30 +32,30 @@ def evaluate_dense(run: SplitRun) -> None:
     pixels (mean IoU and the rest: evaluate.py), and its latency."""
     from ttc.tasks.segment.evaluate import run_test_split
 
-    config, manifest, test, report = run.config, run.manifest, run.test, run.report
+    options, manifest, test, report = run.options, run.manifest, run.test, run.report
     ignore_index = manifest.preprocessing.spec["ignore_index"]
     result, report["evaluation"], masks = run_test_split(
         run.session, str(run.model_path), *test, manifest.labels, ignore_index,
-        manifest.dataset.train_class_counts, config.batch_size)
+        manifest.dataset.train_class_counts, options.batch_size)
     LOG.info("inference on %s: pixel accuracy %.4f, mean IoU %.4f, p50 %.3f ms/batch of %d, "
              "%.0f images/s", ", ".join(result.providers_active), result.pixel_accuracy,
-             result.mean_iou, result.latency_ms_p50, config.batch_size, result.throughput_per_s)
+             result.mean_iou, result.latency_ms_p50, options.batch_size, result.throughput_per_s)
     report["inference"] = result.report_section()
-    if not (config.tta or config.ttt):
+    if not (options.tta or options.ttt):
         return
     session = run.session
     if Path(run.model_path) != run.paths.onnx:
         # TTA's and bn's graphs are fp32: they are compared with the fp32 graph
         session = create_session(str(require_onnx_in_bundle(run.paths, manifest)),
-                                 config.runtime(), classes=manifest.classes)
+                                 options.runtime(), classes=manifest.classes)
         masks = None
-    if config.tta:
+    if options.tta:
         report["tta"] = dense_tta(run.paths, manifest, session, test, masks,
-                                  config.tta_transforms, config.runtime(), config.batch_size)
-    if config.ttt:
+                                  options.tta_transforms, options.runtime(), options.batch_size)
+    if options.ttt:
         report["ttt"] = dense_ttt(run.paths, manifest, session, test,
-                                  config.ttt_settings(manifest.preprocessing.kind),
-                                  config.runtime())
+                                  options.ttt_settings(manifest.preprocessing.kind),
+                                  options.runtime())
 
 
 def dense_ttt(paths: BundlePaths, manifest: Manifest, session: ort.InferenceSession,
@@ -126,16 +126,16 @@ def predict_masks(run: InputRun) -> None:
     from ttc.tasks.segment.evaluate import mask_runner
     from ttc.tasks.segment.predict import SegmentBatchOptions, predict_images
 
-    config = run.config
-    options = SegmentBatchOptions(
-        input=Path(config.input), output=Path(config.output), mask_dir=config.mask_dir,
-        overlay=config.overlay, batch_size=config.batch_size, errors=config.errors,
-        allow_errors=config.allow_errors, show_progress=not config.no_progress)
-    if config.engine == "ray":
-        predict_masks_with_ray(run, options)
+    options = run.options
+    batch = SegmentBatchOptions(
+        input=Path(options.input), output=Path(options.output), mask_dir=options.mask_dir,
+        overlay=options.overlay, batch_size=options.batch_size, errors=options.errors,
+        allow_errors=options.allow_errors, show_progress=not options.no_progress)
+    if options.engine == "ray":
+        predict_masks_with_ray(run, batch)
         return
     manifest, session, _ = run.open()
-    predict_images(options, manifest.preprocessing.spec, list(manifest.labels),
+    predict_images(batch, manifest.preprocessing.spec, list(manifest.labels),
                    mask_runner(session), run.report)
 
 

@@ -19,7 +19,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import dspy
 import numpy as np
@@ -38,6 +38,9 @@ from ttc.tasks.segment.metrics import IGNORE_INDEX, PixelConfusion, summary_scor
 from ttc.tasks.segment.nets import SEGMENTATION_MODULES, SEGMENTATION_NETWORKS
 from ttc.tasks.segment.pretrained import init_backbone, require_backbone_file
 from utils import LOG, ConfigError, TrainingError
+
+if TYPE_CHECKING:
+    from ttc.options.stages import TrainingOptions
 
 INPUT_FIELD = "image"
 DEFAULT_ARCH = "unet"
@@ -272,39 +275,39 @@ class SegmenterSearch(CandidateSearch):
 # ----------------------------------------------------------------------------- the stage
 
 
-def segmentation_architecture(config, dataset: Dataset) -> dict:
+def segmentation_architecture(options: TrainingOptions, dataset: Dataset) -> dict:
     """The manifest's architecture record: --model_def's network (the bundle keeps its file), or
     --arch's (default: the U-Net) with the run's dropout where the network takes one
     (--dropout, or the network's default); --pretrained switches a torchvision network to
     ImageNet's normalisation, once its backbone weights are found (exit 3 before training)."""
-    if getattr(config, "model_def", None):
-        path, factory = config.model_def_parts()
+    if getattr(options, "model_def", None):
+        path, factory = options.model_def_parts()
         return user_architecture(path.resolve(), factory, dataset.preprocessing,
                                  len(dataset.labels))
-    arch = getattr(config, "arch", None) or DEFAULT_ARCH
+    arch = getattr(options, "arch", None) or DEFAULT_ARCH
     record = SEGMENTATION_NETWORKS[arch](dataset.preprocessing, len(dataset.labels))
-    dropout = fitting_settings(config)[1]
+    dropout = fitting_settings(options)[1]
     module = SEGMENTATION_MODULES[record["name"]]
     if dropout is not None and "dropout" in inspect.signature(module).parameters:
         record["dropout"] = float(dropout)
-    if getattr(config, "pretrained", False):
+    if getattr(options, "pretrained", False):
         require_backbone_file(arch)
         record["normalization"] = "imagenet"
     return record
 
 
-def starting_weights(config, net: nn.Module) -> Transfer | None:
+def starting_weights(options: TrainingOptions, net: nn.Module) -> Transfer | None:
     """--pretrained: the ImageNet backbone into a freshly built torchvision segmenter."""
-    if getattr(config, "pretrained", False):
-        return init_backbone(net, config.arch)
+    if getattr(options, "pretrained", False):
+        return init_backbone(net, options.arch)
     return None
 
 
-def check_segmenter_output(net: nn.Module, dataset: Dataset, config) -> None:
+def check_segmenter_output(net: nn.Module, dataset: Dataset, options: TrainingOptions) -> None:
     """A --model_def network must map a batch of training images (N, C, H, W) to logits
     (N, classes, H, W): one per class and pixel, at the input's height and width (a forward
     that fails is the user's error, exit 2, as anywhere: models.user_code)."""
-    if not getattr(config, "model_def", None) or len(dataset.train) == 0:
+    if not getattr(options, "model_def", None) or len(dataset.train) == 0:
         return
     sample = torch.from_numpy(np.ascontiguousarray(dataset.train.x[:2], dtype=np.float32))
     with torch.no_grad():
@@ -312,25 +315,25 @@ def check_segmenter_output(net: nn.Module, dataset: Dataset, config) -> None:
     expected = (len(sample), len(dataset.labels), *sample.shape[-2:])
     if not torch.is_tensor(logits) or tuple(logits.shape) != expected:
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
-        raise ConfigError(f"--model_def {config.model_def}: forward returned {shape} for a "
+        raise ConfigError(f"--model_def {options.model_def}: forward returned {shape} for a "
                           f"batch of {tuple(sample.shape)}; expected {expected} (one logit per "
                           "class and pixel, at the input's height and width)",
                           "return logits of shape (batch, num_classes, height, width): resize "
                           "them to the input's size, e.g. F.interpolate(logits, "
                           "size=images.shape[-2:], mode=\"bilinear\")")
     if not logits.is_floating_point():
-        raise ConfigError(f"--model_def {config.model_def}: forward returned {logits.dtype} "
+        raise ConfigError(f"--model_def {options.model_def}: forward returned {logits.dtype} "
                           "logits; expected floating point", "return float logits")
 
 
-def fitting_settings(config) -> tuple[float, float | None]:
+def fitting_settings(options: TrainingOptions) -> tuple[float, float | None]:
     """(weight decay, dropout): the network's regularisation with the flags over it, or the
-    config's own fields (weight decay 1e-4 when unset) for a config without that method."""
-    if hasattr(config, "regularisation"):
-        chosen = config.regularisation(config.model_type, config.arch, config.model_def)
+    options' own fields (weight decay 1e-4 when unset) for options without that method."""
+    if hasattr(options, "regularisation"):
+        chosen = options.regularisation(options.model_type, options.arch, options.model_def)
         return chosen.weight_decay, chosen.dropout
-    weight_decay = getattr(config, "weight_decay", None)
-    return (1e-4 if weight_decay is None else weight_decay), getattr(config, "dropout", None)
+    weight_decay = getattr(options, "weight_decay", None)
+    return (1e-4 if weight_decay is None else weight_decay), getattr(options, "dropout", None)
 
 
 def build_segmenter(architecture: dict, preprocessing: dict) -> nn.Module:
@@ -341,15 +344,15 @@ def build_segmenter(architecture: dict, preprocessing: dict) -> nn.Module:
         **architecture, mean=preprocessing.get("mean"), std=preprocessing.get("std"))
 
 
-def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
+def plan_training(options: TrainingOptions, dataset: Dataset, engine: str = "local") -> ImagePlan:
     """Build the network for this data (checked and announced once), and the factories of its
     SegmenterProgram (a student per seed) and SegmentationTrainer (per learning rate and
     seed), with a local run's checkpoints (--checkpoint_dir, --resume) when asked: what the
     local run (train_segmenter) and a Ray run's driver (ttc/distributed) train from."""
     started = time.perf_counter()
-    architecture = segmentation_architecture(config, dataset)
+    architecture = segmentation_architecture(options, dataset)
     ignore_index = int(dataset.preprocessing.get("ignore_index", IGNORE_INDEX))
-    weight_decay = fitting_settings(config)[0]
+    weight_decay = fitting_settings(options)[0]
     wrap = functools.partial(SegmenterProgram, labels=list(dataset.labels),
                              ignore_index=ignore_index)
     transfers: list[Transfer] = []
@@ -357,13 +360,13 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
     def make_student(seed: int) -> SegmenterProgram:
         torch.manual_seed(seed)
         net = build_segmenter(architecture, dataset.preprocessing)
-        transfer = starting_weights(config, net)
+        transfer = starting_weights(options, net)
         if transfer is not None and not transfers:
             transfers.append(transfer)
         return wrap(net)
 
-    first = make_student(config.seed).net
-    check_segmenter_output(first, dataset, config)
+    first = make_student(options.seed).net
+    check_segmenter_output(first, dataset, options)
     architecture["num_parameters"] = count_parameters(first)
     LOG.info("training %s (%d parameters) on %d images, validating on %d",
              architecture.get("arch") or architecture["name"], architecture["num_parameters"],
@@ -371,17 +374,17 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
     if len(dataset.val) == 0:
         LOG.warning("the validation split is empty: the best epoch is chosen on the training "
                     "split; add data or raise --val_fraction")
-    store = checkpoint_store(config, dataset, architecture, engine)
-    device = training_device(config.device)
+    store = checkpoint_store(options, dataset, architecture, engine)
+    device = training_device(options.device)
 
     def make_trainer(learning_rate: float, seed: int) -> SegmentationTrainer:
-        trainer = SegmentationTrainer(epochs=config.epochs, batch_size=config.batch_size,
+        trainer = SegmentationTrainer(epochs=options.epochs, batch_size=options.batch_size,
                                       learning_rate=learning_rate, weight_decay=weight_decay,
-                                      seed=seed, lr_schedule=config.lr_schedule,
-                                      patience=config.patience, ignore_index=ignore_index,
-                                      show_progress=not getattr(config, "no_progress", False))
+                                      seed=seed, lr_schedule=options.lr_schedule,
+                                      patience=options.patience, ignore_index=ignore_index,
+                                      show_progress=not getattr(options, "no_progress", False))
         trainer.checkpoints = store
-        trainer.device, trainer.amp = device, config.amp
+        trainer.device, trainer.amp = device, options.amp
         return trainer
 
     return ImagePlan(architecture, make_student, make_trainer, SegmenterSearch,
@@ -389,21 +392,21 @@ def plan_training(config, dataset: Dataset, engine: str = "local") -> ImagePlan:
                      build_segmenter, wrap, transfers, started)
 
 
-def train_segmenter(config, dataset: Dataset) -> TrainedModel:
+def train_segmenter(options: TrainingOptions, dataset: Dataset) -> TrainedModel:
     """Build the network for this data, wrap it in SegmenterProgram and compile it with
     SegmenterSearch (one SegmentationTrainer per learning rate and seed; one by default)."""
-    return train_images(config, dataset, plan_training(config, dataset))
+    return train_images(options, dataset, plan_training(options, dataset))
 
 
 def trained_segmenter(program: SegmenterProgram, search: SegmenterSearch, dataset: Dataset,
-                      architecture: dict, started: float, config,
+                      architecture: dict, started: float, options: TrainingOptions,
                       transfer: Transfer | None = None) -> TrainedModel:
     """What training hands to export: the chosen candidate's network and its history;
     train_accuracy is the training split's mean IoU in eval mode, val_accuracy the best
     epoch's validation mean IoU (both pooled over the split's pixels)."""
     train_miou = split_miou(program.net, dataset.train, len(dataset.labels),
                             program.ignore_index)
-    return image_trained_model(program, search, dataset, architecture, started, config,
+    return image_trained_model(program, search, dataset, architecture, started, options,
                                transfer, train_miou)
 
 

@@ -5,8 +5,13 @@ vocabulary (ttc/testtime/transforms.py): every transform that can map a mask bac
 `brightness:D`, `contrast:F`. The identity view is implied and always first."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ttc.testtime.transforms import accepted, parse_transform_specs
 from utils import ConfigError
+
+if TYPE_CHECKING:
+    from ttc.options.stages import FlagCheckOptions
 
 DEFAULT_VIEWS = "hflip"  # the TASK entry's default_tta
 
@@ -31,25 +36,25 @@ def parse_view_specs(spec: str, task: str = "segmentation") -> list[ViewSpec]:
     return [("identity", None), *entries]
 
 
-def check_segmenter_flags(config) -> None:
+def check_segmenter_flags(options: FlagCheckOptions) -> None:
     """What a segmenter's test-time compute takes, before any work (exit 2 otherwise): TTA views
     of this module's kinds; test-time training by bn, episodic; --eval_shift with --ttt."""
-    if config.tta or config.tta_transforms:
-        parse_view_specs(config.tta_transforms)
-    if config.ttt and config.ttt_guard == "reset":
+    if options.tta or options.tta_transforms:
+        parse_view_specs(options.tta_transforms)
+    if options.ttt and options.ttt_guard == "reset":
         raise ConfigError("--ttt_guard reset watches a batch's class mix, which a segmenter's "
                           "batches do not have", "use --ttt_guard filter (EATA's pixel "
                           "filter for tent) or none")
-    if config.ttt and config.ttt_mode != "episodic":
+    if options.ttt and options.ttt_mode != "episodic":
         raise ConfigError("--ttt_mode online: a segmenter adapts each batch on its own",
                           "use --ttt_mode episodic")
-    if config.eval_shift and not config.ttt:
+    if options.eval_shift and not options.ttt:
         raise ConfigError("--eval_shift measures a segmenter's mean IoU under each corruption "
                           "before and after test-time training", "add --ttt true")
-    if config.eval_shift:
+    if options.eval_shift:
         from ttc.inputs.shifts import parse_shift_names
 
-        parse_shift_names(config.eval_shift, "segmentation")
+        parse_shift_names(options.eval_shift, "segmentation")
 
 
 def views_text(views: list[ViewSpec]) -> str:
