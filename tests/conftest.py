@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import locale
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,6 +285,97 @@ def _group_in_node_id(item: pytest.Item, group: str) -> None:
     node_id = getattr(item, "_id", None)
     if "@" not in item.nodeid.rsplit("]", 1)[-1] and hasattr(type(node_id), "parse"):
         item._id = type(node_id).parse(f"{item.nodeid}@{group}")
+
+
+# ----------------------------------------------------------------------------- a running cluster
+# The Ray tests that compare a run on Ray with the local engine join one head node per test
+# worker (`--ray_address`), started as an operator starts one, instead of each run starting and
+# stopping a local cluster of its own (8-10 s each on two cores). A local cluster's own start,
+# stop and interruption stay tested: by the tests that kill or interrupt runs, by
+# tests/test_serve_ray.py and by the pages' commands (tests/test_docs_commands.py).
+RAY_GROUP = "ray"  # the xdist group of every test that starts or joins a Ray cluster
+
+
+@dataclass
+class RayHead:
+    process: subprocess.Popen
+    address: str
+
+
+_RAY_HEAD: list[RayHead] = []
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def start_ray_head() -> RayHead:
+    """`ray start --head --block` with 2 CPUs, every port its own (test workers and other runs
+    on this machine start heads too), ready once its GCS port accepts a connection. With its
+    dashboard: Ray Train's end-of-run watcher on a joined cluster asks it (driver.trainer_class)."""
+    port, dashboard, agent, client = free_ports(4)
+    ray = Path(sys.executable).with_name("ray")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    process = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", "--num-cpus", "2", "--port", str(port),
+         "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port", str(agent),
+         "--ray-client-server-port", str(client), "--disable-usage-stats"], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return RayHead(process, f"127.0.0.1:{port}")
+        except OSError:
+            assert process.poll() is None, f"`ray start --head` exited {process.returncode}"
+            assert time.monotonic() < deadline, "`ray start --head` did not open its port"
+            time.sleep(0.5)
+
+
+def stop_ray_head() -> None:
+    """This worker's head node and every process of it (the session `ray start` began) killed
+    at once: SIGTERM makes `ray start --block` drain the node, which after a job waits out a
+    30 s timeout."""
+    while _RAY_HEAD:
+        head = _RAY_HEAD.pop()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.process.pid, signal.SIGKILL)
+        head.process.wait(timeout=120)
+
+
+def ray_head() -> str:
+    """The address (127.0.0.1:PORT) of this test worker's running head node of 2 CPUs: started
+    on first use, stopped after the last test of the Ray group in a row (a module fixture of a
+    Ray test may ask too)."""
+    if not _RAY_HEAD:
+        _RAY_HEAD.append(start_ray_head())
+    return _RAY_HEAD[0].address
+
+
+@pytest.fixture()
+def ray_cluster() -> str:
+    """ray_head(): the running cluster a test joins by --ray_address."""
+    return ray_head()
+
+
+atexit.register(stop_ray_head)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _RAY_HEAD and not (nextitem and _in_ray_group(nextitem)):
+        stop_ray_head()
+
+
+def _in_ray_group(item: pytest.Item) -> bool:
+    return any(m.args[:1] == (RAY_GROUP,) for m in item.iter_markers("xdist_group"))
 
 
 def pipeline_bundle(out: Path, *args: object) -> dict:

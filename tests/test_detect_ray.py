@@ -5,8 +5,8 @@ the COCO results and images files, the overlays and the error rows are the same 
 code the same, and the Ray run's report has its `engine` section. Path checks fail before Ray is
 imported.
 
-Like tests/test_ray.py, a run here starts a Ray cluster of the machine's CPUs: the tests share
-that module's xdist worker."""
+Like tests/test_ray.py's, the Ray runs here join the test worker's running head node
+(conftest's ray_cluster, by --ray_address): the tests share that module's xdist worker."""
 from __future__ import annotations
 
 import json
@@ -45,13 +45,15 @@ def detect(bundle: dict, folder: Path, out: Path, *flags: str):
                    timeout=300)
 
 
-def test_rows_overlays_and_errors_on_ray_are_the_local_engine_s(boxes_bundle, tmp_path):
+def test_rows_overlays_and_errors_on_ray_are_the_local_engine_s(boxes_bundle, ray_cluster,
+                                                                tmp_path):
     folder = new_images(boxes_bundle["data"], tmp_path / "new")
     reports = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
         run = detect(boxes_bundle, folder, out / "dets.csv", "--overlay", "true", "--errors",
-                     out / "errors.csv", *(RAY if engine == "ray" else ()))
+                     out / "errors.csv",
+                     *((*RAY, "--ray_address", ray_cluster) if engine == "ray" else ()))
         # the corrupt image: exit 3 with everything written, as locally
         assert_clean_failure(run, EXIT_DATA, "1 of 14 images could not be predicted")
         reports[engine] = json.loads(run.stdout)  # nothing of Ray's on stdout
@@ -75,11 +77,12 @@ def test_rows_overlays_and_errors_on_ray_are_the_local_engine_s(boxes_bundle, tm
 
 
 def test_coco_results_on_ray_are_the_local_engine_s_and_paths_are_checked_first(
-        boxes_bundle, tmp_path):
+        boxes_bundle, ray_cluster, tmp_path):
     folder = new_images(boxes_bundle["data"], tmp_path / "new")
     for engine in ("local", "ray"):
         run = detect(boxes_bundle, folder, tmp_path / engine / "dets.json", "--output_format",
-                     "coco", "--allow_errors", "true", *(RAY if engine == "ray" else ()))
+                     "coco", "--allow_errors", "true",
+                     *((*RAY, "--ray_address", ray_cluster) if engine == "ray" else ()))
         assert run.returncode == 0, run.stderr[-3000:]
     for name in ("dets.json", "dets_images.json"):
         local, ray = (tmp_path / engine / name for engine in ("local", "ray"))

@@ -5,9 +5,11 @@ starts and mid-run: no process of it left); a running cluster joined by address;
 before Ray starts; Parquet in and out (tabular, text and image-path tables; Ctrl-C while a
 Parquet output is written).
 
-The tests here start Ray clusters of the machine's CPUs (2 on the machine they were written
-on), so they share one xdist worker (one at a time: the killing test must find its own
-workers)."""
+The tests that compare the engines join the test worker's running head node (conftest's
+ray_cluster, as `--ray_address` joins a cluster); those that kill or interrupt a run start a
+local cluster of the machine's CPUs (2 on the machine they were written on), as a run without
+--ray_address does. They share one xdist worker (one cluster at a time: the killing test must
+find its own workers)."""
 from __future__ import annotations
 
 import csv
@@ -81,7 +83,8 @@ def both_engines(model, tmp_path: Path, data: Path, suffix: str, *args: object,
     return outputs[0], outputs[1], report
 
 
-def test_tabular_parquet_on_ray_matches_local_with_bad_rows(tabular_bundle, tmp_path):
+def test_tabular_parquet_on_ray_matches_local_with_bad_rows(tabular_bundle, ray_cluster,
+                                                            tmp_path):
     rows = feature_rows(per_class=400, seed=3)
     rows[5]["weight"], rows[900]["height"] = "heavy", "tall"  # two rows that cannot be encoded
     frame = pd.DataFrame(rows)
@@ -90,7 +93,8 @@ def test_tabular_parquet_on_ray_matches_local_with_bad_rows(tabular_bundle, tmp_
     frame.to_parquet(data, row_group_size=300)  # 4 row groups: read by several tasks
     local, ray, report = both_engines(tabular_bundle["model"], tmp_path, data, ".parquet",
                                       "--top_k", "2", "--chunk_rows", "128",
-                                      ray_args=("--num_workers", "2"))
+                                      ray_args=("--num_workers", "2", "--ray_address",
+                                                ray_cluster))
     preds = assert_same_predictions(local, ray)
     assert len(preds) == 1198 and list(preds["id"][:3]) == ["1", "2", "3"]
     assert "6" not in set(preds["id"]) and "901" not in set(preds["id"])
@@ -103,24 +107,27 @@ def test_tabular_parquet_on_ray_matches_local_with_bad_rows(tabular_bundle, tmp_
     assert report["predictions"]["accuracy"] > 0.8
 
 
-def test_texts_on_ray_match_local(text_bundle, tmp_path):
+def test_texts_on_ray_match_local(text_bundle, ray_cluster, tmp_path):
     data = tmp_path / "texts.csv"
     texts = topic_texts(per_class=60, seed=5)
     data.write_text("text,label\n" + "".join(f'"{t}",{label}\n' for t, label in texts)
                     + '"",sports\n"=cmd|calc",\n')
     local, ray, report = both_engines(text_bundle["model"], tmp_path, data, ".jsonl",
-                                      "--top_k", "3", ray_args=("--worker_batch_size", "40"))
+                                      "--top_k", "3", ray_args=("--worker_batch_size", "40",
+                                                                 "--ray_address", ray_cluster))
     preds = assert_same_predictions(local, ray)
     assert len(preds) == 182 and preds["true_label"].iloc[-1] == ""
     assert report["engine"]["worker_batch_size"] == 40
 
 
-def test_image_folder_with_episodic_ttt_on_ray_matches_local(digits_bundle, tmp_path):
+def test_image_folder_with_episodic_ttt_on_ray_matches_local(digits_bundle, ray_cluster,
+                                                             tmp_path):
     folder = write_image_folder(tmp_path / "new", classes=(1, 4, 8), per_class=20)
     (folder / "4" / "broken.png").write_bytes(b"not a png")
     local, ray, _ = both_engines(digits_bundle["model"], tmp_path, folder, ".csv", "--ttt",
                                  "true", "--ttt_method", "bn", "--batch_size", "16",
-                                 "--chunk_rows", "32")
+                                 "--chunk_rows", "32",
+                                 ray_args=("--ray_address", ray_cluster))
     preds = assert_same_predictions(local, ray)
     assert len(preds) == 60 and set(preds["true_label"]) == {"1", "4", "8"}
     failed = list(csv.DictReader(open(tmp_path / "ray" / "errors.csv")))
@@ -134,7 +141,7 @@ def worker_pids(pid: int) -> set[int]:
 
 
 def test_a_worker_killed_mid_run_loses_no_row_and_an_interrupt_leaves_no_output(
-        tabular_bundle, tmp_path):
+        tabular_bundle, ray_cluster, tmp_path):
     # 12,000 rows in 6 parts of 2,000: the first part's predictions are written while 5 parts
     # are still to come, and the worker is killed then
     frame = pd.DataFrame(feature_rows(per_class=400, seed=4) * 10)
@@ -162,12 +169,14 @@ def test_a_worker_killed_mid_run_loses_no_row_and_an_interrupt_leaves_no_output(
     # Four times the rows (48,000): the run is cut a few seconds after its first rows. SIGINT as
     # from a terminal: a runner started in the background (`cmd &`, nohup) ignores SIGINT, its
     # children inherit that, and the tool rightly keeps an ignored SIGINT ignored (the cut run
-    # then finished, exit 0: the failures of 27 November 2026, first blamed on the input's size)
+    # then finished, exit 0: the failures of 27 November 2026, first blamed on the input's size).
+    # On the running cluster: a local cluster's own interruption is the SIGTERM test's
     more = tmp_path / "more.parquet"
     pd.concat([frame] * 4).to_parquet(more, row_group_size=2000)
     interrupted = subprocess.Popen([*map(str, args[:5]), str(more), *map(str, args[6:]),
                                     "--output", str(tmp_path / "cut.csv"), "--engine", "ray",
-                                    "--worker_batch_size", "64"], cwd=REPO, env=env,
+                                    "--worker_batch_size", "64", "--ray_address", ray_cluster],
+                                   cwd=REPO, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                     signal.SIG_DFL))
@@ -187,43 +196,16 @@ def test_a_worker_killed_mid_run_loses_no_row_and_an_interrupt_leaves_no_output(
     assert list(preds["id"]) == [str(i) for i in range(1, 12_001)]  # each row once, in order
 
 
-@pytest.fixture()
-def running_cluster(tmp_path):
-    """A head node started as an operator would (`ray start --head --block`), stopped after."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ray = Path(sys.executable).with_name("ray")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    head = subprocess.Popen([str(ray), "start", "--head", "--block", "--num-cpus", "2",
-                             "--port", str(port), "--include-dashboard", "false",
-                             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.5)
-    yield address
-    # The cluster is the test's own, every process of it in the session `ray start` began:
-    # killed at once. (SIGTERM makes `ray start --block` drain the node, which after a job
-    # waits out a 30 s timeout.)
-    os.killpg(head.pid, signal.SIGKILL)
-    head.wait(timeout=120)
-
-
 def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds_or_a_taken_port(
-        tabular_bundle, running_cluster, tmp_path):
+        tabular_bundle, ray_cluster, tmp_path):
+    """A head node an operator started (`ray start --head`, conftest's ray_cluster)."""
     data = tmp_path / "new.csv"
     rows = pd.DataFrame(feature_rows(per_class=30, seed=6))
     rows.loc[20, "weight"] = "heavy"  # its chunk's column is read as text, the others as numbers
     rows.to_csv(data, index=False)
     out = tmp_path / "preds.parquet"
     base = ["--model", tabular_bundle["model"], "--input", data, "--output", out,
-            "--engine", "ray", "--ray_address", running_cluster, "--no_progress", "true",
+            "--engine", "ray", "--ray_address", ray_cluster, "--no_progress", "true",
             "--chunk_rows", "16", "--allow_errors", "true"]
     run = run_cli("inference.py", *base, "--num_workers", "3")
     assert_clean_failure(run, 2, "--num_workers 3", "needs 3 CPUs", "has 2")
@@ -231,7 +213,7 @@ def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds_or_a_tak
     run = run_cli("inference.py", *base, "--report_json", tmp_path / "report.json")
     assert run.returncode == 0, run.stderr[-3000:]
     engine = json.loads((tmp_path / "report.json").read_text())["engine"]
-    assert engine["address"].endswith(running_cluster.rsplit(":", 1)[1])
+    assert engine["address"].endswith(ray_cluster.rsplit(":", 1)[1])
     preds = read_rows(out)
     assert len(preds) == 89 and "21" not in set(preds["id"])
     assert (preds["label"] == preds["true_label"]).mean() > 0.8
@@ -242,7 +224,7 @@ def test_joins_a_running_cluster_and_refuses_more_workers_than_it_holds_or_a_tak
         taken.listen(1)
         port = taken.getsockname()[1]
         run = run_cli("serve.py", "--model", tabular_bundle["model"], "--engine", "ray",
-                      "--ray_address", running_cluster, "--num_threads", "1", "--port", port)
+                      "--ray_address", ray_cluster, "--num_threads", "1", "--port", port)
     # Ray relays its Serve controller's shutdown log ("(raylet) Task ServeController... RPC
     # error: ...") on stderr now and then: a log line of Ray's, not the tool's error line
     own = Run(run.returncode, run.stdout, "\n".join(

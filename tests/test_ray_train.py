@@ -1,7 +1,8 @@
-"""Training on Ray Train (`pipeline.py` / `train.py --engine ray`) against a local run, on a local
-cluster of this machine's CPUs that each run starts and stops; and the training checkpoints
-(--checkpoint_dir, --resume) a local run keeps. The tests share the Ray tests' xdist worker:
-two clusters at once would not fit on two cores."""
+"""Training on Ray Train (`pipeline.py` / `train.py --engine ray`) against a local run: on the
+test worker's running head node (conftest's ray_cluster, joined by --ray_address), and on a
+local cluster of this machine's CPUs that the run starts and stops (the worker killed mid-epoch);
+and the training checkpoints (--checkpoint_dir, --resume) a local run keeps. The tests share the
+Ray tests' xdist worker: two clusters at once would not fit on two cores."""
 from __future__ import annotations
 
 import contextlib
@@ -42,11 +43,12 @@ def train(out: Path, *args: str) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
-def test_one_ray_worker_trains_the_local_run_s_weights(tmp_path):
+def test_one_ray_worker_trains_the_local_run_s_weights(ray_cluster, tmp_path):
     """Same seed, one worker: the epoch loop on the worker is the local one (EpochRunner), with
     the driver's starting weights and random state, so the weights agree to float noise."""
     local = train(tmp_path / "local")
-    ray = train(tmp_path / "ray", "--engine", "ray", "--num_workers", "1")
+    ray = train(tmp_path / "ray", "--engine", "ray", "--num_workers", "1", "--ray_address",
+                ray_cluster)
     assert max_difference(weights(tmp_path / "local"), weights(tmp_path / "ray")) <= 1e-5
     engine = ray["train"]["engine"]
     assert engine["engine"] == "ray" and engine["workers"] == 1
@@ -95,14 +97,15 @@ def test_a_local_search_resumes_each_candidate_from_its_own_checkpoint(tmp_path)
     assert_clean_failure(other, 2, "learning rates 0.001,0.003 there, 0.001,0.01 here")
 
 
-def test_the_parallel_search_keeps_the_sequential_search_s_winner(tmp_path):
+def test_the_parallel_search_keeps_the_sequential_search_s_winner(ray_cluster, tmp_path):
     """Three candidates, one of which diverges (1e6: NaN in epoch 1): as Ray Tune trials
     (one process each, two at once here) the same candidates are trained, skipped and scored as
     by the local search one after the other, and the same one is kept. Resumed for a third
     epoch, each trial continues its own checkpoint (the diverged one, without any, afresh)."""
     search = ["--lr_candidates", "1e-3,1e6,3e-3"]
     local = train(tmp_path / "local", *search)["train"]
-    ray = train(tmp_path / "ray", *search, "--engine", "ray")["train"]
+    on_ray = ["--engine", "ray", "--ray_address", ray_cluster]
+    ray = train(tmp_path / "ray", *search, *on_ray)["train"]
     assert (ray["learning_rate"], ray["seed"], ray["chosen_candidate"]) == \
         (local["learning_rate"], local["seed"], local["chosen_candidate"])
     assert [(d["index"], d["learning_rate"]) for d in ray["diverged_candidates"]] == \
@@ -119,7 +122,7 @@ def test_the_parallel_search_keeps_the_sequential_search_s_winner(tmp_path):
     engine = ray["engine"]
     assert engine["engine"] == "ray" and engine["trials"] == 3 and engine["trials_at_once"] >= 1
     assert engine["stopped_early_trials"] == []
-    more = train(tmp_path / "ray", *search, "--engine", "ray", "--epochs", "3", "--resume",
+    more = train(tmp_path / "ray", *search, *on_ray, "--epochs", "3", "--resume",
                  "true")["train"]  # each trial from its checkpoint; the diverged one afresh
     assert more["engine"]["candidates_resumed_from_epoch"] == [2, None, 2]
     assert [h["epoch"] for h in more["history"]] == [1, 2, 3]
@@ -244,7 +247,8 @@ def build(num_classes, input_spec):
 '''
 
 
-def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
+def bad_inputs(tmp_path: Path, cluster: str) -> list[tuple[list, int, str]]:
+    """The cases; the one found on the workers, on the running `cluster`."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "net.py").write_text(MODEL_DEF)
     out = str(tmp_path / "bad" / "model.onnx")
@@ -258,8 +262,8 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
         (["--resume", "true", "--checkpoint_dir", str(tmp_path / "empty")], 2,
          "holds no checkpoint"),
         (["--checkpoint_dir", out], 2, "is the same path as --output_model"),
-        (["--engine", "ray", "--num_workers", "1", "--model_def", f"{tmp_path / 'net.py'}:build"],
-         2, "cannot be built on the Ray workers"),
+        (["--engine", "ray", "--num_workers", "1", "--model_def", f"{tmp_path / 'net.py'}:build",
+          "--ray_address", cluster], 2, "cannot be built on the Ray workers"),
     ]
     if torch.cuda.device_count() == 0:
         cases.append((["--engine", "ray", "--num_workers", "1", "--use_gpu", "true"], 2,
@@ -270,10 +274,10 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, int, str]]:
     return [(case, code, phrase) for case, code, phrase in cases]
 
 
-def test_bad_input_is_one_line_and_its_exit_code(tmp_path):
+def test_bad_input_is_one_line_and_its_exit_code(ray_cluster, tmp_path):
     """Each before training starts (the model_def one once the cluster is up), one error line,
     no traceback, no bundle."""
-    for args, code, phrase in bad_inputs(tmp_path):
+    for args, code, phrase in bad_inputs(tmp_path, ray_cluster):
         run = run_cli("train.py", *DIGITS, "--output_model", tmp_path / "bad" / "model.onnx",
                       *args)
         assert_clean_failure(run, code, phrase)

@@ -1,6 +1,7 @@
 """A segmenter and a detector on Ray Train (`train.py` / `pipeline.py --model_type
-image_segmenter|object_detector --engine ray`) against a local run, on a local cluster of this
-machine's CPUs that each run starts and stops; and a segmenter's local checkpoints (--resume).
+image_segmenter|object_detector --engine ray`) against a local run, on the test worker's
+running head node (conftest's ray_cluster, joined by --ray_address); and a segmenter's local
+checkpoints (--resume).
 Tiny canvases and two epochs: the runs are shared by the tests (module fixtures), and the
 tests share the Ray tests' xdist worker (two clusters at once would not fit on two cores)."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import assert_clean_failure, run_cli
+from conftest import assert_clean_failure, ray_head, run_cli
 from ttc.tasks.detect.canvases import write_yolo_canvases
 from ttc.tasks.segment.canvases import write_digit_canvases
 
@@ -42,12 +43,14 @@ def train(out: Path, *args: str, script: str = "train.py") -> dict:
 
 @pytest.fixture(scope="module")
 def segmenter(tmp_path_factory) -> dict:
-    """24 canvases of 16 pixels, trained locally (keeping checkpoints) and by one Ray worker."""
+    """24 canvases of 16 pixels, trained locally (keeping checkpoints) and by one Ray worker
+    on the running cluster."""
     root = tmp_path_factory.mktemp("ray_segmenter")
     data = ["--model_type", "image_segmenter", "--dataset_path",
             write_digit_canvases(root / "canvases", 24, size=16, seed=0)]
     local = train(root / "local", *data, "--checkpoint_dir", root / "ck")
-    ray = train(root / "ray", *data, "--engine", "ray", "--num_workers", "1")
+    ray = train(root / "ray", *data, "--engine", "ray", "--num_workers", "1", "--ray_address",
+                ray_head())
     return {"root": root, "data": data, "local": local, "ray": ray}
 
 
@@ -81,13 +84,14 @@ def test_a_local_segmenter_resumes_from_its_last_checkpoint(segmenter):
     assert_clean_failure(run, 2, "written by another training", "seed")
 
 
-def test_two_ray_workers_train_and_export_a_detector(tmp_path):
+def test_two_ray_workers_train_and_export_a_detector(ray_cluster, tmp_path):
     """30 canvases of 24 pixels, two workers: trained, exported (ONNX Runtime runs the graph
     with its NMS) and reported as a local run, with the workers in train.engine."""
     data = write_yolo_canvases(tmp_path / "canvases", 30, size=24, seed=1)
     out = tmp_path / "two"
     report = train(out, "--model_type", "object_detector", "--dataset_path", data,
-                   "--engine", "ray", "--num_workers", "2", "--plots", "none",
+                   "--engine", "ray", "--num_workers", "2", "--ray_address", ray_cluster,
+                   "--plots", "none",
                    script="pipeline.py")
     engine = report["train"]["engine"]
     assert report["status"] == "ok" and engine["engine"] == "ray" and engine["workers"] == 2

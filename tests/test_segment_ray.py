@@ -4,8 +4,8 @@ and modes, subfolders, two images sharing a stem, a corrupt file) with each engi
 overlays, summary and error rows are the same files, the exit code the same, and the Ray run's
 report has its `engine` section. Path checks fail before Ray is imported.
 
-Like tests/test_ray.py, a run here starts a Ray cluster of the machine's CPUs: the tests share
-that module's xdist worker."""
+Like tests/test_ray.py's, the Ray run here joins the test worker's running head node (conftest's
+ray_cluster, by --ray_address): the tests share that module's xdist worker."""
 from __future__ import annotations
 
 import json
@@ -62,13 +62,14 @@ def files_under(folder: Path) -> dict[str, bytes]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_masks_and_summary_on_ray_are_the_local_engine_s(canvases_bundle, tmp_path):
+def test_masks_and_summary_on_ray_are_the_local_engine_s(canvases_bundle, ray_cluster,
+                                                         tmp_path):
     folder = new_images(canvases_bundle["data"], tmp_path / "new")
     reports = {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
-        extra = ["--engine", "ray", "--num_workers", "2", "--worker_batch_size", "3"] \
-            if engine == "ray" else []
+        extra = ["--engine", "ray", "--num_workers", "2", "--worker_batch_size", "3",
+                 "--ray_address", ray_cluster] if engine == "ray" else []
         run = run_cli("inference.py", "--model", canvases_bundle["model"], "--input", folder,
                       "--output", out / "masks.csv", "--overlay", "true", "--errors",
                       out / "errors.csv", "--batch_size", "2", "--no_progress", "true",
