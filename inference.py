@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ttc.inputs.data import load_bundle_dataset, split_paths_of
 
         data = load_bundle_dataset(manifest, config.dataset_path,
-                                   ("val", "test") if config.tta else ("test",),
+                                   ("val", "test", "calibration") if config.tta else ("test",),
                                    not config.no_progress, split_paths_of(config),
                                    ", or --input PATH to predict new data")
         report["dataset"] = data.report_section()
@@ -63,8 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 LOG.warning("using the %s graph as asked, although it was judged: %s", variant,
                             verdict.verdict)
         val = (data.val.x, data.val.y) if config.tta else None
+        calibration = (data.calibration.x, data.calibration.y) if config.tta else None
         run_on_bundle(options, paths, variant, (data.test.x, data.test.y), val, report,
-                      benchmark=config.benchmark)
+                      benchmark=config.benchmark, calibration=calibration)
 
     return run_with_report(config.report_options(), stages)
 

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             exported = export_bundle(exporting, trained.net, manifest, dataset.test.x,
                                      dataset.train.x, paths, members,
-                                     (dataset.val.x, dataset.val.y))
+                                     (dataset.calibration.x, dataset.calibration.y))
         except ExportError as err:  # the training is kept, as train.py writes it, for export.py
             raise keep_trained_weights(err, exporting, paths, lambda kept: save_checkpoint(
                 training, trained, dataset, kept, report.get("teacher"))) from err
@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       (dataset.test.x, dataset.test.y),
                       (dataset.val.x, dataset.val.y), report,
                       benchmark=config.benchmark or several_variants,
-                      baseline=[torch_variant(trained.net, paths)])
+                      baseline=[torch_variant(trained.net, paths)],
+                      calibration=(dataset.calibration.x, dataset.calibration.y))
 
     return run_with_report(config.report_options(), stages)
 

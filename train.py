@@ -37,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stages(report: dict) -> None:
         check_training_device(view_of(config, TrainingOptions))
         # With a teacher, the test split measures what its labels bought.
-        splits = ("train", "val", "test") if config.teacher_lm else ("train", "val")
+        splits = (("train", "val", "test", "calibration") if config.teacher_lm
+                  else ("train", "val", "calibration"))
         dataset = load_dataset(DataOptions.from_config(config), splits=splits)
         report["dataset"] = dataset.report_section()
         cap_batch_size(config, dataset)  # before the view, as pipeline.py does

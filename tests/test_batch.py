@@ -84,7 +84,8 @@ def test_missing_feature_column_and_bad_output_suffix_fail_clearly(tabular_bundl
 
 
 def test_texts_on_stdin_with_mc_dropout_uncertainty(text_bundle, tmp_path):
-    texts = ["the team scored a late goal", "bake the garlic in the oven", "", "storm and rain"]
+    texts = ["the team scored a goal in the match", "bake the garlic in the oven", "",
+             "storm and rain"]
     preds = tmp_path / "preds.csv"
     run = subprocess.run(
         [sys.executable, str(REPO / "inference.py"), "--model", str(text_bundle["model"]),

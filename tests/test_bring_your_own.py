@@ -44,7 +44,7 @@ def onnx_probabilities(model: Path, x: np.ndarray) -> np.ndarray:
                   "all", "--eval_shift", "gaussian_noise"]),
     ("mobilenet_v3_small", ["--quantize", "dynamic", "--fp16", "true", "--iterative",
                             "mc_dropout", "--iterations", "4", "--ttt", "true"]),
-    # One epoch on 63 images leaves EfficientNet's logits in the hundreds (loss ≈ 12), where
+    # One epoch on 57 images leaves EfficientNet's logits in the hundreds (loss ≈ 12), where
     # float32 rounding over its 80 layers alone passes 1e-4 (measured 9e-4, top-1 agreement
     # 100%): the check then exits 4, rightly. Here the test is that it exports and runs.
     ("efficientnet_b0", ["--iterative", "mc_dropout", "--iterations", "4",
@@ -387,8 +387,9 @@ def assert_no_bundle(out: Path) -> None:
 
 
 @pytest.mark.parametrize("forward,factory,phrase", [
-    # the shape check runs a batch of 2; the training batch (63) is where it exits
-    ("if len(x) > 2: sys.exit(3)", "pass", "its forward on a batch of (63, 1, 16, 16) "
+    # the shape check runs a batch of 2; the training batch (57 after the calibration slice)
+    # is where it exits
+    ("if len(x) > 2: sys.exit(3)", "pass", "its forward on a batch of (57, 1, 16, 16) "
      "torch.float32 called sys.exit(3)"),
     ("pass", "raise SystemExit", "the factory called sys.exit(None)"),
 ])
@@ -417,7 +418,7 @@ def test_model_def_prints_never_reach_stdout(digits_folder, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)  # stdout is the report alone
     assert report["status"] == "ok"
-    assert "factory" in run.stderr and "forward 63" in run.stderr
+    assert "factory" in run.stderr and "forward 57" in run.stderr
     assert "raw forward" in run.stderr
 
 
@@ -451,8 +452,8 @@ def build(num_classes, input_spec):
 
 
 @pytest.mark.parametrize("case,phrases", [
-    ("big_batch", ["its forward on a batch of (63, 1, 16, 16)",
-                   "ValueError: batch of 63 > 8", "fix forward in"]),
+    ("big_batch", ["its forward on a batch of (57, 1, 16, 16)",
+                   "ValueError: batch of 57 > 8", "fix forward in"]),
     ("one_sample", ["its forward on a batch of (1, 1, 16, 16)", "KeyError: 'single'"]),
     ("no_parameters", ["returned a module with no trainable parameters"]),
     ("backward", ["its code raised ArithmeticError: no gradient here (line 13)"]),
@@ -461,7 +462,7 @@ def build(num_classes, input_spec):
     ("csv_file", ["data.csv is not a Python file (.py)"]),
 ])
 def test_model_def_errors_blame_the_module_not_the_tool(digits_folder, tmp_path, case, phrases):
-    """The user's module fails only at the training batch size (63, not the check's 2), only on
+    """The user's module fails only at the training batch size (57, not the check's 2), only on
     the one-sample batches validation predicts, in a custom backward, or has nothing to
     train; or --model_def names no Python file: exit 2 before any bundle, never exit 5."""
     src = tmp_path / "src"

@@ -34,18 +34,19 @@ def test_fit_recovers_a_known_temperature(true_t):
     assert fit.nll_after < fit.nll_before
 
 
-def test_no_errors_on_validation_falls_back_to_laplace():
-    """NLL falls without end as T → 0 when every validation answer is right: T is set so that
-    the mean confidence equals (n + 1) / (n + 2), and the fit says so."""
+def test_no_errors_falls_back_to_the_accuracy_lower_bound():
+    """NLL falls without end as T → 0 when every answer is right: T is set so that the mean
+    confidence equals the one-sided 90% lower bound of the accuracy, 0.1 ** (1 / n) (before the
+    calibration slice: Laplace's (n + 1) / (n + 2)), and the fit says so."""
     rng = np.random.default_rng(2)
     logits = rng.normal(0, 1, (200, 5))
     logits[np.arange(200), rng.integers(0, 5, 200)] += 4
     y = logits.argmax(1)
     fit = fit_temperature(logits, y)
-    assert fit.method == "laplace" and fit.errors == 0
+    assert fit.method == "lower_bound" and fit.errors == 0
     assert T_MIN < fit.temperature < T_MAX
-    assert softmax(logits, fit.temperature).max(1).mean() == pytest.approx(201 / 202, abs=1e-6)
-    assert "no errors in 200" in fit.note and "Laplace" in fit.note
+    assert softmax(logits, fit.temperature).max(1).mean() == pytest.approx(0.1 ** (1 / 200), abs=1e-6)
+    assert "no errors in 200" in fit.note and "lower bound" in fit.note
 
 
 def test_empty_validation_split_fits_nothing():
@@ -101,7 +102,7 @@ def test_every_graph_bakes_the_temperature(fixture, request):
     bundle = request.getfixturevalue(fixture)
     x, manifest = bundle_test_inputs(bundle)
     temperature = manifest.calibration.temperature
-    assert manifest.calibration.method in ("nll", "laplace") and temperature != 1.0
+    assert manifest.calibration.method in ("nll", "lower_bound") and temperature != 1.0
     files = manifest.files
     checked = []
     for key, atol in SINGLE_PASS.items():

@@ -37,7 +37,7 @@ def test_folder_with_a_corrupt_image_trains_and_counts_the_skip(split_folder):
     run, report, root = split_folder["run"], split_folder["report"], split_folder["root"]
     assert report["dataset"]["skipped_images"] == 1
     assert report["dataset"]["num_classes"] == 3 and report["dataset"]["channels"] == 3
-    assert report["dataset"]["train"] + report["dataset"]["val"] + report["dataset"]["test"] == 120
+    assert sum(report["dataset"][s] for s in ("train", "calibration", "val", "test")) == 120
     warnings = [line for line in run.stderr.splitlines()
                 if "WARNING" in line and "image" in line]
     assert len(warnings) == 1 and "broken.png" in warnings[0]
@@ -61,7 +61,8 @@ def test_train_and_test_subfolders_are_used_as_given_splits(split_folder):
     test_files = len(list((root / "test").rglob("*.png")))
     dataset = report["dataset"]
     assert dataset["given_splits"] is True and dataset["test"] == test_files
-    assert dataset["train"] + dataset["val"] == 120 - test_files and dataset["val"] > 0
+    assert dataset["train"] + dataset["calibration"] + dataset["val"] == 120 - test_files
+    assert dataset["val"] > 0 and dataset["calibration"] > 0
     assert report["inference"]["accuracy"] >= 0.8
 
 

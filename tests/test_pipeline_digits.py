@@ -28,7 +28,8 @@ def test_report_follows_the_contract(digits_bundle):
         assert report[later] is None
     dataset = report["dataset"]
     assert dataset["path"] == "builtin:digits" and dataset["num_classes"] == 10
-    assert dataset["train"] + dataset["val"] + dataset["test"] == 1797
+    assert dataset["train"] + dataset["calibration"] + dataset["val"] + dataset["test"] == 1797
+    assert dataset["calibration"] == 126 and dataset["calibration_fraction"] == 0.1
     assert dataset["test"] >= 250
     train = report["train"]
     assert train["epochs_run"] == 4 and 1 <= train["best_epoch"] <= 4

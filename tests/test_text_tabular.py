@@ -31,7 +31,8 @@ def test_text_csv_with_header_bom_and_bad_rows(text_bundle):
     assert report["dataset"]["dropped_rows"] == 2
     assert [(d["reason"], d["count"], d["first_rows"]) for d in report["dataset"]["dropped_reasons"]
             ] == [("missing label", 1, [6]), ("empty text", 1, [5])]  # 1-based data rows
-    assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(topic_texts())
+    splits = ("train", "calibration", "val", "test")
+    assert sum(report["dataset"][s] for s in splits) == len(topic_texts())
     warnings = [l for l in run.stderr.splitlines() if "WARNING" in l and "dropped 1 rows" in l]
     assert len(warnings) == 2 and "missing label (rows 6)" in warnings[0]
     assert "with 1 with missing label" not in run.stdout and "missing label in texts.csv (rows 6)" in run.stdout
@@ -62,7 +63,8 @@ def test_headerless_tsv_with_positional_and_joined_text_columns(tmp_path):
     (tmp_path / "t.tsv").write_text(body)
     _, report = pipeline("text_classifier", tmp_path / "t.tsv", tmp_path, "--label_column", "0",
                          "--text_column", "1,2")
-    assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(rows)
+    splits = ("train", "calibration", "val", "test")
+    assert sum(report["dataset"][s] for s in splits) == len(rows)
     manifest = json.loads((tmp_path / "model.json").read_text())
     assert manifest["dataset"]["text_column"] == "1,2"
     assert report["inference"]["accuracy"] >= 0.8
@@ -77,7 +79,9 @@ def test_jsonl_with_a_given_test_file(tmp_path):
     _, report = pipeline("text_classifier", tmp_path / "train.jsonl", tmp_path,
                          "--label_column", "topic", "--test_path", tmp_path / "test.jsonl")
     assert report["dataset"]["given_splits"] is True
-    assert report["dataset"]["test"] == 30 and report["dataset"]["train"] + report["dataset"]["val"] == 120
+    dataset = report["dataset"]
+    assert dataset["test"] == 30
+    assert dataset["train"] + dataset["calibration"] + dataset["val"] == 120
     assert report["inference"]["accuracy"] >= 0.8
 
 
@@ -194,7 +198,8 @@ def test_format_override_and_forced_header(tmp_path):
                          "--dataset_format", "csv", "--has_header", "true")
     manifest = json.loads((tmp_path / "model.json").read_text())
     assert [c["name"] for c in manifest["preprocessing"]["columns"]] == ["1.0", "2.0", "red"]
-    assert sum(report["dataset"][s] for s in ("train", "val", "test")) == len(rows)
+    splits = ("train", "calibration", "val", "test")
+    assert sum(report["dataset"][s] for s in splits) == len(rows)
     run = run_cli("pipeline.py", "--model_type", "tabular_classifier", "--dataset_path",
                   tmp_path / "f.dat", "--output_model", tmp_path / "x.onnx")
     assert_clean_failure(run, 3, "--dataset_format")

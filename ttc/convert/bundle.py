@@ -15,7 +15,7 @@ import numpy as np
 from ttc.convert.checking import (check_samples, compare_with_torch, export_example,
                                   validation_tolerance)
 from ttc.convert.compressed import bundle_compressed_nets
-from ttc.convert.extras import (export_adaptation_graph, export_ensemble_graph,
+from ttc.convert.extras import (averaging_data, export_adaptation_graph, export_ensemble_graph,
                                 export_mc_dropout_graph, fused_hf_graph)
 from ttc.convert.tracing import check_graph, slim_graph, trace_graphs
 from ttc.convert.writing import ExportJob, ExportResult, ExtraGraph, write_bundle
@@ -37,7 +37,8 @@ def export_bundle(options: ExportOptions, net: torch.nn.Module, manifest: Manife
                   val: tuple[np.ndarray, np.ndarray] | None = None) -> ExportResult:
     """Export → slim → check → validate; only a model that passes every step is written. Every
     graph bakes the manifest's temperature in; the MC-dropout and ensemble graphs' averages get
-    their own, fitted on `val` (the validation split) when the manifest's is. `manifest`:
+    their own, fitted on `val` (the calibration slice; the validation split for a bundle whose
+    temperature was fitted there: extras.averaging_data) when the manifest's is. `manifest`:
     training's draft (a JSON dict, filled in place) or a bundle's (typed: its JSON is copied).
     The manifest's model type exports (its Parts.exporter). `options.validate_atol` is set to
     the tolerance resolved for the manifest's network (the result's `atol`)."""
@@ -84,8 +85,26 @@ def export_classifier_bundle(job: ExportJob) -> ExportResult:
     if job.members:
         extras["ensemble"] = export_ensemble_graph([net, *job.members], samples, options,
                                                    manifest, job.val)
+    record_shift_reference(result.draft, slimmed, job.val, options, manifest)
     write_bundle(slimmed, net, result, extras)
     return result
+
+
+def record_shift_reference(draft: dict, model, val: tuple[np.ndarray, np.ndarray] | None,
+                           options: ExportOptions, manifest: Manifest) -> None:
+    """The shift score's reference (ttc/testtime/shift_score.py) in the manifest: the
+    deployable graph's predictions on the held-out split its temperature is fitted on (none
+    without one)."""
+    from ttc.serving.runtime import RuntimeOptions, batches_of, create_session, session_runner
+    from ttc.testtime.shift_score import MIN_REFERENCE, reference_record
+
+    if val is None or len(val[0]) < MIN_REFERENCE:  # too few to say what clean looks like
+        return
+    run = session_runner(create_session(model.SerializeToString(),
+                                        RuntimeOptions(intra_op_threads=options.num_threads)))
+    probabilities = np.concatenate([run(b) for b in batches_of(val[0], options.batch_size,
+                                                               manifest.input.pad_id)])
+    draft["shift_reference"] = reference_record(probabilities)
 
 
 def require_tta_graph_applies(options: ExportOptions, manifest: Manifest,
@@ -105,13 +124,15 @@ def require_tta_graph_applies(options: ExportOptions, manifest: Manifest,
 
 def load_held_out(options: ExportOptions, manifest: Manifest
                   ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray],
-                             tuple[np.ndarray, np.ndarray]]:
+                             tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """For a bundle on disk, decoded as at training time: the test split's inputs (the numeric
-    check), the validation split's inputs (its fallback), the validation split (the averaged
-    graphs' temperatures, the compression gate) and the test split (the gate's report)."""
-    data = load_bundle_dataset(manifest, options.dataset_path, ("val", "test"),
+    check), the validation split's inputs (its fallback), the validation split (the compression
+    gate), the test split (the gate's report) and the data the averaged graphs' temperatures
+    are fitted on (averaging_data: where the network's was)."""
+    data = load_bundle_dataset(manifest, options.dataset_path, ("val", "test", "calibration"),
                                not options.no_progress, split_paths_of(options))
-    return data.test.x, data.val.x, (data.val.x, data.val.y), (data.test.x, data.test.y)
+    return (data.test.x, data.val.x, (data.val.x, data.val.y), (data.test.x, data.test.y),
+            averaging_data(manifest, data))
 
 
 @dataclass
@@ -143,8 +164,8 @@ def export_saved_bundle(options: ExportOptions, check_flags: Callable[[str], Non
     bundle_data_options(manifest, options.dataset_path,  # the data is named: before any work
                         split_paths=split_paths_of(options))
     net = load_weights(manifest, paths.weights, options.trust_model_code)
-    held_out, fallback, val, test = load_held_out(options, manifest)
+    held_out, fallback, val, test, fitting = load_held_out(options, manifest)
     compressed = bundle_compressed_nets(manifest, paths, net,
                                         check_samples(held_out, fallback, manifest.input))
-    result = export_bundle(options, net, manifest, held_out, fallback, paths, val=val)
+    result = export_bundle(options, net, manifest, held_out, fallback, paths, val=fitting)
     return SavedExport(result, paths, compressed, held_out, fallback, val, test)

@@ -120,8 +120,8 @@ def export_mc_dropout_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
     its Dropout layers in training mode, optimised but not slimmed (onnxslim drops Dropout).
     With ONNX Runtime's default optimisations (EliminateDropout) it must equal the deployable
     graph: that checks the rest of it. Its passes are averaged from their logits, and the
-    average gets its own temperature (fitted on `val` with --iterations passes). None without
-    dropout."""
+    average gets its own temperature (fitted on `val`, the calibration slice, with --iterations
+    passes: averaging_data). None without dropout."""
     if graph is None:
         return None
     dropouts = dropout_layers(net)
@@ -145,10 +145,19 @@ def export_mc_dropout_graph(net: torch.nn.Module, graph: onnx.ModelProto | None,
 
 
 def calibrating(manifest: Manifest, val: tuple[np.ndarray, np.ndarray] | None) -> bool:
-    """Whether averaged outputs get a temperature: the network's was fitted, and there is a
-    validation split to fit theirs on."""
+    """Whether averaged outputs get a temperature: the network's was fitted, and there is data
+    to fit theirs on (averaging_data)."""
     method = manifest.calibration.method if manifest.calibration else "none"
     return method != "none" and val is not None and len(val[1]) > 0
+
+
+def averaging_data(manifest: Manifest, data) -> tuple[np.ndarray, np.ndarray]:
+    """What the averaged graphs' temperatures are fitted on: where the network's was, the
+    calibration slice (`data`: a Dataset loaded with it), or the validation split for a bundle
+    whose temperature was fitted there (written before the slice existed)."""
+    fitted_on = manifest.calibration.entry.get("fitted_on") if manifest.calibration else None
+    split = data.val if fitted_on == "validation" else data.calibration
+    return split.x, split.y
 
 
 def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: InputSpec,
@@ -169,11 +178,14 @@ def network_logits(net: torch.nn.Module, x: np.ndarray, input_spec: InputSpec,
 def averaged_temperature(what: str, mean: np.ndarray, y: np.ndarray, manifest: Manifest,
                          **details: object) -> dict:
     """The temperature an average (of passes or members) is rescaled by: calibrate.rescale,
-    fitted on the validation split's averaged probabilities and decided by the network's rule
-    (--calibrate). The manifest's entry: no `temperature` where it is not applied."""
-    fit = calibrate_scores(log_scores(mean), y, manifest.calibration.rule or "always")
-    LOG.info("calibration of the %s average: temperature %.4f (%s), validation NLL %.4f → %.4f;"
-             " %s", what, fit.fitted, fit.method, fit.nll_before, fit.nll_after,
+    fitted on the averaged probabilities of the data the network's temperature was fitted on
+    (averaging_data) and decided by the network's rule (--calibrate). The manifest's entry: no
+    `temperature` where it is not applied."""
+    fitted_on = manifest.calibration.entry.get("fitted_on", "validation")
+    fit = calibrate_scores(log_scores(mean), y, manifest.calibration.rule or "always",
+                           fitted_on=fitted_on)
+    LOG.info("calibration of the %s average: temperature %.4f (%s), %s NLL %.4f → %.4f; %s",
+             what, fit.fitted, fit.method, fitted_on, fit.nll_before, fit.nll_after,
              "applied" if fit.applied else f"not applied: {fit.reason}")
     return {**({"temperature": fit.temperature} if fit.applied else {}),
             "temperature_fit": {**fit.manifest_entry(), **details}}

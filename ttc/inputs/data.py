@@ -32,6 +32,11 @@ BUILTIN_TABLES = {"builtin:iris": "load_iris", "builtin:wine": "load_wine",
                   "builtin:breast_cancer": "load_breast_cancer"}
 DEFAULT_MAX_SIDE = 64
 SPLITS = ("train", "val", "test")
+# The selection-free slice: carved out of the training split before training (--calibration_fraction),
+# never trained on and never used to pick a candidate or an epoch; the temperature is fitted on it
+# (docs/calibration.md), and test-time methods may choose on it.
+CALIBRATION = "calibration"
+ALL_SPLITS = (*SPLITS, CALIBRATION)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class DataOptions:
     arch: str | None = None  # an hf:NAME_OR_PATH text arch brings its own tokenizer
     val_fraction: float = 0.15
     test_fraction: float = 0.15
+    calibration_fraction: float = 0.0  # of the training split; 0: no calibration slice
     seed: int = 0
     ignore_index: int | None = None  # a segmenter's void pixels (None: 255)
     annotations: str | None = None  # a detector's COCO JSON (not recorded: a location)
@@ -63,15 +69,19 @@ class DataOptions:
     # What a bundle records so that export.py and inference.py find and split the data again.
     RECORDED = ("model_type", "image_column", "text_column", "feature_columns", "label_column",
                 "dataset_format", "has_header", "val_path", "test_path", "val_fraction",
-                "test_fraction", "seed")
+                "test_fraction", "calibration_fraction", "seed")
 
     @classmethod
     def from_config(cls, flags: Any) -> "DataOptions":
         """From the parsed flags: the data flags (ttc/options/data.py) and --no_progress, of
         a Config or a stage's options."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("path", "show_progress")]
-        return cls(path=flags.dataset_path, show_progress=not flags.no_progress,
-                   **{name: getattr(flags, name) for name in names})
+        options = cls(path=flags.dataset_path, show_progress=not flags.no_progress,
+                      **{name: getattr(flags, name) for name in names})
+        if find_task(options.model_type) is not None and \
+                find_task(options.model_type).uncalibrated:
+            options.calibration_fraction = 0.0  # no temperature to fit: train on every row
+        return options
 
     @classmethod
     def from_manifest(cls, recorded: dict, path: str | None = None, show_progress: bool = True,
@@ -212,10 +222,17 @@ class Dataset:
     def test(self) -> Split:
         return self.splits["test"]
 
+    @property
+    def calibration(self) -> Split:
+        """The calibration slice (CALIBRATION): empty with --calibration_fraction 0."""
+        return self.splits["calibration"]
+
     def report_section(self) -> dict:
         section = {"path": _absolute(self.options.path), "model_type": self.model_type,
                    "num_classes": len(self.labels), "train": self.counts["train"],
                    "val": self.counts["val"], "test": self.counts["test"],
+                   "calibration": self.counts.get(CALIBRATION, 0),
+                   "calibration_fraction": self.options.calibration_fraction,
                    "given_splits": self.given_splits,
                    "skipped_images": len(self.skipped) if task_for(self.model_type).image_files
                    else None,
@@ -239,18 +256,88 @@ class ImageItem:
 
 
 def load_dataset(options: DataOptions, *, preprocessing: dict | None = None,
-                 labels: Sequence[str] | None = None, splits: Sequence[str] = SPLITS) -> Dataset:
+                 labels: Sequence[str] | None = None,
+                 splits: Sequence[str] = ALL_SPLITS) -> Dataset:
     """Find, split and encode a dataset for `options.model_type`.
 
     With `preprocessing` and `labels` from a bundle manifest the data is encoded exactly as at
     training time (used by export.py and inference.py); otherwise both are derived from the
-    training split.
+    training split. The calibration slice (`CALIBRATION`, asked for in `splits`) is the same rows
+    every time for the same data, --seed and --calibration_fraction (calibration_cut).
     """
     reader = task_for(options.model_type).part("reader")
-    dataset = reader(options, preprocessing=preprocessing, labels=labels, splits=splits)
+    if getattr(reader, "carves_calibration", False):
+        dataset = reader(options, preprocessing=preprocessing, labels=labels, splits=splits)
+    else:
+        dataset = _carved_after_reading(reader, options, preprocessing, labels, splits)
     for name, split in dataset.splits.items():
-        dataset.splits[name] = split.shuffled(np.random.default_rng([options.seed, SPLITS.index(name)]))
+        rng = np.random.default_rng([options.seed, ALL_SPLITS.index(name)])
+        dataset.splits[name] = split.shuffled(rng)
     return dataset
+
+
+def calibration_cut(strata: Sequence, fraction: float, seed: int) -> np.ndarray:
+    """Which rows of the training split go to the calibration slice: within each stratum (a
+    class; one stratum where rows have no class), `fraction` of them, at least 1 of a class of 3
+    or more and never the last (assign_splits' rule), picked by a generator seeded by `seed`
+    alone (not by the rows' order in another split), so a bundle's data gives the same slice."""
+    chosen = np.zeros(len(strata), dtype=bool)
+    if fraction <= 0:
+        return chosen
+    rng = np.random.default_rng([seed, ALL_SPLITS.index(CALIBRATION)])
+    by_stratum: dict[Any, list[int]] = {}
+    for index, stratum in enumerate(strata):
+        by_stratum.setdefault(stratum, []).append(index)
+    for stratum in sorted(by_stratum, key=str):
+        group = by_stratum[stratum]
+        picked = rng.permutation(len(group))[:_share(len(group), fraction)]
+        chosen[[group[i] for i in picked]] = True
+    return chosen
+
+
+def _carve_items(items: Sequence[ImageItem], fraction: float, seed: int) -> None:
+    """The training items of which calibration_cut picks the slice: their `split` becomes
+    CALIBRATION."""
+    train = [item for item in items if item.split == "train"]
+    for item, chosen in zip(train, calibration_cut([i.label for i in train], fraction, seed)):
+        if chosen:
+            item.split = CALIBRATION
+
+
+def _split_rows(split: Split, rows: np.ndarray) -> Split:
+    return Split(x=split.x[rows], y=split.y[rows], ids=[split.ids[i] for i in np.flatnonzero(rows)],
+                 raw=None if split.raw is None else [split.raw[i] for i in np.flatnonzero(rows)])
+
+
+def _carved_after_reading(reader, options: DataOptions, preprocessing: dict | None,
+                          labels: Sequence[str] | None, splits: Sequence[str]) -> Dataset:
+    """A model type's own reader, which knows train, val and test: the training split read whole,
+    then the slice cut from it (stratified by class where a row has one class, an int label).
+    Its preprocessing, derived from the whole training split, saw the slice's pixels (channel
+    statistics), never its labels."""
+    wanted = [s for s in splits if s != CALIBRATION]
+    carving = options.calibration_fraction > 0 and bool({"train", CALIBRATION} & set(splits))
+    read = wanted + (["train"] if carving and "train" not in wanted else [])
+    dataset = reader(options, preprocessing=preprocessing, labels=labels, splits=read)
+    counts = dict(dataset.counts)
+    if carving:
+        train = dataset.splits["train"]
+        one_class = train.y.ndim == 1 and train.y.dtype.kind in "iu"
+        rows = calibration_cut(list(train.y) if one_class else [0] * len(train),
+                               options.calibration_fraction, options.seed)
+        dataset.splits["train"] = _split_rows(train, ~rows)
+        dataset.splits[CALIBRATION] = _split_rows(train, rows)
+        counts.update(train=int((~rows).sum()), calibration=int(rows.sum()))
+    elif CALIBRATION in splits:
+        dataset.splits[CALIBRATION] = _empty_like(dataset.splits[next(iter(dataset.splits))])
+    counts.setdefault(CALIBRATION, 0)
+    dataset.counts = counts
+    dataset.splits = {s: dataset.splits[s] for s in splits if s in dataset.splits}
+    return dataset
+
+
+def _empty_like(split: Split) -> Split:
+    return Split(x=split.x[:0], y=split.y[:0], ids=[], raw=None if split.raw is None else [])
 
 
 class BundleRecord(Protocol):
@@ -293,9 +380,10 @@ def load_bundle_dataset(manifest: BundleRecord, path: str | None, splits: Sequen
 
 def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = None,
                        labels: Sequence[str] | None = None,
-                       splits: Sequence[str] = SPLITS) -> Dataset:
+                       splits: Sequence[str] = ALL_SPLITS) -> Dataset:
     listing = _list_items(options)
     items, builtin_pixels = listing.items, listing.builtin_pixels
+    _carve_items(items, options.calibration_fraction, options.seed)
     trained = labels is not None
     labels = list(labels) if trained else _sorted_labels(i.label for i in items if i.split == "train")
     _check_labels({i.label for i in items}, labels, options.path, trained)
@@ -325,7 +413,7 @@ def load_image_dataset(options: DataOptions, *, preprocessing: dict | None = Non
         counts[split] = len(data)
     return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
                    splits=decoded,
-                   counts={s: counts.get(s, 0) for s in SPLITS},
+                   counts={s: counts.get(s, 0) for s in ALL_SPLITS},
                    given_splits=listing.given_splits, options=options, skipped=skipped,
                    dropped=listing.dropped, columns=listing.columns)
 
@@ -365,11 +453,11 @@ def _list_items(options: DataOptions) -> _Listing:
 
 
 def _builtin_digits() -> tuple[np.ndarray, list[ImageItem]]:
-    from sklearn.datasets import load_digits
+    from ttc.inputs.builtin_digits import load_digits_arrays  # scikit-learn's file, not its import
 
-    digits = load_digits()
-    pixels = (digits.images / 16.0).astype(np.float32)[:, None]  # 0..16 → [0, 1]
-    items = [ImageItem(source=i, label=str(int(t))) for i, t in enumerate(digits.target)]
+    images, target = load_digits_arrays()
+    pixels = (images / 16.0).astype(np.float32)[:, None]  # 0..16 → [0, 1]
+    items = [ImageItem(source=i, label=str(int(t))) for i, t in enumerate(target)]
     return pixels, items
 
 
@@ -593,7 +681,7 @@ class _TableSplits:
 
 def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = None,
                        labels: Sequence[str] | None = None,
-                       splits: Sequence[str] = SPLITS) -> Dataset:
+                       splits: Sequence[str] = ALL_SPLITS) -> Dataset:
     table = _read_table_splits(options)
     trained = labels is not None
     labels = list(labels) if trained else _sorted_labels(table.labels["train"])
@@ -613,7 +701,7 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
         raise DataError(f"the test split of {options.path} is empty",
                         "add rows, pass --test_path, or raise --test_fraction")
     return Dataset(model_type=options.model_type, labels=labels, preprocessing=preprocessing,
-                   splits=encoded, counts={s: len(table.labels[s]) for s in SPLITS},
+                   splits=encoded, counts={s: len(table.labels[s]) for s in ALL_SPLITS},
                    given_splits=table.given, options=options, dropped=table.dropped,
                    columns=table.columns)
 
@@ -649,6 +737,9 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
     for split in ("val", "test"):
         if split in parts:
             frames[split] = parts[split]
+    train = frames["train"]
+    sliced = calibration_cut(list(train["__label__"]), options.calibration_fraction, options.seed)
+    frames["train"], frames[CALIBRATION] = train.loc[~sliced], train.loc[sliced]
     dropped = [d for f in parts.values() for d in f.attrs["dropped"]]
     return _TableSplits(
         labels={s: list(f["__label__"]) for s, f in frames.items()},
@@ -749,3 +840,9 @@ def _encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.nda
         LOG.warning("%d rows of the %s split hold a non-numeric or out-of-range value in a "
                     "numeric column; non-numbers are treated as missing", bad, split)
     return x
+
+
+# the classifiers' readers cut the slice from the listed rows, before decoding or fitting an
+# encoder (the other types' readers: load_dataset cuts it from their training split)
+load_image_dataset.carves_calibration = True  # type: ignore[attr-defined]
+load_table_dataset.carves_calibration = True  # type: ignore[attr-defined]

@@ -46,6 +46,7 @@ from ttc.online.server_metrics import MetricsMiddleware, ServerMetrics
 from ttc.online.predictor import FlagCheck, Predictor
 from ttc.online.v2 import ProtocolError, input_metadata, request_rows, response, wanted_outputs
 from ttc.options.stages import ServeOptions
+from ttc.testtime.shift_score import ShiftMonitor, served_monitor
 from utils import LOG, ConfigError, DataError, PipelineError, first_line, quoted, quoted_sample
 
 SERVER_NAME = "ttc-serve"
@@ -155,9 +156,11 @@ class ModelServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _batcher(self, predictor: Predictor) -> MicroBatcher:
+    def _batcher(self, predictor: Predictor, monitor: ShiftMonitor | None = None
+                 ) -> MicroBatcher:
         options = self.options
-        return MicroBatcher(predictor.predict_parts, max_batch_size=options.max_batch_size,
+        run = monitor.watching(predictor.predict_parts) if monitor else predictor.predict_parts
+        return MicroBatcher(run, max_batch_size=options.max_batch_size,
                             max_delay_s=options.max_queue_delay_ms / 1000,
                             max_queue=options.max_queue, max_rows=self.max_queued_rows,
                             on_batch=self._count_batch)
@@ -178,9 +181,11 @@ class ModelServer:
         self.first = None
 
     def _serve(self, predictor: Predictor) -> LiveModel:
-        served = LiveModel(predictor, self._batcher(predictor).start())
+        monitor = served_monitor(predictor.manifest, predictor.test_time())  # the drift gauge
+        served = LiveModel(predictor, self._batcher(predictor, monitor).start())
         previous, self.served = self.served, served
         self.metrics.watch_queue(lambda: served.batcher.depth)
+        self.metrics.watch_shift(monitor)
         self.metrics.serving(self.name, predictor.version, predictor.variant_name,
                              predictor.test_time())
         if previous is not None:  # it answers what it holds, then stops

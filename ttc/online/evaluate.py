@@ -122,13 +122,15 @@ def evaluate(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray,
 
 def run_on_bundle(options: InferenceOptions, paths: BundlePaths, variant: str,
                   test: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray] | None,
-                  report: dict, *, benchmark: bool, baseline: Sequence[Variant] = ()) -> None:
+                  report: dict, *, benchmark: bool, baseline: Sequence[Variant] = (),
+                  calibration: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """The inference stage on one session of the chosen graph, handed to the bundle's model
-    type's `test_split` part (a classifier's: evaluate_classifier), into `report`."""
+    type's `test_split` part (a classifier's: evaluate_classifier), into `report`.
+    `calibration`: the calibration slice, for the test-time methods that choose on it."""
     manifest, session, model_path = load_bundle_session(paths, options, variant)
     evaluate_split = task_of_kind(manifest.preprocessing.kind).part("test_split")
     evaluate_split(SplitRun(options, paths, manifest, session, model_path, test, val, report,
-                            benchmark, baseline))
+                            benchmark, baseline, calibration))
 
 
 def evaluate_classifier(run: SplitRun) -> None:
@@ -154,7 +156,7 @@ def evaluate_classifier(run: SplitRun) -> None:
     raw = without_temperature(session, test[0], options.batch_size)
     report["calibration"] = run_calibration(manifest, raw, probabilities, test[1], options.seed)
     served = served_graph(options, run.paths, manifest, session, run.model_path)
-    heldout = Heldout(test, run.val, raw)
+    heldout = Heldout(test, run.val, raw, run.calibration)
     variants = single_variants(session, manifest, options.batch_size)
     for method in asked_methods(options):
         evaluation = method.evaluate(options, served, heldout)

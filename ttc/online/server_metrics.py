@@ -1,13 +1,17 @@
 """serve.py's Prometheus metrics (GET /metrics): requests by endpoint and status, request
 latency, the batches the micro-batcher formed (rows and model time), the queue's depth, the
-model being served, and reloads. Each app has its own registry (tests start several)."""
+model being served, reloads, and the label-free shift score of the last rows served with its
+threshold (ttc/testtime/shift_score.py). Each app has its own registry (tests start several)."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
+
+if TYPE_CHECKING:
+    from ttc.testtime.shift_score import ShiftMonitor
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
                    10.0)
@@ -33,6 +37,13 @@ class ServerMetrics:
                            ["name", "version", "variant", "test_time"], registry=self.registry)
         self.reloads = Counter("ttc_reloads", "reloads of the bundle, by outcome", ["outcome"],
                                registry=self.registry)
+        self.shift_score = Gauge("ttc_shift_score", "label-free shift score of the last rows "
+                                 "served: the KS distance of their prediction entropies from "
+                                 "the bundle's held-out ones (NaN: too few rows yet, or no "
+                                 "reference)", registry=self.registry)
+        self.shift_threshold = Gauge("ttc_shift_threshold", "the score above which those rows "
+                                     "look shifted (1% false alarms on unshifted data; NaN: "
+                                     "no reference)", registry=self.registry)
 
     def serving(self, name: str, version: str, variant: str, test_time: str) -> None:
         """The model now served (a reload replaces the previous one's labels)."""
@@ -41,6 +52,13 @@ class ServerMetrics:
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
+
+    def watch_shift(self, monitor: ShiftMonitor | None) -> None:
+        """The served model's shift score (NaN where it has none: another model type, a
+        test-time method's outputs, a bundle without a reference)."""
+        nan = float("nan")
+        self.shift_score.set_function(lambda: monitor.score if monitor else nan)
+        self.shift_threshold.set(monitor.threshold if monitor else nan)
 
     def text(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -75,6 +75,11 @@ class DataFlags:
                                   scripts="PT")
     test_fraction: float = opt(0.15, "fraction of the data held out for the final test when the "
                                "dataset has no test split", "data", type=float, scripts="PT")
+    calibration_fraction: float = opt(
+        0.1, "fraction of the training split set aside before training as the calibration "
+        "slice: never trained on nor used to pick a candidate or an epoch, the temperature is "
+        "fitted on it (docs/calibration.md); 0: no slice, no temperature", "data", type=float,
+        scripts="PT")
     seed: int = opt(0, "seed for the split, initialisation, augmentation and shuffling", "data",
                     type=int, scripts="PTIS")
     max_row_bytes: int = opt(1048576, "the longest row of a text input (a CSV/TSV/JSONL line, a "
@@ -92,6 +97,9 @@ class DataFlags:
         for name in ("val_fraction", "test_fraction"):
             if not 0 < getattr(self, name) < 1:
                 bad(name, getattr(self, name), "use a fraction between 0 and 1, e.g. 0.15")
+        if not 0 <= self.calibration_fraction <= 0.5:
+            bad("calibration_fraction", self.calibration_fraction,
+                "use a fraction of the training split between 0 (no slice) and 0.5, e.g. 0.1")
         if self.val_fraction + self.test_fraction > 0.8:
             raise ConfigError(f"--val_fraction + --test_fraction = "
                               f"{self.val_fraction + self.test_fraction:g} leaves too little to "

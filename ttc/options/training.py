@@ -100,12 +100,12 @@ class TrainingFlags:
     num_candidates: int = opt(1, "candidate search: seeds per learning rate (--seed, --seed+1, "
                               "...), each a fresh initialisation and data order", "training",
                               type=int, metavar="N", scripts="PT")
-    calibrate: str = opt("temperature", "temperature: fit one temperature T on the validation "
-                         "split (minimum NLL) and bake softmax(logits / T) into every exported "
-                         "graph, so the probabilities a deployment reads are calibrated, but "
-                         "only on evidence: T stays 1 when the 90 percent bootstrap interval of "
-                         "T contains 1 or that of its validation NLL gain does not lie above 0 "
-                         "(the report says which); temperature_always: apply the fitted T "
+    calibrate: str = opt("temperature", "temperature: fit one temperature T on the "
+                         "calibration slice (--calibration_fraction; minimum NLL) and bake "
+                         "softmax(logits / T) into every exported graph, so the probabilities a "
+                         "deployment reads are calibrated, but only on evidence: T stays 1 when "
+                         "the 90 percent bootstrap interval of T contains 1 or that of its NLL "
+                         "or Brier gain on the slice does not lie above 0 (the report says why); temperature_always: apply the fitted T "
                          "whatever the intervals say; none: softmax(logits)", "training",
                          choices=("temperature", "temperature_always", "none"), scripts="PT")
     device: str = opt("auto", "where the network trains: auto (the first GPU when torch sees "

@@ -21,9 +21,13 @@ class TTAFlags:
                               "jitter:SIGMA (default: shift:1, token_dropout:0.1, jitter:0.1); "
                               "segmenters and detectors: identity, hflip, vflip, rot90, rot180, "
                               "rot270, shift:PX, scale:F[,F...], brightness:DELTA, "
-                              "contrast:FACTOR (default hflip)",
+                              "contrast:FACTOR (default hflip). Classifiers: auto chooses the "
+                              "views and the merge on the calibration slice (greedy policy "
+                              "search; the report's tta.policy), auto:LIST only among LIST",
                               "ttc", metavar="LIST", scripts="PTEIS")
-    tta_merge: str = opt("mean", "how the views' probabilities are combined", "ttc",
+    tta_merge: str = opt("mean", "how the views' probabilities are combined (with "
+                         "--tta_transforms auto, mean lets the search also try gmean and "
+                         "tsharpen; another merge is kept)", "ttc",
                          choices=("mean", "gmean", "max", "vote", "tsharpen"), scripts="PIS")
     tta_plan: str = opt("auto", "how the views run: graph (every view of a batch in one "
                         "session.run, views and merge inside the ONNX graph where the transforms "

@@ -50,7 +50,8 @@ class Section:
 
 DATASET_KEYS: KeyLabels = (
     ("path", "path"), ("model_type", "model type"), ("num_classes", "classes"),
-    ("train", "train samples"), ("val", "val samples"), ("test", "test samples"),
+    ("train", "train samples"), ("calibration", "calibration slice"), ("val", "val samples"),
+    ("test", "test samples"),
     ("skipped_images", "skipped images"), ("dropped_rows", "dropped rows"),
     ("vocab_size", "vocabulary"), ("num_features", "features"),
 )

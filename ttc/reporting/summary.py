@@ -234,7 +234,28 @@ def format_ttt(ttt: dict, metric: str = "accuracy") -> list[str]:
         acted = ", ".join(f"{m} {ttt['resets'].get(m, 0)} reset, "
                           f"{ttt.get('skipped', {}).get(m, 0)} skipped" for m in methods)
         lines.append(f"  guard {ttt['guard']}: {acted} (batches)")
-    return lines + format_stream(ttt.get("stream")) + [f"  verdict: {ttt['verdict']}"]
+    return (lines + format_shift_score(ttt.get("shift")) + format_stream(ttt.get("stream"))
+            + [f"  verdict: {ttt['verdict']}"])
+
+
+def format_shift_score(shift: dict | None) -> list[str]:
+    """The label-free shift score beside the TTT verdict: per case the batches whose score
+    passed the threshold, and the verdict."""
+    if not shift:
+        return []
+    if not shift.get("available"):
+        return [f"  shift score: {shift['verdict']}"]
+    lines = [f"  shift score (KS distance of the unadapted model's prediction entropies from "
+             f"{shift['reference_samples']} held-out ones; threshold {shift['threshold']:.3f} "
+             f"per batch of {shift['batch_size']}, {shift['alpha']:.0%} false alarms):"]
+    for case in shift["cases"]:
+        name = case["name"] + (f" (severity {case['severity']})" if case["severity"] else "")
+        quantiles = case["score_quantiles"]
+        lines.append(f"    {name:<28} median {quantiles['median']:.3f}, max {quantiles['max']:.3f}"
+                     f"; {case['flagged']}/{case['batches']} batches flagged; overall "
+                     f"{case['overall']:.3f} "
+                     f"({'shift seen' if case['shift_seen'] else 'no shift'})")
+    return lines + [f"    {shift['verdict']}"]
 
 
 def format_stream(stream: dict | None) -> list[str]:
@@ -281,18 +302,18 @@ def format_calibration(calibration: dict) -> list[str]:
     kept = calibration.get("applied") is False and fitted is not None
     shown = f"1 (not applied; fitted {fitted:.4f}, " if kept else \
         f"{calibration['temperature']:.4f} ("
+    errors = calibration.get("fit_errors")
     lines = [f"  {'temperature':<26} {shown}{calibration['method']}, "
              f"fitted on {calibration.get('fit_samples')} {calibration['fitted_on']} samples "
-             f"with {calibration.get('fit_errors')} errors{spread})"]
+             f"with {errors} error{'' if errors == 1 else 's'}{spread})"]
     if calibration.get("fit_note"):
         lines.append(f"  {'':<26} {calibration['fit_note']}")
-    gain = calibration.get("nll_gain_interval_90")
-    if gain:
-        lines.append(f"  {'validation NLL gain of T':<26} 90% interval [{gain[0]:+.4f}, "
-                     f"{gain[1]:+.4f}]")
-    if calibration.get("reason") and calibration.get("applied"):  # not applied: the verdict
+    # the gains' intervals on the fitted data: in the reason (applied) or the verdict (not)
+    if calibration.get("reason") and calibration.get("applied"):
         lines.append(f"  {'applied':<26} {calibration['reason']}")
-    for key, label in (("ece", "ECE"), ("nll", "NLL")):
+    for key, label in (("ece", "ECE"), ("nll", "NLL")):  # Brier's: in the verdict
+        if f"{key}_change_interval_90" not in calibration:  # Brier: an older report's lacks it
+            continue
         low, high = calibration[f"{key}_change_interval_90"]
         lines.append(f"  {label + ' before → after':<26} {calibration[f'{key}_before']:.4f} → "
                      f"{calibration[f'{key}_after']:.4f} (90% interval of the change "

@@ -262,6 +262,7 @@ DATASET = record({
     "dataset_format": optional(text(TABLE_FORMATS)),
     "has_header": optional(text(("auto", "true", "false"))),
     "val_fraction": number(0, 1), "test_fraction": number(0, 1), "seed": integer(0, 2**64 - 1),
+    "calibration_fraction": number(0, 1),
     "given_splits": either(True, False), "counts": mapping(COUNT),
     "skipped_images": optional(COUNT), "train_class_counts": optional(list_of(COUNT)),
     "columns": optional(record({"label": optional(STRING), "inputs": NAMES},
@@ -273,6 +274,8 @@ CALIBRATION = record({"temperature": POSITIVE, "method": STRING, "fitted_on": ST
                       "note": optional(STRING), "applied": optional(either(True, False)),
                       "fitted_temperature": optional(POSITIVE), "reason": optional(STRING),
                       "nll_gain_interval_90": optional(list_of(FINITE, length=2)),
+                      "brier_before": optional(FINITE), "brier_after": optional(FINITE),
+                      "brier_gain_interval_90": optional(list_of(FINITE, length=2)),
                       "rule": optional(STRING)}, required=("temperature", "method"))
 VARIANT = record({"mode": optional(STRING), "verdict": optional(STRING),
                   "used_for_inference": optional(either(True, False)),
@@ -293,6 +296,14 @@ EXTRA_GRAPHS = record({
     "ensemble": record({"members": SIZE, "temperature": optional(POSITIVE)},
                        required=("members",)),
     "tta": record({"views": STRING}, required=("views",))})
+# The shift score's reference (ttc/testtime/shift_score.py): at most 256 scaled entropies
+SHIFT_REFERENCE = record({"statistic": text(("scaled_entropy",)), "floor": number(0, 1),
+                         "samples": SIZE,
+                         "values": _must("a list of 8 to 256 numbers in [0, 1]", lambda v: (
+                             isinstance(v, list) and 8 <= len(v) <= 256 and all(
+                                 isinstance(x, (int, float)) and not isinstance(x, bool)
+                                 and 0 <= x <= 1 for x in v)))},
+                        required=("statistic", "samples", "values"))
 
 
 def _files_problem(files: Any, name: str) -> str | None:
@@ -319,6 +330,7 @@ SECTIONS: dict[str, tuple[Check, bool]] = {
     "export": (ANY_OBJECT, False), "quantization": (optional(VARIANT), False),
     "fp16": (optional(VARIANT), False), "compression": (optional(COMPRESSION), False),
     "extra_graphs": (optional(EXTRA_GRAPHS), False),
+    "shift_reference": (optional(SHIFT_REFERENCE), False),
     "files": (optional(_files_problem), False)}
 
 

@@ -41,6 +41,7 @@ class SplitRun:
     report: dict
     benchmark: bool = False
     baseline: Sequence[Any] = ()
+    calibration: tuple[np.ndarray, Any] | None = None  # the calibration slice, where loaded
 
 
 @dataclass

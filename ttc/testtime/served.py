@@ -91,6 +91,9 @@ class Heldout:
     test: tuple[np.ndarray, np.ndarray]
     val: tuple[np.ndarray, np.ndarray] | None
     raw: np.ndarray | None
+    # the calibration slice (data.CALIBRATION): rows no selection step saw; None where not
+    # loaded, empty with --calibration_fraction 0
+    calibration: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass

@@ -702,11 +702,54 @@ def _listed(kind: str) -> str:
     return ", ".join(n + (":X" if cls.meaning else "") for n, cls in accepted(kind).items())
 
 
+AUTO = "auto"  # --tta_transforms auto[:POOL]: views chosen on held-out data (tta_policy.py)
+# The candidate views of auto without a pool, per input (tta_policy.py searches them): the
+# vocabulary's geometric and photometric views at small strengths; a type's own default among
+# them. rot90/rot270 are left out of a non-square image's pool (tta_policy.candidate_pool).
+AUTO_POOLS = {"image": "hflip,vflip,rot90,rot180,rot270,rotate:10,shift:1,shift:2,crop:0.9,"
+                       "scale:0.9,scale:1.1,brightness:0.1,contrast:1.25",
+              "text": "token_dropout:0.05,token_dropout:0.1,token_dropout:0.1,token_dropout:0.2,"
+                      "window:16,window:32",
+              "tabular": "jitter:0.05,jitter:0.1,jitter:0.1,jitter:0.2"}
+
+
+def is_auto(text: str) -> bool:
+    """Whether a --tta_transforms text asks for views chosen on held-out data: auto[:LIST]."""
+    return text.strip().partition(":")[0].strip().lower() == AUTO
+
+
+def auto_pool(text: str, kind: str) -> str:
+    """The candidate pool of `--tta_transforms auto[:LIST]`: LIST as given, or for a bare auto
+    the AUTO_POOLS entry of the kind's input."""
+    _, colon, pool = text.strip().partition(":")
+    return pool.strip() if colon else AUTO_POOLS[input_of(kind)]
+
+
+def parse_auto(text: str, kind: str) -> list[tuple[str, float | None]]:
+    """The candidate views of `--tta_transforms auto[:LIST]` for a model of `kind`; exit 2 for
+    a model whose views cannot be chosen at inference (a segmenter's and a detector's are fixed
+    in its exported TTA graph), an empty pool, or an entry the kind does not take."""
+    if output_of(kind) != "class":
+        raise ConfigError(f"--tta_transforms {text!r}: auto chooses a classifier's views on "
+                          f"held-out data at inference, and a {kind} model's views are fixed "
+                          "in its exported TTA graph (model.tta.onnx)",
+                          f"name the views instead (valid: {_listed(kind)})")
+    pool = auto_pool(text, kind)
+    entries = parse_transform_specs(pool, kind) if pool.strip(" ,") else []
+    if not entries:
+        raise ConfigError(f"--tta_transforms {text!r} names no candidate view",
+                          f"use auto, or auto:LIST with views of {_listed(kind)}")
+    return entries
+
+
 def parse_transform_specs(text: str, kind: str, default: str = ""
                           ) -> list[tuple[str, float | None]]:
     """'hflip,rotate:10' → [('hflip', None), ('rotate', 10.0)], the identity left out; a bare
     number after an entry with a parameter repeats it ('scale:0.75,1.25'). An empty text is
-    `default` (the model type's default_tta). Exit 2 on anything the kind does not take."""
+    `default` (the model type's default_tta); `auto[:LIST]` is its candidate pool (parse_auto).
+    Exit 2 on anything the kind does not take."""
+    if is_auto(text):
+        return parse_auto(text, kind)
     given = text or default
     if not given:
         raise ConfigError(f"TTA has no default transforms for {kind} models",

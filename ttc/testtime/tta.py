@@ -29,7 +29,7 @@ from ttc.testtime import tta_graph
 from ttc.inputs.preprocess import PAD_ID, trim_padding
 from ttc.serving.runtime import batches_of, best_of, create_session, session_runner
 from ttc.tasks.registry import TASKS, task_of_kind
-from ttc.testtime.transforms import (TTATransform, Transform, accepted, pad_id,
+from ttc.testtime.transforms import (TTATransform, Transform, accepted, is_auto, pad_id,
                                      parse_transform_specs as parse_entries)
 from ttc.testtime.transforms import transform as transform_named
 from ttc.testtime.tta_graph import ViewBuilder
@@ -58,8 +58,12 @@ def parse_transform_specs(text: str, kind: str) -> list[tuple[str, float | None]
 
 
 def build_transforms(text: str, preprocessing: dict, seed: int = 0) -> list[Transform]:
-    """The transforms of a --tta_transforms list; seeded ones draw from `seed`, each its own."""
+    """The transforms of a --tta_transforms list; seeded ones draw from `seed`, each its own.
+    `auto:LIST` is LIST here and a bare `auto` the model type's default views: what training's
+    random forms use (the views served are chosen on held-out data: tta_policy.py)."""
     kind = preprocessing["kind"]
+    if is_auto(text):
+        text = text.partition(":")[2]
     return [transform_named(name, value).compile(preprocessing, np.random.default_rng([seed, k]))
             for k, (name, value) in enumerate(parse_transform_specs(text, kind))]
 
@@ -442,19 +446,23 @@ def evaluate_tta(runner: TTARunner, test: tuple[np.ndarray, np.ndarray],
 
 
 def tta_runner(session: ort.InferenceSession, model_path: Path, manifest: Manifest,
-               options: TTAOptions, runtime: RuntimeOptions, rows: np.ndarray | None = None
-               ) -> TTARunner:
+               options: TTAOptions, runtime: RuntimeOptions, rows: np.ndarray | None = None,
+               chosen: tuple[Sequence[Transform], str] | None = None) -> TTARunner:
     """TTA on the chosen graph: in one ONNX graph with the views and the merge (a second session
     on the same providers) where the transforms allow, else numpy views around `session`; run
     by the plan --tta_plan names, or with auto the faster one on a batch of `rows` (the first
-    batch_size of them, repeated where fewer; None: rows made up from the manifest)."""
-    transforms = build_transforms(options.transforms, manifest.preprocessing.spec, options.seed)
-    model = tta_model(onnx.load(str(model_path)), transforms, options.merge, manifest.classes)
+    batch_size of them, repeated where fewer; None: rows made up from the manifest). `chosen`:
+    the views and merge a policy search chose (tta_policy.py), in place of the flags'."""
+    transforms, merge_mode = chosen or (
+        build_transforms(options.transforms, manifest.preprocessing.spec, options.seed),
+        options.merge)
     merged = None
-    if model is not None:
-        merged = session_runner(create_session(model.SerializeToString(), runtime,
-                                               classes=manifest.classes, source=model_path))
-    runner = TTARunner(session_runner(session), transforms, options.merge, options.batch_size,
+    if transforms:  # no extra view: the plain graph is the whole of it
+        model = tta_model(onnx.load(str(model_path)), transforms, merge_mode, manifest.classes)
+        if model is not None:
+            merged = session_runner(create_session(model.SerializeToString(), runtime,
+                                                   classes=manifest.classes, source=model_path))
+    runner = TTARunner(session_runner(session), transforms, merge_mode, options.batch_size,
                        merged)
     if options.plan != "auto":
         LOG.info("TTA plan: %s (--tta_plan)", options.plan)

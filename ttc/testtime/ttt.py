@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # torch loads only for tent
     import torch
 
     from ttc.serving.manifest import Manifest
+    from ttc.testtime.shift_score import ShiftReference
 
 PRIOR = "ttt_bn_prior"  # graph input: the prior strength N
 SOURCE_PRIOR = 1e12  # a prior so strong that the stored statistics win: the unadapted model
@@ -621,6 +622,7 @@ class TTTResult:
     skipped: dict = field(default_factory=dict)  # method → batches the guard kept from adapting
     stream: dict | None = None  # --eval_stream (ttt_stream.py)
     not_applicable: dict = field(default_factory=dict)  # method → why it cannot adapt this graph
+    shift: dict | None = None  # the label-free shift score per case (shift_score.py)
     warnings: list[str] = field(default_factory=list)
 
     def report_section(self) -> dict:
@@ -631,13 +633,16 @@ TIMING_PASSES = 3
 
 
 def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callable,
-                 tent: Tent | None, x: np.ndarray, y: np.ndarray, preprocessing: dict
-                 ) -> TTTResult:
+                 tent: Tent | None, x: np.ndarray, y: np.ndarray, preprocessing: dict,
+                 reference: ShiftReference | None = None) -> TTTResult:
     """Accuracy without adaptation and with each method that applies to the graph, on the clean
     test split and on every corrupted copy of it; cost = adaptation time / plain inference time
-    on the same batches. A method asked for that does not apply (bn without BatchNorm) keeps
-    null figures and its reason in `not_applicable`."""
+    on the same batches; the label-free shift score of each case's batches, from the unadapted
+    model's predictions, against `reference` (the bundle's held-out predictions; None: the
+    section says why there is no score). A method asked for that does not apply (bn without
+    BatchNorm) keeps null figures and its reason in `not_applicable`."""
     from ttc.inputs.shifts import corrupt
+    from ttc.testtime.shift_score import shift_section
 
     methods = graph.applicable(settings.methods)
 
@@ -645,6 +650,7 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
                                   corrupt(x, name, settings.severity, preprocessing, settings.seed))
                                  for name in settings.shifts]
     rows, resets, skipped = [], {m: 0 for m in methods}, {m: 0 for m in methods}
+    scored: list[tuple[str, int, list[np.ndarray]]] = []
     graph.run(x[: settings.batch_size], 0.0, {})  # warm-up both: first runs allocate
     predict(x[: settings.batch_size])
     if tent is not None:
@@ -654,6 +660,8 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
         batches = ttt_batches(data, settings.batch_size, graph.pad_id)
         plain_seconds, plain = best_of(TIMING_PASSES, lambda: np.concatenate(
             [predict(b) for b in batches]))
+        ends = np.cumsum([len(b) for b in batches])[:-1]
+        scored.append((name, severity, np.split(plain, ends)))  # the shift score's batches
         row = {"name": name, "severity": severity, "accuracy_source": accuracy(plain, y),
                "accuracy_bn": None, "accuracy_tent": None, "cost_ratio_bn": None,
                "cost_ratio_tent": None}
@@ -681,22 +689,29 @@ def evaluate_ttt(settings: TTTSettings, graph: AdaptationGraph, predict: Callabl
                        predict=settings.predict, skipped=skipped,
                        not_applicable={m: why for m, why in graph.not_applicable.items()
                                        if m in settings.methods})
+    result.shift = shift_section(reference, scored, settings.batch_size)
     result.verdict, result.warnings = _verdict(result, methods)
     if not settings.shifts:
-        result.verdict = with_clean_only_hint(result.verdict, preprocessing.get("kind"))
+        clean_shift = result.shift["cases"][0] if result.shift.get("available") else None
+        result.verdict = with_clean_only_hint(
+            result.verdict, preprocessing.get("kind"),
+            None if clean_shift is None else clean_shift["shift_seen"])
     return result
 
 
-def with_clean_only_hint(verdict: str, kind: str | None) -> str:
+def with_clean_only_hint(verdict: str, kind: str | None, shift_seen: bool | None = None) -> str:
     """A verdict measured on clean data only (no --eval_shift), ending with how to see what
-    adaptation buys under shift; unchanged for a model type --eval_shift has no corruption for."""
+    adaptation buys under shift (and, where the shift score ran, whether it saw a shift on the
+    test split); unchanged for a model type --eval_shift has no corruption for."""
     from ttc.inputs.shifts import CORRUPTIONS
 
     names = list(CORRUPTIONS.get(kind or "", ()))
     if not names:
         return verdict
     example = "contrast" if "contrast" in names else names[0]
-    hint = (f"measured on clean data only, where TTT has little to fix: add --eval_shift "
+    seen = {None: "", False: "no shift seen on the test split by the shift score, ",
+            True: "the shift score saw a shift on the test split, but "}[shift_seen]
+    hint = (f"{seen}measured on clean data only, where TTT has little to fix: add --eval_shift "
             f"{example} (or another corruption) to measure it under shift")
     return f"{verdict}; {hint}" if verdict else hint
 

@@ -45,12 +45,17 @@ class TTT:
 def run_ttt(settings: TTTSettings, served: Served, predict: Callable[[np.ndarray], np.ndarray],
             test: tuple[np.ndarray, np.ndarray]) -> dict:
     """Test-time training on the bundle's adaptation graph, on the test split and its corrupted
-    copies; `predict` (the chosen graph, unadapted) is the baseline. torch only for tent."""
+    copies; `predict` (the chosen graph, unadapted) is the baseline, whose predictions the
+    shift score compares with the bundle's held-out ones. torch only for tent."""
+    from ttc.testtime.shift_score import ShiftReference
     from ttc.testtime.ttt import evaluate_ttt
 
     graph, tent = adaptation(settings, served)
     result = evaluate_ttt(settings, graph, predict, tent, *test,
-                          served.manifest.preprocessing.spec)
+                          served.manifest.preprocessing.spec,
+                          ShiftReference.of_manifest(served.manifest))
+    if result.shift and result.shift.get("available"):
+        LOG.info("shift score: %s", result.shift["verdict"])
     if settings.stream:
         from ttc.testtime.ttt_stream import evaluate_stream
 

@@ -102,31 +102,42 @@ def compress_stage(options: TrainingOptions, trained: TrainedModel, dataset: Dat
 
 def calibrate_network(options: TrainingOptions, trained: TrainedModel, dataset: Dataset,
                       report: dict) -> None:
-    """--calibrate temperature: fit T on the validation split's logits (calibrate.py); the
-    manifest records it and export bakes it into every graph. In the report: train.calibration."""
-    from ttc.testtime.calibrate import RULES, calibrate_scores, no_fit
+    """--calibrate temperature: fit T on the calibration slice's logits (calibrate.py), rows
+    that neither training nor any selection (candidate, epoch) saw; the manifest records it and
+    export bakes it into every graph. In the report: train.calibration."""
+    from ttc.testtime.calibrate import FITTED_ON, RULES, calibrate_scores, no_fit
 
     task = task_of_kind(dataset.preprocessing["kind"])
+    slice_ = dataset.splits.get(FITTED_ON)
     if options.calibrate == "none":
         fit = no_fit("--calibrate none")
     elif task.uncalibrated:
         fit = no_fit(task.uncalibrated)
-    elif len(dataset.val) == 0:
-        fit = no_fit("the validation split is empty: no temperature can be fitted")
+    elif slice_ is None or len(slice_) == 0:
+        fit = no_fit(no_slice_reason(dataset))
         LOG.warning("calibration: %s", fit.note)
     else:
         logits, truth = task.part("validation_scores")(
-            trained.net, dataset.val, dataset.preprocessing, options.batch_size, options.seed)
+            trained.net, slice_, dataset.preprocessing, options.batch_size, options.seed)
         fit = calibrate_scores(logits, truth, RULES[options.calibrate], options.seed)
-        LOG.info("calibration: temperature %.4f%s (%s) fitted on %d validation %s with %d "
-                 "errors, NLL %.4f → %.4f%s; %s: %s", fit.fitted,
+        LOG.info("calibration: temperature %.4f%s (%s) fitted on %d %s of the calibration slice "
+                 "with %d errors, NLL %.4f → %.4f, Brier %.4f → %.4f%s; %s: %s", fit.fitted,
                  " [%.3f, %.3f]" % tuple(fit.interval) if fit.interval else "", fit.method,
-                 fit.samples, task.calibrated_on, fit.errors,
-                 fit.nll_before, fit.nll_after,
-                 f"; {fit.note}" if fit.note else "",
+                 fit.samples, task.calibrated_on, fit.errors, fit.nll_before, fit.nll_after,
+                 fit.brier_before, fit.brier_after, f"; {fit.note}" if fit.note else "",
                  "applied" if fit.applied else "not applied (T = 1)", fit.reason)
     trained.calibration = fit.manifest_entry()
     report["train"]["calibration"] = trained.calibration
+
+
+def no_slice_reason(dataset: Dataset) -> str:
+    """Why there is no calibration slice to fit a temperature on."""
+    fraction = dataset.options.calibration_fraction
+    if fraction <= 0:
+        return ("--calibration_fraction 0 sets no calibration slice aside, and a temperature "
+                "fitted on the validation split, which chose the epoch, would be biased: T = 1")
+    return (f"--calibration_fraction {fraction:g} of {len(dataset.train)} training rows left "
+            "the calibration slice empty: T = 1")
 
 
 def validation_logits(net, split, preprocessing: dict, batch_size: int, seed: int):
@@ -186,10 +197,20 @@ def build_manifest(options: TrainingOptions, trained: TrainedModel, dataset: Dat
                   "learning_rate": options.learning_rate,
                   **regularisation_record(options, trained),
                   "train_augment": options.train_augment, "seed": options.seed,
-                  "augment_transforms": (options.tta_transforms or "default")
+                  "augment_transforms": trained_views(options.tta_transforms)
                   if options.tta and options.train_augment else None,
                   **trained.report_section(), "teacher": teacher},
         calibration=trained.calibration) | compression_entry(trained, paths)
+
+
+def trained_views(transforms: str) -> str:
+    """The views training drew from (ttc/testtime/tta.py build_transforms): --tta_transforms,
+    of `auto:LIST` its LIST, and the model type's default for a bare `auto` or none."""
+    from ttc.testtime.transforms import is_auto
+
+    if is_auto(transforms):
+        transforms = transforms.partition(":")[2]
+    return transforms.strip() or "default"
 
 
 def program_name(dataset: Dataset) -> str:
