@@ -84,7 +84,7 @@ class Config(ModelTypeChecks, TestTimeOptions, OutputFlags, ServeFlags, Distribu
         self.check_compress(self.arch)
         self.check_export()
         self.check_quantize()
-        self._validate_test_time_compute()
+        self.check_test_time_compute()
         serving = getattr(self, "script", None) == "serve"
         self.check_batch(self.ray_threads, self.profile, self.adapts_online(), serving)
         self.check_distributed()
@@ -93,15 +93,6 @@ class Config(ModelTypeChecks, TestTimeOptions, OutputFlags, ServeFlags, Distribu
         self.check_runtime()
         self._validate_paths()
         return self
-
-    def _validate_test_time_compute(self) -> None:
-        self.check_steps()
-        self.check_passes()
-        self.check_tta()
-        self.check_ttt()
-        self.check_stream(self.ttt)
-        self.check_network(self.arch, self.batch_size)
-        self.check_iterative()
 
     def _validate_paths(self) -> None:
         """The files: builtin data sets, the outputs' forms, the plots folder, that every

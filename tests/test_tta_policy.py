@@ -194,3 +194,15 @@ def test_inference_and_input_apply_the_policy_pipeline_chose(cancer_auto, tmp_pa
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     summary = chosen["verdict"].split(";")[0]
     assert summary in predicted.stderr
+
+
+def test_training_draws_from_the_pool_of_auto_or_the_type_s_default_views():
+    """What the manifest's training.augment_transforms records under auto: the views training
+    drew its random forms from, never the word auto."""
+    from ttc.testtime.transforms import training_spec
+    from ttc.training.stage import trained_views
+
+    assert training_spec("auto:hflip,vflip") == "hflip,vflip"
+    assert training_spec("shift:1") == "shift:1"
+    assert trained_views("auto") == "default" and trained_views("") == "default"
+    assert trained_views("auto:hflip, rot90") == "hflip, rot90"

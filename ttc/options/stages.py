@@ -72,6 +72,17 @@ class TestTimeOptions:
                            self.trust_model_code, self.ttt_guard, self.ttt_predict,
                            self.eval_stream, self.stream_passes)
 
+    def check_test_time_compute(self: Any) -> None:
+        """The test-time methods' flags, in the order Config.validate and ServeOptions.validate
+        check them."""
+        self.check_steps()
+        self.check_passes()
+        self.check_tta()
+        self.check_ttt()
+        self.check_stream(self.ttt)
+        self.check_network(self.arch, self.batch_size)
+        self.check_iterative()
+
     def ray_workers(self: Any) -> int:
         """--num_workers; by default 2, or 1 where a local cluster cannot hold two."""
         return self.workers(self.ray_threads())
@@ -209,11 +220,7 @@ class ServeOptions(ModelTypeChecks, TestTimeOptions, OutputFlags, ServeFlags, Ba
         self.check_text_length()
         self.check_rates()
         self.check_ensemble_size()
-        for check in (self.check_steps, self.check_passes, self.check_tta, self.check_ttt):
-            check()
-        self.check_stream(self.ttt)
-        self.check_network(self.arch, self.batch_size)
-        self.check_iterative()
+        self.check_test_time_compute()
         self.check_batch(self.ray_threads, self.profile, self.adapts_online(), True)
         self.check_serve(self.adapts_online())
         self.check_runtime()

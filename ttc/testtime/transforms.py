@@ -718,6 +718,12 @@ def is_auto(text: str) -> bool:
     return text.strip().partition(":")[0].strip().lower() == AUTO
 
 
+def training_spec(text: str) -> str:
+    """The views training draws its random forms from: --tta_transforms as given, of
+    `auto:LIST` its LIST, and "" (the model type's default) for a bare `auto`."""
+    return text.partition(":")[2].strip() if is_auto(text) else text
+
+
 def auto_pool(text: str, kind: str) -> str:
     """The candidate pool of `--tta_transforms auto[:LIST]`: LIST as given, or for a bare auto
     the AUTO_POOLS entry of the kind's input."""

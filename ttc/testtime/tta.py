@@ -29,8 +29,8 @@ from ttc.testtime import tta_graph
 from ttc.inputs.preprocess import PAD_ID, trim_padding
 from ttc.serving.runtime import batches_of, best_of, create_session, session_runner
 from ttc.tasks.registry import TASKS, task_of_kind
-from ttc.testtime.transforms import (TTATransform, Transform, accepted, is_auto, pad_id,
-                                     parse_transform_specs as parse_entries)
+from ttc.testtime.transforms import (TTATransform, Transform, accepted, pad_id,
+                                     parse_transform_specs as parse_entries, training_spec)
 from ttc.testtime.transforms import transform as transform_named
 from ttc.testtime.tta_graph import ViewBuilder
 from utils import LOG, ConfigError
@@ -62,8 +62,7 @@ def build_transforms(text: str, preprocessing: dict, seed: int = 0) -> list[Tran
     `auto:LIST` is LIST here and a bare `auto` the model type's default views: what training's
     random forms use (the views served are chosen on held-out data: tta_policy.py)."""
     kind = preprocessing["kind"]
-    if is_auto(text):
-        text = text.partition(":")[2]
+    text = training_spec(text)
     return [transform_named(name, value).compile(preprocessing, np.random.default_rng([seed, k]))
             for k, (name, value) in enumerate(parse_transform_specs(text, kind))]
 

@@ -206,11 +206,9 @@ def build_manifest(options: TrainingOptions, trained: TrainedModel, dataset: Dat
 def trained_views(transforms: str) -> str:
     """The views training drew from (ttc/testtime/tta.py build_transforms): --tta_transforms,
     of `auto:LIST` its LIST, and the model type's default for a bare `auto` or none."""
-    from ttc.testtime.transforms import is_auto
+    from ttc.testtime.transforms import training_spec
 
-    if is_auto(transforms):
-        transforms = transforms.partition(":")[2]
-    return transforms.strip() or "default"
+    return training_spec(transforms).strip() or "default"
 
 
 def program_name(dataset: Dataset) -> str:
