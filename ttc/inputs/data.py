@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -78,8 +78,8 @@ class DataOptions:
         names = [f for f in cls.__dataclass_fields__ if f not in ("path", "show_progress")]
         options = cls(path=flags.dataset_path, show_progress=not flags.no_progress,
                       **{name: getattr(flags, name) for name in names})
-        if find_task(options.model_type) is not None and \
-                find_task(options.model_type).uncalibrated:
+        task = find_task(options.model_type)
+        if task is not None and task.uncalibrated and not task.calibration_slice:
             options.calibration_fraction = 0.0  # no temperature to fit: train on every row
         return options
 
@@ -689,11 +689,11 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
     _check_labels(present, labels, options.path, trained)
     text = task_for(options.model_type).input_role == "text"
     if preprocessing is None:
-        preprocessing = _fit_table_preprocessing(table.inputs["train"], text, options)
+        preprocessing = fit_table_preprocessing(table.inputs["train"], text, options)
     index = {label: i for i, label in enumerate(labels)}
     encoded: dict[str, Split] = {}
     for split in splits:
-        x = _encode_table(table.inputs[split], preprocessing, text, split)
+        x = encode_table(table.inputs[split], preprocessing, text, split)
         y = np.array([index[label] for label in table.labels[split]], dtype=np.int64)
         encoded[split] = Split(x=x, y=y, ids=table.ids[split],
                                raw=list(table.inputs[split]) if text else None)
@@ -707,13 +707,34 @@ def load_table_dataset(options: DataOptions, *, preprocessing: dict | None = Non
 
 
 
-def _read_table_splits(options: DataOptions) -> _TableSplits:
+# (a table, its label column, the path it came from) -> None, or DataError naming bad rows
+LabelCheck = Callable[[Any, str, Any], None]
+
+
+@dataclass
+class TableParts:
+    """The usable rows of the main table and of any --val_path/--test_path table ("main",
+    "val", "test": _clean_rows' frames), the columns found, and the main table's path."""
+
+    parts: dict[str, Any]
+    columns: Columns
+    path: Any
+
+
+def read_table_parts(options: DataOptions, main_table: tuple[Any, Any] | None = None,
+                     check_labels: LabelCheck | None = None) -> TableParts:
+    """The one reading of a table type's data (the classifiers' and a regressor's): the main
+    table (`main_table`: (frame, path) a type read itself, e.g. its builtin), its columns
+    found, each split file's matched to them, and the rows every type drops. `check_labels`
+    sees each table's label column before any row is dropped (a regressor's numeric target)."""
     role = task_for(options.model_type).input_role
     text = role == "text"
-    main, path = _read_main_table(options)
+    main, path = main_table or _read_main_table(options)
     columns = detect_columns(main, role, path, options.label_column,
                              options.text_column if text else options.feature_columns,
                              table_reader(options.model_type))
+    if check_labels:
+        check_labels(main, columns.label, path)
     parts = {"main": _clean_rows(main, columns, text, path)}
     for split in ("val", "test"):
         extra = getattr(options, f"{split}_path")
@@ -722,7 +743,16 @@ def _read_table_splits(options: DataOptions) -> _TableSplits:
                                [columns.label, *columns.inputs])
             found = split_columns(frame, columns, list(main.columns), Path(extra),
                                   f"--{split}_path")
+            if check_labels:
+                check_labels(frame, found.label, extra)
             parts[split] = _clean_rows(frame, found, text, Path(extra), store_as=columns.inputs)
+    return TableParts(parts, columns, path)
+
+
+def _read_table_splits(options: DataOptions) -> _TableSplits:
+    text = task_for(options.model_type).input_role == "text"
+    read = read_table_parts(options)
+    parts, columns, path = read.parts, read.columns, read.path
     main_frame = parts["main"]
     if main_frame.empty:
         reasons = "; ".join(f"{d['count']} with {with_article(d['reason'])}"
@@ -809,7 +839,7 @@ def dropped_rows(path, reason: str, rows) -> dict:
     return {"file": str(path), "reason": reason, "count": int(len(rows)), "first_rows": first}
 
 
-def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> dict:
+def fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> dict:
     if len(train_inputs) == 0:
         raise DataError(f"no training rows in {options.path}", "add rows of data")
     if text and hf_source(options.arch) is not None:
@@ -826,7 +856,7 @@ def _fit_table_preprocessing(train_inputs, text: bool, options: DataOptions) -> 
     return encoder.to_manifest(x)
 
 
-def _encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.ndarray:
+def encode_table(inputs, preprocessing: dict, text: bool, split: str) -> np.ndarray:
     if text:
         return text_tokenizer(preprocessing).encode_batch(list(inputs))
     encoder = TabularEncoder.from_manifest(preprocessing)

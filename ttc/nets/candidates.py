@@ -6,9 +6,10 @@ ray's trials (ttc/distributed/search.py) are scored by the same choose. Imports 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import dspy
 from dspy.teleprompt import Teleprompter
@@ -189,3 +190,14 @@ class CandidateSearch(Teleprompter):
 def validation_loss(program: ClassifierProgram, devset: list[dspy.Example]) -> float:
     x, y = WeightTrainer._stack(program, devset)
     return nll(program.predict_proba(x.numpy()), y.numpy())
+
+
+class BestEpochSearch(CandidateSearch):
+    """A search whose trainers keep their best epoch's validation record (the dense types' and
+    a regressor's): a candidate is scored by that epoch's score and loss, its weights being the
+    program's, with no second pass over the validation set."""
+
+    def score(self, program: Any, trainer: Any, devset: list[dspy.Example]
+              ) -> tuple[float, float]:
+        record = trainer.best_record
+        return record.val_accuracy, math.inf if record.val_loss is None else record.val_loss

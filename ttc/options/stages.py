@@ -124,7 +124,11 @@ class ModelTypeChecks:
         if named is None:
             named = {f.name for f in fields(self)
                      if script is None or script in f.metadata["scripts"]}
-        owner = {name: other for other in TASKS if other is not task for name in other.own_flags}
+        owner: dict = {}  # a flag several types own is each one's; another type's names the first
+        for other in TASKS:
+            for name in other.own_flags if other is not task else ():
+                if name not in task.own_flags:
+                    owner.setdefault(name, other)
         given = [name for name in (*task.refused_flags, *owner)
                  if name in named and getattr(self, name) != defaults[name]]
         if given and given[0] in owner:  # a flag of one other type: name it

@@ -35,6 +35,12 @@ class ScoreNames:
     curves_title: str = "accuracy"
     candidate: str = "val acc"
     metric: str = "accuracy"
+    # what a compressed variant's `accuracy*` keys hold (quantize, fp16: the scorer's figure);
+    # the table's labels say "accuracy", replaced by this where a type names another
+    judged: str = "accuracy"
+
+
+JUDGED_SECTIONS = frozenset({"quantize", "fp16"})  # their accuracy* rows hold `judged`
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,9 @@ class ClassifierReport:
     def keys(self, section: str, labels: KeyLabels | None, data: Any) -> KeyLabels | None:
         """The labelled rows of `section` (the summary's and the page's), given the table's
         `labels` (None: the page shows the section's plain keys) and the section's data."""
-        return labels
+        if labels is None or section not in JUDGED_SECTIONS or self.names.judged == "accuracy":
+            return labels
+        return tuple((key, label.replace("accuracy", self.names.judged)) for key, label in labels)
 
     def formatters(self) -> dict[str, Formatter]:
         """The summary's lines after a section's key rows, by section, replacing the table's."""

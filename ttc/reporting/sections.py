@@ -22,6 +22,7 @@ from ttc.reporting.summary import (KeyLabels, format_benchmark, format_calibrati
                                    format_engine, format_evaluation,
                                    format_iterative, format_profile, format_quantize_details,
                                    format_training, format_ttt)
+from ttc.tasks.registry import TASKS
 
 Formatter = Callable[[Any], list[str]]
 
@@ -121,6 +122,8 @@ PREDICTIONS_KEYS: KeyLabels = (
 )
 
 
+# the plots the model types declare (Task.plots) beside the table's, in their evaluation section
+TYPE_PLOTS: dict[str, str] = {name: caption for task in TASKS for name, caption in task.plots}
 SECTIONS: tuple[Section, ...] = (
     Section("dataset", "Dataset", DATASET_KEYS, format_dataset, page="dataset",
             own_tables=frozenset({"dropped_reasons"})),
@@ -139,7 +142,7 @@ SECTIONS: tuple[Section, ...] = (
             summary_after="tta", json_after="engine"),
     Section("evaluation", "Evaluation", details=format_evaluation, page="evaluation",
             plots=("class_iou", "class_ap", "pr_curve", "confusion_matrix",
-                   "segmentation_examples", "reliability"),
+                   "segmentation_examples", "reliability", *TYPE_PLOTS),
             of_input=True),
     Section("calibration", "Calibration", details=format_calibration, page="calibration",
             plots=("reliability", "calibration_shift"), summary_beneath="evaluation",
@@ -177,6 +180,7 @@ PLOT_CAPTIONS: dict[str, str] = {
     "tta": "test-time augmentation",
     "compression": "compression: validation accuracy against latency per variant (fp32 "
                    "marked), at the judged batch size",
+    **TYPE_PLOTS,
 }
 PLOT_NAMES: tuple[str, ...] = tuple(PLOT_CAPTIONS)
 assert {p for s in SECTIONS for p in s.plots} == set(PLOT_NAMES), "a plot without its section"

@@ -107,6 +107,11 @@ class Task:
     program: str = "ClassifierProgram"  # its DSPy program's name, as the manifest records it
     calibrated_on: str = "samples"  # what a temperature is fitted on: "samples" or "pixels"
     uncalibrated: str = ""  # why --calibrate temperature fits nothing for it ("": it fits)
+    calibration_slice: bool = False  # it uses the calibration slice itself (a regressor's
+    # conformal intervals): the slice is kept at --calibration_fraction though `uncalibrated`
+    min_labels: int = 2  # the manifest's labels: a classifier's classes; a regressor's 1 target
+    plots: tuple[tuple[str, str], ...] = ()  # its own plots, (name, caption): drawn by its
+    # Parts.report's `plots`, shown in the evaluation section (ttc/reporting/sections.py)
     class_prior: bool = True  # its training loss is a cross-entropy over classes: the class
     # shares' entropy is what a network that learned nothing reaches (the training health)
     image_loop: bool = False  # trains with ttc/nets/image_loop.py (its trainer module's

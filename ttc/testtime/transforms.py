@@ -41,8 +41,17 @@ _DENSE_KINDS = {"segmentation": ("image", "mask"), "detection": ("image", "boxes
 
 
 def input_of(kind: str) -> str:
-    """What a model of this kind takes: image, text or tabular."""
-    return _DENSE_KINDS.get(kind, (kind, "class"))[0]
+    """What a model of this kind takes: image, text or tabular (a kind of its own, a
+    regressor's, takes its model type's input: Task.input_role)."""
+    if kind in _DENSE_KINDS or kind in ("image", "text", "tabular"):
+        return _DENSE_KINDS.get(kind, (kind, "class"))[0]
+    from ttc.tasks.registry import task_of_kind
+
+    try:
+        role = task_of_kind(kind).input_role
+    except KeyError:
+        return kind
+    return "tabular" if role == "feature" else role
 
 
 def output_of(kind: str) -> str:

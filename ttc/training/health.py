@@ -50,6 +50,8 @@ def class_counts(y, num_classes: int) -> list[int]:
         flat = np.concatenate([np.asarray(b).reshape(-1, 5)[:, 0] for b in y] or [[]]
                               ).astype(np.int64)
         return np.bincount(flat[flat < num_classes], minlength=num_classes).tolist()
+    if np.asarray(y).dtype.kind == "f":  # a regressor's targets: every row counts for its one
+        return [int(np.asarray(y).size)] * num_classes  # output
     flat = np.asarray(y, np.int64).ravel()
     return np.bincount(flat[flat < num_classes], minlength=num_classes).tolist()
 

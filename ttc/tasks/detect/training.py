@@ -30,7 +30,7 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.device import float_outputs, module_device, to_device, training_device
 from ttc.nets.models import count_parameters, network_modules, user_architecture
-from ttc.nets.candidates import CandidateSearch
+from ttc.nets.candidates import BestEpochSearch
 from ttc.nets.image_loop import ImagePlan, ImageRunner, ImageTrainer
 from ttc.nets.training import TrainedModel, checkpoint_store, image_trained_model, train_images
 from ttc.nets.shards import Shard
@@ -301,16 +301,11 @@ def share_loss(runner: ImageRunner, images: torch.Tensor, boxes: list[np.ndarray
 # ----------------------------------------------------------------------------- the search
 
 
-class DetectorSearch(CandidateSearch):
+class DetectorSearch(BestEpochSearch):
     """CandidateSearch over detection trainers: one DetectionTrainer per (learning rate, seed),
     the best kept by the validation mAP of its best epoch (ties: the lower validation loss)."""
 
     score_name = "mAP"
-
-    def score(self, program: DetectorProgram, trainer: DetectionTrainer,
-              devset: list[dspy.Example]) -> tuple[float, float]:
-        record = trainer.best_record
-        return record.val_accuracy, math.inf if record.val_loss is None else record.val_loss
 
 
 # ----------------------------------------------------------------------------- the stage

@@ -30,7 +30,7 @@ from torch import nn
 from ttc.inputs.data import Dataset, Split
 from ttc.nets.device import float_outputs, module_device, to_device, training_device
 from ttc.nets.models import UserNetwork, count_parameters, user_architecture
-from ttc.nets.candidates import CandidateSearch
+from ttc.nets.candidates import BestEpochSearch
 from ttc.nets.image_loop import ImagePlan, ImageRunner, ImageTrainer
 from ttc.nets.training import TrainedModel, checkpoint_store, image_trained_model, train_images
 from ttc.nets.transfer import Transfer
@@ -256,20 +256,13 @@ def stack_examples(examples: Sequence[dspy.Example]) -> tuple[torch.Tensor, torc
 # ----------------------------------------------------------------------------- the search
 
 
-class SegmenterSearch(CandidateSearch):
+class SegmenterSearch(BestEpochSearch):
     """CandidateSearch over segmentation trainers: one SegmentationTrainer per (learning rate,
     seed), the best kept by the validation mean IoU of its best epoch (ties: the lower
     validation loss). A diverged candidate is skipped with a WARNING unless it is the only
     one; the search fails only when all do."""
 
     score_name = "mean IoU"
-
-    def score(self, program: SegmenterProgram, trainer: SegmentationTrainer,
-              devset: list[dspy.Example]) -> tuple[float, float]:
-        """The best epoch's validation mean IoU and loss (its weights are the program's: no
-        second pass over the validation images)."""
-        record = trainer.best_record
-        return record.val_accuracy, math.inf if record.val_loss is None else record.val_loss
 
 
 # ----------------------------------------------------------------------------- the stage
