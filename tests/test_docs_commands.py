@@ -3,7 +3,7 @@
 Each page's fenced `bash` lines run, in the page's order, through bash from the root of a copy of
 the repository (relative paths, `python` on PATH as the test's interpreter, whose `python X.py`
 runs go through the fork server, tests/forkserver.py). Data a clone has not
-got (the user's `photos/`, `sms.tsv`, `customers.csv`, ...) is laid there first as small
+got (the user's `photos/`, `sms.tsv`, `customers.csv`, `houses.csv`, ...) is laid there first as small
 stand-ins under the same names, and a bundle a page reads before any of its commands writes it
 (`runs/x/model.onnx`) is built first from a stand-in (once per test worker, on the same stand-in
 data, and copied into each checkout that reads it). Three kinds of command do not run as
@@ -175,6 +175,11 @@ def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
     features = customers.drop(columns="churned").head(30)
     features.to_csv(tree / "new_data.csv", index=False)
     features.to_parquet(tree / "rows.parquet", index=False)
+    rng = np.random.default_rng(0)  # a regressor's table: a price from two features and noise
+    rooms, area = rng.integers(1, 6, 240), rng.uniform(30, 150, 240)
+    pd.DataFrame({"rooms": rooms, "area": area.round(1),
+                  "price": (20 * rooms + 2 * area + rng.normal(0, 5, 240)).round(1)}
+                 ).to_csv(tree / "houses.csv", index=False)
     if "scans" in " ".join(commands):  # a segmenter's ROOT/images + ROOT/masks
         from ttc.tasks.segment.canvases import write_digit_canvases
 

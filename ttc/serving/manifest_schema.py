@@ -28,7 +28,8 @@ MODEL_KINDS = {task.name: task.kind for task in TASKS}  # model_type → preproc
 # every graph's outputs, (batch, classes) float32; a segmenter's are (batch, classes, height,
 # width), with the mask (batch, height, width) int64 beside them; a detector's are its padded
 # detections (ttc/tasks/detect: DETECTION_OUTPUTS)
-OUTPUT_NAMES = ("logits", "probabilities", "mask", "boxes", "scores", "labels", "num_detections")
+OUTPUT_NAMES = ("logits", "probabilities", "mask", "boxes", "scores", "labels", "num_detections",
+                "prediction")  # a regressor's: (batch,) float32 in the target's units
 HF_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # hf.GRAPH_INPUTS (torch)
 TORCHVISION_ARCHS = task_for("image_classifier").archs[1:]  # the image networks but small_cnn
 SEGMENTER_ARCHS = task_for("image_segmenter").archs[1:]  # torchvision's, beside our unet
@@ -166,6 +167,22 @@ INPUT = record({"name": STRING, "dtype": text(("float32", "int64")),
                required=("name", "shape"))
 OUTPUTS = list_of(record({"name": text(OUTPUT_NAMES)}, required=("name",)), min_length=1)
 
+_TABLE_FIELDS = {"columns": list_of(record({"name": STRING, "type": text(("numeric", "categorical")),
+                                             "categories": NAMES}, required=("name", "type")),
+                                     min_length=1),
+                 "feature_names": list_of(STRING, min_length=1), "median": list_of(FINITE),
+                 "mean": list_of(FINITE), "std": list_of(POSITIVE)}
+_WORDS_FIELDS = {"vocabulary": NAMES, "vocab_size": SIZE, "max_length": TEXT_LENGTH,
+                 "bigrams": either(True, False), "min_count": COUNT, "pad_id": either(PAD_ID),
+                 "unk_id": either(UNK_ID)}
+# a regressor's target: its column, the training split's mean and standard deviation (the graph
+# undoes the standardisation), and a conformal interval's level and radius (ttc/tasks/regress)
+_REGRESSION_FIELDS = {
+    "target": record({"name": STRING, "mean": FINITE, "std": POSITIVE},
+                     required=("name", "mean", "std")),
+    "interval": optional(record({"level": number(0, 1, above=True), "radius": number(0),
+                                 "method": STRING, "calibration_rows": SIZE},
+                                required=("level", "radius")))}
 PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
     "image": record({"image_size": list_of(integer(1, MAX_IMAGE_SIDE), length=2),
                      "channels": either(1, 3),
@@ -194,6 +211,11 @@ PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
                                        required=("iou_threshold", "score_threshold",
                                                  "max_detections"))},
                         required=("image_size", "channels")),
+    "tabular_regression": record({**_TABLE_FIELDS, **_REGRESSION_FIELDS},
+                                 required=("columns", "feature_names", "target")),
+    "text_regression": record({**_WORDS_FIELDS, **_REGRESSION_FIELDS},
+                              required=("vocabulary", "vocab_size", "max_length", "bigrams",
+                                        "min_count", "target")),
     "tabular": record({"columns": list_of(record(
                            {"name": STRING, "type": text(("numeric", "categorical")),
                             "categories": NAMES}, required=("name", "type")), min_length=1),
@@ -245,6 +267,10 @@ NETWORKS = {
                            "input_spec": record({"kind": text(tuple(MODEL_KINDS.values()))},
                                                 required=("kind",))},
                           required=("model_def", "input_spec")),
+    **{name: record({"num_features": SIZE, "vocab_size": SIZE, "dropout": DROPOUT,
+                     "num_classes": either(1)}) for name in (
+        "TabularMLPRegressor", "TabularResMLPRegressor", "TextBagRegressor", "TextCNNRegressor",
+        "TextTransformerRegressor")},
     "HFTextNet": record({"source": STRING, "pad_id": COUNT,
                          "graph_inputs": list_of(text(HF_GRAPH_INPUTS), min_length=1),
                          "hf_config": record({"model_type": STRING}, required=("model_type",))},
@@ -347,9 +373,10 @@ def manifest_problem(manifest: dict) -> str | None:
         return (f"model_type {_SHORT.repr(manifest['model_type'])} is not one of "
                 f"{sorted(MODEL_KINDS)}")
     labels = manifest["labels"]
-    if not (isinstance(labels, list) and len(labels) >= 2 and
+    least = task_for(manifest["model_type"]).min_labels  # a regressor's: its one target
+    if not (isinstance(labels, list) and len(labels) >= least and
             all(isinstance(v, str) for v in labels) and len(set(labels)) == len(labels)):
-        return "labels must be a list of 2 or more distinct strings"
+        return f"labels must be a list of {least} or more distinct strings"
     if len(labels) > MAX_LABELS:  # limits.py: the classes a report's figures stay small for
         return f"labels lists {len(labels):,} classes; this tool takes at most {MAX_LABELS:,}"
     for key, (check, _) in SECTIONS.items():
@@ -430,6 +457,7 @@ def _counts_agree(manifest: dict) -> str | None:
 
 
 INPUT_FORMS = {"image": ("float32", 4), "text": ("int64", 2), "tabular": ("float32", 2),
+               "tabular_regression": ("float32", 2), "text_regression": ("int64", 2),
                "segmentation": ("float32", 4), "detection": ("float32", 4)}
 
 
@@ -457,7 +485,11 @@ NETWORK_FORMS = {"SmallCNN": "image", "TorchvisionNet": "image", "TextClassifier
                  "TextCNN": "words", "TextTransformer": "words", "HFTextNet": HF_TOKENIZER,
                  "TabularMLP": "tabular", "TabularResMLP": "tabular", "UNet": "segmentation",
                  "TorchvisionSegmenter": "segmentation", "CenterNet": "detection",
-                 "MobileNetCenterNet": "detection", "TorchvisionSSD": "detection"}
+                 "MobileNetCenterNet": "detection", "TorchvisionSSD": "detection",
+                 "TabularMLPRegressor": "tabular_regression",
+                 "TabularResMLPRegressor": "tabular_regression",
+                 "TextBagRegressor": "text_regression", "TextCNNRegressor": "text_regression",
+                 "TextTransformerRegressor": "text_regression"}
 
 
 def _network_agrees(manifest: dict) -> str | None:
@@ -481,7 +513,7 @@ def _network_agrees(manifest: dict) -> str | None:
 
 def _tokens_agree(manifest: dict) -> str | None:
     pre = manifest["preprocessing"]
-    if _preprocessing_form(pre) == "words" and pre["vocab_size"] != len(pre["vocabulary"]) + 2:
+    if _preprocessing_form(pre) in ("words", "text_regression") and pre["vocab_size"] != len(pre["vocabulary"]) + 2:
         return (f"preprocessing.vocab_size is {pre['vocab_size']} for a vocabulary of "
                 f"{len(pre['vocabulary'])} (plus padding and unknown)")
     return None
@@ -489,7 +521,7 @@ def _tokens_agree(manifest: dict) -> str | None:
 
 def _features_agree(manifest: dict) -> str | None:
     pre = manifest["preprocessing"]
-    if pre["kind"] != "tabular":
+    if pre["kind"] not in ("tabular", "tabular_regression"):
         return None
     names: list[str] = []
     for column in pre["columns"]:

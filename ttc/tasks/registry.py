@@ -5,9 +5,11 @@ untrusted, so every schema it is checked against stays in serving/manifest_schem
 from __future__ import annotations
 
 from ttc.tasks import detect, image, segment, tabular, text
+from ttc.tasks import regress
 from ttc.tasks.base import Task
 
-TASKS: tuple[Task, ...] = (image.TASK, text.TASK, tabular.TASK, segment.TASK, detect.TASK)
+TASKS: tuple[Task, ...] = (image.TASK, text.TASK, tabular.TASK, segment.TASK, detect.TASK,
+                           regress.TABULAR, regress.TEXT)
 _BY_NAME = {task.name: task for task in TASKS}
 _BY_KIND = {task.kind: task for task in TASKS}
 

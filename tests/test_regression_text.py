@@ -1,0 +1,56 @@
+"""`--model_type text_regressor` through the CLIs (issue 67): one pipeline run on the built-in
+review scores (texts with a numeric score), then its graph, inference.py --input and the report."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("text_regress")
+    model = root / "run" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "text_regressor", "--dataset_path",
+                  "builtin:review_scores", "--epochs", "4", "--interval", "0.9",
+                  "--output_model", model, "--report_json", root / "report.json",
+                  "--no_progress", "true", "--plots", "none")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"root": root, "model": model,
+            "manifest": json.loads(model.with_suffix(".json").read_text()),
+            "report": json.loads((root / "report.json").read_text())}
+
+
+def test_the_text_graph_takes_word_ids_and_answers_a_number(bundle):
+    manifest = bundle["manifest"]
+    assert manifest["preprocessing"]["kind"] == "text_regression"
+    assert manifest["input"]["name"] == "token_ids" and manifest["labels"] == ["target"]
+    session = ort.InferenceSession(str(bundle["model"]), providers=["CPUExecutionProvider"])
+    ids = np.array([[2, 3, 4, 0], [5, 0, 0, 0]], dtype=np.int64)
+    prediction = session.run(None, {"token_ids": ids})[0]
+    assert prediction.shape == (2,) and np.isfinite(prediction).all()
+
+
+def test_the_review_scores_are_learned_and_the_interval_holds(bundle):
+    evaluation = bundle["report"]["evaluation"]
+    assert evaluation["r2"] > 0.3 and evaluation["verdict"].startswith("useful")
+    assert evaluation["interval"]["coverage"] >= 0.7
+
+
+def test_inference_input_ranks_graded_words(bundle, tmp_path: Path):
+    given = tmp_path / "reviews.csv"
+    given.write_text("text\ngreat superb food and great view\nawful terrible slow service\n")
+    out = tmp_path / "scores.csv"
+    run = run_cli("inference.py", "--model", bundle["model"], "--input", given, "--output", out,
+                  "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    with open(out, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [set(r) for r in rows] == [{"id", "prediction", "lower", "upper"}] * 2
+    assert float(rows[0]["prediction"]) > float(rows[1]["prediction"])
