@@ -9,8 +9,8 @@ Collection TSV given with --sms PATH; skipped without it), writes generated CSVs
 --output preds.csv` as a subprocess on each: peak RSS (GNU time) and end-to-end rows/s. Then
 the raw session.run throughput of the same graph at the same batch size on rows encoded
 beforehand, the start-up time of `inference.py --help`, and whether a prediction run imports
-torch or dspy. --quick: 200 and 400 rows, 1 epoch, and a generated stand-in for the SMS texts
-without --sms.
+torch or dspy. --quick: one size, 200 rows (the growth line then compares it with itself), 1
+epoch, and a generated stand-in for the SMS texts without --sms.
 
 Goals: peak RSS at the largest size within 10% of the smallest; end-to-end ≥ 80% of raw
 session.run throughput; no torch or dspy; --help under 1 s.
@@ -126,7 +126,7 @@ def main() -> None:
     add_quick_flag(parser)
     args = parser.parse_args()
     if args.quick:
-        args.rows = "200,400"
+        args.rows = "200"
     sizes = [int(r) for r in args.rows.split(",")]
     sms = sms_or_standin(args.sms, args.quick)
     quiet_single_thread()

@@ -17,7 +17,9 @@ from ttc.serving.bundle import BundlePaths
 from utils import quiet_library_loggers, setup_logging  # noqa: E402
 
 
-def quiet_single_thread() -> None:
+def quiet_single_thread(quick: bool = False) -> None:
+    """Quiet logs, one torch thread; under --quick also the tool's timing loops cut short
+    (quick_timing)."""
     setup_logging("ERROR")
     import torch
 
@@ -25,6 +27,8 @@ def quiet_single_thread() -> None:
 
     quiet_library_loggers()
     torch.set_num_threads(1)
+    if quick:
+        quick_timing()
 
 
 def train_bundle(config: Config):
@@ -71,6 +75,22 @@ def add_quick_flag(parser: argparse.ArgumentParser) -> None:
         return parsed
 
     parser.parse_args = parse_or_stop
+
+
+QUICK_TIMED_RUNS = 2  # --quick: timed turns of the tool's own timing loops in this process
+
+
+def quick_timing() -> None:
+    """--quick, in this process only: the tool's timing loops (runtime.time_runners' defaults,
+    the benchmark's and the compression judge's turns) at 1 warm-up and QUICK_TIMED_RUNS turns
+    with no minimum time, so that a smoke run's time is not timing; the same code runs."""
+    from ttc.compress import judging
+    from ttc.online import evaluate
+    from ttc.serving import runtime
+
+    runtime.MIN_TIMED_RUNS, runtime.WARMUP_RUNS = QUICK_TIMED_RUNS, 1
+    runtime.MIN_TIMING_SECONDS = 0.0
+    evaluate.BENCHMARK_RUNS = judging.TIMED_RUNS = QUICK_TIMED_RUNS
 
 
 _SCRATCH: tempfile.TemporaryDirectory | None = None

@@ -34,8 +34,9 @@ once per weight range (issue 61): the pipeline's --int8_range auto, and quantize
 on a copy of the bundle (full: 8-bit weights; reduced: 7-bit, ONNX Runtime's reduce_range), each
 with its test mAP against fp32's, its speed at --batch_size and at batch 1, and this CPU's int8
 instructions (full range saturates on x86 CPUs without VNNI or AMX). A failed pipeline.py run is reported and the script exits 1. --quick: 120 canvases of
-32 pixels, 1 epoch, a few timed turns, the bundle in a temporary folder; its figures mean
-nothing.
+32 pixels, 1 epoch, a few timed turns, one TTA view (scale:1.25, unless --tta_transforms says
+otherwise: the TTA graph's export and check cost about 10 s a view), the bundle in a temporary
+folder; its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ NOT_BUILT = ("int8 (head and NMS in float) loses ≤ 1 mAP@.5 point, or is refus
              "box-fusing TTA (hflip, multi-scale, WBF in the graph): the mAP change",
              "bn-TTT ≥ +10 mAP@.5 points, mean over 3 corruptions at severity 3")
 SHIFTS = "gaussian_noise,contrast,blur"
+TTA_TRANSFORMS = "scale:0.75,1.25"
+QUICK_TTA_TRANSFORMS = "scale:1.25"  # --quick: one view, still a scale (resizing) one
 INT8_MAP50_DROP = 0.01
 TTT_GAIN = 0.10
 
@@ -427,7 +430,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--score_threshold", type=float, default=0.05,
                         help="the graph's NMS score threshold")
-    parser.add_argument("--tta_transforms", default="scale:0.75,1.25",
+    parser.add_argument("--tta_transforms", default=TTA_TRANSFORMS,
                         help="the TTA views, where a detector takes --tta")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch and ONNX Runtime threads, in training and timing")
@@ -440,7 +443,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.canvases, args.size, args.epochs, args.runs, args.images = 120, 32, 1, 3, 4
-    quiet_single_thread()
+        if args.tta_transforms == TTA_TRANSFORMS:
+            args.tta_transforms = QUICK_TTA_TRANSFORMS
+    quiet_single_thread(args.quick)
     if args.threads != 1:
         import torch
 

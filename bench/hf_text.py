@@ -320,7 +320,7 @@ def main() -> None:
 def measure(args: argparse.Namespace, out: Path) -> None:
     """Train (or --reuse) the tiny BERT in `out`, time it, print the goals."""
     out.mkdir(parents=True, exist_ok=True)
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     import torch
 
     torch.set_num_threads(args.threads)

@@ -132,7 +132,7 @@ def main() -> None:
         args.passes, args.epochs, args.runs, args.seeds = 2, 1, 3, 2
     args.data = args.data or ("sms" if args.quick else "digits,sms")
     args.sms = sms_or_standin(args.sms, args.quick)
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     names = args.data.split(",")
     if "sms" in names and not args.sms:
         import sys

@@ -194,7 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rows, args.repeats = 20_000, 1
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     with tempfile.TemporaryDirectory(prefix="bench_parquet_columnar_") as tmp:
         measure(args, Path(tmp))
 

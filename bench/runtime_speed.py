@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.hidden = 1, 32
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     from ttc.nets import models
 
     work = scratch_dir()

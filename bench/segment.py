@@ -423,7 +423,7 @@ def main() -> None:
     if args.quick:
         args.canvases, args.size, args.epochs, args.runs, args.images = 120, 24, 1, 3, 4
     args.archs = args.archs or ("unet" if args.quick else DEFAULT_ARCHS)
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     if args.threads != 1:
         import torch
 

@@ -39,7 +39,7 @@ def main() -> None:
     if not args.data:
         parser.exit(0, "skipped: pass --data PATH (e.g. the SMS Spam Collection TSV)\n")
 
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     import torch
 
     from ttc.serving.runtime import batches_of, create_session

@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.epochs = 1, 1
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     compare("builtin:digits (8x8)", "builtin:digits", args.epochs, args.seeds)
     if args.quick:
         return

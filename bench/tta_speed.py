@@ -176,7 +176,7 @@ def main() -> None:
     if args.quick:
         args.epochs, args.runs, sizes = 1, 3, QUICK_SIZES
     args.sms = sms_or_standin(args.sms, args.quick)
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     cases = [case[:2] + (args.sms,) + case[3:] if case[0] == "SMS text" else case
              for case in CASES if case[0] != "SMS text" or args.sms]
     if not args.sms:

@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.runs = 1, 3
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     measure("builtin:digits", "builtin:digits", args.epochs, args.batch_size, args.runs)
     if args.quick:
         return

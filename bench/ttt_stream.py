@@ -195,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.passes, args.rounds, args.sms = 1, 2, 2, None
-    quiet_single_thread()
+    quiet_single_thread(args.quick)
     dataset, manifest, paths, graph, tent = bundle("digits", None, args.epochs)
     streams("digits", dataset, manifest, graph, tent, args.passes, args.quick)
     tent_speed(dataset, manifest, paths, graph, args.rounds)

@@ -72,16 +72,16 @@ CLI_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def run_cli(script: str, *args: str, timeout: int = 600, extra_env: dict | None = None,
-            **popen: object) -> Run:
-    """`python REPO/script args` from the repository root; through the fork server (the same
-    run, without the imports) unless `popen` asks for what only a fresh process does (a
-    preexec_fn, input on stdin)."""
+            cwd: Path = REPO, **popen: object) -> Run:
+    """`python REPO/script args` from `cwd` (the repository root unless a test gives relative
+    paths from another folder); through the fork server (the same run, without the imports)
+    unless `popen` asks for what only a fresh process does (a preexec_fn, input on stdin)."""
     env = dict(os.environ, **CLI_ENV, **(extra_env or {}))
     argv = [str(REPO / script), *map(str, args)]
     server = fork_server() if not popen else None
     if server:
-        return server.run(argv, REPO, env, timeout)
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True,
+        return server.run(argv, cwd, env, timeout)
+    proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, **popen)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
@@ -239,7 +239,8 @@ GROUPED_BUNDLES = ("hf_pad1_bundle", "hf_bundle", "wine_bundle", "digits_int8_bu
                    "text_bundle", "tabular_bundle")
 GROUPED_MODULE_FIXTURES = ("source_bundle", "split_folder", "news_bundle", "transformer",
                            "model_def_bundle", "useless_run", "compressed", "segment_bundle",
-                           "detect_bundle", "tta_graph", "int8_bundle", "exported")
+                           "detect_bundle", "tta_graph", "int8_bundle", "exported",
+                           "quick", "bundle")  # bench/device_check.py's run; a regressor's
 # A fixture that a grouped bundle is made from: its other tests join that bundle's group.
 GROUP_OF = {"hf_model_dir": "hf_bundle"}
 

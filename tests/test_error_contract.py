@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +16,9 @@ from conftest import REPO, assert_clean_failure, run_cli, write_image_folder
 ONE_EPOCH = ["--epochs", "1", "--no_progress", "true"]
 
 
-def run_in(cwd: Path, script: str, *args: object) -> subprocess.CompletedProcess:
+def run_in(cwd: Path, script: str, *args: object):
     """A CLI run from `cwd`, so that relative paths are relative to it, as a user types them."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return run_cli(script, *map(str, args), cwd=cwd)
 
 
 # ----------------------------------------------------------------------------- class 1

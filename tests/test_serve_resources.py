@@ -213,6 +213,37 @@ def test_a_body_sent_too_slowly_is_408(guarded_server):
     assert len(guarded_server.predict([GOOD])) == 1
 
 
+def test_a_body_sent_in_parts_within_the_timeout_is_answered(guarded_server):
+    """A body whose second half comes 0.3 s after its first (the read timer's path), then a
+    whole request on the same keep-alive connection (the body already in when it is read):
+    both answered 200, with one prediction each."""
+    body = json.dumps({"instances": [GOOD]}).encode()
+    head = (f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with raw_connection(guarded_server) as sock:
+        sock.sendall(head + body[:10])
+        time.sleep(0.3)
+        sock.sendall(body[10:])
+        first = read_response(sock)
+        sock.sendall(head + body)
+        second = read_response(sock)
+    for status, answer in (first, second):
+        assert status == 200 and len(answer["predictions"]) == 1, (status, answer)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """One keep-alive answer: its status and JSON body (read by its Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
 def test_connections_past_max_connections_are_503(guarded_server):
     """--max_connections 6: of 8 connections opened at once and left idle, those past the
     cap are answered 503 at once and closed; once the idle ones are gone, clients are served."""

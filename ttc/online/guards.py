@@ -21,6 +21,9 @@ from utils import LOG
 SMALL_BODY = 64 * 1024  # bytes: a body this small is taken whatever --max_inflight_mb holds
 MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers (h11's default is 16 KB)
 FD_HEADROOM = 32  # files kept free beside the connections (a refused connection's accept, ...)
+# Set in a request's scope by guarded_http's protocol once its whole body is read off the
+# connection: receive() then answers at once, and BodyLimit arms no read timer for it
+BODY_IN = "ttc.body_in"
 
 
 class BodyRefused(HTTPException):
@@ -82,11 +85,11 @@ class BodyLimit:
             await refusal(scope, refused)(scope, receive, send)
             return
         try:
-            await self.app(scope, self._bounded(receive, charge), send)
+            await self.app(scope, self._bounded(scope, receive, charge), send)
         finally:
             self.held -= charge.charged
 
-    def _bounded(self, receive, charge: BodyCharge):
+    def _bounded(self, scope, receive, charge: BodyCharge):
         deadline = time.monotonic() + self.read_timeout_s
         received, complete = 0, False
 
@@ -94,11 +97,10 @@ class BodyLimit:
             nonlocal received, complete
             if complete:  # the body is in: what comes now is the client's disconnect
                 return await receive()
-            try:
-                async with asyncio.timeout(deadline - time.monotonic()):  # no task, unlike wait_for
-                    message = await receive()
-            except TimeoutError:
-                raise BodyOverdue(self.read_timeout_s) from None
+            if scope.get(BODY_IN):  # read off the connection already: receive() cannot wait
+                message = await receive()
+            else:
+                message = await self._within(deadline, receive)
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             received += len(message.get("body", b""))
@@ -109,6 +111,14 @@ class BodyLimit:
             return message
 
         return bounded
+
+    async def _within(self, deadline: float, receive) -> dict:
+        """The next body message, by `deadline` (408 past it)."""
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):  # no task, unlike wait_for
+                return await receive()
+        except TimeoutError:
+            raise BodyOverdue(self.read_timeout_s) from None
 
     def _charge(self, charge: BodyCharge, size: int) -> None:
         """Count a body of `size` bytes (so far) against the budget, or refuse it (429)."""
@@ -246,6 +256,12 @@ def guarded_http(read_timeout_s: float, max_connections: int) -> type:
         def on_headers_complete(self) -> None:
             self.reading_headers = False
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and not cycle.more_body:
+                cycle.scope[BODY_IN] = True
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

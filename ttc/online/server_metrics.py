@@ -69,6 +69,9 @@ class MetricsMiddleware:
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
+        # (endpoint, status) → its counter and histogram children: labels() takes a lock and
+        # builds its key on every call
+        self.children: dict[tuple[str, int], tuple] = {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -87,5 +90,14 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unrouted"
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            count, latency = self._children(endpoint, status["code"])
+            count.inc()
+            latency.observe(time.perf_counter() - started)
+
+    def _children(self, endpoint: str, code: int) -> tuple:
+        key = (endpoint, code)
+        found = self.children.get(key)
+        if found is None:
+            found = self.children[key] = (self.metrics.requests.labels(endpoint, str(code)),
+                                          self.metrics.latency.labels(endpoint))
+        return found

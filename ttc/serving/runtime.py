@@ -595,12 +595,16 @@ class Timings:
 
 
 def time_runners(runners: Sequence[Callable[[np.ndarray], object]],
-                 batches: Sequence[np.ndarray], runs: int = MIN_TIMED_RUNS,
-                 warmup: int = WARMUP_RUNS, min_seconds: float = MIN_TIMING_SECONDS) -> Timings:
+                 batches: Sequence[np.ndarray], runs: int | None = None,
+                 warmup: int | None = None, min_seconds: float | None = None) -> Timings:
     """The one way this tool times models: the runners take turns on the same batches, so that
     machine noise hits all of them alike, after `warmup` untimed turns; at least `runs` turns
     and `min_seconds` (when several sub-millisecond variants are compared, a stable p50 needs
-    many turns), at most 20 × `runs`."""
+    many turns), at most 20 × `runs`. Unset, each is this module's constant, read at the call
+    (a benchmark's smoke mode lowers them)."""
+    runs = MIN_TIMED_RUNS if runs is None else runs
+    warmup = WARMUP_RUNS if warmup is None else warmup
+    min_seconds = MIN_TIMING_SECONDS if min_seconds is None else min_seconds
     seconds: list[list[float]] = [[] for _ in runners]
     samples: list[int] = []
     started = time.perf_counter()
