@@ -32,8 +32,8 @@ from ttc.options.shift import ShiftFlags
 from ttc.options.stages import ModelTypeChecks, TestTimeOptions
 from ttc.options.spelling import first_unknown_flag, unknown_flag_message, with_underscores
 from ttc.options.teacher import TeacherFlags
-from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, TrainingFlags,
-                                  is_hf_arch)
+from ttc.options.training import (ARCHS, HF_LEARNING_RATE, LEARNING_RATE, TYPE_FLAGS,
+                                  TrainingFlags, is_hf_arch)
 from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags, no_batchnorm_error, norm_without_batchnorm
 from utils import DataError, check_output_folders, check_paths, refuse_linked_folder
@@ -48,19 +48,18 @@ __all__ = ["ARCHS", "HF_LEARNING_RATE", "LEARNING_RATE", "LOG_LEVELS", "SCRIPTS"
            "norm_without_batchnorm", "page_beside", "parse_bool", "refuse_linked_plots_folder",
            "start_cli", "visuals_beside"]
 
-# The stages in the order their flags appear in --help, the summary and the report.
-STAGES = (DataFlags, TrainingFlags, FittingFlags, TeacherFlags, CompressFlags, ExportFlags,
+# The stages in the order their flags appear in --help, the summary and the report (the model
+# types' own flag groups after the training flags).
+STAGES = (DataFlags, TrainingFlags, *TYPE_FLAGS, FittingFlags, TeacherFlags, CompressFlags, ExportFlags,
           QuantizeFlags, TTAFlags, TTTFlags, ShiftFlags, IterativeFlags, RuntimeFlags, BatchFlags,
           DistributedFlags, ServeFlags, OutputFlags)
 
 
 @dataclass
-class Config(ModelTypeChecks, TestTimeOptions, OutputFlags, ServeFlags, DistributedFlags,
-             BatchFlags, RuntimeFlags, IterativeFlags, ShiftFlags, TTTFlags, TTAFlags,
-             QuantizeFlags, ExportFlags, CompressFlags, TeacherFlags, FittingFlags, TrainingFlags, DataFlags):
+class Config(ModelTypeChecks, TestTimeOptions, *STAGES[::-1]):
     """Every stage's flags in one dataclass, for the CLIs. A dataclass collects its bases'
-    fields from the last base to the first, so the bases are STAGES reversed (checked below:
-    the fields' order is the flags' order in --help, the summary and the report)."""
+    fields from the last base to the first, so the bases are STAGES reversed: the fields' order
+    is the flags' order in --help, the summary and the report."""
 
     # ------------------------------------------------------------------ checks
 
@@ -78,6 +77,8 @@ class Config(ModelTypeChecks, TestTimeOptions, OutputFlags, ServeFlags, Distribu
         self.check_rates()
         self.check_ensemble_size()  # a count of models to train
         self.check_training(self.model_type)
+        for group in TYPE_FLAGS:
+            group.check_own_flags(self)
         self.check_fitting(self.model_type, self.arch, self.model_def)
         self.check_dropout(self.arch, self.dropout)
         self.check_teacher(self.model_type)
@@ -247,8 +248,6 @@ def _default(name: str) -> Any:
     return list(default) if isinstance(default, tuple) else default
 
 
-if Config.__bases__ != (ModelTypeChecks, TestTimeOptions, *STAGES[::-1]):  # fields: last base first
-    raise TypeError("Config's bases must be the two mixins, then config.STAGES, last first")
 
 
 # ----------------------------------------------------------------------------- argument parsing

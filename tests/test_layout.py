@@ -139,7 +139,7 @@ ALLOWED = {
 
 # A model type may keep its code in a folder of its own beside its entry (ttc/tasks/TYPE/, the
 # entry in its __init__.py, referenced by its Parts): that code uses the layers as testtime does.
-TYPE_CODE = {"utils", "ttc.options.stages", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*",
+TYPE_CODE = {"utils", "ttc.options.stages", "ttc.options.fields", "ttc.inputs.*", "ttc.serving.*", "ttc.nets.*",
              "ttc.reporting.*",
              "ttc.testtime.*", "ttc.convert.*", "ttc.compress.quantizing"}
 

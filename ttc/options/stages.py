@@ -25,7 +25,7 @@ from ttc.options.serve import ServeFlags
 from ttc.options.sessions import RuntimeFlags
 from ttc.options.shift import ShiftFlags
 from ttc.options.teacher import TeacherFlags
-from ttc.options.training import TrainingFlags
+from ttc.options.training import TYPE_FLAGS, TrainingFlags
 from ttc.options.tta import TTAFlags
 from ttc.options.ttt import TTTFlags
 
@@ -158,9 +158,9 @@ def flag_check_view(flags: Any) -> "FlagCheckOptions":
 @dataclass
 class TrainingOptions(OutputFlags, DistributedFlags, BatchFlags, RuntimeFlags, IterativeFlags,
                       TTAFlags, ExportFlags, CompressFlags, TeacherFlags, FittingFlags,
-                      TrainingFlags, DataFlags):
+                      *TYPE_FLAGS[::-1], TrainingFlags, DataFlags):
     """What training reads (ttc/training, ttc/nets, ttc/distributed, a type's trainer): the
-    network and its fitting, the teacher, --prune/--qat, the TTA transforms it trains on and the
+    network, the flags a model type declares itself (Task.flags), its fitting, the teacher, --prune/--qat, the TTA transforms it trains on and the
     manifest records, a detector's NMS (its validation runs the graph's), --ensemble_size,
     --engine ray's workers and checkpoints (beside --output_model), threads and progress bars."""
 

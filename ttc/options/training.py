@@ -8,9 +8,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ttc.options.fields import bad, opt, parse_bool, positive
-from ttc.tasks.registry import archs, find_task
+from ttc.tasks.base import resolve
+from ttc.tasks.registry import TASKS, archs, find_task
 from utils import ConfigError
 
+
+
+def type_flag_groups() -> tuple[type, ...]:
+    """The flag groups the model types own (Task.flags), each once, in the registry's order."""
+    groups: list[type] = []
+    for task in TASKS:
+        if task.flags and resolve(task.flags) not in groups:
+            groups.append(resolve(task.flags))
+    return tuple(groups)
+
+
+# Each composed into the Config and the training view after TrainingFlags; its
+# check_own_flags() runs with the training checks.
+TYPE_FLAGS = type_flag_groups()
 # --arch names per model type, the default first, from the entries in ttc/tasks
 # (each type's parts.networks builds them; a test keeps the two in step, since config.py must not
 # import torch).
@@ -117,15 +132,6 @@ class TrainingFlags:
                    "fp16; off on the CPU), bf16 (autocast), fp16 (autocast with loss scaling), "
                    "off (float32)", "training", choices=AMP_MODES, scripts="PT")
 
-    loss: str = opt("mse", "tabular_regressor, text_regressor: the training loss on the "
-                    "standardised target, mse or huber (delta 1, in target standard deviations)",
-                    "training", choices=("mse", "huber"), scripts="PT")
-    interval: float | None = opt(None, "tabular_regressor, text_regressor: split conformal "
-                                 "prediction intervals at this coverage (e.g. 0.9), from the "
-                                 "calibration slice (--calibration_fraction); the bundle answers "
-                                 "lower and upper beside prediction", "training", type=float,
-                                 metavar="LEVEL", scripts="PT")
-
     def check_rates(self) -> None:
         """--learning_rate takes its arch's default when not given; the counts are positive."""
         if self.learning_rate is None:
@@ -154,8 +160,6 @@ class TrainingFlags:
             bad("arch", self.arch, f"a {model_type} takes one of: {', '.join(names)}, "
                 "or for text hf:NAME_OR_PATH")
         self._check_network_source(model_type)
-        if self.interval is not None and not 0.5 <= self.interval < 1:
-            bad("interval", self.interval, "use a coverage from 0.5 to below 1, e.g. 0.9")
 
     def check_device(self) -> None:
         """--device's form (whether the GPU is there is the training stage's check, which

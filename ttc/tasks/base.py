@@ -94,6 +94,9 @@ class Task:
     learning_rate: float | None = None  # its default peak learning rate (None: the tool's)
     refused_flags: tuple[str, ...] = ()  # flags it does not take (config: exit 2 when given)
     own_flags: tuple[str, ...] = ()  # flags no other type takes (config: exit 2 for the others)
+    flags: str = ""  # "module:Class": a dataclass of the flags it declares itself (with
+    # ttc.options.fields.opt; no numpy or torch at import), composed into the Config after the
+    # training flags (ttc/options/training.py TYPE_FLAGS); its own_flags name them
     guide: str = "cli.md"  # the docs page that says what it takes
     split_paths: bool = True  # --val_path/--test_path name its validation and test data (an
     # image classifier's splits come from its folders only)

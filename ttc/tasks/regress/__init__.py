@@ -91,7 +91,8 @@ PLOTS = (("predicted_vs_true", "regression: predicted against true target on the
          ("residuals", "regression: residual (true − predicted) against the prediction"),
          ("decile_errors", "regression: MAE and RMSE per decile of the true target, with the "
                            "mean-of-train baseline's RMSE"))
-_COMMON = dict(plots=PLOTS, refused_flags=REFUSED_FLAGS, own_flags=OWN_FLAGS, guide="regression.md",
+_COMMON = dict(plots=PLOTS, refused_flags=REFUSED_FLAGS, own_flags=OWN_FLAGS,
+               flags="ttc.tasks.regress.options:RegressionFlags", guide="regression.md",
                scored_by="rmse", program="RegressorProgram", class_prior=False,
                uncalibrated=UNCALIBRATED, calibration_slice=True, min_labels=1)
 TABULAR = TabularRegressor(
@@ -102,7 +103,6 @@ TABULAR = TabularRegressor(
     missing_values=True, **_COMMON)
 TEXT = TextRegressor(
     name="text_regressor", kind="text_regression", archs=("bag", "cnn", "transformer"),
-    parts=_parts("text"), regularisation={arch: rule for arch, rule in
-                                          text.TASK.regularisation.items() if arch != "hf"},
+    parts=_parts("text"), regularisation=text.TASK.regularisation,
     builtins=("builtin:review_scores",), input_role="text", input_field="text",
-    reads_lines=True, **_COMMON)
+    reads_lines=True, hf_archs=True, **_COMMON)
