@@ -250,10 +250,54 @@ def onnx_nodes(path: Path) -> list[str]:
     return [node.op_type for node in onnx.load(str(path)).graph.node]
 
 
-def test_iterative_ensemble_and_text_tta_are_refused(bundle, tmp_path):
+@pytest.fixture(scope="module")
+def ensemble(bundle) -> dict:
+    """Three members trained on the bundle's table (seeds 0, 1, 2, the same split), their
+    spread reported beside the conformal interval; then MC-dropout on the same test split."""
+    root = bundle["root"]
+    model = root / "ensemble" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "tabular_regressor", "--dataset_path",
+                  bundle["data"], "--epochs", "3", "--interval", "0.9", "--ensemble_size", "3",
+                  "--iterative", "ensemble", "--output_model", model, "--report_json",
+                  root / "ensemble.json", "--no_progress", "true", "--plots", "none")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"model": model, "run": run,
+            "manifest": json.loads(model.with_suffix(".json").read_text()),
+            "report": json.loads((root / "ensemble.json").read_text())}
+
+
+def test_the_ensemble_graph_averages_its_members(ensemble):
+    assert ensemble["manifest"]["extra_graphs"]["ensemble"]["members"] == 3
+    x = np.array([[0, 0, 5], [1, -1, 2], [-2, 2, 9]], dtype=np.float32)
+    merged = ort.InferenceSession(str(ensemble["model"].with_suffix(".ensemble.onnx")),
+                                  providers=["CPUExecutionProvider"])
+    mean, members = merged.run(["prediction", "member_predictions"], {"features": x})
+    assert members.shape == (3, 3) and np.allclose(mean, members.mean(0), atol=1e-4)
+    first = ort.InferenceSession(str(ensemble["model"]), providers=["CPUExecutionProvider"])
+    assert np.allclose(members[0], first.run(None, {"features": x})[0], atol=1e-4)
+    assert members.std(0).min() > 0  # other seeds: other networks
+
+
+def test_the_ensemble_s_spread_is_set_beside_mc_dropout_and_the_conformal_interval(
+        ensemble, bundle):
+    evaluation = ensemble["report"]["evaluation"]
+    spread = evaluation["iterative"]
+    assert spread["mode"] == "ensemble" and spread["members"] == 3 and spread["level"] == 0.9
+    assert 0 <= spread["coverage"] <= 1 and spread["mean_width"] > 0
+    assert spread["rmse_plain"] == pytest.approx(evaluation["rmse"])
+    assert spread["conformal_coverage"] == evaluation["interval"]["coverage"]
+    assert spread["verdict"].startswith("The ensemble's nominal 90% interval covers")
+    assert ("under-covers" in spread["verdict"]) == (spread["coverage"] < 0.86)
+    assert "ensemble  " in ensemble["run"].stdout
+    mc = bundle["report"]["evaluation"]["iterative"]  # the same table, split and level
+    assert set(mc) - {"passes"} == set(spread) - {"members"}
+
+
+def test_iterative_ensemble_needs_the_ensemble_graph_and_text_tta_is_refused(bundle, tmp_path):
     run = run_cli("inference.py", "--model", bundle["model"], "--dataset_path", bundle["data"],
                   "--iterative", "ensemble", "--no_progress", "true")
-    assert_clean_failure(run, EXIT_USAGE, "--iterative ensemble does not apply to a regressor")
+    assert_clean_failure(run, EXIT_USAGE, "--iterative ensemble needs the bundle's ensemble "
+                         "graph", "--ensemble_size")
     run = run_cli("pipeline.py", "--model_type", "text_regressor", "--dataset_path",
                   "builtin:review_scores", "--output_model", tmp_path / "m.onnx", "--tta", "true")
     assert_clean_failure(run, EXIT_USAGE, "--tta does not apply to a text_regressor")

@@ -54,3 +54,53 @@ def test_inference_input_ranks_graded_words(bundle, tmp_path: Path):
         rows = list(csv.DictReader(handle))
     assert [set(r) for r in rows] == [{"id", "prediction", "lower", "upper"}] * 2
     assert float(rows[0]["prediction"]) > float(rows[1]["prediction"])
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory, hf_model_dir) -> dict:
+    """The review scores through `--arch hf:` (conftest's tiny BERT, random weights: trained
+    from scratch here), its head of one output."""
+    root = tmp_path_factory.mktemp("text_regress_hf")
+    model = root / "run" / "model.onnx"
+    run = run_cli("pipeline.py", "--model_type", "text_regressor", "--dataset_path",
+                  "builtin:review_scores", "--arch", f"hf:{hf_model_dir}", "--epochs", "4",
+                  "--learning_rate", "3e-3", "--batch_size", "16", "--interval", "0.9",
+                  "--output_model", model, "--report_json", root / "report.json",
+                  "--no_progress", "true", "--plots", "none")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"model": model, "manifest": json.loads(model.with_suffix(".json").read_text()),
+            "report": json.loads((root / "report.json").read_text())}
+
+
+def test_an_hf_network_answers_the_score_with_its_tokenizer(hf_run, tmp_path: Path):
+    from ttc.inputs.preprocess import register_hf_tokenizer, text_graph_feed, text_tokenizer
+    from ttc.serving.manifest_schema import agreement_problem, manifest_problem
+
+    manifest, report = hf_run["manifest"], hf_run["report"]
+    assert manifest_problem(manifest) is None and agreement_problem(manifest) is None
+    assert manifest["architecture"]["name"] == "HFTextRegressor"
+    assert manifest["architecture"]["num_classes"] == 1
+    assert manifest["preprocessing"]["tokenizer"] == "huggingface"
+    assert report["export"]["max_abs_diff"] < 1e-4  # ONNX against PyTorch, in target σ
+    assert report["evaluation"]["r2"] > 0.1 and report["evaluation"]["verdict"].startswith(
+        "useful")
+    texts = ["great superb food and great view", "awful terrible slow service"]
+    given = tmp_path / "reviews.csv"
+    given.write_text("text\n" + "\n".join(texts) + "\n")
+    out = tmp_path / "scores.csv"
+    run = run_cli("inference.py", "--model", hf_run["model"], "--input", given, "--output", out,
+                  "--no_progress", "true")
+    assert run.returncode == 0, run.stderr[-2000:]
+    with open(out, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    session = ort.InferenceSession(str(hf_run["model"]), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    assert names == manifest["preprocessing"]["graph_inputs"]
+    pre = manifest["preprocessing"]
+    register_hf_tokenizer(hf_run["model"].with_suffix(".tokenizer.json").read_text(),
+                          pre["sha256"])
+    ids = text_tokenizer(pre).encode_batch(texts)
+    expected = session.run(["prediction"], text_graph_feed(
+        ids, names, manifest["preprocessing"]["pad_id"]))[0]
+    assert expected.shape == (2,)
+    assert np.allclose([float(r["prediction"]) for r in rows], expected, atol=1e-4)

@@ -183,6 +183,18 @@ _REGRESSION_FIELDS = {
     "interval": optional(record({"level": number(0, 1, above=True), "radius": number(0),
                                  "method": STRING, "calibration_rows": SIZE},
                                 required=("level", "radius")))}
+_HF_FIELDS = {"sha256": SHA256, "source": STRING, "max_length": TEXT_LENGTH, "pad_id": COUNT,
+              "pad_token": STRING, "unk_id": optional(COUNT), "special_ids": list_of(COUNT),
+              "vocab_size": SIZE, "graph_inputs": list_of(text(HF_GRAPH_INPUTS), min_length=1)}
+_HF_REQUIRED = ("sha256", "max_length", "pad_id", "pad_token", "vocab_size", "graph_inputs")
+
+
+def _by_tokenizer(words: Check, hf: Check) -> Check:
+    """A text kind's check by its tokenizer: ours (`words`) or a Hugging Face one (`hf`)."""
+    return lambda value, name: (hf if isinstance(value, dict) and
+                                value.get("tokenizer") == HF_TOKENIZER else words)(value, name)
+
+
 PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
     "image": record({"image_size": list_of(integer(1, MAX_IMAGE_SIDE), length=2),
                      "channels": either(1, 3),
@@ -193,12 +205,7 @@ PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
                      "pad_id": either(PAD_ID), "unk_id": either(UNK_ID)},
                     required=("vocabulary", "vocab_size", "max_length", "bigrams",
                               "min_count")),
-    HF_TOKENIZER: record({"sha256": SHA256, "source": STRING, "max_length": TEXT_LENGTH,
-                          "pad_id": COUNT, "pad_token": STRING, "unk_id": optional(COUNT),
-                          "special_ids": list_of(COUNT), "vocab_size": SIZE,
-                          "graph_inputs": list_of(text(HF_GRAPH_INPUTS), min_length=1)},
-                         required=("sha256", "max_length", "pad_id", "pad_token", "vocab_size",
-                                   "graph_inputs")),
+    HF_TOKENIZER: record(_HF_FIELDS, required=_HF_REQUIRED),
     "segmentation": record({"image_size": list_of(integer(1, MAX_IMAGE_SIDE), length=2),
                             "channels": either(1, 3), "ignore_index": integer(0, 255),
                             "mean": list_of(FINITE), "std": list_of(POSITIVE)},
@@ -213,9 +220,11 @@ PREPROCESSING = {  # by kind; the text kind by tokenizer ("words": ours)
                         required=("image_size", "channels")),
     "tabular_regression": record({**_TABLE_FIELDS, **_REGRESSION_FIELDS},
                                  required=("columns", "feature_names", "target")),
-    "text_regression": record({**_WORDS_FIELDS, **_REGRESSION_FIELDS},
-                              required=("vocabulary", "vocab_size", "max_length", "bigrams",
-                                        "min_count", "target")),
+    "text_regression": _by_tokenizer(  # our words, or an hf tokenizer (--arch hf:)
+        record({**_WORDS_FIELDS, **_REGRESSION_FIELDS},
+               required=("vocabulary", "vocab_size", "max_length", "bigrams", "min_count",
+                         "target")),
+        record({**_HF_FIELDS, **_REGRESSION_FIELDS}, required=(*_HF_REQUIRED, "target"))),
     "tabular": record({"columns": list_of(record(
                            {"name": STRING, "type": text(("numeric", "categorical")),
                             "categories": NAMES}, required=("name", "type")), min_length=1),
@@ -275,6 +284,11 @@ NETWORKS = {
                          "graph_inputs": list_of(text(HF_GRAPH_INPUTS), min_length=1),
                          "hf_config": record({"model_type": STRING}, required=("model_type",))},
                         required=("source", "hf_config", "pad_id", "graph_inputs")),
+    "HFTextRegressor": record({"source": STRING, "pad_id": COUNT, "num_classes": either(1),
+                               "graph_inputs": list_of(text(HF_GRAPH_INPUTS), min_length=1),
+                               "hf_config": record({"model_type": STRING},
+                                                   required=("model_type",))},
+                              required=("source", "hf_config", "pad_id", "graph_inputs")),
 }
 ARCHITECTURE = record({"name": text(tuple(NETWORKS)), "arch": STRING, "num_classes": SIZE},
                       required=("name", "num_classes"))
@@ -419,6 +433,12 @@ def _preprocessing_form(pre: dict) -> str:
     return HF_TOKENIZER if pre.get("tokenizer") == HF_TOKENIZER else "words"
 
 
+def _hf_tokens(pre: dict) -> bool:
+    """Whether a text preprocessing (a classifier's or a regressor's) is an hf tokenizer's."""
+    return _preprocessing_form(pre) in (HF_TOKENIZER, "text_regression") and \
+        pre.get("tokenizer") == HF_TOKENIZER
+
+
 def _architecture_problem(architecture: dict) -> str | None:
     reserved = [key for key in NOT_ARCHITECTURE if key in architecture]
     if reserved:
@@ -470,7 +490,7 @@ def _input_agrees(manifest: dict) -> str | None:
     if pre["kind"] in ("image", "segmentation", "detection") and any(
             len(pre.get(key, ())) not in (0, pre["channels"]) for key in ("mean", "std")):
         return f"preprocessing.mean and std must have one value per channel ({pre['channels']})"
-    if _preprocessing_form(pre) != HF_TOKENIZER:
+    if not _hf_tokens(pre):
         return None
     names = [spec["name"], *(e["name"] for e in spec.get("extra_inputs", ()))]
     if names != pre["graph_inputs"] or spec.get("padding_id") != pre["pad_id"] or \
@@ -489,19 +509,22 @@ NETWORK_FORMS = {"SmallCNN": "image", "TorchvisionNet": "image", "TextClassifier
                  "TabularMLPRegressor": "tabular_regression",
                  "TabularResMLPRegressor": "tabular_regression",
                  "TextBagRegressor": "text_regression", "TextCNNRegressor": "text_regression",
-                 "TextTransformerRegressor": "text_regression"}
+                 "TextTransformerRegressor": "text_regression",
+                 "HFTextRegressor": "text_regression"}
 
 
 def _network_agrees(manifest: dict) -> str | None:
     """The network's sizes that the preprocessing fixes (a mismatch would fail in PyTorch)."""
     pre, architecture = manifest["preprocessing"], manifest["architecture"]
     form = NETWORK_FORMS.get(architecture["name"], _preprocessing_form(pre))
-    if form != _preprocessing_form(pre):
+    hf_regressor = form == "text_regression" and (  # its tokenizer and its network agree
+        (architecture["name"] == "HFTextRegressor") != _hf_tokens(pre))
+    if form != _preprocessing_form(pre) or hf_regressor:
         return (f"architecture.name {architecture['name']!r} is not a network for this "
                 "preprocessing")
     sizes = {"in_channels": pre.get("channels"), "vocab_size": pre.get("vocab_size"),
              "num_features": len(pre.get("feature_names", ())) or None,
-             "pad_id": pre.get("pad_id") if _preprocessing_form(pre) == HF_TOKENIZER else None}
+             "pad_id": pre.get("pad_id") if _hf_tokens(pre) else None}
     for key, size in sizes.items():
         if size is not None and architecture.get(key, size) != size:
             return f"architecture.{key} is {architecture[key]} and the preprocessing's {size}"
@@ -513,7 +536,8 @@ def _network_agrees(manifest: dict) -> str | None:
 
 def _tokens_agree(manifest: dict) -> str | None:
     pre = manifest["preprocessing"]
-    if _preprocessing_form(pre) in ("words", "text_regression") and pre["vocab_size"] != len(pre["vocabulary"]) + 2:
+    if _preprocessing_form(pre) in ("words", "text_regression") and not _hf_tokens(pre) and \
+            pre["vocab_size"] != len(pre["vocabulary"]) + 2:
         return (f"preprocessing.vocab_size is {pre['vocab_size']} for a vocabulary of "
                 f"{len(pre['vocabulary'])} (plus padding and unknown)")
     return None

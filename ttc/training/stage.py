@@ -276,13 +276,14 @@ def train_ensemble_members(options: TrainingOptions, dataset: Dataset,
     learning rate the candidate search chose for the first."""
     from dataclasses import replace
 
-    from ttc.nets.training import train_classifier
+    from ttc.tasks.registry import task_for
 
+    train_network = task_for(options.model_type).part("trainer")  # a classifier's: its own
     members = []
     for k in range(1, options.ensemble_size):
         LOG.info("ensemble member %d of %d (seed %d)", k + 1, options.ensemble_size,
                  options.seed + k)
         member = replace(options, seed=options.seed + k, learning_rate=first.learning_rate,
                          lr_candidates=None, num_candidates=1)
-        members.append(train_classifier(member, dataset).net)
+        members.append(train_network(member, dataset).net)
     return members

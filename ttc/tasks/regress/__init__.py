@@ -57,11 +57,12 @@ class TextRegressor(TextClassifier):
 
 
 # What a regressor does not take (yet): the classifiers' training extras, the teacher,
-# compression, fp16, ensembles, the TTA merges and plans, and the streams (flags.py checks the
-# test-time methods it takes: --iterative mc_dropout, --tta for a table, --ttt bn).
+# compression, fp16, other bundles as ensemble members (--ensemble; --ensemble_size it takes),
+# the TTA merges and plans, and the streams (flags.py checks the test-time methods it takes:
+# --iterative mc_dropout or ensemble, --tta for a table, --ttt bn).
 REFUSED_FLAGS = (
     "image_column", "init_weights", "freeze_epochs", "label_smoothing", "teacher_lm",
-    "unlabeled_path", "qat", "prune", "ensemble_size", "ensemble", "tta_merge", "tta_threshold",
+    "unlabeled_path", "qat", "prune", "ensemble", "tta_merge", "tta_threshold",
     "tta_plan", "ttt_reset_every", "eval_stream", "top_k", "fp16", "ignore_index",
     "mask_dir", "pretrained", "engine", "model_def")
 OWN_FLAGS = ("loss", "interval")

@@ -15,7 +15,8 @@ import torch
 from ttc.convert.checking import NumericCheck
 from ttc.convert.tracing import check_graph, export_graph, slim_graph
 from ttc.convert.writing import ExportJob, ExportResult, ExtraGraph, write_bundle
-from ttc.serving.runtime import RuntimeOptions, batches_of, create_session, graph_padding_id
+from ttc.serving.runtime import (RuntimeOptions, batches_of, create_session, graph_padding_id,
+                                 session_runner)
 from utils import LOG, ExportError
 
 MAX_CHECK_ROWS = 64
@@ -32,6 +33,23 @@ class PredictionGraph(torch.nn.Module):
         return self.net(x)
 
 
+class HFPredictionGraph(torch.nn.Module):
+    """What is traced for an hf network: its graph inputs (input_ids, attention_mask and, where
+    the model reads them, token_type_ids) in, the prediction out."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.net.graph_prediction(input_ids, attention_mask, token_type_ids)
+
+
+def prediction_graph(net: torch.nn.Module) -> torch.nn.Module:
+    return HFPredictionGraph(net) if hasattr(net, "graph_prediction") else PredictionGraph(net)
+
+
 def compare_predictions(session, net: torch.nn.Module, samples: np.ndarray, atol: float,
                         batch_size: int, std: float) -> NumericCheck:
     """ONNX Runtime against PyTorch on `samples` at batch 1 and `batch_size`: the largest
@@ -39,15 +57,14 @@ def compare_predictions(session, net: torch.nn.Module, samples: np.ndarray, atol
     non-finite prediction."""
     rows = samples[:MAX_CHECK_ROWS]
     pad = graph_padding_id(session)
-    name = session.get_inputs()[0].name
+    predict = session_runner(session, "prediction")
     with torch.no_grad():
         expected = np.concatenate([net(torch.from_numpy(b)).numpy()
                                    for b in batches_of(rows, batch_size, pad)])
     sizes = sorted({1, max(2, min(len(rows), batch_size))})
     worst = 0.0
     for size in sizes:
-        got = np.concatenate([session.run(["prediction"], {name: b})[0]
-                              for b in batches_of(rows, size, pad)])
+        got = np.concatenate([predict(b) for b in batches_of(rows, size, pad)])
         if got.shape != expected.shape or not np.isfinite(got).all():
             raise ExportError(f"the graph's prediction is {got.shape} or not finite on held-out "
                               "rows; the bundle was not written",
@@ -67,7 +84,7 @@ def export_regression_bundle(job: ExportJob) -> ExportResult:
     options, net, manifest, samples = job.options, job.net, job.manifest, job.samples
     std = float(manifest.preprocessing.spec["target"]["std"])
     exported = export_graph(net, samples[:2], options.opset, manifest.input,
-                            manifest.output_names, wrapper=PredictionGraph(net))
+                            manifest.output_names, wrapper=prediction_graph(net))
     slimmed = slim_graph(exported)
     check_graph(slimmed)
     session = create_session(slimmed.SerializeToString(),
@@ -79,9 +96,42 @@ def export_regression_bundle(job: ExportJob) -> ExportResult:
     result = job.result(exported, slimmed, check, {
         "max_abs_diff_units": "target standard deviations",
         "max_abs_diff_target_units": check.max_abs_diff * std})
-    write_bundle(slimmed, net, result, test_time_graphs(net, samples, options, manifest,
-                                                       slimmed, std))
+    extras = test_time_graphs(net, samples, options, manifest, slimmed, std)
+    if job.members:
+        extras["ensemble"] = ensemble_graph([net, *job.members], samples, options, manifest, std)
+    write_bundle(slimmed, net, result, extras)
     return result
+
+
+def ensemble_graph(nets, samples: np.ndarray, options, manifest, std: float) -> ExtraGraph:
+    """Every member exported and slimmed like model.onnx, merged into one graph (ensemble.py);
+    its mean checked against the PyTorch members' mean (ExportError beyond --validate_atol)."""
+    from ttc.convert.checking import export_example
+    from ttc.tasks.regress.ensemble import merged_members
+
+    spec, outputs = manifest.input, manifest.output_names
+    graph = merged_members([slim_graph(export_graph(
+        member.eval(), export_example(samples, spec), options.opset, spec, outputs,
+        wrapper=prediction_graph(member))) for member in nets])
+    session = create_session(graph.SerializeToString(),
+                             RuntimeOptions(intra_op_threads=options.num_threads))
+    rows = samples[:MAX_CHECK_ROWS]
+    with torch.no_grad():
+        expected = np.mean([member(torch.from_numpy(rows)).numpy() for member in nets], axis=0)
+    worst = float(np.abs(session_runner(session, "prediction")(rows) - expected).max()) / std
+    if not worst <= options.validate_atol:
+        raise ExportError(f"the ensemble graph differs from its PyTorch members' mean by "
+                          f"{worst:.3g} target standard deviations > --validate_atol "
+                          f"{options.validate_atol:g}; the bundle was not written",
+                          "raise --validate_atol if this difference is acceptable")
+    LOG.info("ensemble graph: %d members, max |onnx - torch| %.2g target standard deviations",
+             len(nets), worst)
+    return ExtraGraph(graph, {"purpose": "the mean of several regressors trained with "
+                              "different seeds on the same split, in one graph; "
+                              "member_predictions: each member's",
+                              "members": len(nets),
+                              "seeds": [options.seed + k for k in range(len(nets))],
+                              "max_abs_diff": worst})
 
 
 def test_time_graphs(net: torch.nn.Module, samples: np.ndarray, options, manifest,
@@ -100,7 +150,7 @@ def test_time_graphs(net: torch.nn.Module, samples: np.ndarray, options, manifes
     spec, outputs = manifest.input, manifest.output_names
     sampling = sampling_copy(net) if dropouts else net
     raw = export_graph(sampling, samples[:2], options.opset, spec, outputs, optimize=False,
-                       keep_modes=bool(dropouts), wrapper=PredictionGraph(sampling))
+                       keep_modes=bool(dropouts), wrapper=prediction_graph(sampling))
     extras: dict[str, ExtraGraph] = {}
     if dropouts:
         mc = mark_padding_id(optimised(raw), spec)
@@ -114,7 +164,7 @@ def test_time_graphs(net: torch.nn.Module, samples: np.ndarray, options, manifes
         plain = without_dropout(raw) if dropouts else raw
         if plain is None:
             plain = export_graph(net, samples[:2], options.opset, spec, outputs, optimize=False,
-                                 wrapper=PredictionGraph(net))
+                                 wrapper=prediction_graph(net))
         adaptation = fold_constants(plain)
         extras["bn"] = ExtraGraph(adaptation, {
             "purpose": "test-time training: BatchNorm nodes kept (unoptimised export, "
@@ -130,8 +180,8 @@ def _graph_diff(graph, deployable, samples: np.ndarray, options, std: float) -> 
     deviations; ExportError (exit 4) beyond --validate_atol."""
     runtime = RuntimeOptions(intra_op_threads=options.num_threads)
     rows = samples[:MAX_CHECK_ROWS]
-    got, expected = (create_session(m.SerializeToString(), runtime).run(
-        ["prediction"], {m.graph.input[0].name: rows})[0] for m in (graph, deployable))
+    got, expected = (session_runner(create_session(m.SerializeToString(), runtime),
+                                    "prediction")(rows) for m in (graph, deployable))
     worst = float(np.abs(got - expected).max()) / std
     if not worst <= options.validate_atol:
         raise ExportError(f"a test-time graph differs from model.onnx by {worst:.3g} target "

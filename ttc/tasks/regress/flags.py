@@ -1,7 +1,8 @@
 """What a regressor's test-time flags may ask for, checked before any work (exit 2). No torch.
-A regressor takes --iterative mc_dropout (the passes' spread as a nominal interval), --ttt with
---ttt_method bn (BatchNorm statistics re-estimated per batch) and, for a table, --tta (feature
-noise views, their predictions averaged); not the rest (testtime.py says why each is)."""
+A regressor takes --iterative mc_dropout or ensemble (the passes' or the --ensemble_size
+members' spread as a nominal interval), --ttt with --ttt_method bn (BatchNorm statistics
+re-estimated per batch) and, for a table, --tta (feature noise views, their predictions
+averaged); not the rest (testtime.py says why each is)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -31,10 +32,10 @@ def _check_common(options: FlagCheckOptions) -> None:
         raise ConfigError("--eval_shift does not apply to a regressor yet: its corruptions are "
                           "scored by classification calibration", f"drop --eval_shift ({HINT})")
     iterative = getattr(options, "iterative", "none")
-    if iterative not in ("none", "mc_dropout"):
+    if iterative not in ("none", "mc_dropout", "ensemble"):
         raise ConfigError(f"--iterative {iterative} does not apply to a regressor: only "
-                          "mc_dropout (its passes' spread) is measured on a number",
-                          f"use --iterative mc_dropout ({HINT})")
+                          "mc_dropout and ensemble (their spread) are measured on a number",
+                          f"use --iterative mc_dropout or ensemble ({HINT})")
     if getattr(options, "ttt", False) and getattr(options, "ttt_method", "bn") != "bn":
         raise ConfigError(f"--ttt_method {options.ttt_method} does not apply to a regressor: "
                           "tent minimises the entropy of class probabilities, and a regressor "

@@ -12,7 +12,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ttc.nets.models import (TABULAR_MODULES, TABULAR_NETWORKS, TEXT_MODULES, TEXT_NETWORKS)
+from ttc.nets.hf import HFTextNet
+from ttc.nets.models import (TABULAR_MODULES, TABULAR_NETWORKS, TEXT_MODULES, TEXT_NETWORKS,
+                             architecture_for)
 
 
 class Regressor(nn.Module):
@@ -40,6 +42,20 @@ class Regressor(nn.Module):
         return self.standardised(x) * self.target_std + self.target_mean
 
 
+class HFTextRegressor(Regressor):
+    """A Hugging Face encoder (`--arch hf:NAME_OR_PATH`: ttc/nets/hf.py's HFTextNet, its
+    sequence-classification head of one output), in the target's units. `pretrained` (training)
+    starts from the checkpoint's weights, as the text classifier's does."""
+
+    body_class = HFTextNet
+
+    def graph_prediction(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The exported graph's forward: the hf inputs in, the prediction out."""
+        standardised = self.body.graph_forward(input_ids, attention_mask, token_type_ids)[:, 0]
+        return standardised * self.target_std + self.target_mean
+
+
 def _regressor(name: str, body: type[nn.Module]) -> type[Regressor]:
     return type(name, (Regressor,), {"body_class": body, "__doc__": f"{body.__name__}, one "
                                      "output, in the target's units"})
@@ -47,7 +63,7 @@ def _regressor(name: str, body: type[nn.Module]) -> type[Regressor]:
 
 MODULE_NAMES = {"TabularMLP": "TabularMLPRegressor", "TabularResMLP": "TabularResMLPRegressor",
                 "TextClassifier": "TextBagRegressor", "TextCNN": "TextCNNRegressor",
-                "TextTransformer": "TextTransformerRegressor"}
+                "TextTransformer": "TextTransformerRegressor", "HFTextNet": "HFTextRegressor"}
 
 
 def _architecture(build: Callable[[dict, int], dict]) -> Callable[[dict, int], dict]:
@@ -64,5 +80,32 @@ TABULAR_NETWORKS = {arch: _architecture(build) for arch, build in TABULAR_NETWOR
 TEXT_NETWORKS = {arch: _architecture(build) for arch, build in TEXT_NETWORKS.items()}
 TABULAR_MODULES = {MODULE_NAMES[name]: _regressor(MODULE_NAMES[name], cls)
                    for name, cls in TABULAR_MODULES.items()}
-TEXT_MODULES = {MODULE_NAMES[name]: _regressor(MODULE_NAMES[name], cls)
-                for name, cls in TEXT_MODULES.items() if name in MODULE_NAMES}
+TEXT_MODULES = {**{MODULE_NAMES[name]: _regressor(MODULE_NAMES[name], cls)
+                   for name, cls in TEXT_MODULES.items()
+                   if name in MODULE_NAMES and cls is not HFTextNet},
+                "HFTextRegressor": HFTextRegressor}
+
+
+def regressor_architecture(preprocessing: dict, arch: str | None, labels,
+                           dropout: float | None) -> dict:
+    """The manifest's architecture of a regressor's network: ours through the entry's
+    networks, an hf one (architecture_for builds its transformers config, one output) under
+    its regressor's name."""
+    record = architecture_for(preprocessing, 1, arch, labels, dropout)
+    if record["name"] == "HFTextNet":
+        return {**record, "name": MODULE_NAMES["HFTextNet"]}
+    return record
+
+
+def build_regressor(architecture: dict, preprocessing: dict,
+                    pretrained: bool = False) -> Regressor:
+    """A regressor for a manifest's architecture, its target record set; `pretrained`: an hf
+    network starts from its checkpoint's weights (training does)."""
+    from ttc.nets.models import build_model
+
+    if architecture["name"] == "HFTextRegressor":
+        net: Regressor = HFTextRegressor(**architecture, pretrained=pretrained)
+    else:
+        net = build_model(architecture, preprocessing)
+    net.set_target(preprocessing["target"])
+    return net

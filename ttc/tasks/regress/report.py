@@ -107,6 +107,8 @@ def test_time_lines(evaluation: Mapping[str, Any], show=fmt) -> list[tuple[str, 
     for key, label in TEST_TIME:
         section = evaluation.get(key)
         if isinstance(section, dict):
+            if key == "iterative" and section.get("mode") == "ensemble":
+                label = "ensemble"
             lines.append((label, f"{section.get('verdict')} (test RMSE {show(section.get('rmse'))}"
                                  f", plain {show(section.get('rmse_plain'))})"))
     return lines

@@ -6,6 +6,8 @@ Parts.test_split runs them after the plain figures; the report's `evaluation` ho
   classifiers' python backend runs theirs); their mean ± z·std is a nominal interval at the
   conformal interval's level (intervals.gaussian_interval), whose test coverage and mean width
   are set beside the conformal interval's: nominal is what it claims, coverage what it holds.
+- `--iterative ensemble`: the members of the bundle's ensemble graph (model.ensemble.onnx,
+  written by export after `--ensemble_size K`: ensemble.py), their spread as MC-dropout's.
 - `--tta` (tabular_regressor): the mean of the predictions over the plain view and the
   --tta_transforms views (jitter:SIGMA, the tabular classifier's feature-noise views, one seeded
   draw each), RMSE with and without.
@@ -43,15 +45,17 @@ def compared(name: str, plain: float, other: float) -> str:
     return f"{name} changes nothing: test RMSE {plain:.4g}"
 
 
-def _graph(run: SplitRun, key: str, why: str):
-    """The bundle's extra graph `key` ("mc", "bn"), or exit 2 saying why it has none."""
+def _graph(run: SplitRun, key: str, why: str,
+           hint: str = "drop the flag, or train --arch mlp or resmlp (both have dropout and "
+                       "BatchNorm)"):
+    """The bundle's extra graph `key` ("mc", "bn", "ensemble"), or exit 2 saying why it has
+    none."""
     import onnx
 
     from ttc.serving.bundle import require_onnx_in_bundle
 
     if getattr(run.manifest.extra_graphs, key, None) is None:
-        raise ConfigError(why, "drop the flag, or train --arch mlp or resmlp (both have "
-                          "dropout and BatchNorm)")
+        raise ConfigError(why, hint)
     return onnx.load(str(require_onnx_in_bundle(run.paths, run.manifest, key)))
 
 
@@ -70,14 +74,31 @@ def mc_dropout_passes(run: SplitRun, x: np.ndarray) -> np.ndarray:
                      for _ in range(options.iterations)])
 
 
+def ensemble_members(run: SplitRun, x: np.ndarray) -> np.ndarray:
+    """(K, N) predictions of the K members of the bundle's ensemble graph."""
+    from ttc.tasks.regress.ensemble import member_spread
+
+    model = _graph(run, "ensemble", "--iterative ensemble needs the bundle's ensemble graph, "
+                   "and this bundle has none", "train the bundle with pipeline.py "
+                   "--ensemble_size K (K ≥ 2)")
+    session = create_session(model.SerializeToString(), run.options.runtime(),
+                             source=run.paths.variant("ensemble"))
+    return member_spread(session, x, run.options.batch_size)
+
+
+# each spread's words: (its name in the verdict, what its rows are called in the report)
+SPREADS = {"mc_dropout": ("MC-dropout", "passes"), "ensemble": ("the ensemble", "members")}
+
+
 def spread_section(passes: np.ndarray, y: np.ndarray, plain: np.ndarray, level: float,
-                   conformal: dict | None) -> dict:
-    """The passes' mean and nominal interval (mean ± z·std) against the plain pass and the
-    conformal interval: RMSE, coverage, mean width, and whether the nominal level holds."""
+                   conformal: dict | None, mode: str = "mc_dropout") -> dict:
+    """The passes' (or members') mean and nominal interval (mean ± z·std) against the plain
+    pass and the conformal interval: RMSE, coverage, mean width, and whether the nominal level
+    holds."""
     mean, std = passes.mean(0), passes.std(0)
     lower, upper = gaussian_interval(mean, std, level)
     held = coverage(y, lower, upper)
-    section = {"mode": "mc_dropout", "passes": int(len(passes)), "level": level,
+    section = {"mode": mode, SPREADS[mode][1]: int(len(passes)), "level": level,
                "rmse_plain": rmse(plain, y), "rmse": rmse(mean, y),
                "mean_std": float(std.mean()), "coverage": held,
                "mean_width": mean_width(lower, upper),
@@ -90,7 +111,9 @@ def spread_section(passes: np.ndarray, y: np.ndarray, plain: np.ndarray, level: 
 def spread_verdict(section: dict) -> str:
     """What the nominal interval holds, said plainly, beside the conformal one's."""
     level, held = section["level"], section["coverage"]
-    claim = (f"MC-dropout's nominal {level:.0%} interval covers {held:.1%} of test targets "
+    name = SPREADS[section.get("mode", "mc_dropout")][0]
+    claim = (f"{name[0].upper()}{name[1:]}'s nominal {level:.0%} interval covers {held:.1%} of "
+             f"test targets "
              f"(mean width {section['mean_width']:.4g})")
     if held < level - 0.04:
         claim += f": it under-covers, its spread is not a {level:.0%} interval"
@@ -149,15 +172,17 @@ def run_test_time(run: SplitRun, x: np.ndarray, y: np.ndarray, plain: np.ndarray
     """The test-time methods the flags ask for, into `evaluation` (iterative, tta, ttt)."""
     options = run.options
     y = np.asarray(y, np.float64)
-    if options.iterative not in ("none", "mc_dropout"):
+    if options.iterative not in SPREADS and options.iterative != "none":
         raise ConfigError(f"--iterative {options.iterative} does not apply to a regressor: only "
-                          "mc_dropout (its passes' spread) is measured on a number",
-                          "use --iterative mc_dropout (docs/regression.md)")
-    if options.iterative == "mc_dropout":
+                          "mc_dropout and ensemble (their spread) are measured on a number",
+                          "use --iterative mc_dropout or ensemble (docs/regression.md)")
+    if options.iterative in SPREADS:
         interval = run.manifest.preprocessing.spec.get("interval") or {}
+        passes = (mc_dropout_passes(run, x) if options.iterative == "mc_dropout"
+                  else ensemble_members(run, x))
         evaluation["iterative"] = spread_section(
-            mc_dropout_passes(run, x), y, plain, float(interval.get("level", DEFAULT_LEVEL)),
-            evaluation.get("interval"))
+            passes, y, plain, float(interval.get("level", DEFAULT_LEVEL)),
+            evaluation.get("interval"), options.iterative)
         LOG.info("%s", evaluation["iterative"]["verdict"])
     if options.tta:
         evaluation["tta"] = tta_section(run, x, y, plain)

@@ -32,11 +32,11 @@ from ttc.nets.device import float_outputs, to_device, training_device
 from ttc.nets.dspy_program import network_batch
 from ttc.nets.finite import check_finite_inputs
 from ttc.nets.image_loop import ImagePlan, ImageRunner, ImageTrainer
-from ttc.nets.models import architecture_for, build_model, count_parameters
+from ttc.nets.models import count_parameters
 from ttc.nets.training import TrainedModel, checkpoint_store, image_trained_model, train_images
 from ttc.nets.transfer import Transfer
 from ttc.tasks.regress.intervals import conformal_radius, conformal_rank
-from ttc.tasks.regress.nets import Regressor
+from ttc.tasks.regress.nets import Regressor, build_regressor, regressor_architecture
 from ttc.tasks.registry import task_for
 from utils import LOG, ConfigError
 
@@ -227,12 +227,6 @@ def require_interval_slice(options: TrainingOptions, dataset: Dataset) -> None:
                           f"{rows}", "raise --calibration_fraction (e.g. 0.2) or use more data")
 
 
-def build_regressor(architecture: dict, preprocessing: dict) -> Regressor:
-    net = build_model(architecture, preprocessing)
-    net.set_target(preprocessing["target"])
-    return net
-
-
 def plan_training(options: TrainingOptions, dataset: Dataset, engine: str = "local") -> ImagePlan:
     """The network for this data (checked and announced once) and the factories of its program
     and trainer (per learning rate and seed), with a local run's checkpoints when asked."""
@@ -242,7 +236,7 @@ def plan_training(options: TrainingOptions, dataset: Dataset, engine: str = "loc
     task = task_for(options.model_type)
     pre = dataset.preprocessing
     chosen = options.regularisation(options.model_type, options.arch, None)
-    architecture = architecture_for(pre, 1, options.arch, dataset.labels, chosen.dropout)
+    architecture = regressor_architecture(pre, options.arch, dataset.labels, chosen.dropout)
     tokenizer = text_tokenizer(pre) if task.input_role == "text" else None
     pad_id = pre.get("pad_id", PAD_ID)
 
@@ -251,7 +245,7 @@ def plan_training(options: TrainingOptions, dataset: Dataset, engine: str = "loc
 
     def make_student(seed: int) -> RegressorProgram:
         torch.manual_seed(seed)
-        return wrap(build_regressor(architecture, pre))
+        return wrap(build_regressor(architecture, pre, pretrained=True))
 
     architecture["num_parameters"] = count_parameters(make_student(options.seed).net)
     LOG.info("training %s (%d parameters, %s loss) on %d rows, validating on %d",
