@@ -403,6 +403,8 @@ class TabularEncoder:
             reasons[i] = reasons[i] or (
                 f"non-numeric value {str(cells[name][i]).strip()[:40]!r} in column {name!r}"
                 if wrong[i, j] else self._range_reason(numbers[i, j], name))
+        if numeric and len(numeric) == len(self.columns):  # all numeric: x is the numbers
+            return as_float32, reasons
         parts, at = [], 0
         for col in self.columns:
             if col["type"] == "numeric":
@@ -418,13 +420,27 @@ class TabularEncoder:
     def _beyond(self, x: np.ndarray, names: list[str]) -> np.ndarray:
         """_out_of_range of each column of x (rows, len(names)), all columns in one pass."""
         beyond = np.isinf(x)
-        known = [j for j, name in enumerate(names) if name in self.statistics]
-        if known:
-            mean, std = np.array([self.statistics[names[j]] for j in known]).T
+        known, mean, std = self._bounds(tuple(names))
+        if len(known) == x.shape[1]:  # every column: no columns to pick
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # NaN: False
+                beyond |= np.abs((x.astype(np.float64) - mean) / std) > MAX_STANDARDISED
+        elif known:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 beyond[:, known] |= np.abs((x[:, known].astype(np.float64) - mean) / std) \
                     > MAX_STANDARDISED
         return beyond
+
+    def _bounds(self, names: tuple[str, ...]) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Which of `names` have training statistics, and their means and stds: worked out
+        once per list of names (the statistics are fixed once the encoder is built)."""
+        cache = self.__dict__.setdefault("_bounds_cache", {})
+        key = (names, id(self.statistics))
+        if key not in cache:
+            known = [j for j, name in enumerate(names) if name in self.statistics]
+            pairs = np.array([self.statistics[names[j]] for j in known], dtype=np.float64)
+            mean, std = pairs.T if known else (np.zeros(0), np.zeros(0))
+            cache[key] = (known, mean, std)
+        return cache[key]
 
     @property
     def all_numeric(self) -> bool:
@@ -522,14 +538,15 @@ def numeric_block(cells: Mapping[str, np.ndarray], names: list[str]
     wrong = np.zeros((rows, len(names)), dtype=bool)
     text = []
     for j, name in enumerate(names):
-        if cells[name].dtype == object:
+        if cells[name].dtype.kind == "O":
             text.append(j)
         else:
             numbers[:, j], wrong[:, j] = numeric_cells(cells[name])
     if text:
         parsed, bad = numeric_cells(np.concatenate([cells[names[j]] for j in text]))
-        numbers[:, text] = parsed.reshape(len(text), rows).T
-        wrong[:, text] = bad.reshape(len(text), rows).T
+        where = slice(None) if len(text) == len(names) else text
+        numbers[:, where] = parsed.reshape(len(text), rows).T
+        wrong[:, where] = bad.reshape(len(text), rows).T
     return numbers, wrong
 
 

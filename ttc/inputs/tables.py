@@ -190,8 +190,14 @@ def json_records(records: Sequence[Mapping]):
     """JSON objects (serve.py's request rows, already parsed) as the frame the lines of a JSONL
     file holding them read as: the records' values by key, keys in the order they first appear
     and a missing key empty (what read_json builds of them with dtype=False), and the same cells
-    (json_cells). Built as one array of cells, not through pandas' record parser, whose cost is
-    per call: a request of one row paid it whole."""
+    (json_cells). A DataFrame of json_record_cells."""
+    return json_record_cells(records).to_pandas()
+
+
+def json_record_cells(records: Sequence[Mapping]) -> "Cells":
+    """json_records' cells as Cells, without pandas: what serve.py encodes. Built as one array
+    of cells, not through pandas' record parser or frame, whose costs are per call (a request
+    of one row paid them whole)."""
     names: dict = {}
     for record in records:
         names.update(dict.fromkeys(record))
@@ -202,7 +208,7 @@ def json_records(records: Sequence[Mapping]):
     for i, record in enumerate(records):
         for name, value in record.items():
             values[i, where[name]] = value
-    return cell_frame(values, list(names), 0)
+    return json_value_cells(values, list(names), 0)
 
 
 _CELL_TEXTS = np.frompyfunc(lambda value: _cell_text(value), 1, 1)  # elementwise, kept object
@@ -214,11 +220,16 @@ def json_cells(frame, first_row: int):
 
 
 def cell_frame(values: np.ndarray, columns: Sequence, first_row: int):
+    """json_value_cells as a DataFrame (what iter_table's JSON chunks are)."""
+    return json_value_cells(values, columns, first_row).to_pandas()
+
+
+def json_value_cells(values: np.ndarray, columns: Sequence, first_row: int) -> "Cells":
     """JSON values (rows, columns; an object array) as a table's cells: text as a CSV cell would
     hold it (_cell_text), empty cells NaN, rows with every cell empty left out, the index the
     data row; which columns hold nested values is kept for refuse_nested. One pass over the
-    cells as an array, one frame built of it (a column at a time cost a served row milliseconds
-    of pandas' fixed costs)."""
+    cells as an array (a column at a time cost a served row milliseconds of pandas' fixed
+    costs)."""
     import pandas as pd
 
     nested = [_json_nested(values[:, j]) for j in range(values.shape[1])] \
@@ -229,13 +240,81 @@ def cell_frame(values: np.ndarray, columns: Sequence, first_row: int):
         np.zeros(values.shape, dtype=bool)
     cells[~present] = np.nan
     keep = present.any(axis=1)
-    index = pd.RangeIndex(first_row, first_row + len(values))
+    index = np.arange(first_row, first_row + len(values), dtype=np.int64)
     if not keep.all():
         cells, index = cells[keep], index[keep]
-    out = pd.DataFrame(cells, index=index,
-                       columns=pd.Index(unique_names(columns), dtype=object), dtype=object)
-    out.attrs[NESTED] = {n: k for n, k in zip(out.columns, nested) if k}
-    return out
+    names = unique_names(columns)
+    return Cells({name: cells[:, j] for j, name in enumerate(names)}, index,
+                 {NESTED: {n: k for n, k in zip(names, nested) if k}})
+
+
+@dataclass
+class Cells:
+    """A table's cells without pandas: each column a 1-D array (object, or numbers), by name in
+    order, the rows' index (their 0-based data rows) and the frame's attrs. What a request's
+    rows are read into (json_record_cells) and the row frames serve.py encodes (batch.row_frame
+    builds them for Cells): the few DataFrame operations the readers and encoders use (columns,
+    index, len, empty, shape, a column by name, rows by a mask, frame_columns), at a cost per
+    row, not pandas' per call. `to_pandas()`: the same table as a DataFrame of object columns
+    (numbers kept as numbers)."""
+
+    arrays: dict[str, np.ndarray]
+    index: np.ndarray
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.arrays)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.index), len(self.arrays)
+
+    @property
+    def empty(self) -> bool:
+        return not len(self.index) or not self.arrays
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.arrays
+
+    def __getitem__(self, key):
+        """A column's array by name, or the rows where a boolean mask is True."""
+        if isinstance(key, str):
+            return self.arrays[key]
+        return Cells({name: values[key] for name, values in self.arrays.items()},
+                     self.index[key], self.attrs)
+
+    def to_pandas(self, index=None):
+        """`index`: the pandas index the rows keep (default: built of `self.index`, a
+        RangeIndex where the rows are consecutive)."""
+        import pandas as pd
+
+        if index is None:
+            index = _pandas_index(self.index)
+        names = pd.Index(list(self.arrays), dtype=object)
+        arrays = list(self.arrays.values())
+        if all(a.dtype == object for a in arrays):  # one block: one pass, whatever the columns
+            frame = pd.DataFrame(np.stack(arrays, axis=1) if arrays else None, index=index,
+                                 columns=names, dtype=object)
+        else:
+            frame = pd.DataFrame({k: pd.Series(a, index=index, dtype=a.dtype, copy=False)
+                                  for k, a in zip(names, arrays)}, index=index, columns=names)
+        frame.attrs.update(self.attrs)
+        return frame
+
+
+def _pandas_index(rows: np.ndarray):
+    import pandas as pd
+
+    if not len(rows):
+        return pd.RangeIndex(0)
+    start = int(rows[0])
+    if np.array_equal(rows, np.arange(start, start + len(rows))):
+        return pd.RangeIndex(start, start + len(rows))
+    return pd.Index(rows, dtype=np.int64)
 
 
 def _json_nested(column) -> str | None:
@@ -902,6 +981,8 @@ def frame_columns(frame, names: Sequence[str]) -> dict[str, np.ndarray]:
     others as object arrays, read in one pass where the frame has no typed column (selecting
     columns in pandas costs tens to hundreds of microseconds whatever the rows: a row served
     alone paid that per column)."""
+    if isinstance(frame, Cells):
+        return {name: _as_cells(frame.arrays[name]) for name in names}
     import pandas as pd
 
     typed = {name for name, kind in zip(frame.columns, frame.dtypes.to_numpy())
@@ -914,18 +995,40 @@ def frame_columns(frame, names: Sequence[str]) -> dict[str, np.ndarray]:
             frame[name].to_numpy(dtype=object) for name in names}
 
 
+def _as_cells(values: np.ndarray) -> np.ndarray:
+    """A Cells column as frame_columns gives a DataFrame's: numbers as they are, any other
+    column as an object array."""
+    return values if values.dtype == object or np.issubdtype(values.dtype, np.number) \
+        else values.astype(object)
+
+
 def joined_texts(frame, columns: Sequence[str]):
-    """The text of each row (a Series on the frame's index): its `columns` joined with a space
-    (missing cells empty), stripped. Computed on the cells as arrays: per row, not per call."""
+    """joined_text_list as a Series on the frame's index."""
+    import pandas as pd
+
+    return pd.Series(joined_text_list(frame, columns), index=frame.index, dtype=object)
+
+
+def joined_text_list(frame, columns: Sequence[str]) -> list[str]:
+    """The text of each row of a frame (or Cells): its `columns` joined with a space (missing
+    cells empty), stripped; one longer than --max_row_bytes refused (check_text_lengths).
+    Computed on the cells as arrays: per row, not per call."""
     import pandas as pd
 
     cells = frame_columns(frame, list(columns))
     parts = [_TEXT(values, pd.isna(values)) if len(values) else values
              for values in cells.values()]
     joined = parts[0] if len(parts) == 1 else [" ".join(row) for row in zip(*parts)]
-    texts = pd.Series([text.strip() for text in joined], index=frame.index, dtype=object)
+    texts = _RowTexts(text.strip() for text in joined)
+    texts.index = frame.index
     check_text_lengths(texts)
-    return texts
+    return list(texts)
+
+
+class _RowTexts(list):
+    """Texts with their rows' index, as check_text_lengths names a row."""
+
+    index: object = None
 
 
 _TEXT = np.frompyfunc(lambda value, missing: "" if missing else str(value), 2, 1)

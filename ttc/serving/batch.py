@@ -30,9 +30,9 @@ from ttc.inputs.limits import LIMITS, images_per_chunk, row_hint
 from ttc.inputs.preprocess import TabularEncoder, decode_image_file, image_files, text_tokenizer
 from ttc.serving.manifest import Manifest, as_manifest
 from ttc.inputs.data import table_reader
-from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Columns, FeatureBlock, iter_table,
-                    ID_NAMES, PARQUET_BATCH_ROWS, canonical_number, find_by_name, frame_columns,
-                    joined_texts,
+from ttc.inputs.tables import (IMAGE_EXTENSIONS, TABLE_FORMATS, Cells, Columns, FeatureBlock,
+                    iter_table, ID_NAMES, PARQUET_BATCH_ROWS, canonical_number, find_by_name,
+                    frame_columns, joined_text_list,
                     label_texts, parquet_cells, parquet_feature_blocks, parquet_header,
                     reads_as_numbers, refuse_nested, serving_columns, split_spec, table_format)
 from ttc.tasks.registry import task_of_kind
@@ -127,6 +127,16 @@ def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
 
     if isinstance(inputs, pd.DataFrame):
         index, inputs = inputs.index, {k: v.to_numpy() for k, v in inputs.items()}
+    index = pd.RangeIndex(len(ids)) if index is None else index
+    return row_cells(ids, labels, inputs, errors, keys, np.asarray(index)).to_pandas(index)
+
+
+def row_cells(ids: Sequence[str], labels: Sequence[str | None] | None, inputs: Mapping,
+              errors: Sequence[str] | None = None,
+              keys: tuple[str, Sequence[str]] | None = None,
+              index: np.ndarray | None = None) -> Cells:
+    """row_frame's columns as Cells (a request's rows: serve.py's row frames, without pandas'
+    cost per call); `inputs` a dict, `index` the rows' 0-based data rows (default 0, 1, ...)."""
     columns = {ROW_ID: ids}
     if labels is not None:
         columns[ROW_LABEL] = ["" if v is None else v for v in labels]
@@ -134,15 +144,10 @@ def row_frame(ids: Sequence[str], labels: Sequence[str | None] | None, inputs,
     columns.update(inputs)
     if keys is not None:
         columns[ROW_KEY + keys[0]] = keys[1]
-    index = pd.RangeIndex(len(ids)) if index is None else index
-    names = pd.Index(list(columns), dtype=object)
-    arrays = [np.asarray(v, dtype=object) if not isinstance(v, np.ndarray) or v.dtype.kind in "OUS"
-              else v for v in columns.values()]
-    if all(a.dtype == object for a in arrays):  # one block: one pass, whatever the columns
-        return pd.DataFrame(np.stack(arrays, axis=1) if arrays else None, index=index,
-                            columns=names, dtype=object)
-    return pd.DataFrame({k: pd.Series(a, index=index, dtype=a.dtype, copy=False)
-                         for k, a in zip(names, arrays)}, index=index, columns=names)
+    arrays = {name: np.asarray(v, dtype=object)
+              if not isinstance(v, np.ndarray) or v.dtype.kind in "OUS" else v
+              for name, v in columns.items()}
+    return Cells(arrays, np.arange(len(ids)) if index is None else index)
 
 
 def row_keys(frame, names: Sequence[str] | None = None) -> RowKeys | None:
@@ -259,7 +264,7 @@ class TextRows:
 
     def encode(self, frame, ids: list[str], labels: list[str | None] | None) -> Chunk:
         texts = [c for c in frame.columns if c.startswith(ROW_TEXT)]
-        return Chunk(ids, self.tokenizer.encode_batch(list(joined_texts(frame, texts))), labels)
+        return Chunk(ids, self.tokenizer.encode_batch(joined_text_list(frame, texts)), labels)
 
 
 class FeatureRows:
@@ -444,14 +449,15 @@ class TableReader:
 
     def row_frame_of(self, frame):
         """The row frame of a frame of the table's cells (None: a header alone); the columns
-        are chosen on the first."""
+        are chosen on the first. Cells (a request's rows) give Cells."""
+        light = isinstance(frame, Cells)
         if self.columns is None:
-            self.columns = self._choose_columns(frame)
+            self.columns = self._choose_columns(frame.to_pandas() if light else frame)
         # per chunk: a JSON column may turn to arrays in any chunk
         refuse_nested(frame, [self.columns.label, *self.columns.inputs], self.path)
         if frame.empty:
             return None
-        ids = (frame.index.to_numpy() + 1).astype(str).astype(object)  # data rows, 1-based
+        ids = (np.asarray(frame.index) + 1).astype(str).astype(object)  # data rows, 1-based
         label = self.columns.label
         wanted = list(dict.fromkeys([*self.columns.inputs, *filter(None, (label, self.key))]))
         cells = frame_columns(frame, wanted)
@@ -462,8 +468,9 @@ class TableReader:
         elif self.role == "text":  # text cells as plain strings (see row_frame)
             inputs = {name: values.astype(object) for name, values in inputs.items()}
         keys = (self.key, id_texts(cells[self.key])) if self.key else None
-        return row_frame(ids, label_texts(cells[label]) if label else None, inputs, errors,
-                         keys, index=frame.index)
+        build = row_cells if light else row_frame
+        return build(ids, label_texts(cells[label]) if label else None, inputs, errors, keys,
+                     index=frame.index)
 
     def _images(self, cells) -> tuple[dict, list[str]]:
         return self._image_paths(cells)

@@ -1,6 +1,7 @@
 """Rows given as JSON objects (serve.py's requests, the Python API's rows), encoded by the rules
 the lines of an `inference.py --input rows.jsonl` file are: the same JSON parser and cells
-(tables.json_records), the same choice of columns (batch.TableReader), the same encoders
+(tables.json_record_cells, read into Cells, not a DataFrame: pandas' fixed cost per call was most
+of a one-row request's), the same choice of columns (batch.TableReader), the same encoders
 (batch.RowEncoder). One difference, where a request cannot carry a path: an image row holds its
 file's bytes, base64-encoded, under "image" (or the image column the model was trained on).
 
@@ -18,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ttc.inputs.tables import Columns, json_records, locate_column
+from ttc.inputs.tables import Columns, json_record_cells, locate_column
 from ttc.serving.batch import (ROW_IMAGE, ROW_PATH, ROW_TEXT, BatchOptions, Chunk,
                                RowEncoder, TableReader)
 from ttc.serving.manifest import Manifest
@@ -42,6 +43,7 @@ class RecordReader(TableReader):
         self.names = self._request_names()
         self._lock = threading.Lock()  # the column choice is per call
         self._last_choice: tuple = (None, None, {})  # (keys, Columns, renamed)
+        self._by_keys = self._keys_decide()
 
     def encode(self, records: Sequence[Mapping]) -> np.ndarray:
         """The rows' model inputs; raises DataError for the request, RowError for a row."""
@@ -114,12 +116,10 @@ class RecordReader(TableReader):
         return encoding_failure(err, f"row {first}" if len(rows) == 1 else "the rows")
 
     def _chunk(self, records: Sequence[Mapping]) -> Chunk:
-        frame = json_records(records)
+        frame = json_record_cells(records)
         keys = tuple(frame.columns)
         with self._lock:  # each group's keys are its own
-            # the last choice again for the same keys: with the trained columns known, the
-            # choice depends on the keys alone (without them it reads the cells: made anew)
-            known = self._last_choice[0] == keys and bool(self._trained_columns().inputs)
+            known = self._by_keys and self._last_choice[0] == keys  # the last choice again
             self.columns, self.renamed = self._last_choice[1:] if known else (None, {})
             rows = self.row_frame_of(frame)
             self._last_choice = (keys, self.columns, self.renamed)
@@ -143,6 +143,14 @@ class RecordReader(TableReader):
             return RowError(f"row {number - start - 1 + first} is empty (every value missing or "
                             f"blank)", f"send the columns the model reads: {self.example_row()}")
         return chunk.x[mine[0]:mine[-1] + 1]
+
+    def _keys_decide(self) -> bool:
+        """Does the column choice depend on a request's keys alone (then the last one is kept
+        for the same keys)? Always, but where _choose_columns leaves it to serving_columns
+        without trained inputs, which detects them from the cells (made anew each call)."""
+        trained = list(self._trained_columns().inputs)
+        return bool(self.task.image_files or trained or
+                    (self.role == "text" and self.names != trained))
 
     def _request_names(self) -> list[str]:
         if self.task.image_files:
