@@ -166,6 +166,24 @@ def pruned(model: onnx.ModelProto, wanted: Sequence[str]) -> onnx.ModelProto:
     return model
 
 
+def member_nodes(members: Sequence[onnx.ModelProto], output: str
+                 ) -> tuple[list, list, list[str]]:
+    """Every member's nodes and initializers, prefixed member{k}_, reading the first member's
+    runtime inputs (shared by all), and the name of each member's `output` in them: the body of
+    a graph that runs an ensemble in one session."""
+    sources = runtime_inputs(members[0].graph)
+    nodes, initializers, stacked = [], [], []
+    for k, member in enumerate(members):
+        prefixed = onnx.compose.add_prefix(member, f"member{k}_")
+        shared = {f"member{k}_{name}": name for name in sources}
+        for node in prefixed.graph.node:
+            node.input[:] = [shared.get(n, n) for n in node.input]
+        nodes += list(prefixed.graph.node)
+        initializers += list(prefixed.graph.initializer)
+        stacked.append(f"member{k}_{output}")
+    return nodes, initializers, stacked
+
+
 def ensemble_model(members: Sequence[onnx.ModelProto], classes: int,
                    temperature: float = 1.0) -> onnx.ModelProto:
     """One graph running every member on the shared inputs (all of an hf graph's: input_ids,
@@ -180,16 +198,9 @@ def ensemble_model(members: Sequence[onnx.ModelProto], classes: int,
     if len({d for d, _ in opsets}) != len(opsets):
         raise ConfigError("the ensemble members were exported with different opsets",
                           "re-export them with the same --opset")
-    nodes, initializers, stacked = [], [], []
     for k, member in enumerate(members):
         _require_same_inputs(k, member, first)
-        prefixed = onnx.compose.add_prefix(member, f"member{k}_")
-        shared = {f"member{k}_{name}": name for name in sources}
-        for node in prefixed.graph.node:
-            node.input[:] = [shared.get(n, n) for n in node.input]
-        nodes += list(prefixed.graph.node)
-        initializers += list(prefixed.graph.initializer)
-        stacked.append(f"member{k}_logits")
+    nodes, initializers, stacked = member_nodes(members, "logits")
     tail = GraphNodes("ensemble")
     axis = tail.const([0])
     rows = [tail.op("Unsqueeze", [tail.op("Softmax", [name], axis=-1), axis]) for name in stacked]

@@ -22,19 +22,11 @@ def merged_members(members: Sequence[onnx.ModelProto]) -> onnx.ModelProto:
     """One graph running every member on the shared inputs (an hf graph's input_ids,
     attention_mask, token_type_ids too): `member_predictions` stacked, `prediction` their
     mean. The first member's metadata (an hf graph's padding id) travels along."""
-    from ttc.testtime.iterative import runtime_inputs
+    from ttc.testtime.iterative import member_nodes, runtime_inputs
 
     first = members[0]
     sources = runtime_inputs(first.graph)
-    nodes, initializers, stacked = [], [], []
-    for k, member in enumerate(members):
-        prefixed = onnx.compose.add_prefix(member, f"member{k}_")
-        shared = {f"member{k}_{name}": name for name in sources}
-        for node in prefixed.graph.node:
-            node.input[:] = [shared.get(n, n) for n in node.input]
-        nodes += list(prefixed.graph.node)
-        initializers += list(prefixed.graph.initializer)
-        stacked.append(f"member{k}_{PREDICTION}")
+    nodes, initializers, stacked = member_nodes(members, PREDICTION)
     axis = helper.make_tensor("ensemble_axis", TensorProto.INT64, [1], [0])
     rows = [f"ensemble_row{k}" for k in range(len(stacked))]
     nodes += [helper.make_node("Unsqueeze", [name, "ensemble_axis"], [row])
