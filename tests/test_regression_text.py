@@ -56,6 +56,21 @@ def test_inference_input_ranks_graded_words(bundle, tmp_path: Path):
     assert float(rows[0]["prediction"]) > float(rows[1]["prediction"])
 
 
+def test_requests_of_texts_of_different_lengths_are_answered_in_one_run(bundle):
+    """serve.py's batcher joins several requests' rows into one run: each request gets what it
+    gets alone."""
+    from ttc.online.predictor import Predictor
+
+    predictor = Predictor.load(bundle["model"])
+    short = [{"text": "great"}]
+    long = [{"text": "awful terrible slow service and a very very long wait for cold food"}]
+    joined = predictor.predict_parts([(short, 1), (long, 1)])
+    assert not any(isinstance(outcome, Exception) for outcome in joined), joined
+    alone = [predictor.predict(rows)[0]["prediction"] for rows in (short, long)]
+    assert [predictor.predictions(*outcome)[0]["prediction"] for outcome in joined] == \
+        pytest.approx(alone, abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory, hf_model_dir) -> dict:
     """The review scores through `--arch hf:` (conftest's tiny BERT, random weights: trained

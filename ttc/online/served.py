@@ -2,7 +2,7 @@
 its `Parts.served` part, a class built once per opened bundle from `predictor.Opened` (its
 ServeOptions, the bundle's paths, manifest, session and graph, the request row reader). This module
 holds the shape every type's part has, and the classifiers' (the default): labels and
-probabilities. A segmenter's and a detector's live in their own folders
+probabilities, several requests run together by ttc/serving/parts.py's JoinedParts. A segmenter's and a detector's live in their own folders
 (ttc/tasks/segment/served.py, ttc/tasks/detect/served.py); ttc/online imports neither.
 
 A part has
@@ -29,13 +29,11 @@ import numpy as np
 from ttc.online.predictor import chunk_predictor
 from ttc.online.tool import classifier_description
 from ttc.online.v2 import classifier_outputs, output_metadata
-from ttc.serving.batch import NON_FINITE_OUTPUT, non_finite_rows, top_classes
-from ttc.serving.records import RowError
+from ttc.serving.batch import top_classes
+from ttc.serving.parts import JoinedParts, Outcome
 
 if TYPE_CHECKING:
     from ttc.online.predictor import Opened
-
-Outcome = tuple[np.ndarray, dict]  # a part's outputs (row-aligned) and extra values
 
 
 class TypeServing(Protocol):
@@ -59,20 +57,7 @@ class TypeServing(Protocol):
     def tool_description(self) -> str: ...
 
 
-def join_inputs(parts: list[np.ndarray], pad_id: int) -> np.ndarray:
-    """Inputs of several requests as one batch: token ids of different lengths are right-padded
-    with the graph's padding id (batches_of trims what no row needs)."""
-    if len(parts) == 1:
-        return parts[0]
-    if parts[0].ndim == 2 and parts[0].dtype == np.int64:
-        width = max(p.shape[1] for p in parts)
-        parts = [p if p.shape[1] == width else
-                 np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=pad_id)
-                 for p in parts]
-    return np.concatenate(parts)
-
-
-class ClassifierServing:
+class ClassifierServing(JoinedParts):
     """A classifier's answers: rows encoded by the RecordReader (inference.py --input's rules),
     the chosen graph with the test-time method asked for (chunk_predictor), and per row its
     label, confidence and --top_k classes (rounded as a prediction file), with the method's
@@ -82,59 +67,6 @@ class ClassifierServing:
         self.options, self.manifest, self.reader = opened.options, opened.manifest, opened.reader
         self.run, self.extra = chunk_predictor(opened.options, opened.paths, opened.manifest,
                                                opened.session, opened.model_path)
-
-    # ------------------------------------------------------------------ predicting
-
-    def predict_parts(self, parts: Sequence[tuple[Sequence[Mapping], int]]
-                      ) -> list[Outcome | Exception]:
-        """Encoded together where their keys agree, one model run."""
-        firsts = [first for _, first in parts]
-        encoded = self.reader.encode_parts([rows for rows, _ in parts], firsts)
-        good = [k for k, x in enumerate(encoded) if not isinstance(x, Exception)]
-        out: list = list(encoded)
-        for k, outcome in zip(good, self._run_parts([encoded[k] for k in good],
-                                                    [firsts[k] for k in good])):
-            out[k] = outcome
-        return out
-
-    def _run_parts(self, inputs: list[np.ndarray], firsts: list[int]) -> list:
-        """Encoded parts → each one's (probabilities, extra), or its error: a row whose output
-        is not finite fails its part (a RowError naming it). A part that failed in the joined
-        run (or all, where the run raised) is run again alone, so that one request's rows never
-        cost another its answer (test-time training adapts to the whole batch: one overflowing
-        row makes every row's statistics NaN)."""
-        if not inputs:
-            return []
-        try:
-            outcomes = self._split_run(inputs, firsts)
-        except Exception as err:  # noqa: BLE001 - blamed below on the part that raises it
-            outcomes = [err] * len(inputs)
-        if len(inputs) == 1:
-            return outcomes
-        for k, outcome in enumerate(outcomes):
-            if isinstance(outcome, Exception):
-                try:
-                    outcomes[k] = self._split_run([inputs[k]], [firsts[k]])[0]
-                except Exception as err:  # noqa: BLE001 - this part's own failure
-                    outcomes[k] = err
-        return outcomes
-
-    def _split_run(self, inputs: list[np.ndarray], firsts: list[int]) -> list:
-        """One model run of the parts joined; each part's rows back, or its RowError."""
-        probabilities, extra = self.run(join_inputs(inputs, self.manifest.input.pad_id))
-        bad = non_finite_rows(probabilities, extra)
-        outcomes, offset = [], 0
-        for x, first in zip(inputs, firsts):
-            rows = slice(offset, offset + len(x))
-            offset = rows.stop
-            failed = np.flatnonzero(bad[rows])
-            if len(failed):
-                more = f" (and {len(failed) - 1} more rows)" if len(failed) > 1 else ""
-                outcomes.append(RowError(f"row {first + int(failed[0])}: {NON_FINITE_OUTPUT}"
-                                         f"{more}", "fix the row"))
-                continue
-            outcomes.append((probabilities[rows], {name: v[rows] for name, v in extra.items()}))
-        return outcomes
 
     # ------------------------------------------------------------------ answering
 
@@ -151,18 +83,6 @@ class ClassifierServing:
                 row[name] = round(float(values[k]), 6)
             rows.append(row)
         return rows
-
-    def warm_up(self) -> None:
-        probabilities, extra = self.run(self.warmup_rows())
-        self.answers(probabilities, extra)
-
-    def warmup_rows(self) -> np.ndarray:
-        """Model inputs of one row: a text's tokens, else zeros of the sizes the type's
-        preprocessing record fixes (an image's channels and sides, a table's features)."""
-        if self.reader.role == "text":
-            return self.reader.encode([{name: "warm up" for name in self.reader.names}])
-        dims = self.reader.task.fixed_input_dims(self.manifest.preprocessing.spec)
-        return np.zeros((1, *map(int, dims)), dtype=np.float32)
 
     # ------------------------------------------------------------------ describing
 

@@ -985,8 +985,9 @@ NON_FINITE_OUTPUT = ("the model's output for this row is not a finite number (a 
 
 def non_finite_rows(probabilities: np.ndarray, extra: Mapping[str, np.ndarray]) -> np.ndarray:
     """Which rows of a prediction hold NaN or infinity, in the probabilities or an extra value:
-    such a row is an error, never an answer (every path that predicts checks here)."""
-    bad = ~np.isfinite(probabilities).all(axis=1)
+    such a row is an error, never an answer (every path that predicts checks here). A
+    regressor's outputs are one value a row."""
+    bad = ~np.isfinite(np.reshape(probabilities, (len(probabilities), -1))).all(axis=1)
     for values in extra.values():
         values = np.asarray(values, dtype=np.float64)
         bad |= ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)

@@ -1,22 +1,20 @@
 """A regressor served (its `Parts.served` part; ttc/online/served.py says the shape): rows encoded
-by the request reader (inference.py --input's rules), one run of the chosen graph, and per row
+by the request reader (inference.py --input's rules), several requests in one run of the graph
+(ttc/serving/parts.py, as a classifier's), and per row
 {"prediction"} in the target's units, with "lower" and "upper" where the bundle has a conformal
 interval; V2: `prediction` (FP32, [rows]) and `lower`, `upper` likewise. numpy only."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
-from ttc.serving.batch import NON_FINITE_OUTPUT
-from ttc.serving.records import RowError
+from ttc.serving.parts import JoinedParts
 from ttc.serving.runtime import batches_of, graph_padding_id, session_runner
 from ttc.tasks.regress import PREDICTION
 
-Outcome = tuple[np.ndarray, dict]
 
-
-class RegressorServing:
+class RegressorServing(JoinedParts):
     """A regressor's answers (see the module docstring)."""
 
     def __init__(self, opened: Any) -> None:
@@ -32,26 +30,6 @@ class RegressorServing:
         batches = batches_of(x, max(1, int(self.options.batch_size)), self.pad_id)
         return np.concatenate([self.graph(b) for b in batches]).astype(np.float64), {}
 
-    def predict_parts(self, parts: Sequence[tuple[Sequence[Mapping], int]]
-                      ) -> list[Outcome | Exception]:
-        """Each request's rows encoded (their errors their own), run together; a row whose
-        prediction is not finite fails its request (a RowError naming it)."""
-        firsts = [first for _, first in parts]
-        encoded = self.reader.encode_parts([rows for rows, _ in parts], firsts)
-        good = [k for k, x in enumerate(encoded) if not isinstance(x, Exception)]
-        out: list = list(encoded)
-        if not good:
-            return out
-        values, _ = self.run(np.concatenate([encoded[k] for k in good]))
-        offset = 0
-        for k in good:
-            part = values[offset:offset + len(encoded[k])]
-            offset += len(encoded[k])
-            bad = np.flatnonzero(~np.isfinite(part))
-            out[k] = (RowError(f"row {firsts[k] + int(bad[0])}: {NON_FINITE_OUTPUT}", "fix the row")
-                      if len(bad) else (part, {}))
-        return out
-
     def answers(self, outputs: np.ndarray, extra: Mapping[str, np.ndarray]) -> list[dict]:
         rows = []
         for value in np.asarray(outputs, np.float64):
@@ -61,15 +39,6 @@ class RegressorServing:
                 row["upper"] = round(float(value) + self.interval["radius"], 6)
             rows.append(row)
         return rows
-
-    def warm_up(self) -> None:
-        self.answers(*self.run(self.warmup_rows()))
-
-    def warmup_rows(self) -> np.ndarray:
-        if self.reader.role == "text":
-            return self.reader.encode([{name: "warm up" for name in self.reader.names}])
-        dims = self.reader.task.fixed_input_dims(self.manifest.preprocessing.spec)
-        return np.zeros((1, *map(int, dims)), dtype=np.float32)
 
     def _names(self) -> list[str]:
         return [PREDICTION, *(["lower", "upper"] if self.interval is not None else [])]
