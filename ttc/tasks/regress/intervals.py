@@ -10,6 +10,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from ttc.tasks.regress import PREDICTION
+
 
 def check_level(level: float) -> float:
     """`level` as a float strictly between 0 and 1 (ValueError otherwise)."""
@@ -105,3 +107,13 @@ class IntervalReport:
         record = asdict(self)
         record["mean_width"] = _finite_or_none(self.mean_width)
         return record
+
+
+def prediction_answer(value: float, interval: dict | None) -> dict:
+    """One row's answer as serve.py and a prediction file give it: `prediction`, and with a
+    conformal interval (the manifest's record) `lower` and `upper`, rounded to 6 places."""
+    answer = {PREDICTION: round(value, 6)}
+    if interval is not None:
+        answer["lower"] = round(value - interval["radius"], 6)
+        answer["upper"] = round(value + interval["radius"], 6)
+    return answer

@@ -12,6 +12,7 @@ import numpy as np
 from ttc.serving.parts import JoinedParts
 from ttc.serving.runtime import batches_of, graph_padding_id, session_runner
 from ttc.tasks.regress import PREDICTION
+from ttc.tasks.regress.intervals import prediction_answer
 
 
 class RegressorServing(JoinedParts):
@@ -31,14 +32,8 @@ class RegressorServing(JoinedParts):
         return np.concatenate([self.graph(b) for b in batches]).astype(np.float64), {}
 
     def answers(self, outputs: np.ndarray, extra: Mapping[str, np.ndarray]) -> list[dict]:
-        rows = []
-        for value in np.asarray(outputs, np.float64):
-            row = {PREDICTION: round(float(value), 6)}
-            if self.interval is not None:
-                row["lower"] = round(float(value) - self.interval["radius"], 6)
-                row["upper"] = round(float(value) + self.interval["radius"], 6)
-            rows.append(row)
-        return rows
+        return [prediction_answer(float(value), self.interval)
+                for value in np.asarray(outputs, np.float64)]
 
     def _names(self) -> list[str]:
         return [PREDICTION, *(["lower", "upper"] if self.interval is not None else [])]

@@ -18,6 +18,7 @@ from ttc.serving.batch import (NON_FINITE_OUTPUT, BatchOptions, RecordWriter,
 from ttc.serving.runtime import (batches_of, graph_padding_id, session_device, session_runner,
                                  time_runners, whole_batches)
 from ttc.tasks.regress import PREDICTION
+from ttc.tasks.regress.intervals import prediction_answer
 from ttc.tasks.regress.metrics import regression_section
 from ttc.tasks.regress.testtime import run_test_time
 from utils import LOG, ConfigError, RuntimeFailure, atomic_write_stream, progress
@@ -163,10 +164,7 @@ def _record(writer: ValueWriter, ident: str, key: str | None, value: float,
     record: dict = {writer.columns[0]: ident}
     if writer.key:
         record[writer.key] = key
-    record[PREDICTION] = round(value, 6)
-    if interval is not None:
-        record["lower"] = round(value - interval["radius"], 6)
-        record["upper"] = round(value + interval["radius"], 6)
+    record.update(prediction_answer(value, interval))
     if "true_target" in writer.columns:
         record["true_target"] = None if truth is None or not np.isfinite(truth) else float(truth)
     return record
