@@ -10,9 +10,10 @@ from typing import Callable
 import numpy as np
 
 from ttc.compress.quantizing import ClassifierQuantizing
-from ttc.serving.runtime import batches_of, graph_padding_id, session_runner
+from ttc.serving.runtime import session_runner
+from ttc.tasks.regress import PREDICTION
+from ttc.tasks.regress.stages import predict_split
 
-OUTPUT = "prediction"
 AGREEMENT_SHARE = 0.01  # a row agrees with fp32 within this share of σ
 
 
@@ -25,12 +26,10 @@ class RmseScorer:
         self.std = std
 
     def runner(self, session) -> Callable[[np.ndarray], np.ndarray]:
-        return session_runner(session, OUTPUT)
+        return session_runner(session, PREDICTION)
 
     def predict(self, session, x: np.ndarray, batch_size: int) -> np.ndarray:
-        run = self.runner(session)
-        batches = batches_of(x, batch_size, graph_padding_id(session))
-        return np.concatenate([run(b) for b in batches]).astype(np.float64)
+        return predict_split(session, x, batch_size)
 
     def evaluate(self, predicted: np.ndarray, y: np.ndarray) -> dict[str, float]:
         error = float(np.sqrt(np.mean((predicted - np.asarray(y, np.float64)) ** 2)))
