@@ -23,7 +23,9 @@ of CPU. Then everything loaded is frozen (gc.freeze), so that a run's garbage co
 
 Protocol: the client connects, sends its three standard descriptors (SCM_RIGHTS) with one JSON
 message {argv, cwd, env, executable}, and reads back the child's pid, then its exit status
-("exit N" or "signal N"). When the client goes away first (a test's timeout), the child kills
+("exit N" or "signal N"); a run with TTC_TEST_CENSUS=FILE in its environment also
+gets a line of its test, argv, wall and CPU seconds in FILE (Census; tests/census.py sums
+them). When the client goes away first (a test's timeout), the child kills
 itself. The client passes on SIGTERM, SIGINT and SIGHUP to the child (a documented serve.py stops
 and reloads so).
 
@@ -40,6 +42,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 
 PRELOAD = ("numpy", "pandas", "PIL.Image", "onnx", "onnxslim", "torch", "torch._dynamo",
            "torch.onnx", "torch.onnx._internal.exporter._core", "torch.export._trace",
@@ -178,6 +181,7 @@ def serve(path: str) -> dict | None:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
                 running[pid] = conn
+                census.started(pid, job)
 
 
 def _receive(conn: socket.socket) -> dict:
@@ -192,11 +196,40 @@ def _receive(conn: socket.socket) -> dict:
     return {**json.loads(data[4:4 + size]), "fds": list(fds)}
 
 
+class Census:
+    """A run whose environment holds TTC_TEST_CENSUS=FILE (a suite run with it set: the tests
+    pass their environment on) gets one JSON line in FILE when it ends: its test, argv, wall
+    seconds, and the CPU seconds of the run and of the processes it waited for
+    (tests/census.py sums them). Nothing is written otherwise."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, tuple] = {}
+
+    def started(self, pid: int, job: dict) -> None:
+        path = job["env"].get("TTC_TEST_CENSUS")
+        if path:
+            self.runs[pid] = (path, time.monotonic(), job["argv"],
+                              job["env"].get("PYTEST_CURRENT_TEST"))
+
+    def ended(self, pid: int, usage) -> None:
+        if pid not in self.runs:
+            return
+        path, start, argv, test = self.runs.pop(pid)
+        line = {"test": test, "argv": argv, "wall": round(time.monotonic() - start, 3),
+                "cpu": round(usage.ru_utime + usage.ru_stime, 3)}
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(json.dumps(line) + "\n")
+
+
+census = Census()
+
+
 def _reap(running: dict[int, socket.socket]) -> None:
     while running:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             return
+        census.ended(pid, usage)
         conn = running.pop(pid, None)
         if conn is None:
             continue

@@ -48,6 +48,8 @@ from test_bench import PRINTS
 # go stale.
 NOT_RUN = {
     ".venv/bin/python -m pytest -q": "the test suite itself",
+    "TTC_TEST_CENSUS=runs/census.jsonl .venv/bin/python -m pytest -q":
+        "the test suite itself (tests/test_forkserver.py checks the census it writes)",
     "ray start --head --port 6379 --num-cpus 16": "starts a cluster node that outlives the test",
     "ray start --address HEAD_IP:6379": "joins a cluster that is not there",
     "python serve.py --model /shared/runs/sms/model.onnx --engine ray --ray_address auto "
@@ -212,6 +214,13 @@ STAND_IN_RUNS = {
     "runs/shelves/model.onnx": "python pipeline.py --model_type object_detector --dataset_path "
                                "shelves --output_model runs/shelves/model.onnx",
     "cron/2026-11-23.json": "mkdir -p cron && cp runs/x/report.json cron/2026-11-23.json",
+    # a census as a suite run writes it (tests/forkserver.py Census): two runs of one test
+    "runs/census.jsonl": "mkdir -p runs && printf '%s\\n' "
+                         "'{\"test\": \"tests/test_serve.py::test_x (call)\", \"argv\": "
+                         "[\"/repo/pipeline.py\", \"--epochs\", \"2\"], \"wall\": 3.1, "
+                         "\"cpu\": 2.9}' '{\"test\": \"tests/test_serve.py::test_x (call)\", "
+                         "\"argv\": [\"/repo/inference.py\"], \"wall\": 0.5, \"cpu\": 0.4}' "
+                         "> runs/census.jsonl",
     # ensemble members: one --seed (one split, one normalisation), other learning rates
     **{f"runs/{name}/model.onnx": f"python pipeline.py --dataset_path builtin:digits "
                                   f"--output_model runs/{name}/model.onnx --epochs 1 "
@@ -244,8 +253,9 @@ def reads_and_writes(command: str) -> tuple[list[str], list[str]]:
             reads += value.split(",")
         elif flag in ("--output_model", "--report_json"):
             writes.append(value)
-    if "report.py" in words:
-        reads.append(words[words.index("report.py") + 1])
+    for reader in ("report.py", "tests/census.py"):
+        if reader in words:
+            reads.append(words[words.index(reader) + 1])
     if "quantize.py" in words or "export.py" in words:
         reads += [w for f, w in zip(words, words[1:]) if f == "--output_model"]
     return reads, writes

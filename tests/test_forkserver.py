@@ -177,3 +177,28 @@ def test_the_exporter_s_table_is_built_once_in_the_server(server, tmp_path):
     run = server.run([str(script)], tmp_path, dict(os.environ, **CLI_ENV), timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "False", "ONNXRegistry"]
+
+
+def test_the_census_records_each_forked_run_and_sums_them(server, tmp_path):
+    """TTC_TEST_CENSUS=FILE in a run's environment: the server writes a line for the run (its
+    test, argv, wall and CPU seconds), and tests/census.py sums the lines by script and by
+    test file."""
+    census = tmp_path / "census.jsonl"
+    script = tmp_path / "busy.py"
+    script.write_text("import sys, time\nend = time.process_time() + 0.2\n"
+                      "while time.process_time() < end:\n    pass\nsys.exit(int(sys.argv[1]))\n")
+    env = dict(os.environ, **CLI_ENV, TTC_TEST_CENSUS=str(census))
+    assert [server.run([str(script), code], tmp_path, env, 60).returncode
+            for code in ("0", "4")] == [0, 4]
+    assert server.run([str(script), "0"], tmp_path, dict(os.environ, **CLI_ENV),
+                      60).returncode == 0  # not counted: TTC_TEST_CENSUS is not in its env
+    runs = [json.loads(line) for line in census.read_text().splitlines()]
+    assert [r["argv"] for r in runs] == [[str(script), "0"], [str(script), "4"]]
+    assert all(r["test"].startswith("tests/test_forkserver.py::test_the_census") for r in runs)
+    assert all(0.2 <= r["cpu"] <= r["wall"] + 0.05 for r in runs), runs
+    summary = subprocess.run([sys.executable, str(REPO / "tests" / "census.py"), str(census)],
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.startswith("2 CLI runs: ")
+    assert re.search(r"^busy\.py\s+2\s+0\.[4-9]", summary.stdout, re.M), summary.stdout
+    assert re.search(r"^tests/test_forkserver\.py\s+2\s", summary.stdout, re.M), summary.stdout
