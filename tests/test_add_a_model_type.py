@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from conftest import CLI_ENV, REPO
+from conftest import CLI_ENV, REPO, fork_server
 from test_serve import serving
 
 THROWAWAY = REPO / "tests" / "throwaway_type" / "signal"
@@ -93,10 +93,15 @@ def write_signals(path: Path, count: int, seed: int, labelled: bool = True) -> P
     return path
 
 
-def run(repo: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run(repo: Path, *args: str, timeout: int = 600):
+    """`python SCRIPT ARGS` in the copy, with a bare environment: through the fork server
+    (which preloads libraries only, so the copy's own package is what the run imports)."""
+    env = {**CLI_ENV, "PATH": "/usr/bin:/bin", "HOME": str(repo)}
+    server = fork_server()
+    if server:
+        return server.run([str(repo / args[0]), *args[1:]], repo, env, timeout)
     return subprocess.run([sys.executable, *args], cwd=repo, capture_output=True, text=True,
-                          timeout=timeout, env={**CLI_ENV, "PATH": "/usr/bin:/bin",
-                                                "HOME": str(repo)})
+                          timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
