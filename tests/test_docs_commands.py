@@ -148,39 +148,8 @@ def page_files(page: str) -> dict[str, str]:
                                                         text, re.S)}
 
 
-# The stand-in data is written once per test worker into a template folder, a part at a time
-# (the segmenter's, the detector's and the tiny BERT only when a page first needs them), and
-# copied into each checkout: the same files every time, at a copy's cost.
-_TEMPLATE: list[Path] = []
-OPTIONAL_PARTS = {"scans": ("scans",), "shelves": ("shelves", "instances.json"),
-                  "hf:tiny_bert": ("tiny_bert",)}
-
-
 def lay_stand_in_data(tree: Path, commands: list[str]) -> None:
     """The user's own data the pages name, small, under the names the pages use."""
-    if not _TEMPLATE:
-        root = Path(tempfile.mkdtemp(prefix="ttc-stand-in-data-"))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        write_base_data(root)
-        _TEMPLATE.append(root)
-    template, text = _TEMPLATE[0], " ".join(commands)
-    optional = {name for names in OPTIONAL_PARTS.values() for name in names}
-    wanted = {name for marker, names in OPTIONAL_PARTS.items() if marker in text
-              for name in names}
-    for marker, names in OPTIONAL_PARTS.items():
-        if marker in text and not all((template / name).exists() for name in names):
-            write_optional_data(template, marker)
-    for entry in template.iterdir():
-        if entry.name in optional and entry.name not in wanted:
-            continue
-        if entry.is_dir():
-            shutil.copytree(entry, tree / entry.name)
-        else:
-            shutil.copy2(entry, tree / entry.name)
-
-
-def write_base_data(tree: Path) -> None:
-    """The stand-ins every page gets: photos, texts, tables."""
     import pandas as pd
 
     for label, row, img in digits_images((0, 1, 2), 24):
@@ -213,23 +182,18 @@ def write_base_data(tree: Path) -> None:
     pd.DataFrame({"rooms": rooms, "area": area.round(1),
                   "price": (20 * rooms + 2 * area + rng.normal(0, 5, 240)).round(1)}
                  ).to_csv(tree / "houses.csv", index=False)
-
-
-def write_optional_data(tree: Path, marker: str) -> None:
-    """A stand-in only some pages read (OPTIONAL_PARTS)."""
-    if marker == "scans":  # a segmenter's ROOT/images + ROOT/masks
+    if "scans" in " ".join(commands):  # a segmenter's ROOT/images + ROOT/masks
         from ttc.tasks.segment.canvases import write_digit_canvases
 
         write_digit_canvases(tree / "scans", 40, size=16, seed=0)
-    elif marker == "shelves":  # a detector's YOLO folder, and its COCO annotations
+    if "shelves" in " ".join(commands):  # a detector's YOLO folder, and its COCO annotations
         from ttc.tasks.detect.canvases import write_coco_canvases, write_yolo_canvases
 
         write_yolo_canvases(tree / "shelves", 40, size=24, seed=0)
         write_coco_canvases(tree / "shelves" / "images", tree / "instances.json", 40, size=24,
                             seed=0)
-    elif marker == "hf:tiny_bert":  # transformers is slow to import: only if used
-        tiny_hf_model(tree / "tiny_bert",
-                      [t for _, t in sms_rows()] + [t for t, _ in topic_texts(5)])
+    if "hf:tiny_bert" in " ".join(commands):  # transformers is slow to import: only if used
+        tiny_hf_model(tree / "tiny_bert", [t for _, t in sms] + [t for t, _ in topic_texts(5)])
 
 
 # Bundles (and reports) a page may read before writing: how to make each from the stand-ins.

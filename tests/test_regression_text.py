@@ -43,15 +43,20 @@ def test_the_review_scores_are_learned_and_the_interval_holds(bundle):
     assert evaluation["interval"]["coverage"] >= 0.7
 
 
-def test_inference_input_ranks_graded_words(bundle, tmp_path: Path):
-    given = tmp_path / "reviews.csv"
-    given.write_text("text\ngreat superb food and great view\nawful terrible slow service\n")
-    out = tmp_path / "scores.csv"
-    run = run_cli("inference.py", "--model", bundle["model"], "--input", given, "--output", out,
+def scored_rows(model: Path, texts: list[str], folder: Path) -> list[dict]:
+    """`inference.py --input` on a CSV of `texts` (one `text` column): the rows it wrote."""
+    given, out = folder / "reviews.csv", folder / "scores.csv"
+    given.write_text("text\n" + "\n".join(texts) + "\n")
+    run = run_cli("inference.py", "--model", model, "--input", given, "--output", out,
                   "--no_progress", "true")
     assert run.returncode == 0, run.stderr[-2000:]
     with open(out, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+        return list(csv.DictReader(handle))
+
+
+def test_inference_input_ranks_graded_words(bundle, tmp_path: Path):
+    rows = scored_rows(bundle["model"], ["great superb food and great view",
+                                         "awful terrible slow service"], tmp_path)
     assert [set(r) for r in rows] == [{"id", "prediction", "lower", "upper"}] * 2
     assert float(rows[0]["prediction"]) > float(rows[1]["prediction"])
 
@@ -100,14 +105,7 @@ def test_an_hf_network_answers_the_score_with_its_tokenizer(hf_run, tmp_path: Pa
     assert report["evaluation"]["r2"] > 0.1 and report["evaluation"]["verdict"].startswith(
         "useful")
     texts = ["great superb food and great view", "awful terrible slow service"]
-    given = tmp_path / "reviews.csv"
-    given.write_text("text\n" + "\n".join(texts) + "\n")
-    out = tmp_path / "scores.csv"
-    run = run_cli("inference.py", "--model", hf_run["model"], "--input", given, "--output", out,
-                  "--no_progress", "true")
-    assert run.returncode == 0, run.stderr[-2000:]
-    with open(out, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = scored_rows(hf_run["model"], texts, tmp_path)
     session = ort.InferenceSession(str(hf_run["model"]), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     assert names == manifest["preprocessing"]["graph_inputs"]
