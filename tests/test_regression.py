@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from conftest import assert_clean_failure, run_cli
+from conftest import assert_clean_failure, heavy_modules_after, run_cli
 from test_serve import serving
 from utils import EXIT_DATA, EXIT_USAGE
 
@@ -118,6 +118,14 @@ def test_inference_input_writes_a_prediction_and_its_interval_per_row(bundle, tm
     radius = bundle["manifest"]["preprocessing"]["interval"]["radius"]
     assert np.allclose([float(r["upper"]) - float(r["lower"]) for r in written], 2 * radius,
                        atol=1e-4)
+
+
+def test_inference_input_imports_neither_torch_nor_dspy(bundle, tmp_path):
+    """The regressor's batch inference is the lean path: ONNX Runtime and the bundle only."""
+    given = tmp_path / "new.csv"
+    given.write_text("a,b,c\n0,0,5\n1,-1,2\n")
+    assert heavy_modules_after("inference.py", "--model", bundle["model"], "--input", given,
+                               "--output", tmp_path / "predictions.csv") == []
 
 
 def test_serve_answers_the_prediction_per_row(bundle, tmp_path):
